@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face causal LMs, one per family, for fast adapter tests (hidden 32, 2 layers, vocab 128)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 128
+BOS = 1
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=64, max_position_embeddings=128, head_dim=8,
+    bos_token_id=BOS, eos_token_id=2, pad_token_id=0,
+)
+
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=BOS,
+                 eos_token_id=2),
+    "gpt_neox": dict(_COMMON, rotary_pct=0.5),
+    "falcon": {k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+    "phi": {k: v for k, v in _COMMON.items() if k != "head_dim"},
+    "stablelm": {k: v for k, v in _COMMON.items() if k != "head_dim"},
+    # sliding-window families get a window shorter than the test sequences, so windows are actually exercised
+    "mistral": dict(_COMMON, sliding_window=4),
+    "gemma2": dict(_COMMON, sliding_window=4),
+    "gemma3_text": dict(_COMMON, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+}
+
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_neox", "phi3", "olmo2",
+            "granite", "smollm3", "falcon", "gemma", "olmo", "phi", "stablelm", "starcoder2", "cohere"]
+"""Families crossed with the shared checker (the spec's list plus a few cheap extras)."""
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    kwargs = dict(_OVERRIDES.get(model_type, _COMMON))
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised ``*ForCausalLM`` in eval mode, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    # granite/cohere scale logits: make the scales non-trivial so the head post-processing is tested
+    if model_type == "granite":
+        model.config.logits_scaling = 2.0
+    return model.eval()

@@ -1,0 +1,48 @@
+"""unifusion: discrete-diffusion primitives in one reverse-rate view.
+
+Kernels corrupt tokens; every parameterization (x0 prediction, SEDD's concrete score, M2S's posterior mean, Neural
+CTMC's exit rate and jump distribution) induces reverse rates; all five published losses are one Bregman objective on
+those rates; an x0 head converts exactly into the other three (Theorem 3.5).
+
+    import unifusion as uf
+    kernel = uf.UniformKernel(num_states=50257)
+    x_t = kernel.sample(x0, t, generator=g)
+    loss = uf.losses.gidd_loss(model(x_t), x0, x_t, t, kernel)      # (B, L), reduce as you like
+"""
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from . import losses
+from ._validation import set_validation, validation, validation_enabled
+from .conversions import convert_x0_to
+from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
+from .losses import bregman_rate_loss
+from .rates import ReverseRate
+from .schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
+
+try:
+    __version__ = _version("unifusion")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0.0.0+local"
+
+__all__ = [
+    "CosineSchedule",
+    "GeneratorKernel",
+    "HybridKernel",
+    "InterpolatingKernel",
+    "Kernel",
+    "LinearSchedule",
+    "LogLinearSchedule",
+    "MaskKernel",
+    "ReverseRate",
+    "Schedule",
+    "UniformKernel",
+    "__version__",
+    "bregman_rate_loss",
+    "convert_x0_to",
+    "losses",
+    "set_validation",
+    "validation",
+    "validation_enabled",
+]

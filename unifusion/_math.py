@@ -1,0 +1,70 @@
+"""Numerically careful scalar functions shared by rates and losses (private).
+
+The Bregman divergence of φ(u) = u log u is f(r, c) = r log(r/c) − r + c. Written through ℓ = log(r/c),
+f(r, c) = c · g(ℓ) with g(ℓ) = ℓ e^ℓ − e^ℓ + 1 ≥ 0. Near the optimum (ℓ → 0) the direct formula cancels to
+ℓ²/2, so |ℓ| < 1/2 uses the Taylor series g(ℓ) = Σ_{k≥2} (k−1) ℓ^k / k!, which is exact to float64 rounding there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_SERIES_CUTOFF = 0.5
+# g(l)  = sum_{k>=2} (k-1)/k! l^k      (Bregman)      and      e^l - 1 - l = sum_{k>=2} l^k / k!
+_G_COEFFS = [(k - 1) / math.factorial(k) for k in range(2, 19)]
+_EXPM1_COEFFS = [1.0 / math.factorial(k) for k in range(2, 19)]
+
+
+def _series(l: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
+    # Horner on l^2 * (c2 + c3 l + c4 l^2 + ...)
+    acc = torch.full_like(l, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc * l + c
+    return acc * l * l
+
+
+def bregman_g(l: torch.Tensor) -> torch.Tensor:
+    """g(ℓ) = ℓ e^ℓ − e^ℓ + 1 = f(e^ℓ, 1), accurate for all finite ℓ (≥ 0)."""
+    small = l.abs() < _SERIES_CUTOFF
+    l_small = torch.where(small, l, torch.zeros_like(l))
+    direct = torch.expm1(l) * (l - 1.0) + l
+    return torch.where(small, _series(l_small, _G_COEFFS), direct)
+
+
+def expm1_minus_x(l: torch.Tensor) -> torch.Tensor:
+    """e^ℓ − 1 − ℓ ≥ 0, accurate near 0."""
+    small = l.abs() < _SERIES_CUTOFF
+    l_small = torch.where(small, l, torch.zeros_like(l))
+    return torch.where(small, _series(l_small, _EXPM1_COEFFS), torch.expm1(l) - l)
+
+
+def bregman_from_logs(log_r: torch.Tensor, log_c: torch.Tensor) -> torch.Tensor:
+    """f(r, c) = r log(r/c) − r + c from log r and log c (elementwise, any shape).
+
+    Boundary cases of Definition 3.1: f(0, c) = c (log_r = −inf), f(0, 0) = 0, f(r, 0) = +inf (r > 0).
+    Gradients are finite wherever the value is finite (the unused branches are fed safe values).
+    """
+    r_zero = torch.isneginf(log_r)
+    c_zero = torch.isneginf(log_c)
+    both = ~r_zero & ~c_zero
+    safe_r = torch.where(both, log_r, torch.zeros_like(log_r))
+    safe_c = torch.where(both, log_c, torch.zeros_like(log_c))
+    l = safe_r - safe_c
+    c = torch.exp(safe_c)
+    small = l.abs() < _SERIES_CUTOFF
+    l_small = torch.where(small, l, torch.zeros_like(l))
+    # small |l|: c * g(l); otherwise r*l - r + c with r = c e^l (no overflow of e^l alone)
+    r = torch.exp(safe_r)
+    value = torch.where(small, c * _series(l_small, _G_COEFFS), r * l - r + c)
+    c_only = torch.exp(torch.where(c_zero, torch.zeros_like(log_c), log_c))
+    value = torch.where(r_zero, torch.where(c_zero, torch.zeros_like(value), c_only), value)
+    return torch.where(~r_zero & c_zero, torch.full_like(value, math.inf), value)
+
+
+def safe_log(x: torch.Tensor) -> torch.Tensor:
+    """log x with log 0 = −inf and no NaN gradient at 0 (gradient 0 there)."""
+    pos = x > 0
+    out = torch.log(torch.where(pos, x, torch.ones_like(x)))
+    return torch.where(pos, out, torch.full_like(out, -math.inf))

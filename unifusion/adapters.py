@@ -1,0 +1,556 @@
+"""Adapting a pretrained autoregressive (AR) causal LM into an x0-predicting diffusion model (paper §3.2, App. C.5).
+
+**AR as the x0 model.** After a one-position shift, the AR next-token distribution for ``x^i`` given ``x^{<i}`` is
+used as the clean-token prediction ``x_θ^i(· | x_t, t)``. :class:`DiffusionLM` prepends a BOS token, runs the network
+on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``) and keeps outputs ``0 .. L − 1``: the prediction for position ``i``
+is the network output at position ``i − 1`` (BOS for ``i = 1``). With causal attention and a clean input, the logits
+are exactly the base model's next-token logits after ``[BOS, x^1 .. x^{i−1}]``.
+
+**Causal-to-bidirectional annealing.** At update ``k`` the attention mask over the ``L + 1`` network positions is
+
+    γ_k = min(1, k / K_ann),    A_ij = 1{j ≤ i} ∨ B_ij,    B_ij ~ Bernoulli(γ_k),
+
+drawn independently for every sequence of the batch and shared by all heads and layers. The BOS row is an ordinary
+row (its output predicts ``x^1``, so it must see the sequence when bidirectional); the BOS column is visible to every
+real query, since ``0 ≤ i``. Inference uses ``γ = 1``.
+
+**Padding** (``attention_mask``, 1 = real token) must be contiguous: right padding or left padding. Padded keys are
+blocked; padded queries see only themselves (so no row is empty and nothing is NaN). For left padding, BOS is placed
+just before the first real token and position ids count real tokens only, so a padded row equals the unpadded one on
+its real positions.
+
+**Sliding-window layers** (mistral, gemma2/3, ...) keep their window: in a windowed layer key ``j`` is visible from
+query ``i`` only if also ``|i − j| < w`` (symmetrised when bidirectional; with causal attention this is exactly the
+pretrained window, so the γ = 0 wrapper equals the AR model at any length).
+
+Example::
+
+    import unifusion as uf
+    model = uf.adapt_ar_model(hf_model)                   # wraps, does not copy
+    logits = model(x_t, t, bidirectional_prob=uf.anneal_schedule(step, 5000))   # (B, L, V)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._families import Family, family_for, supported_model_types
+from ._validation import check_time, check_token_ids, validation_enabled
+
+__all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attention_mask"]
+
+CONFIG_NAME = "unifusion_config.json"
+WEIGHTS_NAME = "model.safetensors"
+_CONFIG_KEYS = {"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token", "time_conditioning",
+                "model_type", "architecture", "dtype", "base_config"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# schedule and mask (pure functions)
+
+
+def anneal_schedule(step: int, anneal_steps: int) -> float:
+    """Bidirectional probability ``γ_k = min(1, k / K_ann)`` at update ``k = step`` (App. C.5).
+
+    Args:
+        step: the update index ``k ≥ 0``.
+        anneal_steps: the annealing horizon ``K_ann ≥ 0``; ``0`` means fully bidirectional from the start.
+
+    Returns:
+        ``γ_k`` in ``[0, 1]``, to pass as ``bidirectional_prob``.
+    """
+    for name, v in (("step", step), ("anneal_steps", anneal_steps)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {v}")
+    if anneal_steps == 0:
+        return 1.0
+    return min(1.0, step / anneal_steps)
+
+
+def annealed_attention_mask(
+    batch_size: int,
+    length: int,
+    gamma: float,
+    *,
+    key_valid: torch.Tensor | None = None,
+    window: int | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Boolean attention mask ``A`` of shape ``(B, 1, L, L)``, True = query ``i`` may attend key ``j``.
+
+    ``A_ij = (1{j ≤ i} ∨ B_ij) ∧ valid_j ∨ 1{i = j}``, ``B_ij ~ Bernoulli(γ)`` drawn with ``generator``;
+    with ``window = w`` additionally ``∧ |i − j| < w``.
+
+    Args:
+        batch_size: ``B``.
+        length: ``L`` (the network's sequence length, BOS included).
+        gamma: ``γ`` in ``[0, 1]``; 0 gives the causal mask, 1 the full one.
+        key_valid: optional ``(B, L)`` bool, False for padded keys (blocked for every query but themselves).
+        window: optional sliding-window size ``w``.
+        generator: random generator for ``B_ij`` (on ``device``).
+        device: device of the result.
+    """
+    i = torch.arange(length, device=device)
+    causal = i[None, :] <= i[:, None]  # (L, L), j ≤ i
+    if gamma <= 0.0:
+        A = causal.expand(batch_size, 1, length, length)
+    elif gamma >= 1.0:
+        A = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, length, length)
+    else:
+        B_ij = torch.rand((batch_size, 1, length, length), generator=generator, device=device) < gamma
+        A = causal | B_ij
+    if key_valid is not None:
+        eye = i[None, :] == i[:, None]
+        A = (A & key_valid[:, None, None, :]) | eye
+    if window is not None:
+        band = (i[None, :] - i[:, None]).abs() < window
+        A = A & band
+    return A
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# time conditioning
+
+
+class TimeEmbedding(nn.Module):
+    """Learned embedding of the diffusion time ``t`` added to the input embeddings.
+
+    ``e(t) = W_2 · SiLU(W_1 · [sin(ω t), cos(ω t)])`` with geometric frequencies ``ω``; ``W_2`` (and its bias) start at
+    zero, so an adapted model equals its AR initialisation at step 0.
+
+    Shapes: ``t`` ``(B,)`` → ``(B, d)``.
+    """
+
+    def __init__(self, hidden_size: int, num_frequencies: int = 64, max_period: float = 10_000.0) -> None:
+        super().__init__()
+        self.num_frequencies = num_frequencies
+        self.max_period = max_period
+        self.proj_in = nn.Linear(2 * num_frequencies, hidden_size)
+        self.proj_out = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.proj_out.weight)
+        nn.init.zeros_(self.proj_out.bias)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        k = torch.arange(self.num_frequencies, device=t.device, dtype=torch.float32)
+        omega = torch.exp(-math.log(self.max_period) * k / self.num_frequencies)  # (F,)
+        phase = 1000.0 * t.float()[:, None] * omega  # (B, F); t in (0, 1) spread over many periods
+        features = torch.cat([phase.sin(), phase.cos()], dim=-1).to(self.proj_in.weight.dtype)  # (B, 2F)
+        return self.proj_out(F.silu(self.proj_in(features)))  # (B, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the wrapper
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+class DiffusionLM(nn.Module):
+    """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
+
+    Build it with :func:`adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is the object you
+    passed in (training the wrapper trains it).
+
+    Attributes:
+        base_model: the wrapped Hugging Face model (or peft model).
+        bos_token_id: the token prepended internally.
+        mask_token_id: the absorbing-state token for mask/hybrid kernels.
+        vocab_size: number of input ids / logit columns (including an added mask token).
+        num_states: same as ``vocab_size`` (the state-space size ``S`` of the kernels).
+        family: the :class:`unifusion._families.Family` entry used.
+    """
+
+    def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int,
+                 time_conditioning: bool = False, added_mask_token: bool = False) -> None:
+        super().__init__()
+        self.base_model = base_model
+        hf = _unwrap_peft(base_model)
+        object.__setattr__(self, "_hf", hf)  # not registered twice as a submodule
+        self.config = hf.config
+        self.family: Family = family_for(getattr(hf.config, "model_type", None))
+        self.bos_token_id = int(bos_token_id)
+        self.mask_token_id = int(mask_token_id)
+        self.added_mask_token = bool(added_mask_token)
+        self.time_conditioning = bool(time_conditioning)
+        if self.time_conditioning:
+            emb = hf.get_input_embeddings().weight
+            self.time_embedding: TimeEmbedding | None = TimeEmbedding(emb.shape[1]).to(emb.device, emb.dtype)
+        else:
+            self.time_embedding = None
+
+    # -- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model reads and logit columns it writes (``S``)."""
+        return int(self._hf.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_states(self) -> int:
+        """The kernels' state-space size ``S`` (equals :attr:`vocab_size`)."""
+        return self.vocab_size
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output embedding matrix ``(V, d)``; logits = :meth:`logits_from_hidden` of :meth:`hidden_states`."""
+        return self._hf.get_output_embeddings().weight
+
+    @property
+    def lm_head_bias(self) -> torch.Tensor | None:
+        """The output bias ``(V,)`` or ``None`` (phi has one)."""
+        return getattr(self._hf.get_output_embeddings(), "bias", None)
+
+    @property
+    def logit_scale(self) -> float:
+        """Multiplier the family applies to ``lm_head`` output (granite: 1/logits_scaling, cohere: logit_scale)."""
+        return self.family.logit_scale(self.config)
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """Final logit soft-cap ``c`` (gemma2/3): logits = ``c · tanh(z / c)``; ``None`` when absent."""
+        return self.family.softcap(self.config)
+
+    # -- the forward pass ---------------------------------------------------------------------------------------
+
+    def _check(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any
+               ) -> tuple[torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]:
+        if not isinstance(x_t, torch.Tensor):
+            raise TypeError(f"x_t: expected a (B, L) int64 tensor of token ids, got {type(x_t).__name__}")
+        if x_t.dim() != 2:
+            raise ValueError(f"x_t: expected shape (B, L), got {tuple(x_t.shape)}")
+        x_t = check_token_ids("x_t", x_t, self.vocab_size)
+        B, L = x_t.shape
+        if t is not None:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"t: expected a ({B},) float tensor, got {type(t).__name__}")
+            if t.shape != (B,):
+                raise ValueError(f"t: expected shape ({B},) (one time per sequence), got {tuple(t.shape)}")
+            t = check_time("t", t, device=x_t.device)
+        elif self.time_conditioning:
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), got None")
+        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)):
+            raise TypeError(f"bidirectional_prob: expected a float in [0, 1], got {type(bidirectional_prob).__name__}")
+        gamma = float(bidirectional_prob)
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob}")
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask: expected a ({B}, {L}) tensor, got {type(attention_mask).__name__}")
+            if attention_mask.shape != (B, L):
+                raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
+                                 f"got {tuple(attention_mask.shape)}")
+            attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
+            if validation_enabled():
+                changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 or 0 0 1: at most one
+                if bool((changes > 1).any()):
+                    raise ValueError("attention_mask: expected contiguous padding (all pads on the right or all on "
+                                     "the left of each row), got a row with holes")
+        return x_t, t, gamma, attention_mask
+
+    def _mask_style(self) -> str:
+        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        if impl == "eager":
+            return "additive"
+        if impl == "sdpa":
+            return self.family.mask_style
+        raise ValueError(f"model: attention implementation {impl!r} cannot take the annealed 4D mask; load the model "
+                         "with attn_implementation='sdpa' or 'eager'")
+
+    def _net_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float,
+                    attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
+        """Keyword arguments for the HF model on the ``L + 1`` network positions ``[BOS, x_t]``."""
+        B, L = x_t.shape
+        device = x_t.device
+        bos = torch.full((B, 1), self.bos_token_id, dtype=x_t.dtype, device=device)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        key_valid = None
+        if attention_mask is None:
+            ids = torch.cat([bos, x_t], dim=1)  # (B, L+1)
+        else:
+            # p = number of leading pads; BOS goes at index p, real tokens follow, pads stay where they are.
+            p = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1)
+            j = torch.arange(L + 1, device=device)[None, :]  # (1, L+1)
+            shifted = torch.cat([bos, x_t], dim=1)
+            unshifted = torch.cat([x_t, bos], dim=1)
+            ids = torch.where(j < p, unshifted, torch.where(j == p, bos, shifted))
+            ones = torch.ones((B, 1), dtype=torch.bool, device=device)
+            valid_shifted = torch.cat([ones, attention_mask], dim=1)
+            key_valid = torch.where(j < p, False, torch.where(j == p, True, valid_shifted))  # (B, L+1)
+            kwargs["position_ids"] = (key_valid.long().cumsum(-1) - 1).clamp_min(0)
+
+        if self.time_embedding is not None:
+            assert t is not None
+            h = self._hf.get_input_embeddings()(ids)  # (B, L+1, d)
+            kwargs["inputs_embeds"] = h + self.time_embedding(t)[:, None, :].to(h.dtype)
+        else:
+            kwargs["input_ids"] = ids
+
+        window = self.family.sliding_window(self.config)
+        if key_valid is None and gamma == 0.0:
+            return kwargs  # the model's own causal (and windowed) mask: exactly the AR model
+        style = self._mask_style()
+        A = annealed_attention_mask(B, L + 1, gamma, key_valid=key_valid, generator=generator, device=device)
+        masks = {"full_attention": A}
+        if window is not None:
+            masks["sliding_attention"] = annealed_attention_mask(
+                B, L + 1, gamma, key_valid=key_valid, window=window, device=device) & A
+        if style == "additive":  # eager attention adds the mask to the scores: 0 = attend, finfo.min = blocked
+            dtype = self._hf.get_input_embeddings().weight.dtype
+            blocked = torch.finfo(dtype).min
+            masks = {k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, blocked)
+                     for k, m in masks.items()}
+        if window is None:
+            kwargs["attention_mask"] = masks["full_attention"]
+        elif self.family.window == "all_layers":
+            kwargs["attention_mask"] = masks["sliding_attention"]
+        else:
+            kwargs["attention_mask"] = masks
+        return kwargs
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+                attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+                ) -> torch.Tensor:
+        """x0 logits ``x_θ(· | x_t, t)``.
+
+        Args:
+            x_t: ``(B, L)`` int64 noisy token ids.
+            t: ``(B,)`` float times in ``(0, 1)``; required only with time conditioning.
+            bidirectional_prob: ``γ`` in ``[0, 1]`` (0 causal, 1 fully bidirectional; see :func:`anneal_schedule`).
+            attention_mask: optional ``(B, L)`` padding mask, 1 = real token (right or left padding).
+            generator: random generator for the Bernoulli mask entries when ``0 < γ < 1``.
+
+        Returns:
+            ``(B, L, V)`` logits; row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``.
+        """
+        x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
+        logits = self._hf(**kwargs).logits  # (B, L+1, V)
+        return logits[:, :-1]  # (B, L, V): drop the prediction after the last token
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+                      attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+                      ) -> torch.Tensor:
+        """Final hidden states ``(B, L, d)``, shifted like :meth:`forward`, before the output head.
+
+        ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state).
+        """
+        x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
+        h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
+        return h[:, :-1]
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.
+
+        ``z = (h W^T + b) · logit_scale``, then ``c · tanh(z / c)`` when the family soft-caps (gemma2/3).
+        """
+        z = F.linear(h, self.lm_head_weight, self.lm_head_bias)
+        scale = self.logit_scale
+        if scale != 1.0:
+            z = z * scale
+        c = self.final_logit_softcap
+        if c is not None:
+            z = torch.tanh(z / c) * c
+        return z
+
+    # -- passthroughs -------------------------------------------------------------------------------------------
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        """Turn on the wrapped model's gradient checkpointing (active in ``train()`` mode)."""
+        self._hf.gradient_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._hf.gradient_checkpointing_disable()
+
+    # -- save / load --------------------------------------------------------------------------------------------
+
+    def _stamp(self) -> dict[str, Any]:
+        base_config = self.config.to_dict()
+        base_config.pop("quantization_config", None)  # GGUF-loaded models: store the dequantised weights plainly
+        dtype = self._hf.get_input_embeddings().weight.dtype
+        return {
+            "unifusion_version": _library_version(),
+            "bos_token_id": self.bos_token_id,
+            "mask_token_id": self.mask_token_id,
+            "added_mask_token": self.added_mask_token,
+            "time_conditioning": self.time_conditioning,
+            "model_type": self.config.model_type,
+            "architecture": type(self._hf).__name__,
+            "dtype": str(dtype).removeprefix("torch."),
+            "base_config": base_config,
+        }
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
+        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory."""
+        from safetensors.torch import save_model
+
+        if self._hf is not self.base_model:
+            raise NotImplementedError(
+                "save_pretrained: the base model is a peft model; merge the adapters first "
+                "(adapt_ar_model(model.base_model.merge_and_unload(), ...)) or save them with peft")
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / CONFIG_NAME, "w") as f:
+            json.dump(self._stamp(), f, indent=2, sort_keys=True, default=str)
+        save_model(self, str(path / WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], *, device: torch.device | str | None = None
+                        ) -> DiffusionLM:
+        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights)."""
+        import transformers
+        from safetensors.torch import load_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(directory)
+        if not (path / CONFIG_NAME).is_file():
+            raise ValueError(f"directory: expected a folder holding {CONFIG_NAME}, got {str(path)!r}")
+        with open(path / CONFIG_NAME) as f:
+            stamp = json.load(f)
+        unknown = sorted(set(stamp) - _CONFIG_KEYS)
+        if unknown:
+            warnings.warn(f"{CONFIG_NAME}: ignoring unknown keys {unknown} (written by unifusion "
+                          f"{stamp.get('unifusion_version', '?')})", stacklevel=2)
+        base_config = dict(stamp["base_config"])
+        model_type = base_config.pop("model_type", stamp.get("model_type"))
+        config = AutoConfig.for_model(model_type, **base_config)
+        dtype = getattr(torch, stamp.get("dtype", "float32"))
+        model_cls = getattr(transformers, stamp.get("architecture", ""), None)
+        with _no_init():
+            hf = (model_cls._from_config(config, dtype=dtype) if model_cls is not None
+                  else AutoModelForCausalLM.from_config(config, dtype=dtype))
+        model = cls(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
+                    time_conditioning=stamp.get("time_conditioning", False),
+                    added_mask_token=stamp.get("added_mask_token", False))
+        load_model(model, str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
+        if device is not None:
+            model.to(device)
+        return model.eval()
+
+    def extra_repr(self) -> str:
+        return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
+                f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
+                f"time_conditioning={self.time_conditioning}")
+
+
+def _no_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+        return no_init_weights()
+    except ImportError:  # pragma: no cover - older transformers
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def _library_version() -> str:
+    try:
+        from . import __version__
+        return str(__version__)
+    except ImportError:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("unifusion")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# entry point
+
+
+def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_token_id: int | None = None,
+                   time_conditioning: bool = False) -> DiffusionLM:
+    """Wrap a pretrained Hugging Face causal LM as a shifted x0 predictor (paper §3.2).
+
+    Args:
+        model: a ``*ForCausalLM`` of a supported family (``config.model_type``), possibly peft/LoRA-wrapped. It is
+            wrapped, not copied.
+        bos_token_id: token prepended internally; default ``config.bos_token_id``, else ``config.eos_token_id``.
+        mask_token_id: absorbing-state token for mask/hybrid kernels. If ``None``, one token is **added**: the
+            embeddings are resized in place to ``V + 1`` (``resize_token_embeddings``) and the new input (and untied
+            output) row is set to the mean of the existing rows; the new id is ``V``.
+        time_conditioning: add a learned, zero-initialised embedding of ``t`` to the input embeddings (the paper
+            trains without one).
+
+    Returns:
+        A :class:`DiffusionLM`; ``result.base_model`` is ``model``.
+    """
+    if isinstance(model, DiffusionLM):
+        warnings.warn("adapt_ar_model: the model is already a DiffusionLM; returning it unchanged", stacklevel=2)
+        return model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a Hugging Face causal LM (nn.Module), got {type(model).__name__}")
+    hf = _unwrap_peft(model)
+    config = getattr(hf, "config", None)
+    if config is None or not hasattr(hf, "get_output_embeddings"):
+        raise TypeError(f"model: expected a Hugging Face causal LM (a *ForCausalLM with a config), got "
+                        f"{type(hf).__name__}; supported model types: {', '.join(supported_model_types())}")
+    family_for(getattr(config, "model_type", None))  # ValueError listing the supported families
+    head = hf.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise TypeError(f"model: expected a causal LM with an output head (e.g. LlamaForCausalLM), got "
+                        f"{type(hf).__name__}, which has none")
+    if not isinstance(time_conditioning, bool):
+        raise TypeError(f"time_conditioning: expected a bool, got {type(time_conditioning).__name__}")
+    V = int(hf.get_input_embeddings().weight.shape[0])
+
+    if bos_token_id is None:
+        bos_token_id = _first_id(getattr(config, "bos_token_id", None))
+        if bos_token_id is None:
+            bos_token_id = _first_id(getattr(config, "eos_token_id", None))
+        if bos_token_id is None:
+            raise ValueError("bos_token_id: the model config has neither bos_token_id nor eos_token_id; pass "
+                             "bos_token_id= explicitly (the token prepended so position 1 has a predictor)")
+    _check_id("bos_token_id", bos_token_id, V)
+
+    added = False
+    if mask_token_id is None:
+        _add_token(hf)
+        mask_token_id, added = V, True
+    else:
+        _check_id("mask_token_id", mask_token_id, V)
+    return DiffusionLM(model, bos_token_id=bos_token_id, mask_token_id=mask_token_id,
+                       time_conditioning=time_conditioning, added_mask_token=added)
+
+
+def _check_id(name: str, value: Any, vocab_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int token id, got {type(value).__name__}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: expected a token id in [0, {vocab_size}), got {value}")
+
+
+@torch.no_grad()
+def _add_token(hf: nn.Module) -> None:
+    """Grow the vocabulary by one row; the new row is the mean of the existing ones (input and untied output)."""
+    V = int(hf.get_input_embeddings().weight.shape[0])
+    hf.resize_token_embeddings(V + 1, mean_resizing=False)
+    w_in = hf.get_input_embeddings().weight
+    w_in[V] = w_in[:V].mean(0)
+    head = hf.get_output_embeddings()
+    if head.weight is not w_in:
+        head.weight[V] = head.weight[:V].mean(0)
+    if getattr(head, "bias", None) is not None:
+        head.bias[V] = head.bias[:V].mean()

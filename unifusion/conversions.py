@@ -1,0 +1,95 @@
+"""Exact conversions of an x0 prediction into the other parameterizations (paper Theorem 3.5).
+
+For a clean-token prediction x_θ(·|j, t) at the current state j = x_t, with q_t(k|x_θ) = Σ_z x_θ(z) q_{t|0}(k|z):
+
+* SEDD score        s_i = q_t(i|x_θ) / q_t(j|x_θ)
+* M2S mean          μ(z) = x_θ(z) q_{t|0}(j|z) / q_t(j|x_θ)     (then (B_{j,t} μ)_i = s_i)
+* Neural CTMC       λ = Σ_{k≠j} R̂_t(j, k|x_θ),  r(i) = R̂_t(j, i|x_θ) / λ
+
+Feeding each output to the matching :class:`~unifusion.ReverseRate` constructor reproduces
+``ReverseRate.from_x0`` exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from . import _validation as V
+from .kernels import Kernel
+from .rates import ReverseRate, _check_kernel, _setup
+
+__all__ = ["convert_x0_to", "CONVERSION_TARGETS"]
+
+CONVERSION_TARGETS = ("rate", "sedd", "m2s", "ctmc")
+
+
+@overload
+def convert_x0_to(target: Literal["rate"], x0_probs: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                  t: torch.Tensor | float, *, strict: bool = ...) -> ReverseRate: ...
+@overload
+def convert_x0_to(target: Literal["sedd", "m2s"], x0_probs: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                  t: torch.Tensor | float, *, strict: bool = ...) -> torch.Tensor: ...
+@overload
+def convert_x0_to(target: Literal["ctmc"], x0_probs: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                  t: torch.Tensor | float, *, strict: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                  t: torch.Tensor | float, *, strict: bool = True):
+    """Convert an x0 prediction ``x0_probs (..., S)`` at states ``x_t (...)`` and times ``t`` (Theorem 3.5).
+
+    Args:
+        target: ``"rate"`` → :class:`ReverseRate`; ``"sedd"`` → concrete score ``(..., S)`` (1 at x_t);
+            ``"m2s"`` → posterior mean μ ``(..., S)``; ``"ctmc"`` → ``(exit_rate (...), jump_probs (..., S))``.
+        x0_probs: clean-token distribution x_θ (rows sum to 1; a mask state should carry 0).
+        kernel: the forward kernel.
+        x_t: current states, int64 ``(...)``.
+        t: times in (0, 1), broadcastable to ``(...)``.
+        strict: for ``"m2s"``, raise ``ValueError`` where x_t is unreachable at time t from some clean state
+            (e.g. an unmasked token under the mask kernel), where B_{x_t,t} and hence M2S is undefined. With
+            ``strict=False`` such rows are returned as μ = e_{x_t}; their induced rates are 0 either way.
+
+    Example::
+
+        score = uf.convert_x0_to("sedd", x0_probs, kernel, x_t, t)
+        rate = uf.ReverseRate.from_score(kernel, score, x_t, t)   # == ReverseRate.from_x0(kernel, x0_probs, x_t, t)
+    """
+    if not isinstance(target, str) or target not in CONVERSION_TARGETS:
+        raise ValueError(f"target: expected one of {CONVERSION_TARGETS}, got {target!r}")
+    kernel = _check_kernel(kernel)
+    p = V.check_distribution("x0_probs", x0_probs, kernel.num_states)
+    ids, t_, dtype = _setup(kernel, x_t, t, p)
+    p = p.to(dtype)
+    if target == "rate":
+        return ReverseRate.from_x0(kernel, p, ids, t_)
+    if target == "ctmc":
+        rate = ReverseRate.from_x0(kernel, p, ids, t_)
+        return rate.exit_rate, rate.jump_probs
+
+    q = kernel._propagate(p, t_)  # q_t(·|x_θ), (..., S)
+    shape = torch.broadcast_shapes(q.shape[:-1], ids.shape)
+    ids = ids.expand(shape)
+    q = q.expand(*shape, kernel.num_states)
+    q_xt = q.gather(-1, ids.unsqueeze(-1))
+    positive = q_xt > 0
+    if V.validation_enabled() and not bool(positive.all()):
+        raise ValueError("x0_probs: q_t(x_t | x_θ) = 0 at some position; Theorem 3.5 needs it positive")
+    safe_q_xt = torch.where(positive, q_xt, torch.ones_like(q_xt))
+    if target == "sedd":
+        return torch.where(positive, q / safe_q_xt, torch.zeros_like(q))
+
+    # m2s
+    col = kernel._column(ids, torch.zeros_like(t_), t_)  # q_{t|0}(x_t | z)
+    clean = kernel.clean_state_mask.to(col.device)
+    unreachable = ((col <= 0) & clean).any(-1, keepdim=True)
+    if strict and V.validation_enabled() and bool(unreachable.any()):
+        raise ValueError(
+            "x_t: some state is unreachable at time t from a clean state (q_{t|0}(x_t|z) = 0, e.g. an unmasked "
+            "token under the mask kernel); M2S's mean μ and operator B are undefined there (Theorem 3.5). "
+            "Pass strict=False to get μ = e_{x_t} on such rows (their induced reverse rates are 0)."
+        )
+    mu = p.expand_as(col) * col / safe_q_xt
+    e_xt = torch.zeros_like(mu).scatter_(-1, ids.unsqueeze(-1), 1.0)
+    return torch.where(unreachable, e_xt, mu)

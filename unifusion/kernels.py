@@ -1,0 +1,515 @@
+"""Forward corruption kernels (paper §2, Definitions 2.1–2.2; GIDD's hybrid; App. C.5 for q_{t|s}).
+
+A kernel is a continuous-time Markov chain on ``num_states`` token states. Every kernel exposes
+
+* ``marginal(x0, t)``      q_{t|0}(·|x0) ``(..., S)``; for a distribution x_θ it is q_t(·|x_θ) = Σ_z x_θ(z) q_{t|0}(·|z),
+* ``rate_into(x_t, t)``    forward rates R_t(i, x_t) from every source i into x_t ``(..., S)`` (0 at i = x_t),
+* ``transition_into(x_t, s, t)``  q_{t|s}(x_t | a) for every a ``(..., S)`` (s = 0 gives q_{t|0}(x_t | ·)),
+* ``posterior(x0_probs, x_t, s, t)``  p(z_s = · | z_t = x_t, x_θ) ∝ q_{t|s}(x_t|·) q_s(·|x_θ) ``(..., S)``,
+* ``sample(x0, t, generator=None)`` and ``sample_prior(shape, generator=None)``.
+
+Structured kernels (:class:`UniformKernel`, :class:`MaskKernel`, :class:`HybridKernel`) are interpolating kernels
+q_{t|0}(j|i) = α_t δ_ij + m_t(j) with a noise-mass vector m_t = β_t π_t. Their forward generator is rank one plus
+diagonal, R_t(i, j) = v_t(j) for i ≠ j with v_t = m_t' − (α_t'/α_t) m_t, and q_{t|s}(b|a) = (α_t/α_s) δ_ab + w(b) with
+w = m_t − (α_t/α_s) m_s. Everything is O(S) per position: no S×S matrix is ever built for them.
+:class:`GeneratorKernel` handles any CTMC in generator form with a dense ``(S, S)`` matrix (small S only).
+
+Shapes: token ids are int64 ``(...)``; times broadcast to ``(...)``; rows over states are ``(..., S)`` (last dim).
+Computation is float64 when any floating input is float64, otherwise float32 (bf16 inputs are upcast).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from . import _validation as V
+from ._math import safe_log
+from .schedules import LinearSchedule, Schedule
+
+__all__ = ["Kernel", "InterpolatingKernel", "UniformKernel", "MaskKernel", "HybridKernel", "GeneratorKernel"]
+
+
+def _check_num_states(num_states: object) -> int:
+    if isinstance(num_states, bool) or not isinstance(num_states, int):
+        raise TypeError(f"num_states: expected a positive int, got {type(num_states).__name__}")
+    if num_states < 1:
+        raise ValueError(f"num_states: expected a positive int, got {num_states}")
+    return num_states
+
+
+def _check_schedule(schedule: object) -> Schedule:
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule: expected a unifusion Schedule, got {type(schedule).__name__}")
+    return schedule
+
+
+class Kernel:
+    """Base class of forward corruption kernels on ``num_states`` states.
+
+    Subclasses implement ``_propagate``, ``_column``, ``_rate_column``, ``_prior`` and ``_sample``; the public
+    methods validate inputs, choose the computation dtype and broadcast shapes.
+    """
+
+    num_states: int
+    mask_id: int | None = None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def clean_state_mask(self) -> torch.Tensor:
+        """Bool ``(S,)``: states a clean token x0 may take (every state but the mask state)."""
+        keep = torch.ones(self.num_states, dtype=torch.bool)
+        if self.mask_id is not None:
+            keep[self.mask_id] = False
+        return keep
+
+    def marginal(self, x0: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+        """q_{t|0}(·|x0) for token ids ``x0`` ``(...)``, or q_t(·|x_θ) = Σ_z x_θ(z) q_{t|0}(·|z) for a distribution
+        ``x0`` ``(..., S)``. Returns ``(..., S)``."""
+        if isinstance(x0, torch.Tensor) and x0.dtype.is_floating_point:
+            p = V.check_distribution("x0", x0, self.num_states)
+            dtype = V.compute_dtype(p, t if isinstance(t, torch.Tensor) else None)
+            t_ = V.check_time("t", t, device=p.device, dtype=dtype)
+            return self._propagate(p.to(dtype), t_)
+        ids = V.check_token_ids("x0", x0, self.num_states)
+        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        return self._propagate(self._one_hot(ids, dtype), t_)
+
+    def rate_into(self, x_t: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+        """Forward rates R_t(i, x_t) from every source state i into ``x_t`` ``(...)``; returns ``(..., S)`` with 0 at
+        i = x_t. SEDD's Q_t(x_t, i) is the same number (Q_t = R_t^T)."""
+        ids = V.check_token_ids("x_t", x_t, self.num_states)
+        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        return self._rate_column(ids, t_)
+
+    def transition_into(self, x_t: torch.Tensor, s: torch.Tensor | float, t: torch.Tensor | float) -> torch.Tensor:
+        """q_{t|s}(x_t | a) for every state a, ``(..., S)``, for 0 ≤ s < t < 1 (s = 0 gives q_{t|0}(x_t|·))."""
+        ids = V.check_token_ids("x_t", x_t, self.num_states)
+        dtype = V.compute_dtype(*(v for v in (s, t) if isinstance(v, torch.Tensor)))
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False)
+        self._check_order(s_, t_)
+        return self._column(ids, s_, t_)
+
+    def posterior(self, x0_probs: torch.Tensor, x_t: torch.Tensor, s: torch.Tensor | float,
+                  t: torch.Tensor | float) -> torch.Tensor:
+        """One step of Algorithm 2: p(z_s = a | z_t = x_t, x_θ) = q_{t|s}(x_t|a) q_s(a|x_θ) / q_t(x_t|x_θ).
+
+        ``x0_probs`` ``(..., S)`` is the model's clean-token distribution (for kernels with a mask state its mask
+        entry should be 0), ``x_t`` ``(...)``, 0 ≤ s < t < 1. Returns ``(..., S)`` summing to one.
+        """
+        p = V.check_distribution("x0_probs", x0_probs, self.num_states)
+        ids = V.check_token_ids("x_t", x_t, self.num_states)
+        dtype = V.compute_dtype(p, *(v for v in (s, t) if isinstance(v, torch.Tensor)))
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False)
+        self._check_order(s_, t_)
+        return self._posterior(p.to(dtype), ids, s_, t_)
+
+    def sample(self, x0: torch.Tensor, t: torch.Tensor | float,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Draw x_t ~ q_{t|0}(·|x0) for token ids ``x0`` ``(...)``; returns int64 ``(...)``."""
+        ids = V.check_token_ids("x0", x0, self.num_states)
+        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        return self._sample(ids, t_, generator)
+
+    def prior(self, t: torch.Tensor | float | None = None, *, dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> torch.Tensor:
+        """The noise distribution π_t ``(S,)`` (``(..., S)`` for tensor ``t``) that Algorithm 2 starts from; ``t=None``
+        is the terminal prior p_prior (uniform for the uniform kernel, e_mask for mask and GIDD's hybrid)."""
+        if t is None:
+            return self._prior(None, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+        t_ = V.check_time("t", t, device=torch.device(device) if device is not None else None, dtype=dtype)
+        return self._prior(t_, t_.dtype, t_.device)
+
+    def sample_prior(self, shape: Sequence[int] | torch.Size, *, t: float | None = None,
+                     generator: torch.Generator | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+        """Draw int64 tokens of ``shape`` i.i.d. from :meth:`prior` (at time ``t`` when given)."""
+        dev = torch.device(device) if device is not None else (
+            generator.device if generator is not None else torch.device("cpu"))
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+            raise TypeError(f"t: expected None or a float, got {type(t).__name__}")
+        pi = self.prior(t, dtype=torch.float32, device=dev).reshape(1, self.num_states)
+        n = int(math.prod(shape))
+        draws = torch.multinomial(pi, n, replacement=True, generator=generator)
+        return draws.reshape(tuple(shape))
+
+    # ------------------------------------------------------------------ helpers shared by subclasses
+    def _one_hot(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(*ids.shape, self.num_states, dtype=dtype, device=ids.device)
+        return out.scatter_(-1, ids.unsqueeze(-1), 1.0)
+
+    @staticmethod
+    def _check_order(s: torch.Tensor, t: torch.Tensor) -> None:
+        if V.validation_enabled() and s.numel() and t.numel() and bool((s >= t).any()):
+            raise ValueError("s: expected s < t elementwise (the posterior steps backwards in time)")
+
+    def _posterior(self, p: torch.Tensor, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        numer = self._column(ids, s, t) * self._propagate(p, s)
+        return numer / numer.sum(-1, keepdim=True).clamp_min(torch.finfo(numer.dtype).tiny)
+
+    def _log_marginal_from_log_probs(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """log q_t(·|x_θ) from normalised log-probabilities ``log_p`` ``(..., S)``."""
+        return safe_log(self._propagate(log_p.exp(), t))
+
+    def _log_marginal_ids(self, ids: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return safe_log(self._propagate(self._one_hot(ids, dtype), t))
+
+    def _log_marginal_at(self, ids: torch.Tensor, at: torch.Tensor, t: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """log q_{t|0}(at | ids) elementwise (``(...)``)."""
+        return self._log_marginal_ids(ids, t, dtype).gather(-1, at.unsqueeze(-1)).squeeze(-1)
+
+    # subclass hooks -------------------------------------------------------------------------------
+    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """Σ_z p(z) q_{t|0}(·|z) for a non-negative (not necessarily normalised) ``p`` ``(..., S)``."""
+        raise NotImplementedError  # abstractmethod
+
+    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError  # abstractmethod
+
+    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError  # abstractmethod
+
+    def _prior(self, t: torch.Tensor | None, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError  # abstractmethod
+
+    def _sample(self, ids: torch.Tensor, t: torch.Tensor,
+                generator: torch.Generator | None) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError  # abstractmethod
+
+
+class InterpolatingKernel(Kernel):
+    """q_{t|0}(j|i) = α_t δ_ij + m_t(j) with m_t = a_t e_mask + (b_t / |U|) 1_U (Definition 2.2 (2), GIDD).
+
+    ``U`` is the set of states that receive uniform noise (all states, or all but the mask). Subclasses implement
+    ``_coefficients(t)`` → (α_t, a_t, b_t) and ``_rate_coefficients(t)`` → (v_mask, v_unif): the forward rate into the
+    mask state and into each state of ``U``.
+    """
+
+    _uniform_over_all: bool = True
+
+    # -- structure
+    def _unif_count(self) -> int:
+        if self._uniform_over_all or self.mask_id is None:
+            return self.num_states
+        return self.num_states - 1
+
+    def _coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError  # abstractmethod
+
+    def _rate_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError  # abstractmethod
+
+    def _in_uniform_support(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._uniform_over_all or self.mask_id is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return ids != self.mask_id
+
+    def _is_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.mask_id is None:
+            return torch.zeros_like(ids, dtype=torch.bool)
+        return ids == self.mask_id
+
+    def _noise_vector(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """m_t ``(..., S)`` from the mask mass a_t and uniform mass b_t (both ``(...)``)."""
+        S = self.num_states
+        support = torch.ones(S, dtype=a.dtype, device=a.device)
+        if self.mask_id is not None and not self._uniform_over_all:
+            support[self.mask_id] = 0.0
+        m = (b / self._unif_count()).unsqueeze(-1) * support
+        if self.mask_id is not None:
+            m = m + a.unsqueeze(-1) * torch.nn.functional.one_hot(
+                torch.tensor(self.mask_id, device=a.device), S).to(a.dtype)
+        return m
+
+    def _noise_at(self, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """m_t(ids) elementwise."""
+        out = torch.where(self._in_uniform_support(ids), b / self._unif_count(), torch.zeros_like(b))
+        return out + torch.where(self._is_mask(ids), a, torch.zeros_like(a))
+
+    # -- hooks
+    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha, a, b = self._coefficients(t)
+        shape = torch.broadcast_shapes(p.shape[:-1], alpha.shape)
+        alpha, a, b = (torch.broadcast_to(x, shape) for x in (alpha, a, b))
+        return alpha.unsqueeze(-1) * p + self._noise_vector(a, b) * p.sum(-1, keepdim=True)
+
+    def _log_marginal_from_log_probs(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha, a, b = self._coefficients(t)
+        shape = torch.broadcast_shapes(log_p.shape[:-1], alpha.shape)
+        alpha, a, b = (torch.broadcast_to(x, shape) for x in (alpha, a, b))
+        log_m = safe_log(self._noise_vector(a, b))
+        return torch.logaddexp(torch.log(alpha).unsqueeze(-1) + log_p, log_m)
+
+    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha_t, a_t, b_t = self._coefficients(t)
+        alpha_s, a_s, b_s = self._coefficients(s)
+        shape = torch.broadcast_shapes(ids.shape, alpha_t.shape, alpha_s.shape)
+        ids = ids.expand(shape)
+        ratio = torch.broadcast_to(alpha_t / alpha_s, shape)
+        w = torch.broadcast_to(self._w(ids, s, t, (alpha_t, a_t, b_t), (alpha_s, a_s, b_s)), shape)
+        out = torch.zeros(*shape, self.num_states, dtype=ratio.dtype, device=ids.device) + w.unsqueeze(-1)
+        return out.scatter_add_(-1, ids.unsqueeze(-1), ratio.unsqueeze(-1))
+
+    def _w(self, ids, s, t, coef_t, coef_s) -> torch.Tensor:
+        """w(ids) = m_t(ids) − (α_t/α_s) m_s(ids) ≥ 0."""
+        alpha_t, a_t, b_t = coef_t
+        alpha_s, a_s, b_s = coef_s
+        return self._noise_at(ids, a_t, b_t) - (alpha_t / alpha_s) * self._noise_at(ids, a_s, b_s)
+
+    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        v_mask, v_unif = self._rate_coefficients(t)
+        shape = torch.broadcast_shapes(ids.shape, v_mask.shape)
+        ids = ids.expand(shape)
+        v = torch.where(self._is_mask(ids), v_mask, torch.where(self._in_uniform_support(ids), v_unif,
+                                                                     torch.zeros_like(v_unif)))
+        out = v.unsqueeze(-1).expand(*shape, self.num_states).clone()
+        return out.scatter_(-1, ids.unsqueeze(-1), 0.0)
+
+    def _prior(self, t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if t is None:
+            t = torch.tensor(1.0 - 1e-7, dtype=torch.float64, device=device)
+            alpha, a, b = self._coefficients(t)
+            m = self._noise_vector(a, b)
+            return (m / m.sum(-1, keepdim=True)).to(dtype)
+        alpha, a, b = self._coefficients(t)
+        m = self._noise_vector(a, b)
+        return m / m.sum(-1, keepdim=True)
+
+    def _sample(self, ids: torch.Tensor, t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        alpha, a, b = self._coefficients(t)
+        shape = torch.broadcast_shapes(ids.shape, alpha.shape)
+        ids = ids.expand(shape)
+        u = torch.rand(shape, generator=generator, device=ids.device, dtype=alpha.dtype)
+        alpha, a = torch.broadcast_to(alpha, shape), torch.broadcast_to(a, shape)
+        keep = u < alpha
+        to_mask = (u >= alpha) & (u < alpha + a)
+        n_unif = self._unif_count()
+        noise = torch.randint(0, n_unif, shape, generator=generator, device=ids.device)
+        if not self._uniform_over_all and self.mask_id is not None:
+            noise = noise + (noise >= self.mask_id).long()  # skip the mask id
+        out = torch.where(keep, ids, noise)
+        if self.mask_id is not None:
+            out = torch.where(to_mask, torch.full_like(out, self.mask_id), out)
+        return out
+
+
+class UniformKernel(InterpolatingKernel):
+    """Uniform noise: q_{t|0}(j|i) = α_t δ_ij + (1 − α_t)/S (the paper's kernel with α_t = 1 − t).
+
+    Forward rates R_t(i, j) = (−α_t'/α_t)/S for i ≠ j; q_{t|s}(b|a) = (α_t/α_s) δ_ab + (1 − α_t/α_s)/S.
+
+    Example::
+
+        kernel = uf.UniformKernel(50257)
+        x_t = kernel.sample(x0, t, generator=g)            # (B, L)
+    """
+
+    def __init__(self, num_states: int, schedule: Schedule | None = None) -> None:
+        self.num_states = _check_num_states(num_states)
+        self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
+        self.mask_id = None
+
+    def __repr__(self) -> str:
+        return f"UniformKernel(num_states={self.num_states}, schedule={self.schedule!r})"
+
+    def _coefficients(self, t):
+        return self.schedule.alpha(t), torch.zeros_like(t), self.schedule.one_minus_alpha(t)
+
+    def _rate_coefficients(self, t):
+        v = self.schedule.hazard(t) / self.num_states
+        return torch.zeros_like(v), v
+
+    def _w(self, ids, s, t, coef_t, coef_s):
+        # (1 − α_t/α_s)/S = (β_t − β_s)/(α_s S): no cancellation for close s, t
+        beta_t, beta_s = coef_t[2], coef_s[2]
+        return (beta_t - beta_s) / (coef_s[0] * self.num_states) + torch.zeros_like(ids, dtype=beta_t.dtype)
+
+
+class MaskKernel(InterpolatingKernel):
+    """Absorbing kernel: q_{t|0}(j|i) = α_t δ_ij + (1 − α_t) δ_{j,mask} (π = e_mask).
+
+    The mask state ``mask_id`` is one of the ``num_states`` ids; clean tokens never take it (an x0 head's mask entry is
+    ignored: MDLM's SUBS convention). Only the mask state has non-zero reverse rates.
+    """
+
+    _uniform_over_all = False
+
+    def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:
+        self.num_states = _check_num_states(num_states)
+        if isinstance(mask_id, bool) or not isinstance(mask_id, int):
+            raise TypeError(f"mask_id: expected an int, got {type(mask_id).__name__}")
+        if not 0 <= mask_id < num_states:
+            raise ValueError(f"mask_id: expected an id in [0, {num_states}), got {mask_id}")
+        if num_states < 2:
+            raise ValueError(f"num_states: a mask kernel needs at least 2 states, got {num_states}")
+        self.mask_id = mask_id
+        self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
+
+    def __repr__(self) -> str:
+        return f"MaskKernel(num_states={self.num_states}, mask_id={self.mask_id}, schedule={self.schedule!r})"
+
+    def _unif_count(self) -> int:
+        return max(self.num_states - 1, 1)
+
+    def _coefficients(self, t):
+        return self.schedule.alpha(t), self.schedule.one_minus_alpha(t), torch.zeros_like(t)
+
+    def _rate_coefficients(self, t):
+        v = self.schedule.hazard(t)
+        return v, torch.zeros_like(v)
+
+    def _w(self, ids, s, t, coef_t, coef_s):
+        beta_t, beta_s = coef_t[1], coef_s[1]
+        w = (beta_t - beta_s) / coef_s[0]
+        return torch.where(ids == self.mask_id, w, torch.zeros_like(w))
+
+
+class HybridKernel(InterpolatingKernel):
+    """GIDD's mask/uniform mixture, exactly as GIDD defines it (linear base schedule):
+
+    c_t = B (t(1−t))^{γ/2}, B = 2^γ p_u / (1 − p_u), α_t = (1 − t)/(1 + c_t),
+    β_t π_t = (t e_mask + c_t u)/(1 + c_t) with u uniform over the non-mask states.
+
+    Forward rates (from the rank-one generator): into the mask state 1/((1−t)(1+c_t)); into a non-mask state
+    c_t (γ(1−2t) + 2t) / (2t(1−t)(1+c_t)(S−1)). Both are ≥ 0 for γ ∈ (0, 2]. ``p_uniform = 0`` is the mask kernel;
+    the uniform share of the noise peaks at t = 1/2 and the terminal prior is all-mask.
+    """
+
+    _uniform_over_all = False
+
+    def __init__(self, num_states: int, mask_id: int, p_uniform: float, gamma: float = 1.0) -> None:
+        self.num_states = _check_num_states(num_states)
+        if num_states < 2:
+            raise ValueError(f"num_states: a hybrid kernel needs at least 2 states, got {num_states}")
+        if isinstance(mask_id, bool) or not isinstance(mask_id, int):
+            raise TypeError(f"mask_id: expected an int, got {type(mask_id).__name__}")
+        if not 0 <= mask_id < num_states:
+            raise ValueError(f"mask_id: expected an id in [0, {num_states}), got {mask_id}")
+        for name, val in (("p_uniform", p_uniform), ("gamma", gamma)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)):
+                raise TypeError(f"{name}: expected a float, got {type(val).__name__}")
+        if not 0.0 <= p_uniform < 1.0:
+            raise ValueError(f"p_uniform: expected a value in [0, 1), got {p_uniform}")
+        if not 0.0 < gamma <= 2.0:
+            raise ValueError(f"gamma: expected a value in (0, 2] (forward rates turn negative above 2), got {gamma}")
+        self.mask_id = mask_id
+        self.p_uniform = float(p_uniform)
+        self.gamma = float(gamma)
+        self.B = 2.0**self.gamma * self.p_uniform / (1.0 - self.p_uniform)
+
+    def __repr__(self) -> str:
+        return (f"HybridKernel(num_states={self.num_states}, mask_id={self.mask_id}, "
+                f"p_uniform={self.p_uniform}, gamma={self.gamma})")
+
+    def _c(self, t: torch.Tensor) -> torch.Tensor:
+        return self.B * (t * (1.0 - t)).clamp_min(0.0) ** (self.gamma / 2.0)
+
+    def _coefficients(self, t):
+        c = self._c(t)
+        return (1.0 - t) / (1.0 + c), t / (1.0 + c), c / (1.0 + c)
+
+    def _rate_coefficients(self, t):
+        c = self._c(t)
+        v_mask = 1.0 / ((1.0 - t) * (1.0 + c))
+        v_unif = c * (self.gamma * (1.0 - 2.0 * t) + 2.0 * t) / (
+            2.0 * t * (1.0 - t) * (1.0 + c) * (self.num_states - 1))
+        return v_mask, v_unif
+
+
+class GeneratorKernel(Kernel):
+    """Any CTMC in generator form (Definition 2.2 (1)): R_t = β^rate_t R̄, P_{s,t} = exp((σ(t) − σ(s)) R̄).
+
+    ``generator`` is a dense ``(S, S)`` matrix R̄ with non-negative off-diagonal entries and rows summing to 0.
+    Without a schedule the chain is homogeneous (σ(t) = t, β^rate ≡ 1); with a :class:`Schedule` σ(t) = −log α_t and
+    β^rate_t = −α_t'/α_t (so the uniform generator 11ᵀ/S − I with a schedule reproduces :class:`UniformKernel`).
+    ``mask_id`` optionally names a state that clean data never takes. ``prior`` (``(S,)``) defaults to the
+    stationary distribution of R̄. Builds ``(..., S, S)`` matrix exponentials: meant for small S and for testing.
+    """
+
+    def __init__(self, generator: torch.Tensor, *, schedule: Schedule | None = None,
+                 mask_id: int | None = None, prior: torch.Tensor | None = None) -> None:
+        R = V.check_tensor("generator", generator)
+        if not R.dtype.is_floating_point:
+            raise TypeError(f"generator: expected a floating-point matrix, got dtype {R.dtype}")
+        if R.dim() != 2 or R.shape[0] != R.shape[1] or R.shape[0] < 1:
+            raise ValueError(f"generator: expected a square (S, S) matrix, got shape {tuple(R.shape)}")
+        R64 = R.detach().to(torch.float64)
+        off = R64 - torch.diag(torch.diagonal(R64))
+        if bool((off < -1e-12).any()):
+            raise ValueError("generator: expected non-negative off-diagonal rates, got a negative entry")
+        if float(R64.sum(-1).abs().max()) > 1e-8 * max(1.0, float(R64.abs().max())):
+            raise ValueError("generator: expected rows summing to 0 (a CTMC generator)")
+        self.num_states = R.shape[0]
+        self.generator = R64
+        self.schedule = _check_schedule(schedule) if schedule is not None else None
+        if mask_id is not None:
+            if isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < self.num_states:
+                raise ValueError(f"mask_id: expected None or an id in [0, {self.num_states}), got {mask_id}")
+        self.mask_id = mask_id
+        if prior is None:
+            prior = self._stationary()
+        else:
+            prior = V.check_distribution("prior", prior, self.num_states).detach().to(torch.float64)
+        self._prior_vec = prior
+
+    def __repr__(self) -> str:
+        return f"GeneratorKernel(num_states={self.num_states}, schedule={self.schedule!r}, mask_id={self.mask_id})"
+
+    def _stationary(self) -> torch.Tensor:
+        S = self.num_states
+        A = torch.cat([self.generator.T, torch.ones(1, S, dtype=torch.float64)], 0)
+        rhs = torch.zeros(S + 1, 1, dtype=torch.float64)
+        rhs[-1] = 1.0
+        pi = torch.linalg.lstsq(A, rhs).solution.squeeze(-1).clamp_min(0.0)
+        return pi / pi.sum()
+
+    def _sigma(self, t: torch.Tensor) -> torch.Tensor:
+        if self.schedule is None:
+            return t
+        return -self.schedule.log_alpha(t)
+
+    def _beta_rate(self, t: torch.Tensor) -> torch.Tensor:
+        if self.schedule is None:
+            return torch.ones_like(t)
+        return self.schedule.hazard(t)
+
+    def _P(self, sigma: torch.Tensor) -> torch.Tensor:
+        R = self.generator.to(device=sigma.device, dtype=sigma.dtype)
+        return torch.linalg.matrix_exp(sigma[..., None, None] * R)
+
+    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        P = self._P(self._sigma(t))  # (..., S, S)
+        return (p.unsqueeze(-2) @ P).squeeze(-2)
+
+    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        P = self._P(self._sigma(t) - self._sigma(s))  # (..., S, S) = P_{s,t}
+        shape = torch.broadcast_shapes(ids.shape, P.shape[:-2])
+        P = P.expand(*shape, self.num_states, self.num_states)
+        idx = ids.expand(shape)[..., None, None].expand(*shape, self.num_states, 1)
+        return P.gather(-1, idx).squeeze(-1)
+
+    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        R = self.generator.to(device=ids.device, dtype=t.dtype)
+        col = R.T[ids]  # (..., S): R(i, ids) over sources i
+        col = col.scatter(-1, ids.unsqueeze(-1), 0.0)
+        return self._beta_rate(t).unsqueeze(-1) * col
+
+    def _prior(self, t, dtype, device):
+        pi = self._prior_vec.to(device=device, dtype=dtype)
+        if t is None:
+            return pi
+        return pi.expand(*t.shape, self.num_states)
+
+    def _sample(self, ids, t, generator):
+        q = self._propagate(self._one_hot(ids, t.dtype), t)
+        flat = q.reshape(-1, self.num_states).clamp_min(0.0)
+        return torch.multinomial(flat, 1, generator=generator).reshape(q.shape[:-1])

@@ -1,0 +1,225 @@
+"""The five published losses in their own coordinates (paper App. A), per position, no reduction.
+
+Each function returns ``(...)`` and equals ``bregman_rate_loss(ReverseRate.true_conditional(kernel, x0, x_t, t),
+<the rates its head induces>)`` (Theorem 3.3 / Corollary 3.4). These are the straightforward vectorised
+O(S)-per-position implementations; they are also the float64 references the fast paths are tested against.
+
+Conventions: heads are ``(..., S)`` with the state dim last and leading shape equal to ``x_t``'s; logits are
+normalised inside; the x0/μ heads ignore a kernel's mask entry (probability 0, MDLM's SUBS); the score's and the jump
+head's ``x_t`` entries are ignored. Math runs in float32 (float64 when the head is float64).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .. import _validation as V
+from .._math import bregman_from_logs, expm1_minus_x, safe_log
+from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
+from ..rates import ReverseRate, _b_operator, _check_kernel, x0_log_probs
+from .bregman import bregman_rate_loss
+
+__all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
+
+GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
+
+
+def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
+             t: torch.Tensor | float):
+    kernel = _check_kernel(kernel)
+    S = kernel.num_states
+    x0 = V.check_token_ids("x0", x0, S)
+    x_t = V.check_token_ids("x_t", x_t, S)
+    try:
+        shape = torch.broadcast_shapes(x0.shape, x_t.shape)
+    except RuntimeError:
+        raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
+    out = {}
+    for name, h in heads.items():
+        if name.startswith("log_exit"):
+            h = V.check_tensor(name, h)
+            if not h.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a floating-point tensor, got dtype {h.dtype}")
+            if tuple(h.shape) != tuple(shape):
+                raise ValueError(f"{name}: expected shape {tuple(shape)} (that of x_t), got {tuple(h.shape)}")
+            V.check_finite(name, h)
+        else:
+            h = V.check_head(name, h, S)
+            if tuple(h.shape[:-1]) != tuple(shape):
+                raise ValueError(f"{name}: expected shape {(*shape, S)} (x_t's shape + num_states), got {tuple(h.shape)}")
+        out[name] = h
+    dtype = V.compute_dtype(*out.values())
+    t_ = V.check_time("t", t, device=x_t.device, dtype=dtype)
+    try:
+        t_ = torch.broadcast_to(t_, shape)
+    except RuntimeError:
+        raise ValueError(f"t: shape {tuple(t_.shape)} does not broadcast to x_t's shape {tuple(shape)}") from None
+    out = {k: v.to(dtype) for k, v in out.items()}
+    return kernel, out, x0.expand(shape), x_t.expand(shape), t_, dtype
+
+
+def _gather(row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return row.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+
+def _log_ratio_to_xt(log_q: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
+    """log q(y) − log q(x_t) ``(..., S)``; −inf everywhere on rows with q(x_t) = 0."""
+    log_den = log_q.gather(-1, x_t.unsqueeze(-1))
+    ok = ~torch.isneginf(log_den)
+    out = log_q - torch.where(ok, log_den, torch.zeros_like(log_den))
+    return torch.where(ok, out, torch.full_like(out, float("-inf")))
+
+
+def _weighted_sum(weight: torch.Tensor, terms: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
+    """Σ_{y≠x_t} weight_y terms_y, skipping zero weights (so 0 · ∞ never appears)."""
+    prod = torch.where(weight > 0, weight * terms, torch.zeros_like(terms))
+    return prod.scatter(-1, x_t.unsqueeze(-1), 0.0).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- SEDD
+def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+              kernel: Kernel) -> torch.Tensor:
+    """SEDD's score entropy (App. A, eq. loss-sedd), per position ``(...)``:
+
+    Σ_{y≠x_t} Q_t(x_t, y) [s_y − r_y log s_y + K(r_y)],  r_y = q_{t|0}(y|x0)/q_{t|0}(x_t|x0),  K(a) = a(log a − 1),
+
+    with Q_t = R_tᵀ (so Q_t(x_t, y) = R_t(y, x_t)) and s = exp(log_score) ``(..., S)``.
+    """
+    kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"log_score": log_score}, x0, x_t, t)
+    Q = kernel._rate_column(x_t, t)
+    log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t)
+    log_s = h["log_score"].scatter(-1, x_t.unsqueeze(-1), 0.0)
+    log_r = log_r.scatter(-1, x_t.unsqueeze(-1), 0.0)
+    # s − r log s + r log r − r  ==  f(r, s)
+    return _weighted_sum(Q, bregman_from_logs(log_r, log_s), x_t)
+
+
+# ---------------------------------------------------------------------------------------------------- MDLM
+def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+              kernel: MaskKernel) -> torch.Tensor:
+    """MDLM (App. A, eq. loss-mdlm), per position ``(...)``: (−α_t'/(1 − α_t)) · (−log x_θ(x0)) at masked positions,
+    0 elsewhere. Mask kernel only."""
+    if not isinstance(kernel, MaskKernel):
+        raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
+    kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
+    log_x = x0_log_probs(kernel, h["x0_logits"])
+    weight = -kernel.schedule.alpha_prime(t) / kernel.schedule.one_minus_alpha(t)
+    nll = -_gather(log_x, x0)
+    masked = x_t == kernel.mask_id
+    return torch.where(masked, weight * nll, torch.zeros_like(nll))
+
+
+# ---------------------------------------------------------------------------------------------------- GIDD
+def _interp_quantities(kernel: InterpolatingKernel, log_x: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+                       t: torch.Tensor, dtype: torch.dtype):
+    log_q_theta = kernel._log_marginal_from_log_probs(log_x, t)          # log q_t(·|x_θ)
+    log_q0 = kernel._log_marginal_ids(x0, t, dtype)                      # log q_{t|0}(·|x0)
+    v_mask, v_unif = kernel._rate_coefficients(t)
+    v = torch.where(kernel._is_mask(x_t), v_mask,
+                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    return log_q_theta, log_q0, v
+
+
+def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """GIDD's heuristic weights: 1 at a uniform-noise token, 2 at the mask, B((1−α_t)/α_t)^{γ/2} when x_t = x0."""
+    if isinstance(kernel, HybridKernel):
+        B, gamma = kernel.B, kernel.gamma
+        alpha, _, _ = kernel._coefficients(t)
+    elif isinstance(kernel, (MaskKernel, UniformKernel)):
+        # mask: the hybrid at p_u = 0 (B = 0); uniform: our extension with B = 1, γ = 1 (documented)
+        B, gamma = (0.0, 1.0) if isinstance(kernel, MaskKernel) else (1.0, 1.0)
+        alpha = kernel.schedule.alpha(t)
+    else:
+        raise TypeError(f"kernel: weighting='dynamic' is defined for interpolating kernels, got {type(kernel).__name__}")
+    log_snr = -torch.logit(alpha).clamp(-20.0, 20.0)
+    x_scale = B * torch.exp(gamma / 2.0 * log_snr)
+    noisy = torch.where(x_t == kernel.mask_id, 2.0, 1.0) if kernel.mask_id is not None else torch.ones_like(t)
+    return torch.where(x_t == x0, x_scale, noisy.to(t.dtype))
+
+
+def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+              kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
+              max_weight: float = 2.0) -> torch.Tensor:
+    """GIDD's loss (App. A, eq. loss-gidd), per position ``(...)``:
+
+    w_t(x_t, x0) [KL(q_t(·|x0) ‖ q_t(·|x_θ)) + ρ − log ρ − 1],   ρ = q_t(x_t|x0)/q_t(x_t|x_θ),
+    w_t(x_t, x0) = (β_t π_t'(x_t) − (α_t'/α_t) π_t(x_t)) / q_t(x_t|x0) = R_t(·, x_t) / q_{t|0}(x_t|x0).
+
+    ``weighting="elbo"`` uses w exactly (then the loss equals D_t); ``"clip"`` clips w to [0, ``max_weight``];
+    ``"dynamic"`` uses GIDD's dynamic weights (1 on uniform-noise tokens, 2 on masks, B((1−α)/α)^{γ/2} on clean
+    tokens) clipped to [0, ``max_weight``]; for the uniform kernel B = γ = 1. For a :class:`GeneratorKernel` (rates
+    not rank one) the ELBO form is evaluated as D_t directly.
+    """
+    if weighting not in GIDD_WEIGHTINGS:
+        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
+    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
+        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
+    log_x = x0_log_probs(kernel, h["x0_logits"])
+    if not isinstance(kernel, InterpolatingKernel):
+        if weighting != "elbo":
+            raise ValueError(f"weighting: only 'elbo' is defined for {type(kernel).__name__}, got {weighting!r}")
+        true = ReverseRate.true_conditional(kernel, x0, x_t, t)
+        log_q = safe_log(kernel._propagate(log_x.exp(), t))
+        model = ReverseRate._from_log_ratio(kernel, x_t, t, log_q)
+        return bregman_rate_loss(true, model)
+
+    log_q_theta, log_q0, v = _interp_quantities(kernel, log_x, x0, x_t, t, dtype)
+    kl = bregman_from_logs(log_q0, log_q_theta).sum(-1)  # Σ_y f(q0, qθ) = KL since both sum to 1
+    log_q0_xt = _gather(log_q0, x_t)
+    log_rho = log_q0_xt - _gather(log_q_theta, x_t)
+    term = kl + expm1_minus_x(torch.where(torch.isneginf(log_q0_xt), torch.zeros_like(log_rho), log_rho))
+    possible = ~torch.isneginf(log_q0_xt)
+    w = torch.exp(safe_log(v) - torch.where(possible, log_q0_xt, torch.zeros_like(log_q0_xt)))
+    if weighting == "clip":
+        w = w.clamp(0.0, max_weight)
+    elif weighting == "dynamic":
+        w = _dynamic_weight(kernel, x0, x_t, t).clamp(0.0, max_weight)
+    loss = torch.where(v > 0, w * term, torch.zeros_like(term))
+    # x_t impossible under x0: the true rates are 0 by convention, D_t is the model's exit rate
+    exit_theta = v * torch.expm1(-_gather(log_q_theta, x_t))
+    return torch.where(possible, loss, exit_theta)
+
+
+# ---------------------------------------------------------------------------------------------------- M2S
+def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+             kernel: Kernel) -> torch.Tensor:
+    """M2S (App. A, eq. loss-m2s), per position ``(...)``:
+
+    Σ_{y≠x_t} R_t(y, x_t) h(s_y, r_y),  s = B_{x_t,t} μ,  r_y = q_{t|0}(y|x0)/q_{t|0}(x_t|x0),
+    h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
+    """
+    kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
+    mu = x0_log_probs(kernel, h["mu_logits"]).exp()
+    R = kernel._rate_column(x_t, t)
+    s = _b_operator(kernel, mu, x_t, t, R)
+    log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t).scatter(-1, x_t.unsqueeze(-1), 0.0)
+    log_s = safe_log(s).scatter(-1, x_t.unsqueeze(-1), 0.0)
+    return _weighted_sum(R, bregman_from_logs(log_r, log_s), x_t)
+
+
+# ---------------------------------------------------------------------------------------------------- Neural CTMC
+def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+              t: torch.Tensor | float, kernel: Kernel) -> torch.Tensor:
+    """Neural CTMC (App. A, eq. loss-nctmc-cond), per position ``(...)``:
+
+    KL_Poi(λ̂ ‖ λ_θ) + λ̂ KL_Cat(r̂ ‖ r_θ),  λ_θ = exp(log_exit_rate) ``(...)``,
+    r_θ = softmax(jump_logits) over targets i ≠ x_t ``(..., S)``, (λ̂, r̂) from the true conditional rates.
+    """
+    kernel, h, x0, x_t, t, dtype = _prepare(
+        kernel, {"log_exit_rate": log_exit_rate, "jump_logits": jump_logits}, x0, x_t, t)
+    true = ReverseRate.true_conditional(kernel, x0, x_t, t)
+    log_true = true.log_rates
+    log_lam_hat = torch.logsumexp(log_true, dim=-1)
+    log_lam = h["log_exit_rate"]
+    poisson = bregman_from_logs(log_lam_hat, log_lam)
+    log_r_theta = torch.log_softmax(h["jump_logits"].scatter(-1, x_t.unsqueeze(-1), float("-inf")), dim=-1)
+    has_jump = ~torch.isneginf(log_lam_hat)
+    log_r_hat = log_true - torch.where(has_jump, log_lam_hat, torch.zeros_like(log_lam_hat)).unsqueeze(-1)
+    log_r_hat = torch.where(has_jump.unsqueeze(-1), log_r_hat, torch.full_like(log_r_hat, float("-inf")))
+    # KL_Cat = Σ_i f(r̂_i, r_θ,i) (both sum to one); the x_t entry is (0, 0)
+    cat = bregman_from_logs(log_r_hat, log_r_theta).sum(-1)
+    lam_hat = torch.exp(log_lam_hat)
+    return poisson + torch.where(has_jump, lam_hat * cat, torch.zeros_like(cat))
