@@ -15,11 +15,13 @@ from importlib.metadata import version as _version
 
 from . import losses
 from ._validation import set_validation, validation, validation_enabled
+from .adapters import DiffusionLM, adapt_ar_model, anneal_schedule
 from .conversions import convert_x0_to
 from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from .losses import bregman_rate_loss
 from .rates import ReverseRate
 from .schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
+from .training import DiffusionLossOutput, diffusion_loss, sample_times
 
 try:
     __version__ = _version("unifusion")
@@ -28,6 +30,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 
 __all__ = [
     "CosineSchedule",
+    "DiffusionLM",
+    "DiffusionLossOutput",
     "GeneratorKernel",
     "HybridKernel",
     "InterpolatingKernel",
@@ -39,9 +43,13 @@ __all__ = [
     "Schedule",
     "UniformKernel",
     "__version__",
+    "adapt_ar_model",
+    "anneal_schedule",
     "bregman_rate_loss",
     "convert_x0_to",
+    "diffusion_loss",
     "losses",
+    "sample_times",
     "set_validation",
     "validation",
     "validation_enabled",

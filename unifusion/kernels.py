@@ -2,7 +2,7 @@
 
 A kernel is a continuous-time Markov chain on ``num_states`` token states. Every kernel exposes
 
-* ``marginal(x0, t)``      q_{t|0}(·|x0) ``(..., S)``; for a distribution x_θ it is q_t(·|x_θ) = Σ_z x_θ(z) q_{t|0}(·|z),
+* ``marginal(x0, t)``      q_{t|0}(·|x0) ``(..., S)``; for a distribution x_θ, q_t(·|x_θ) = Σ_z x_θ(z) q_{t|0}(·|z),
 * ``rate_into(x_t, t)``    forward rates R_t(i, x_t) from every source i into x_t ``(..., S)`` (0 at i = x_t),
 * ``transition_into(x_t, s, t)``  q_{t|s}(x_t | a) for every a ``(..., S)`` (s = 0 gives q_{t|0}(x_t | ·)),
 * ``posterior(x0_probs, x_t, s, t)``  p(z_s = · | z_t = x_t, x_θ) ∝ q_{t|s}(x_t|·) q_s(·|x_θ) ``(..., S)``,

@@ -48,7 +48,8 @@ def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x
         else:
             h = V.check_head(name, h, S)
             if tuple(h.shape[:-1]) != tuple(shape):
-                raise ValueError(f"{name}: expected shape {(*shape, S)} (x_t's shape + num_states), got {tuple(h.shape)}")
+                raise ValueError(
+                    f"{name}: expected shape {(*shape, S)} (x_t's shape + num_states), got {tuple(h.shape)}")
         out[name] = h
     dtype = V.compute_dtype(*out.values())
     t_ = V.check_time("t", t, device=x_t.device, dtype=dtype)
@@ -132,7 +133,8 @@ def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torc
         B, gamma = (0.0, 1.0) if isinstance(kernel, MaskKernel) else (1.0, 1.0)
         alpha = kernel.schedule.alpha(t)
     else:
-        raise TypeError(f"kernel: weighting='dynamic' is defined for interpolating kernels, got {type(kernel).__name__}")
+        raise TypeError(
+            f"kernel: weighting='dynamic' is defined for interpolating kernels, got {type(kernel).__name__}")
     log_snr = -torch.logit(alpha).clamp(-20.0, 20.0)
     x_scale = B * torch.exp(gamma / 2.0 * log_snr)
     noisy = torch.where(x_t == kernel.mask_id, 2.0, 1.0) if kernel.mask_id is not None else torch.ones_like(t)

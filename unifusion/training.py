@@ -1,0 +1,229 @@
+"""Functional training helpers for Algorithm 1 (paper App. C.5); the user owns the loop.
+
+One x0 head trains with any of the five objectives: the head's logits are converted exactly (Theorem 3.5) into the
+coordinates each loss expects. Nothing here calls ``torch.distributed``: :func:`diffusion_loss` returns per-token
+losses together with the token count, so a multi-GPU loop can divide by its *global* token count::
+
+    out = uf.diffusion_loss(model, x0, kernel, step=step, attention_mask=pad_mask, generator=g)
+    n = out.num_tokens.clone(); dist.all_reduce(n)                     # global token count
+    (out.loss.sum() * world_size / n).backward()                       # DDP averages gradients over ranks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from . import _validation as V
+from .kernels import Kernel, MaskKernel
+from .losses import native
+from .rates import _check_kernel, x0_log_probs
+
+__all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
+
+OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
+_T_MAX = 1.0 - 1e-6
+
+
+def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool = True,
+                 generator: torch.Generator | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """Diffusion times t ∈ [t_min, 1) for a batch, ``(batch_size,)`` (Algorithm 1 uses t_min = 1e-3).
+
+    With ``low_discrepancy=True`` the times are stratified: t_i = t_min + (1 − t_min)·((u + i)/n mod 1) with one shared
+    u ~ U(0, 1), which lowers the variance of the loss estimate. For a stratification over the *global* batch of a
+    multi-process run, seed ``generator`` identically on every rank and pass ``rank`` and ``world_size``. Times are
+    capped at 1 − 1e-6 so every kernel stays finite.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
+        raise ValueError(f"t_min: expected a float in (0, 1), got {t_min!r}")
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(
+            f"rank, world_size: expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+    dev = torch.device(device) if device is not None else (generator.device if generator is not None else None)
+    if low_discrepancy:
+        n = batch_size * world_size
+        u = torch.rand((), generator=generator, device=dev, dtype=torch.float64)
+        i = torch.arange(rank * batch_size, (rank + 1) * batch_size, device=dev, dtype=torch.float64)
+        frac = torch.remainder(u + i / n, 1.0)
+    else:
+        if world_size > 1:
+            # consume the same stream as the other ranks, keep this rank's slice
+            frac = torch.rand(batch_size * world_size, generator=generator, device=dev, dtype=torch.float64)
+            frac = frac[rank * batch_size:(rank + 1) * batch_size]
+        else:
+            frac = torch.rand(batch_size, generator=generator, device=dev, dtype=torch.float64)
+    t = t_min + (1.0 - t_min) * frac
+    return t.clamp(max=_T_MAX).to(dtype)
+
+
+@dataclass
+class DiffusionLossOutput:
+    """What :func:`diffusion_loss` returns.
+
+    Attributes:
+        loss: per-token losses ``(B, L)``, 0 at padding (float32, float64 for float64 logits).
+        mask: ``(B, L)`` float, 1 on tokens that count.
+        num_tokens: scalar tensor, ``mask.sum()`` — all-reduce it for a global normaliser.
+        t: times ``(B,)``; x_t: corrupted tokens ``(B, L)``; bidirectional_prob: γ used for the attention mask.
+    """
+
+    loss: torch.Tensor
+    mask: torch.Tensor
+    num_tokens: torch.Tensor
+    t: torch.Tensor
+    x_t: torch.Tensor
+    bidirectional_prob: float
+
+    def mean(self) -> torch.Tensor:
+        """Single-process token mean, ``loss.sum() / num_tokens`` (clamped to avoid 0/0)."""
+        return self.loss.sum() / self.num_tokens.clamp_min(1)
+
+
+def _unwrap(model: Any) -> Any:
+    """The module inside DDP / DeepSpeed / torch.compile wrappers (for type checks only)."""
+    inner = model
+    for _ in range(4):
+        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if nxt is None:
+            break
+        inner = nxt
+    return inner
+
+
+def _is_diffusion_lm(model: Any) -> bool:
+    try:
+        from .adapters import DiffusionLM
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_unwrap(model), DiffusionLM)
+
+
+def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Convert x0 logits into the head(s) ``objective``'s loss takes (Theorem 3.5, in log space)."""
+    log_x = x0_log_probs(kernel, logits)
+    log_q = kernel._log_marginal_from_log_probs(log_x, t)  # log q_t(·|x_θ)
+    log_q_xt = log_q.gather(-1, x_t.unsqueeze(-1))
+    if objective == "sedd":
+        return (log_q - log_q_xt,)  # log s_i = log q_t(i|x_θ) − log q_t(x_t|x_θ)
+    if objective == "m2s":
+        log_col = torch.log(kernel._column(x_t, torch.zeros_like(t), t).clamp_min(0))
+        return (log_x + log_col - log_q_xt,)  # log μ(z) = log x_θ(z) + log q_{t|0}(x_t|z) − log q_t(x_t|x_θ)
+    if objective == "ctmc":
+        log_R = torch.log(kernel._rate_column(x_t, t))
+        log_rates = (log_R + log_q - log_q_xt).scatter(-1, x_t.unsqueeze(-1), float("-inf"))
+        # an all-zero row (e.g. an unmasked token under the mask kernel) has log λ = −inf: keep it (and its
+        # gradient) finite with a negligible exit rate e^{-80}
+        zero_row = torch.isneginf(log_rates).all(-1, keepdim=True)
+        log_exit = torch.logsumexp(torch.where(zero_row, torch.zeros_like(log_rates), log_rates), dim=-1)
+        log_exit = torch.where(zero_row.squeeze(-1), torch.full_like(log_exit, -80.0), log_exit)
+        jump = torch.where(torch.isneginf(log_rates), torch.full_like(log_rates, -1e4), log_rates)
+        return log_exit, jump
+    raise AssertionError(objective)
+
+
+def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
+                   objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
+                   step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
+                   attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                   t: torch.Tensor | None = None, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
+                   max_weight: float = 2.0, t_min: float = 1e-3,
+                   bidirectional_prob: float | None = None) -> DiffusionLossOutput:
+    """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
+
+    Args:
+        model: a :class:`~unifusion.DiffusionLM` (possibly inside DDP/FSDP/DeepSpeed/compile wrappers) or any callable
+            ``(x_t (B, L), t (B,)) → logits (B, L, S)``.
+        x0: clean tokens ``(B, L)`` int64.
+        kernel: the forward kernel (switching kernels mid-training is just passing another one).
+        objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
+            exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
+        step, anneal_steps: attention annealing γ_k = min(1, step/anneal_steps) (DiffusionLM only); ``step=None``
+            means fully bidirectional unless ``bidirectional_prob`` is given.
+        head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
+            the paper's Fig. 2 comparison).
+        attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
+        generator: randomness for times, corruption and the annealed mask.
+        t: optional fixed times ``(B,)``; otherwise :func:`sample_times` (low-discrepancy, t ∈ [t_min, 1)).
+        weighting, max_weight: GIDD weighting (objective ``"gidd"`` only).
+
+    Returns:
+        :class:`DiffusionLossOutput` with per-token ``loss (B, L)`` and the token count for normalising.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    if head not in ("x0", "mu"):
+        raise ValueError(f"head: expected 'x0' or 'mu', got {head!r}")
+    if head == "mu" and objective != "m2s":
+        raise ValueError(f"head: 'mu' is M2S's parameterization and needs objective='m2s', got objective={objective!r}")
+    if objective == "mdlm" and not isinstance(kernel, MaskKernel):
+        raise TypeError(f"kernel: objective='mdlm' needs a MaskKernel, got {type(kernel).__name__}")
+    if weighting != "elbo" and objective != "gidd":
+        raise ValueError(f"weighting: only objective='gidd' supports {weighting!r}; the others are ELBO-weighted")
+    kernel = _check_kernel(kernel)
+    x0 = V.check_tensor("x0", x0)
+    if x0.dim() != 2:
+        raise ValueError(f"x0: expected clean tokens of shape (B, L), got {tuple(x0.shape)}")
+    x0 = V.check_token_ids("x0", x0, kernel.num_states)
+    B, L = x0.shape
+    if attention_mask is not None:
+        attention_mask = V.check_tensor("attention_mask", attention_mask)
+        if tuple(attention_mask.shape) != (B, L):
+            raise ValueError(f"attention_mask: expected shape {(B, L)} like x0, got {tuple(attention_mask.shape)}")
+        valid = attention_mask.to(torch.bool)
+    else:
+        valid = torch.ones_like(x0, dtype=torch.bool)
+
+    if t is None:
+        t = sample_times(B, t_min=t_min, generator=generator, device=x0.device)
+    else:
+        t = V.check_time("t", t, device=x0.device)
+        if tuple(t.shape) != (B,):
+            raise ValueError(f"t: expected shape ({B},), got {tuple(t.shape)}")
+    x_t = kernel.sample(x0, t[:, None], generator=generator)
+    x_t = torch.where(valid, x_t, x0)
+
+    if bidirectional_prob is None:
+        if step is None:
+            gamma = 1.0
+        else:
+            from .adapters import anneal_schedule
+            gamma = anneal_schedule(step, anneal_steps)
+    else:
+        gamma = float(bidirectional_prob)
+    if _is_diffusion_lm(model):
+        logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
+    else:
+        logits = model(x_t, t)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"model: expected logits of shape {(B, L, kernel.num_states)} (num_states = kernel's), got {got}")
+
+    dtype = V.compute_dtype(logits)
+    t_pos = t.to(dtype)[:, None].expand(B, L)
+    logits = logits.to(dtype)
+    with V.validation(False):  # inputs were validated above; skip the syncing re-checks inside
+        if objective == "gidd":
+            loss = native.gidd_loss(logits, x0, x_t, t_pos, kernel, weighting=weighting, max_weight=max_weight)
+        elif objective == "mdlm":
+            loss = native.mdlm_loss(logits, x0, x_t, t_pos, kernel)
+        elif objective == "m2s" and head == "mu":
+            loss = native.m2s_loss(logits, x0, x_t, t_pos, kernel)
+        else:
+            heads = _x0_head_to(objective, logits, kernel, x_t, t_pos)
+            if objective == "sedd":
+                loss = native.sedd_loss(heads[0], x0, x_t, t_pos, kernel)
+            elif objective == "m2s":
+                loss = native.m2s_loss(heads[0], x0, x_t, t_pos, kernel)
+            else:
+                loss = native.ctmc_loss(heads[0], heads[1], x0, x_t, t_pos, kernel)
+    mask = valid.to(loss.dtype)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
+                               bidirectional_prob=gamma)
