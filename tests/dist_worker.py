@@ -1,0 +1,85 @@
+"""Worker for tests/test_distributed.py, launched with `torchrun --nproc_per_node=2` (gloo, CPU).
+
+Computes the gradient of one global batch's token-mean diffusion loss (a) on one process without any wrapper and
+(b) split across ranks under DDP or FSDP2, normalising by the all-reduced global token count exactly as the docs
+show, and prints the largest gradient difference on rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _hf_tiny import tiny_model  # noqa: E402
+
+import unifusion as uf  # noqa: E402
+
+GLOBAL_BATCH, L = 4, 12
+
+
+def local_loss(model, x0, mask, times, kernel, indices):
+    total = torch.zeros(())
+    count = torch.zeros(())
+    for i in indices:  # per-sample generators: the corruption of sample i does not depend on who computes it
+        out = uf.diffusion_loss(model, x0[i:i + 1], kernel, t=times[i:i + 1], step=500, anneal_steps=1000,
+                                attention_mask=mask[i:i + 1], generator=torch.Generator().manual_seed(1000 + i))
+        total = total + out.loss.sum()
+        count = count + out.num_tokens
+    return total, count
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3).train()
+    kernel = uf.UniformKernel(model.num_states)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(4, model.num_states, (GLOBAL_BATCH, L), generator=g)
+    mask = torch.ones(GLOBAL_BATCH, L, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, 5:] = 0
+    times = uf.sample_times(GLOBAL_BATCH, generator=g)
+
+    reference = copy.deepcopy(model)
+    total, count = local_loss(reference, x0, mask, times, kernel, range(GLOBAL_BATCH))
+    (total / count).backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
+
+    per_rank = GLOBAL_BATCH // world
+    mine = range(rank * per_rank, (rank + 1) * per_rank)
+    if mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.base_model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    total, count = local_loss(wrapped, x0, mask, times, kernel, mine)
+    dist.all_reduce(count)                      # global token count
+    (total * world / count).backward()          # DDP / FSDP average gradients over ranks
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        key = n.replace("module.", "").replace("_fsdp_wrapped_module.", "")
+        worst = max(worst, float((grad - ref_grads[key]).abs().max()))
+    if mode == "fsdp2":  # and one optimizer step trains
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.step()
+    if rank == 0:
+        print(f"MAXDIFF {worst:.3e}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
