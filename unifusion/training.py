@@ -143,14 +143,18 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         kernel: the forward kernel (switching kernels mid-training is just passing another one).
         objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
             exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
-        step, anneal_steps: attention annealing γ_k = min(1, step/anneal_steps) (DiffusionLM only); ``step=None``
-            means fully bidirectional unless ``bidirectional_prob`` is given.
+        step: training step k for attention annealing γ_k = min(1, k/anneal_steps) (DiffusionLM only);
+            ``None`` means fully bidirectional unless ``bidirectional_prob`` is given.
+        anneal_steps: the annealing horizon K_ann.
         head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
             the paper's Fig. 2 comparison).
         attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
         generator: randomness for times, corruption and the annealed mask.
         t: optional fixed times ``(B,)``; otherwise :func:`sample_times` (low-discrepancy, t ∈ [t_min, 1)).
-        weighting, max_weight: GIDD weighting (objective ``"gidd"`` only).
+        weighting: GIDD weighting ``"elbo"``, ``"clip"`` or ``"dynamic"`` (objective ``"gidd"`` only).
+        max_weight: upper clip of the GIDD weights.
+        t_min: smallest sampled time.
+        bidirectional_prob: override γ directly (takes precedence over ``step``).
 
     Returns:
         :class:`DiffusionLossOutput` with per-token ``loss (B, L)`` and the token count for normalising.
