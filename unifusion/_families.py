@@ -1,25 +1,24 @@
 """Facts about Hugging Face causal-LM families that the AR→diffusion adapter relies on.
 
-One registry, keyed by ``config.model_type``. Every fact the adapter (:mod:`unifusion.adapters`) needs about an
-architecture lives here and nowhere else:
+One registry, keyed by ``config.model_type``. Every fact the adapter (:mod:`unifusion.adapters`) needs about
+an architecture lives here and nowhere else:
 
-* ``mask_style``: how the family's attention reads a custom 4D mask ``(B, 1, L, L)``.
-  ``"bool"`` (True = attend) is what ``sdpa`` honours; ``"additive"`` (0 = attend, ``finfo.min`` = blocked) is what
-  ``eager`` attention honours (it *adds* the mask to the scores, so a boolean mask is silently misread: +1/+0).
-  The adapter uses ``"additive"`` whenever the model runs ``eager`` attention, whatever the family says; gemma2
+* ``mask_style``: how the family's attention reads a custom 4D mask ``(B, 1, L, L)``. ``"bool"`` (True =
+  attend) is what ``sdpa`` honours; ``"additive"`` (0 = attend, ``finfo.min`` = blocked) is what ``eager``
+  attention honours (it *adds* the mask to the scores, so a boolean mask is silently misread: +1/+0). The
+  adapter uses ``"additive"`` whenever the model runs ``eager`` attention, whatever the family says; gemma2
   defaults to ``eager`` (attention logit soft-capping) and is registered ``"additive"``.
-* ``window``: how sliding-window layers are fed a custom mask.
-  ``"none"``: no sliding-window layers. ``"all_layers"``: one mask for every layer, every layer is windowed when
-  ``config.sliding_window`` is set (mistral, mixtral, phi3, starcoder2, qwen3_moe). ``"per_layer_type"``: the model
-  accepts a dict ``{"full_attention": mask, "sliding_attention": mask}`` and windows the layers whose
-  ``config.layer_types`` entry is ``"sliding_attention"`` (gemma2, gemma3_text, qwen2, qwen3, smollm3, ministral, ...).
+* ``window``: how sliding-window layers are fed a custom mask. ``"none"``: no sliding-window layers.
+  ``"all_layers"``: one mask for every layer, every layer is windowed when ``config.sliding_window`` is set
+  (mistral, mixtral, phi3, starcoder2, qwen3_moe). ``"per_layer_type"``: the model accepts a dict
+  ``{"full_attention": mask, "sliding_attention": mask}`` and windows the layers whose ``config.layer_types``
+  entry is ``"sliding_attention"`` (gemma2, gemma3_text, qwen2, qwen3, smollm3, ministral, ...).
 * ``logit_scale`` / ``softcap_attr``: the post-processing the family's ``forward`` applies after ``lm_head``
   (granite divides by ``logits_scaling``, cohere multiplies by ``logit_scale``, gemma2/3 soft-cap with
   ``final_logit_softcapping``), so ``DiffusionLM.logits_from_hidden`` can reproduce ``forward`` exactly.
 
 Input embeddings and the output head are reached through the generic ``get_input_embeddings()`` /
-``get_output_embeddings()`` of every ``PreTrainedModel``; the backbone through ``model.base_model``.
-"""
+``get_output_embeddings()`` of every ``PreTrainedModel``; the backbone through ``model.base_model``."""
 
 from __future__ import annotations
 

@@ -1,27 +1,31 @@
-"""Adapting a pretrained autoregressive (AR) causal LM into an x0-predicting diffusion model (paper §3.2, App. C.5).
+"""Adapting a pretrained autoregressive (AR) causal LM into an x0-predicting diffusion model.
 
-**AR as the x0 model.** After a one-position shift, the AR next-token distribution for ``x^i`` given ``x^{<i}`` is
-used as the clean-token prediction ``x_θ^i(· | x_t, t)``. :class:`DiffusionLM` prepends a BOS token, runs the network
-on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``) and keeps outputs ``0 .. L − 1``: the prediction for position ``i``
-is the network output at position ``i − 1`` (BOS for ``i = 1``). With causal attention and a clean input, the logits
-are exactly the base model's next-token logits after ``[BOS, x^1 .. x^{i−1}]``.
+Implements paper §3.2 ("AR as the x0 model", "Causal-to-bidirectional annealing") and App. C.5 (Algorithm 1).
 
-**Causal-to-bidirectional annealing.** At update ``k`` the attention mask over the ``L + 1`` network positions is
+**AR as the x0 model.** After a one-position shift, the AR next-token distribution for ``x^i`` given
+``x^{<i}`` is used as the clean-token prediction ``x_θ^i(· | x_t, t)``. :class:`DiffusionLM` prepends a BOS
+token, runs the network on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``) and keeps outputs ``0 .. L − 1``:
+the prediction for position ``i`` is the network output at position ``i − 1`` (BOS for ``i = 1``). With causal
+attention and a clean input, the logits are exactly the base model's next-token logits after
+``[BOS, x^1 .. x^{i−1}]``.
+
+**Causal-to-bidirectional annealing.** At update ``k`` the attention mask over the ``L + 1`` network positions
+is
 
     γ_k = min(1, k / K_ann),    A_ij = 1{j ≤ i} ∨ B_ij,    B_ij ~ Bernoulli(γ_k),
 
-drawn independently for every sequence of the batch and shared by all heads and layers. The BOS row is an ordinary
-row (its output predicts ``x^1``, so it must see the sequence when bidirectional); the BOS column is visible to every
-real query, since ``0 ≤ i``. Inference uses ``γ = 1``.
+drawn independently for every sequence of the batch and shared by all heads and layers. The BOS row is an
+ordinary row (its output predicts ``x^1``, so it must see the sequence when bidirectional); the BOS column is
+visible to every real query, since ``0 ≤ i``. Inference uses ``γ = 1``.
 
-**Padding** (``attention_mask``, 1 = real token) must be contiguous: right padding or left padding. Padded keys are
-blocked; padded queries see only themselves (so no row is empty and nothing is NaN). For left padding, BOS is placed
-just before the first real token and position ids count real tokens only, so a padded row equals the unpadded one on
-its real positions.
+**Padding** (``attention_mask``, 1 = real token) must be contiguous: right padding or left padding. Padded
+keys are blocked; padded queries see only themselves (so no row is empty and nothing is NaN). For left
+padding, BOS is placed just before the first real token and position ids count real tokens only, so a padded
+row equals the unpadded one on its real positions.
 
-**Sliding-window layers** (mistral, gemma2/3, ...) keep their window: in a windowed layer key ``j`` is visible from
-query ``i`` only if also ``|i − j| < w`` (symmetrised when bidirectional; with causal attention this is exactly the
-pretrained window, so the γ = 0 wrapper equals the AR model at any length).
+**Sliding-window layers** (mistral, gemma2/3, ...) keep their window: in a windowed layer key ``j`` is visible
+from query ``i`` only if also ``|i − j| < w`` (symmetrised when bidirectional; with causal attention this is
+exactly the pretrained window, so the γ = 0 wrapper equals the AR model at any length).
 
 Example::
 
@@ -54,7 +58,7 @@ _CONFIG_KEYS = {"unifusion_version", "bos_token_id", "mask_token_id", "added_mas
                 "model_type", "architecture", "dtype", "base_config"}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # schedule and mask (pure functions)
 
 
@@ -120,7 +124,7 @@ def annealed_attention_mask(
     return A
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # time conditioning
 
 
@@ -150,7 +154,7 @@ class TimeEmbedding(nn.Module):
         return self.proj_out(F.silu(self.proj_in(features)))  # (B, d)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # the wrapper
 
 
@@ -176,13 +180,14 @@ class DiffusionLM(nn.Module):
     Attributes:
         base_model: the wrapped Hugging Face model (or peft model).
         bos_token_id: the token prepended internally.
-        mask_token_id: the absorbing-state token for mask/hybrid kernels.
+        mask_token_id: the absorbing-state token for mask/hybrid kernels (``None`` when the model was adapted with
+            ``add_mask_token=False`` for uniform noise only).
         vocab_size: number of input ids / logit columns (including an added mask token).
         num_states: same as ``vocab_size`` (the state-space size ``S`` of the kernels).
         family: the :class:`unifusion._families.Family` entry used.
     """
 
-    def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int,
+    def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
                  time_conditioning: bool = False, added_mask_token: bool = False) -> None:
         super().__init__()
         self.base_model = base_model
@@ -191,7 +196,7 @@ class DiffusionLM(nn.Module):
         self.config = hf.config
         self.family: Family = family_for(getattr(hf.config, "model_type", None))
         self.bos_token_id = int(bos_token_id)
-        self.mask_token_id = int(mask_token_id)
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         self.added_mask_token = bool(added_mask_token)
         self.time_conditioning = bool(time_conditioning)
         if self.time_conditioning:
@@ -249,7 +254,8 @@ class DiffusionLM(nn.Module):
                 raise ValueError(f"t: expected shape ({B},) (one time per sequence), got {tuple(t.shape)}")
             t = check_time("t", t, device=x_t.device)
         elif self.time_conditioning:
-            raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), got None")
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), "
+                             "got None")
         if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)):
             raise TypeError(f"bidirectional_prob: expected a float in [0, 1], got {type(bidirectional_prob).__name__}")
         gamma = float(bidirectional_prob)
@@ -313,9 +319,9 @@ class DiffusionLM(nn.Module):
         style = self._mask_style()
         A = annealed_attention_mask(B, L + 1, gamma, key_valid=key_valid, generator=generator, device=device)
         masks = {"full_attention": A}
-        if window is not None:
-            masks["sliding_attention"] = annealed_attention_mask(
-                B, L + 1, gamma, key_valid=key_valid, window=window, device=device) & A
+        if window is not None:  # windowed layers: A ∧ |i − j| < w (the diagonal stays, so no row is empty)
+            i = torch.arange(L + 1, device=device)
+            masks["sliding_attention"] = A & ((i[None, :] - i[:, None]).abs() < window)
         if style == "additive":  # eager attention adds the mask to the scores: 0 = attend, finfo.min = blocked
             dtype = self._hf.get_input_embeddings().weight.dtype
             blocked = torch.finfo(dtype).min
@@ -378,11 +384,21 @@ class DiffusionLM(nn.Module):
     # -- passthroughs -------------------------------------------------------------------------------------------
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        """Turn on the wrapped model's gradient checkpointing (active in ``train()`` mode)."""
-        self._hf.gradient_checkpointing_enable(**kwargs)
+        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode."""
+        enable = getattr(self._hf, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        (enable or self._hf.gradient_checkpointing_enable)(**kwargs)
 
     def gradient_checkpointing_disable(self) -> None:
-        self._hf.gradient_checkpointing_disable()
+        """Turn the wrapped model's gradient checkpointing off."""
+        disable = getattr(self._hf, "activation_checkpointing_disable", None)
+        (disable or self._hf.gradient_checkpointing_disable)()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether the wrapped model checkpoints activations."""
+        hf = self._hf
+        flag = getattr(type(hf), "is_activation_checkpointing", None)
+        return bool(hf.is_activation_checkpointing if flag is not None else hf.is_gradient_checkpointing)
 
     # -- save / load --------------------------------------------------------------------------------------------
 
@@ -441,6 +457,7 @@ class DiffusionLM(nn.Module):
         with _no_init():
             hf = (model_cls._from_config(config, dtype=dtype) if model_cls is not None
                   else AutoModelForCausalLM.from_config(config, dtype=dtype))
+        hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
         model = cls(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
                     time_conditioning=stamp.get("time_conditioning", False),
                     added_mask_token=stamp.get("added_mask_token", False))
@@ -476,12 +493,12 @@ def _library_version() -> str:
             return "unknown"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # entry point
 
 
 def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_token_id: int | None = None,
-                   time_conditioning: bool = False) -> DiffusionLM:
+                   time_conditioning: bool = False, add_mask_token: bool = True) -> DiffusionLM:
     """Wrap a pretrained Hugging Face causal LM as a shifted x0 predictor (paper §3.2).
 
     Args:
@@ -493,6 +510,9 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
             output) row is set to the mean of the existing rows; the new id is ``V``.
         time_conditioning: add a learned, zero-initialised embedding of ``t`` to the input embeddings (the paper
             trains without one).
+        add_mask_token: with ``mask_token_id=None``, whether to add the mask token. Pass ``False`` for uniform-noise
+            training (the paper's setting): the vocabulary, and hence the AR model's logits, stay exactly as they
+            are, and ``model.mask_token_id`` is ``None``.
 
     Returns:
         A :class:`DiffusionLM`; ``result.base_model`` is ``model``.
@@ -525,8 +545,12 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
                              "bos_token_id= explicitly (the token prepended so position 1 has a predictor)")
     _check_id("bos_token_id", bos_token_id, V)
 
+    if not isinstance(add_mask_token, bool):
+        raise TypeError(f"add_mask_token: expected a bool, got {type(add_mask_token).__name__}")
     added = False
-    if mask_token_id is None:
+    if mask_token_id is None and not add_mask_token:
+        pass  # uniform noise only: no absorbing state
+    elif mask_token_id is None:
         _add_token(hf)
         mask_token_id, added = V, True
     else:
