@@ -13,13 +13,14 @@ those rates; an x0 head converts exactly into the other three (Theorem 3.5).
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import losses
+from . import eval, losses, models, samplers
 from ._validation import set_validation, validation, validation_enabled
 from .adapters import DiffusionLM, adapt_ar_model, anneal_schedule
 from .conversions import convert_x0_to
 from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from .losses import bregman_rate_loss
 from .rates import ReverseRate
+from .samplers import BayesianSampler, EulerSampler
 from .schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
 from .training import DiffusionLossOutput, diffusion_loss, sample_times
 
@@ -29,9 +30,11 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
     __version__ = "0.0.0+local"
 
 __all__ = [
+    "BayesianSampler",
     "CosineSchedule",
     "DiffusionLM",
     "DiffusionLossOutput",
+    "EulerSampler",
     "GeneratorKernel",
     "HybridKernel",
     "InterpolatingKernel",
@@ -48,7 +51,10 @@ __all__ = [
     "bregman_rate_loss",
     "convert_x0_to",
     "diffusion_loss",
+    "eval",
     "losses",
+    "models",
+    "samplers",
     "sample_times",
     "set_validation",
     "validation",

@@ -100,10 +100,11 @@ def _ar_perplexity(hf_model: Any, blocks: torch.Tensor, bos: int, batch_size: in
 
 # ------------------------------------------------------------------------------------------------ the demo
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    import unifusion as uf
     from tqdm.auto import tqdm
 
-    from .eval import generative_perplexity, gpt2_tokenizer, retokenize, unigram_entropy
+    import unifusion as uf
+
+    from .eval import frontier
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,88 +158,46 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         step += 1
         tokens += x0.numel()
-        value = float(loss)
+        value = float(loss.detach())
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         now = time.time() - start
         history.append({"step": step, "seconds": now, "loss": value, "gamma": gamma})
         bar.n = min(int(now), int(budget))
         bar.set_postfix_str(f"step {step} loss {ema:.3f} γ {gamma:.2f} {tokens / max(now, 1e-9):.0f} tok/s")
     bar.close()
+    train_seconds = time.time() - start
     model.eval()
     print(f"      {step} steps, {tokens} tokens, final loss (EMA) {ema:.3f}", flush=True)
 
     # 3. sample + evaluate --------------------------------------------------------------------------------
-    print("[3/3] sampling with BayesianSampler and evaluating ...", flush=True)
+    print("[3/3] sampling with BayesianSampler and evaluating (GenPPL judge: the original AR model) ...", flush=True)
     judge, judge_tok = _load(args.model)  # the original AR weights (the adapted model trained in place)
     judge.to(device)
-    entropy_tok = gpt2_tokenizer()
-    results = []
-    samples_path = out_dir / "samples.jsonl"
-    with open(samples_path, "w", encoding="utf-8") as f_samples:
-        for n_steps in args.steps:
-            sampler = uf.BayesianSampler(model, kernel, n_steps)
-            gen = torch.Generator(device=device).manual_seed(args.seed + n_steps)
-            t_s = time.time()
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                ids = sampler.sample(args.num_samples, args.seq_len, generator=gen, progress=True)
-            seconds = time.time() - t_s
-            texts = tokenizer.batch_decode(ids.cpu(), skip_special_tokens=True)
-            ppl = float(generative_perplexity(texts, judge, judge_tok, batch_size=8, progress=False))
-            entropy = float(unigram_entropy(retokenize(texts, entropy_tok)).mean())
-            results.append({"steps": n_steps, "genppl": ppl, "entropy": entropy, "seconds": seconds})
-            for i, text in enumerate(texts):
-                f_samples.write(json.dumps({"steps": n_steps, "index": i, "text": text}) + "\n")
-            print(f"\n  --- {n_steps} steps: GenPPL {ppl:.1f}, unigram entropy {entropy:.2f} nats, "
-                  f"{seconds:.1f} s ---")
-            for text in texts[:2]:
-                print("  » " + text.replace("\n", " ")[:300])
+    result = frontier(model, kernel, steps=tuple(args.steps), seeds=(args.seed,), num_samples=args.num_samples,
+                      seq_len=args.seq_len, judge_model=judge, judge_tokenizer=judge_tok, tokenizer=tokenizer,
+                      out_dir=out_dir, label="demo", batch_size=args.num_samples, progress=True)
+    samples = [json.loads(line) for line in open(result.paths["samples"], encoding="utf-8")]
+    for row in result.summary:
+        print(f"\n  --- {row['steps']} steps: GenPPL {row['genppl_mean']:.1f}, "
+              f"unigram entropy {row['entropy_mean']:.2f} nats ---")
+        for sample in [s_ for s_ in samples if s_["steps"] == row["steps"]][:2]:
+            print("  » " + sample["text"].replace("\n", " ")[:300])
 
     metrics = {
         "model": args.model, "seq_len": args.seq_len, "train_steps": step, "train_tokens": tokens,
-        "train_seconds": round(time.time() - start, 1), "final_loss_ema": ema, "ar_perplexity_heldout": ar_ppl,
-        "sampling": results, "loss_history": history[:: max(1, len(history) // 200)],
+        "train_seconds": round(train_seconds, 1), "final_loss_ema": ema, "ar_perplexity_heldout": ar_ppl,
+        "sampling": result.summary, "loss_history": history[:: max(1, len(history) // 200)],
         "device": str(device), "torch_threads": torch.get_num_threads(), "bf16": use_bf16,
         "unifusion_version": uf.__version__, "total_seconds": round(time.time() - t0, 1),
+        "files": result.paths,
     }
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    _plot(results, out_dir / "frontier.png", label=f"{args.model} (demo, {step} steps)")
-
-    print("\n  steps   GenPPL   entropy (nats)   seconds")
-    for r in results:
-        print(f"  {r['steps']:>5}   {r['genppl']:>6.1f}   {r['entropy']:>14.3f}   {r['seconds']:>7.1f}")
-    print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; wrote {samples_path}, {out_dir / 'metrics.json'}, "
-          f"{out_dir / 'frontier.png'}; total {metrics['total_seconds']:.0f} s")
+    print()
+    print(result.table())
+    print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; {step} training steps in {train_seconds:.0f} s; wrote "
+          f"{out_dir / 'metrics.json'}, {result.paths.get('png')}, {result.paths.get('samples')}; "
+          f"total {metrics['total_seconds']:.0f} s")
     return metrics
-
-
-def _plot(results: list[dict[str, float]], path: Path, label: str) -> None:
-    """The perplexity–entropy frontier of the demo run (GenPPL on an inverted log axis)."""
-    try:
-        from .eval.frontier import plot_frontier
-    except ImportError:  # pragma: no cover - eval installed without plotting
-        plot_frontier = None
-    if plot_frontier is not None:
-        rows = [{"steps": r["steps"], "genppl_mean": r["genppl"], "genppl_std": 0.0,
-                 "entropy_mean": r["entropy"], "entropy_std": 0.0} for r in results]
-        plot_frontier([{"label": label, "rows": rows}], str(path))
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot([r["entropy"] for r in results], [r["genppl"] for r in results], "o-", label=label)
-    for r in results:
-        ax.annotate(str(r["steps"]), (r["entropy"], r["genppl"]))
-    ax.set_yscale("log")
-    ax.invert_yaxis()
-    ax.set_xlabel("unigram entropy (nats)")
-    ax.set_ylabel("GenPPL (log, inverted)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

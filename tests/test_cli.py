@@ -1,0 +1,141 @@
+"""The ``unifusion`` command line, end to end on tiny random models saved to a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _hf_tiny import tiny_model
+
+import unifusion as uf
+from unifusion.cli import build_parser, main
+
+DATA = Path(__file__).parent / "data"
+TASK = DATA / "tiny_task.json"
+
+HELP = [["sample"], ["eval"], ["eval", "genppl"], ["eval", "frontier"], ["eval", "mc"], ["eval", "nll"]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A Hugging Face causal-LM folder and a saved DiffusionLM folder, both with the tiny tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("cli")
+    tok = PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")
+    hf_dir, dm_dir = root / "hf", root / "dm"
+    judge = tiny_model("llama", seed=0)
+    judge.save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    dm = uf.adapt_ar_model(tiny_model("llama", seed=1), mask_token_id=2)
+    dm.save_pretrained(dm_dir)
+    tok.save_pretrained(dm_dir)
+    texts = root / "texts.txt"
+    texts.write_text("the cat sat on the mat .\nthe big dog ran to the river and the red bird sat in the tree .\n")
+    return {"hf": str(hf_dir), "dm": str(dm_dir), "root": root, "texts": str(texts)}
+
+
+@pytest.mark.parametrize("argv", HELP, ids=" ".join)
+def test_help_of_every_subcommand(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: unifusion " + " ".join(argv))
+    if argv not in (["eval"],):
+        assert "--" in out
+
+
+def test_python_dash_m_and_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "unifusion", "--help"], capture_output=True, text=True, check=True)
+    assert "sample" in out.stdout and "eval" in out.stdout
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "unifusion"]
+    assert ep.value == "unifusion.cli:main"
+    assert "demo" in build_parser().format_help()  # the demo hook is registered
+
+
+def test_sample_then_genppl_end_to_end(folders, capsys):
+    out = folders["root"] / "samples.jsonl"
+    rc = main(["sample", "--model", folders["dm"], "--kernel", "uniform", "--steps", "3", "--num-samples", "3",
+               "--seq-len", "6", "--batch-size", "2", "--seed", "5", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "--- sample 2 (3 steps, seed 5) ---" in stdout
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2] and all(len(r["ids"]) == 6 for r in records)
+
+    result = folders["root"] / "genppl.json"
+    rc = main(["eval", "genppl", "--texts", str(out), "--judge", folders["hf"], "--entropy-tokenizer", "judge",
+               "--device", "cpu", "--out", str(result)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "GenPPL" in stdout and "mean unigram entropy" in stdout
+    payload = json.loads(result.read_text())
+    # the same number as the library call
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    judge = AutoModelForCausalLM.from_pretrained(folders["hf"])
+    ref = uf.eval.generative_perplexity([r["text"] for r in records], judge,
+                                        AutoTokenizer.from_pretrained(folders["hf"]), progress=False)
+    assert payload["genppl"] == pytest.approx(ref.perplexity, rel=1e-5)
+    assert payload["num_texts"] == 3
+
+
+def test_sample_adapts_a_hf_folder_on_the_fly_with_a_mask_kernel(folders, capsys):
+    rc = main(["sample", "--model", folders["hf"], "--kernel", "mask", "--steps", "4", "--num-samples", "2",
+               "--seq-len", "5", "--device", "cpu"])
+    assert rc == 0
+    assert capsys.readouterr().out.count("--- sample") == 2
+
+
+def test_eval_mc_nll_and_frontier(folders, capsys):
+    root = folders["root"]
+    rc = main(["eval", "mc", "--model", folders["dm"], "--task", str(TASK), "--num-times", "2", "--device", "cpu",
+               "--out", str(root / "mc.json")])
+    assert rc == 0
+    assert "accuracy" in capsys.readouterr().out
+    mc = json.loads((root / "mc.json").read_text())
+    assert mc["num_examples"] == 6 and 0.0 <= mc["accuracy"] <= 1.0 and len(mc["predictions"]) == 6
+    rc = main(["eval", "mc", "--model", folders["hf"], "--method", "ar", "--task", str(TASK), "--max-examples", "3",
+               "--device", "cpu", "--out", str(root / "mc_ar.json")])
+    assert rc == 0 and json.loads((root / "mc_ar.json").read_text())["num_examples"] == 3
+    capsys.readouterr()
+
+    rc = main(["eval", "nll", "--model", folders["dm"], "--texts", folders["texts"], "--seq-len", "5",
+               "--num-times", "2", "--device", "cpu", "--out", str(root / "nll.json")])
+    assert rc == 0
+    assert "perplexity bound" in capsys.readouterr().out
+    nll = json.loads((root / "nll.json").read_text())
+    assert nll["num_tokens"] == 7 + 16 and nll["num_blocks"] == 2 + 4 and nll["nll_bound_per_token"] > 0
+
+    rc = main(["eval", "frontier", "--model", folders["dm"], "--judge", folders["hf"], "--steps", "2", "3",
+               "--seeds", "1", "2", "--num-samples", "2", "--seq-len", "6", "--entropy-tokenizer", "model",
+               "--label", "tiny", "--device", "cpu", "--out", str(root / "frontier")])
+    assert rc == 0
+    assert "±" in capsys.readouterr().out
+    res = uf.eval.FrontierResult.from_json(root / "frontier" / "tiny_frontier.json")
+    assert [r["steps"] for r in res.summary] == [2, 3] and len(res.runs) == 4
+    assert (root / "frontier" / "tiny_frontier.png").is_file()
+
+
+def test_bad_arguments_name_the_option(folders, capsys):
+    for argv, option in ((["sample", "--model", "x", "--steps", "0"], "--steps"),
+                         (["sample", "--model", "x", "--num-samples", "two"], "--num-samples"),
+                         (["eval", "frontier", "--model", "x", "--judge", "y", "--out", "z", "--seeds", "1", "-3"],
+                          "--seeds"),
+                         (["eval", "mc", "--model", "x", "--task", "t", "--num-times", "0"], "--num-times")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert f"argument {option}" in capsys.readouterr().err
+    rc = main(["sample", "--model", str(folders["root"] / "nope"), "--device", "cpu"])
+    assert rc == 2 and "--model" in capsys.readouterr().err
+    empty = folders["root"] / "empty.txt"
+    empty.write_text("\n\n")
+    rc = main(["eval", "genppl", "--texts", str(empty), "--judge", folders["hf"], "--device", "cpu"])
+    assert rc == 2 and "--texts" in capsys.readouterr().err

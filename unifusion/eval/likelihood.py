@@ -1,0 +1,115 @@
+"""An upper bound on −log p_θ(x0) from the master objective (paper Proposition 3.2).
+
+For a sequence x0 of L tokens and an x0 model whose per-position predictions induce reverse rates (Theorem 3.3),
+
+    −log p_θ(x0) ≤ ∫_0^1 E_{x_t ~ q_{t|0}(·|x0)} [ Σ_i D_t^i(x_t, x0; θ) ] dt + C_ELBO,
+    C_ELBO = Σ_i KL(q_{1|0}(·|x0^i) ‖ p_prior),
+
+where D_t^i is Definition 3.1's rate divergence at position i; :func:`~unifusion.losses.gidd_loss` with
+``weighting="elbo"`` computes it exactly. C_ELBO is 0 when the chain forgets the data at t = 1 (α_1 = 0: the uniform
+and mask kernels with the linear schedule, GIDD's hybrid); it is positive e.g. for ``LogLinearSchedule(eps > 0)``.
+
+The time integral is estimated with K stratified times t_k = t_min + (1 − t_min)(k − u)/K, k = 1..K, one
+u ~ U(0, 1) per sequence (independent across the batch), and one x_t ~ q_{t_k|0}(·|x0) per time:
+
+    ∫ ≈ ((1 − t_min)/K) Σ_k Σ_i D_{t_k}^i(x_{t_k}, x0).
+
+The estimate is unbiased for the integral over (t_min, 1); with the default ``t_min = 0`` it is unbiased for the
+bound itself (the integrand is bounded near t = 0 for the kernels of this library).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._validation import check_token_ids
+from ..kernels import InterpolatingKernel, Kernel
+from ..losses.native import gidd_loss
+from .quality import _check_positive_int, _logits_of
+
+__all__ = ["nll_bound", "prior_kl"]
+
+_T_CLAMP = 1.0 - 1e-6
+
+
+def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
+    """C_ELBO per position: KL(q_{1|0}(·|x0) ‖ p_prior), float64 ``(...)`` for ids ``x0 (...)``.
+
+    Interpolating kernels are evaluated at t = 1 exactly; other kernels at t = 1 − 10⁻⁷. ``+inf`` where the prior
+    misses a state that q_{1|0} reaches (Proposition 3.2's assumption (1) fails).
+    """
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    ids = check_token_ids("x0", x0, kernel.num_states)
+    T = 1.0 if isinstance(kernel, InterpolatingKernel) else 1.0 - 1e-7
+    t = torch.tensor(T, dtype=torch.float64, device=ids.device)
+    q = kernel._propagate(kernel._one_hot(ids, torch.float64), t)  # (..., S)
+    prior = kernel.prior(None, dtype=torch.float64, device=ids.device)  # (S,)
+    pos = q > 0
+    ratio = torch.where(pos, q, torch.ones_like(q)) / prior
+    terms = torch.where(pos, q * torch.log(ratio), torch.zeros_like(q))
+    return terms.sum(-1)
+
+
+@torch.no_grad()
+def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
+              generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
+              t_min: float = 0.0, per_token: bool = True) -> torch.Tensor:
+    """Proposition 3.2's upper bound on −log p_θ(x0), per sequence, float64 ``(B,)``.
+
+    bound = ∫_0^1 E[Σ_i D_t^i] dt + C_ELBO, estimated with ``num_times`` stratified times (module docstring).
+
+    Args:
+        model: x0 predictor ``model(x_t (B, L), t (B,)) -> logits (B, L, S)``; called with ``attention_mask=`` when
+            one is given (a :class:`~unifusion.DiffusionLM` accepts it).
+        x0: clean token ids ``(B, L)``.
+        kernel: the forward kernel the model was trained with.
+        num_times: K ≥ 1 stratified times (one forward pass of B rows each).
+        generator: randomness for u and x_t (on x0's device).
+        attention_mask: optional ``(B, L)``, 1 = real token; padding is excluded from the sums and the token count.
+        t_min: lower end of the time integral, in [0, 1).
+        per_token: divide by the number of (real) tokens (nats per token; exponentiate for a perplexity bound).
+            ``False`` returns the bound on the sequence's −log p_θ(x0).
+
+    Returns:
+        float64 ``(B,)``.
+    """
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    num_times = _check_positive_int("num_times", num_times)
+    if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
+        raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
+    if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
+        raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
+                         f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
+    n_model = getattr(model, "num_states", None)
+    if isinstance(n_model, int) and n_model != kernel.num_states:
+        raise ValueError(f"kernel: has {kernel.num_states} states but the model predicts {n_model}")
+    x_0 = check_token_ids("x0", x0, kernel.num_states)
+    B, L = x_0.shape
+    if attention_mask is None:
+        valid = torch.ones_like(x_0, dtype=torch.bool)
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != x_0.shape:
+            raise ValueError(f"attention_mask: expected a tensor of shape {tuple(x_0.shape)} like x0")
+        valid = attention_mask.to(device=x_0.device, dtype=torch.bool)
+    extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+
+    k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
+    u = torch.rand(B, generator=generator, dtype=torch.float64, device=x_0.device)  # (B,)
+    times = (t_min + (1.0 - t_min) * (k[:, None] - u[None, :]) / num_times).clamp(1e-12, _T_CLAMP)  # (K, B)
+    total = torch.zeros(B, dtype=torch.float64, device=x_0.device)
+    for t in times:
+        x_t = kernel.sample(x_0, t[:, None], generator=generator)  # (B, L)
+        x_t = torch.where(valid, x_t, x_0)
+        logits = _logits_of(model(x_t, t.float(), **extra))  # (B, L, S)
+        D_t = gidd_loss(logits, x_0, x_t, t[:, None], kernel, weighting="elbo")  # (B, L), = D_t exactly
+        total += torch.where(valid, D_t.double(), torch.zeros_like(D_t, dtype=torch.float64)).sum(-1)
+    integral = total * (1.0 - t_min) / num_times
+    c_elbo = torch.where(valid, prior_kl(kernel, x_0), torch.zeros((), dtype=torch.float64)).sum(-1)
+    bound = integral + c_elbo
+    if per_token:
+        bound = bound / valid.sum(-1).clamp_min(1)
+    return bound
