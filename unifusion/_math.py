@@ -63,6 +63,23 @@ def bregman_from_logs(log_r: torch.Tensor, log_c: torch.Tensor) -> torch.Tensor:
     return torch.where(~r_zero & c_zero, torch.full_like(value, math.inf), value)
 
 
+def bregman_from_log_ratio(log_c: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """f(r, c) from log c and ℓ = log(r/c) given directly (for callers that can compute ℓ without cancelling).
+
+    ℓ = −inf means r = 0 (f = c); log_c = −inf with finite ℓ means r = c = 0 (f = 0); ℓ = +inf means c = 0 < r (∞).
+    """
+    finite = torch.isfinite(l) & ~torch.isneginf(log_c)
+    l_safe = torch.where(finite, l, torch.zeros_like(l))
+    c = torch.exp(torch.where(torch.isneginf(log_c), torch.full_like(log_c, -math.inf), log_c))
+    small = l_safe.abs() < _SERIES_CUTOFF
+    l_small = torch.where(small, l_safe, torch.zeros_like(l_safe))
+    r = c * torch.exp(l_safe)
+    value = torch.where(small, c * _series(l_small, _G_COEFFS), r * l_safe - r + c)
+    value = torch.where(finite, value, torch.zeros_like(value))
+    value = torch.where(torch.isneginf(l), c, value)
+    return torch.where(torch.isposinf(l), torch.full_like(value, math.inf), value)
+
+
 def safe_log(x: torch.Tensor) -> torch.Tensor:
     """log x with log 0 = −inf and no NaN gradient at 0 (gradient 0 there)."""
     pos = x > 0

@@ -89,7 +89,7 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
     else:
         raise TypeError(f"{name}: expected a float or a float tensor, got {type(value).__name__}")
     if _VALIDATE and t.numel() > 0:
-        lo, hi = float(t.min()), float(t.max())
+        lo, hi = float(t.detach().min()), float(t.detach().max())
         if open_interval and not (lo > 0.0 and hi < 1.0):
             raise ValueError(f"{name}: expected times in the open interval (0, 1), got values in [{lo}, {hi}]")
         if not open_interval and not (lo >= 0.0 and hi < 1.0):
@@ -99,7 +99,7 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
 
 def check_finite(name: str, value: torch.Tensor) -> None:
     if _VALIDATE and value.is_floating_point() and value.numel() > 0:
-        if bool(torch.isnan(value).any()):
+        if bool(torch.isnan(value.detach()).any()):
             raise ValueError(f"{name}: contains NaN")
 
 
@@ -114,10 +114,10 @@ def check_distribution(name: str, value: object, num_states: int, *, atol: float
         if bool(torch.isnan(p).any()):
             raise ValueError(f"{name}: contains NaN")
         if bool((p < 0).any()):
-            raise ValueError(f"{name}: expected non-negative probabilities, got min {float(p.min())}")
+            raise ValueError(f"{name}: expected non-negative probabilities, got min {float(p.detach().min())}")
         if atol is None:
             atol = 1e-10 if p.dtype == torch.float64 else (1e-4 if p.dtype == torch.float32 else 2e-2)
-        err = float((p.sum(-1) - 1).abs().max())
+        err = float((p.detach().sum(-1) - 1).abs().max())
         if err > atol:
             raise ValueError(f"{name}: expected rows summing to 1 along the last dim, worst row is off by {err:.3g}")
     return p

@@ -67,19 +67,29 @@ class LinearSchedule(Schedule):
 
 
 class CosineSchedule(Schedule):
-    """α_t = cos(π t / 2); α_t' = −(π/2) sin(π t / 2)."""
+    """α_t = cos(π t / 2); α_t' = −(π/2) sin(π t / 2).
+
+    Near t = 1 it evaluates α_t = sin(π (1 − t) / 2) (1 − t is exact there), near t = 0 it evaluates
+    1 − α_t = 2 sin²(π t / 4) and log α_t = log1p(−2 sin²(π t / 4)), so no branch cancels in float32.
+    """
 
     def alpha(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.cos(0.5 * math.pi * t)
+        return torch.where(t < 0.5, torch.cos(0.5 * math.pi * t), torch.sin(0.5 * math.pi * (1.0 - t)))
 
     def alpha_prime(self, t: torch.Tensor) -> torch.Tensor:
-        return -0.5 * math.pi * torch.sin(0.5 * math.pi * t)
+        return -0.5 * math.pi * torch.where(t < 0.5, torch.sin(0.5 * math.pi * t),
+                                            torch.cos(0.5 * math.pi * (1.0 - t)))
 
     def one_minus_alpha(self, t: torch.Tensor) -> torch.Tensor:
         return 2.0 * torch.sin(0.25 * math.pi * t) ** 2
 
+    def log_alpha(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t < 0.5, torch.log1p(-self.one_minus_alpha(t)), torch.log(self.alpha(t)))
+
     def hazard(self, t: torch.Tensor) -> torch.Tensor:
-        return 0.5 * math.pi * torch.tan(0.5 * math.pi * t)
+        # (π/2) tan(π t / 2) = (π/2) / tan(π (1 − t) / 2)
+        return 0.5 * math.pi * torch.where(t < 0.5, torch.tan(0.5 * math.pi * t),
+                                           1.0 / torch.tan(0.5 * math.pi * (1.0 - t)))
 
 
 class LogLinearSchedule(Schedule):
@@ -96,7 +106,8 @@ class LogLinearSchedule(Schedule):
         self.eps = float(eps)
 
     def alpha(self, t: torch.Tensor) -> torch.Tensor:
-        return 1.0 - (1.0 - self.eps) * t
+        # eps + (1 − eps)(1 − t): no cancellation near t = 1
+        return self.eps + (1.0 - self.eps) * (1.0 - t)
 
     def alpha_prime(self, t: torch.Tensor) -> torch.Tensor:
         return torch.full_like(t, -(1.0 - self.eps))
@@ -105,10 +116,10 @@ class LogLinearSchedule(Schedule):
         return (1.0 - self.eps) * t
 
     def log_alpha(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.log1p(-(1.0 - self.eps) * t)
+        return torch.where(t < 0.5, torch.log1p(-(1.0 - self.eps) * t), torch.log(self.alpha(t)))
 
     def hazard(self, t: torch.Tensor) -> torch.Tensor:
-        return (1.0 - self.eps) / (1.0 - (1.0 - self.eps) * t)
+        return (1.0 - self.eps) / self.alpha(t)
 
     def __repr__(self) -> str:
         return f"LogLinearSchedule(eps={self.eps})"

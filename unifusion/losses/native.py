@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 
 from .. import _validation as V
-from .._math import bregman_from_logs, expm1_minus_x, safe_log
-from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
+from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
+from ..kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from ..rates import ReverseRate, _b_operator, _check_kernel, x0_log_probs
 from .bregman import bregman_rate_loss
 
@@ -61,6 +61,25 @@ def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x
     return kernel, out, x0.expand(shape), x_t.expand(shape), t_, dtype
 
 
+def _input_precision(loss_fn):
+    """Run small-S GeneratorKernel losses in float64 (their matrix exponentials and log-ratios lose ~1e-4 relative
+    in float32) and return float32 unless a head is float64, like every other loss."""
+    import functools
+
+    @functools.wraps(loss_fn)
+    def wrapper(*args, **kwargs):
+        kernel = next((a for a in (*args, *kwargs.values()) if isinstance(a, Kernel)), None)
+        heads = [a for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dim() > 0]
+        want = V.compute_dtype(*heads)
+        if isinstance(kernel, GeneratorKernel) and want != torch.float64:
+            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+                         for a in args)
+            return loss_fn(*args, **kwargs).to(want)
+        return loss_fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _gather(row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return row.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
@@ -79,7 +98,66 @@ def _weighted_sum(weight: torch.Tensor, terms: torch.Tensor, x_t: torch.Tensor) 
     return prod.scatter(-1, x_t.unsqueeze(-1), 0.0).sum(-1)
 
 
+# ---------------------------------------------------------------------------------------------------- accuracy helpers
+def _softplus(z: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^z), exact to rounding for every z (torch's softplus switches to z above a threshold)."""
+    pos = z > 0
+    return torch.where(pos, z.clamp_min(0) + torch.log1p(torch.exp(-z.clamp_min(0))),
+                       torch.log1p(torch.exp(z.clamp_max(0))))
+
+
+class _Interp:
+    """log-space pieces of an interpolating kernel q(y) = α p(y) + m(y), relative to the noise mass m.
+
+    Near t → 1 both q_t(·|x0) and q_t(·|x_θ) approach m and their logs agree to many digits; ratios such as
+    log q_{t|0}(y|x0) − log q_t(y|x_θ) are therefore built from log(q/m) = softplus(log α + log p − log m), which is
+    small and accurate there, instead of subtracting two nearly equal logs.
+    """
+
+    def __init__(self, kernel: InterpolatingKernel, t: torch.Tensor, shape: torch.Size) -> None:
+        alpha, a, b = kernel._coefficients(t)
+        alpha, a, b = (torch.broadcast_to(v, shape) for v in (alpha, a, b))
+        self.log_alpha = torch.log(alpha)
+        self.m = kernel._noise_vector(a, b)                      # (..., S)
+        self.has_m = self.m > 0
+        self.log_m = torch.log(torch.where(self.has_m, self.m, torch.ones_like(self.m)))  # 0 where m = 0 (unused)
+
+    def log_q_over_m(self, log_p: torch.Tensor) -> torch.Tensor:
+        """log(q/m) = log(1 + α p/m) where m > 0 (0 elsewhere, unused)."""
+        z = self.log_alpha.unsqueeze(-1) + log_p - self.log_m
+        return torch.where(self.has_m, _softplus(torch.where(self.has_m, z, torch.zeros_like(z))),
+                           torch.zeros_like(z))
+
+    def log_q(self, log_p: torch.Tensor, log_q_over_m: torch.Tensor) -> torch.Tensor:
+        """log q from log(q/m) where m > 0, else log α + log p."""
+        return torch.where(self.has_m, self.log_m + log_q_over_m, self.log_alpha.unsqueeze(-1) + log_p)
+
+
+def _one_hot_log(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """log δ(·, ids): 0 at ids, −inf elsewhere, ``(..., S)``."""
+    out = torch.full_like(like, float("-inf"))
+    return out.scatter(-1, ids.unsqueeze(-1), 0.0)
+
+
+def _interp_log_r(ip: _Interp, x0: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
+    """log r_y = log q_{t|0}(y|x0) − log q_{t|0}(x_t|x0) ``(..., S)`` via log(q/m) (−inf rows where q(x_t|x0) = 0)."""
+    log_d = _one_hot_log(x0, ip.m)
+    lqm = ip.log_q_over_m(log_d)
+    log_q0 = ip.log_q(log_d, lqm)
+    log_q0_xt = _gather(log_q0, x_t).unsqueeze(-1)
+    both = ip.has_m & _gather(ip.has_m, x_t).unsqueeze(-1)
+    # both m > 0: log(m_y/m_xt) + log(q/m)_y − log(q/m)_xt, with the m-ratio exactly 0 when m_y == m_xt
+    log_m_ratio = torch.where(ip.m == _gather(ip.m, x_t).unsqueeze(-1), torch.zeros_like(ip.m),
+                              ip.log_m - _gather(ip.log_m, x_t).unsqueeze(-1))
+    accurate = log_m_ratio + lqm - _gather(lqm, x_t).unsqueeze(-1)
+    ok = ~torch.isneginf(log_q0_xt)
+    direct = log_q0 - torch.where(ok, log_q0_xt, torch.zeros_like(log_q0_xt))
+    out = torch.where(both, accurate, direct)
+    return torch.where(ok, out, torch.full_like(out, float("-inf")))
+
+
 # ---------------------------------------------------------------------------------------------------- SEDD
+@_input_precision
 def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: Kernel) -> torch.Tensor:
     """SEDD's score entropy (App. A, eq. loss-sedd), per position ``(...)``:
@@ -90,7 +168,10 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"log_score": log_score}, x0, x_t, t)
     Q = kernel._rate_column(x_t, t)
-    log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t)
+    if isinstance(kernel, InterpolatingKernel):
+        log_r = _interp_log_r(_Interp(kernel, t, x_t.shape), x0, x_t)
+    else:
+        log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t)
     log_s = h["log_score"].scatter(-1, x_t.unsqueeze(-1), 0.0)
     log_r = log_r.scatter(-1, x_t.unsqueeze(-1), 0.0)
     # s − r log s + r log r − r  ==  f(r, s)
@@ -113,16 +194,6 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 
 # ---------------------------------------------------------------------------------------------------- GIDD
-def _interp_quantities(kernel: InterpolatingKernel, log_x: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
-                       t: torch.Tensor, dtype: torch.dtype):
-    log_q_theta = kernel._log_marginal_from_log_probs(log_x, t)          # log q_t(·|x_θ)
-    log_q0 = kernel._log_marginal_ids(x0, t, dtype)                      # log q_{t|0}(·|x0)
-    v_mask, v_unif = kernel._rate_coefficients(t)
-    v = torch.where(kernel._is_mask(x_t), v_mask,
-                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
-    return log_q_theta, log_q0, v
-
-
 def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """GIDD's heuristic weights: 1 at a uniform-noise token, 2 at the mask, B((1−α_t)/α_t)^{γ/2} when x_t = x0."""
     if isinstance(kernel, HybridKernel):
@@ -141,6 +212,7 @@ def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torc
     return torch.where(x_t == x0, x_scale, noisy.to(t.dtype))
 
 
+@_input_precision
 def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
               max_weight: float = 2.0) -> torch.Tensor:
@@ -168,10 +240,18 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
         model = ReverseRate._from_log_ratio(kernel, x_t, t, log_q)
         return bregman_rate_loss(true, model)
 
-    log_q_theta, log_q0, v = _interp_quantities(kernel, log_x, x0, x_t, t, dtype)
-    kl = bregman_from_logs(log_q0, log_q_theta).sum(-1)  # Σ_y f(q0, qθ) = KL since both sum to 1
+    ip = _Interp(kernel, t, x_t.shape)
+    log_d = _one_hot_log(x0, log_x)
+    lqm_0, lqm_theta = ip.log_q_over_m(log_d), ip.log_q_over_m(log_x)
+    log_q0, log_q_theta = ip.log_q(log_d, lqm_0), ip.log_q(log_x, lqm_theta)
+    # ℓ_y = log q0(y) − log qθ(y): a difference of two small log(q/m) where m > 0 (no cancellation near t → 1)
+    l = torch.where(ip.has_m, lqm_0 - lqm_theta, log_d - log_x)
+    kl = bregman_from_log_ratio(log_q_theta, l).sum(-1)  # Σ_y f(q0, qθ) = KL since both sum to 1
+    v_mask, v_unif = kernel._rate_coefficients(t)
+    v = torch.where(kernel._is_mask(x_t), v_mask,
+                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
     log_q0_xt = _gather(log_q0, x_t)
-    log_rho = log_q0_xt - _gather(log_q_theta, x_t)
+    log_rho = _gather(l, x_t)
     term = kl + expm1_minus_x(torch.where(torch.isneginf(log_q0_xt), torch.zeros_like(log_rho), log_rho))
     possible = ~torch.isneginf(log_q0_xt)
     w = torch.exp(safe_log(v) - torch.where(possible, log_q0_xt, torch.zeros_like(log_q0_xt)))
@@ -186,6 +266,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 
 # ---------------------------------------------------------------------------------------------------- M2S
+@_input_precision
 def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
              kernel: Kernel) -> torch.Tensor:
     """M2S (App. A, eq. loss-m2s), per position ``(...)``:
@@ -194,15 +275,50 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
-    mu = x0_log_probs(kernel, h["mu_logits"]).exp()
+    log_mu = x0_log_probs(kernel, h["mu_logits"])
     R = kernel._rate_column(x_t, t)
+    if isinstance(kernel, InterpolatingKernel):
+        return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
+    mu = log_mu.exp()
     s = _b_operator(kernel, mu, x_t, t, R)
     log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t).scatter(-1, x_t.unsqueeze(-1), 0.0)
     log_s = safe_log(s).scatter(-1, x_t.unsqueeze(-1), 0.0)
     return _weighted_sum(R, bregman_from_logs(log_r, log_s), x_t)
 
 
+def _m2s_interp(kernel: InterpolatingKernel, log_mu: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+                t: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """M2S on an interpolating kernel, in log space. With m_x = m(x_t), ε = α/m_x and A_y = m(y)/m_x, for y ≠ x_t
+
+    (B μ)_y = A_y [1 − μ(x_t) ε/(1 + ε)] + α μ(y)/m_x,   r_y = A_y (q0(y)/m(y)) / (q0(x_t)/m_x),
+
+    so ℓ_y = log r_y − log s_y never subtracts two nearly equal logs. Rows with R(·, x_t) ≡ 0 contribute 0.
+    """
+    ip = _Interp(kernel, t, x_t.shape)
+    m_x, log_m_x = _gather(ip.m, x_t).unsqueeze(-1), _gather(ip.log_m, x_t).unsqueeze(-1)
+    has_mx = m_x > 0
+    log_eps = ip.log_alpha.unsqueeze(-1) - log_m_x
+    mu_x = _gather(log_mu, x_t).exp().unsqueeze(-1)
+    # inside = −μ_x ε/(1+ε) + α μ(y)/m(y) > −1 (where m(y) > 0)
+    ratio_y = torch.exp(torch.where(ip.has_m, ip.log_alpha.unsqueeze(-1) + log_mu - ip.log_m,
+                                    torch.full_like(log_mu, float("-inf"))))
+    inside = -mu_x * torch.sigmoid(log_eps) + ratio_y
+    log_m_ratio = torch.where(ip.m == m_x, torch.zeros_like(ip.m), ip.log_m - log_m_x)
+    log_s = torch.where(ip.has_m, log_m_ratio + torch.log1p(inside),
+                        ip.log_alpha.unsqueeze(-1) + log_mu - log_m_x)
+    log_d = _one_hot_log(x0, log_mu)
+    lqm = ip.log_q_over_m(log_d)
+    l_acc = lqm - _gather(lqm, x_t).unsqueeze(-1) - torch.log1p(inside)
+    log_r = _interp_log_r(ip, x0, x_t)
+    l = torch.where(ip.has_m & has_mx, l_acc, log_r - log_s)
+    l = torch.where(torch.isneginf(log_r), log_r, l)
+    l = l.scatter(-1, x_t.unsqueeze(-1), 0.0)
+    log_s = torch.where(has_mx, log_s, torch.zeros_like(log_s)).scatter(-1, x_t.unsqueeze(-1), 0.0)
+    return _weighted_sum(R, bregman_from_log_ratio(log_s, l), x_t)
+
+
 # ---------------------------------------------------------------------------------------------------- Neural CTMC
+@_input_precision
 def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
               t: torch.Tensor | float, kernel: Kernel) -> torch.Tensor:
     """Neural CTMC (App. A, eq. loss-nctmc-cond), per position ``(...)``:

@@ -1,0 +1,137 @@
+"""Bad input raises ValueError / TypeError naming the argument; uf.validation(False) skips value checks only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import unifusion as uf
+
+L = uf.losses
+S = 6
+
+
+@pytest.fixture
+def kernel() -> uf.HybridKernel:
+    return uf.HybridKernel(S, 0, 0.3)
+
+
+def test_kernel_constructors() -> None:
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="num_states"):
+            uf.UniformKernel(bad)
+    with pytest.raises(TypeError, match="num_states"):
+        uf.UniformKernel(5.0)  # type: ignore[arg-type]
+    for bad in (-1, S):
+        with pytest.raises(ValueError, match="mask_id"):
+            uf.MaskKernel(S, bad)
+        with pytest.raises(ValueError, match="mask_id"):
+            uf.HybridKernel(S, bad, 0.2)
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="p_uniform"):
+            uf.HybridKernel(S, 0, bad)
+    with pytest.raises(TypeError, match="schedule"):
+        uf.UniformKernel(S, schedule="cosine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="generator"):
+        uf.GeneratorKernel(torch.ones(3, 3, dtype=torch.float64))  # rows do not sum to 0
+
+
+def test_token_ids(kernel: uf.Kernel) -> None:
+    for bad in (torch.tensor([0, S]), torch.tensor([-1, 2])):
+        with pytest.raises(ValueError, match="x0"):
+            kernel.marginal(bad, 0.5)
+        with pytest.raises(ValueError, match="x_t"):
+            kernel.rate_into(bad, 0.5)
+    with pytest.raises(TypeError, match="x0"):
+        kernel.marginal(torch.tensor([0.0, 1.0]).bool(), 0.5)
+    with pytest.raises(TypeError, match="x_t"):
+        uf.ReverseRate.from_x0_logits(kernel, torch.zeros(2, S), torch.tensor([1.0, 2.0]), 0.5)
+
+
+def test_times(kernel: uf.Kernel) -> None:
+    for bad in (0.0, 1.0, -0.2, torch.tensor([0.5, 1.2])):
+        with pytest.raises(ValueError, match="t"):
+            kernel.marginal(torch.tensor([1, 2]), bad)
+        with pytest.raises(ValueError, match="t"):
+            L.gidd_loss(torch.zeros(2, S), torch.tensor([1, 2]), torch.tensor([1, 2]), bad, kernel)
+    with pytest.raises(TypeError, match="t"):
+        kernel.marginal(torch.tensor([1, 2]), torch.tensor([1, 2]))  # integer times
+    with pytest.raises(ValueError, match="s"):
+        kernel.transition_into(torch.tensor([1]), 0.6, 0.5)
+
+
+def test_head_shapes(kernel: uf.Kernel) -> None:
+    x = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="x0_logits"):
+        L.gidd_loss(torch.zeros(3, S + 1), x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="x0_logits"):
+        L.gidd_loss(torch.zeros(2, S), x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="log_score"):
+        L.sedd_loss(torch.zeros(3, 2), x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="log_exit_rate"):
+        L.ctmc_loss(torch.zeros(4), torch.zeros(3, S), x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="x0_logits"):
+        uf.ReverseRate.from_x0_logits(kernel, torch.zeros(3, S - 1), x, 0.5)
+    with pytest.raises(TypeError, match="mu_logits"):
+        L.m2s_loss(torch.zeros(3, S, dtype=torch.long), x, x, 0.5, kernel)
+    with pytest.raises(TypeError, match="kernel"):
+        L.mdlm_loss(torch.zeros(3, S), x, x, 0.5, uf.UniformKernel(S))
+
+
+def test_distributions_and_nan(kernel: uf.Kernel) -> None:
+    x = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="x0_probs"):
+        uf.ReverseRate.from_x0(kernel, torch.full((2, S), 0.5), x, 0.5)
+    with pytest.raises(ValueError, match="x0_probs"):
+        kernel.posterior(torch.full((2, S), -0.1), x, 0.2, 0.5)
+    with pytest.raises(ValueError, match="mu"):
+        uf.ReverseRate.from_posterior_mean(kernel, torch.full((2, S), 0.3), x, 0.5)
+    with pytest.raises(ValueError, match="x0"):
+        kernel.marginal(torch.full((2, S), 0.9), 0.5)
+    nan_head = torch.zeros(2, S)
+    nan_head[1, 3] = math.nan
+    with pytest.raises(ValueError, match="x0_logits"):
+        L.gidd_loss(nan_head, x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="log_score"):
+        L.sedd_loss(nan_head, x, x, 0.5, kernel)
+    with pytest.raises(ValueError, match="score"):
+        uf.ReverseRate.from_score(kernel, -torch.ones(2, S), x, 0.5)
+
+
+def test_conversion_targets_and_reachability() -> None:
+    kernel = uf.MaskKernel(S, 0)
+    probs = torch.softmax(torch.zeros(2, S).index_fill(-1, torch.tensor([0]), -math.inf), -1)
+    x_t = torch.tensor([0, 3])  # 3 is an unmasked state: unreachable from the other clean tokens
+    with pytest.raises(ValueError, match="target"):
+        uf.convert_x0_to("mdlm", probs, kernel, x_t, 0.5)  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="x_t"):
+        uf.convert_x0_to("m2s", probs, kernel, x_t, 0.5)
+    mu = uf.convert_x0_to("m2s", probs, kernel, x_t, 0.5, strict=False)
+    assert float(mu[1, 3]) == 1.0
+
+
+def test_validation_switch_skips_value_checks_only(kernel: uf.Kernel) -> None:
+    x = torch.tensor([1, 2])
+    bad_probs = torch.full((2, S), 0.5)
+    nan_head = torch.zeros(2, S)
+    nan_head[0, 0] = math.nan
+    assert uf.validation_enabled()
+    with uf.validation(False):
+        assert not uf.validation_enabled()
+        kernel.marginal(x, 1.5)  # times outside (0, 1): not checked
+        kernel.marginal(torch.tensor([0, S + 3]).clamp_max(S - 1), 0.5)
+        uf.ReverseRate.from_x0(kernel, bad_probs, x, 0.5)  # rows not summing to 1: not checked
+        L.gidd_loss(nan_head, x, x, 0.5, kernel)  # NaN: not checked
+        uf.convert_x0_to("m2s", torch.full((1, S), 1 / S), uf.MaskKernel(S, 0), torch.tensor([3]), 0.5)
+        # shape and type checks still run
+        with pytest.raises(ValueError, match="x0_logits"):
+            L.gidd_loss(torch.zeros(2, S + 1), x, x, 0.5, kernel)
+        with pytest.raises(TypeError, match="x0"):
+            kernel.marginal(torch.tensor([0.5]).bool(), 0.5)
+        with pytest.raises(ValueError, match="target"):
+            uf.convert_x0_to("nope", bad_probs, kernel, x, 0.5)  # type: ignore[call-overload]
+    assert uf.validation_enabled()
+    with pytest.raises(TypeError, match="enabled"):
+        uf.set_validation(1)  # type: ignore[arg-type]

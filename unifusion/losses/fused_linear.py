@@ -1,0 +1,164 @@
+"""Output head + x0-head loss fused, so the N×V logits never exist (the idea of fused linear cross-entropy kernels).
+
+For hidden states h ``(N, d)`` and an output matrix W ``(V, d)`` (optional bias b ``(V,)``, logit scale κ, final
+soft-cap c as in gemma2/3):
+
+    z = κ (h Wᵀ + b),   logits = c · tanh(z / c)  (or z),   L_n = x0_head_loss(logits_n, x0_n, x_t_n, t_n)
+
+is evaluated over blocks of ``chunk_size`` positions: matmul → loss and analytic ∂L/∂logits of the block
+(:mod:`unifusion.losses.fast`) → ∂/∂h of the block and accumulation of ∂/∂W. The forward pass computes only the
+losses; the backward pass recomputes each block's logits with the incoming per-position gradient folded in, so any
+reduction (masks, per-token weights) is exact. Memory beyond the inputs: one ``(chunk_size, V)`` block, a few
+``(rows, V)`` scratch buffers, and the ``(V, d)`` gradient of W (float32 for low-precision weights).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import _validation as V
+from ..kernels import Kernel
+from ..rates import _check_kernel
+from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows, _rows_loss_and_grad
+
+__all__ = ["fused_linear_diffusion_loss"]
+
+# elements of one block of logits (64 MiB in float32)
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits of one block ``(n, V)`` and, when soft-capping, tanh(z/c) ``(n, V)`` for the chain rule."""
+    z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is None:
+        return z, None
+    th = z.div_(softcap).tanh_()
+    return th * softcap, th
+
+
+class _FusedLinearX0Loss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                rows: _Rows, chunk: int, scale: float, softcap: float | None) -> torch.Tensor:
+        N = hidden.shape[0]
+        loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
+        for lo in range(0, N, chunk):
+            hi = min(lo + chunk, N)
+            logits, _ = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
+            loss[lo:hi] = _rows_loss_and_grad(logits, rows[lo:hi], None)
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.rows, ctx.chunk, ctx.scale, ctx.softcap = rows, chunk, scale, softcap
+        if V.validation_enabled() and bool(torch.isnan(loss).any()):
+            raise ValueError("hidden: the loss of some position is NaN (NaN in hidden or lm_head_weight?)")
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        hidden, weight, bias = ctx.saved_tensors
+        rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        N = hidden.shape[0]
+        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if need_b else None
+        for lo in range(0, N, chunk):
+            hi = min(lo + chunk, N)
+            h = hidden[lo:hi]
+            logits, th = _block_logits(h, weight, bias, scale, softcap)
+            # ∂/∂logits, written over the logits block itself (each row block is read before it is written)
+            _rows_loss_and_grad(logits, rows[lo:hi], logits, grad_scale=grad_loss[lo:hi])
+            g = logits
+            if th is not None:  # d(c tanh(z/c))/dz = 1 − tanh²
+                g.mul_(th.square_().neg_().add_(1.0))
+            if scale != 1.0:
+                g.mul_(scale)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[lo:hi]) if g.dtype == grad_h.dtype else grad_h[lo:hi].copy_(g @ weight)
+            if grad_w is not None:
+                grad_w.addmm_(g.T.to(acc_dtype), h.to(acc_dtype))
+            if grad_b is not None:
+                grad_b.add_(g.sum(0, dtype=acc_dtype))
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, x0: torch.Tensor,
+                                x_t: torch.Tensor, t: torch.Tensor | float, kernel: Kernel, *,
+                                objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
+                                weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
+                                lm_head_bias: torch.Tensor | None = None, logit_scale: float = 1.0,
+                                final_logit_softcap: float | None = None,
+                                chunk_size: int | None = None) -> torch.Tensor:
+    """Per-position x0-head loss ``(...)`` of ``logits = head(hidden)`` without materialising the logits.
+
+    Equals ``x0_head_loss(head(hidden), x0, x_t, t, kernel, objective=..., weighting=...)`` with
+    head(h) = c · tanh(κ (h Wᵀ + b) / c) (soft-cap only when ``final_logit_softcap`` is given), and has gradients
+    for ``hidden``, ``lm_head_weight`` and ``lm_head_bias``.
+
+    Args:
+        hidden: final hidden states ``(..., d)`` with leading shape that of ``x_t`` (e.g. ``(B, L, d)``).
+        lm_head_weight: output embedding ``(S, d)``, S = ``kernel.num_states``.
+        x0, x_t, t, kernel, objective, weighting, max_weight: as in :func:`~unifusion.losses.x0_head_loss`.
+        lm_head_bias: optional ``(S,)``.  logit_scale: κ.  final_logit_softcap: c (gemma2/3) or ``None``.
+        chunk_size: positions per block (default: 2²⁴ / S, i.e. 64 MiB float32 blocks).
+
+    Returns float32 losses ``(...)`` (float64 for float64 inputs). Backward recomputes each block's logits
+    (one extra matmul) and is exact for any incoming per-position gradient.
+
+    Example::
+
+        h = model.hidden_states(x_t, t)                                        # (B, L, d)
+        loss = uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel)
+        (loss * mask).sum().div(mask.sum()).backward()
+    """
+    kernel = _check_kernel(kernel)
+    _check_weighting(weighting, max_weight)
+    _check_objective(objective, kernel)
+    hidden = V.check_tensor("hidden", hidden)
+    weight = V.check_tensor("lm_head_weight", lm_head_weight)
+    for name, x in (("hidden", hidden), ("lm_head_weight", weight)):
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    S = kernel.num_states
+    if weight.dim() != 2 or weight.shape[0] != S:
+        raise ValueError(f"lm_head_weight: expected shape ({S}, d) (num_states rows), got {tuple(weight.shape)}")
+    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden: expected shape (..., {weight.shape[1]}) (the head's input size), "
+                         f"got {tuple(hidden.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden: expected the dtype of lm_head_weight ({weight.dtype}), got {hidden.dtype}")
+    if lm_head_bias is not None:
+        lm_head_bias = V.check_tensor("lm_head_bias", lm_head_bias)
+        if tuple(lm_head_bias.shape) != (S,) or lm_head_bias.dtype != weight.dtype:
+            raise ValueError(f"lm_head_bias: expected shape ({S},) and dtype {weight.dtype}, "
+                             f"got {tuple(lm_head_bias.shape)} {lm_head_bias.dtype}")
+    for name, val in (("logit_scale", logit_scale), ("final_logit_softcap", final_logit_softcap)):
+        if val is None and name == "final_logit_softcap":
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
+            raise ValueError(f"{name}: expected a positive float, got {val!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if not _is_fast_kernel(kernel):
+        raise TypeError(f"kernel: fused_linear_diffusion_loss supports UniformKernel, MaskKernel and HybridKernel, "
+                        f"got {type(kernel).__name__}")
+    dtype = V.compute_dtype(hidden)
+    rows, shape = _prepare_rows(kernel, tuple(hidden.shape[:-1]), x0, x_t, t, dtype, hidden.device,
+                                weighting, float(max_weight))
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // S)
+    softcap = None if final_logit_softcap is None else float(final_logit_softcap)
+    loss = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap)
+    return loss.reshape(shape)

@@ -1,0 +1,15 @@
+"""Samplers: generate token sequences from a trained model (paper App. C.5, Algorithm 2; §2 for the native rates).
+
+* :class:`BayesianSampler` — Algorithm 2's posterior (ancestral) steps under an x0 model, for any kernel.
+* :class:`EulerSampler` — τ-leaping on the reverse rates of an x0, SEDD, M2S or Neural-CTMC head, with the matching
+  denoising final step; :func:`x0_model_as` turns an x0 model into any of those heads (Theorem 3.5).
+
+Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_FILL` (−1) at the positions to
+generate, or a pair ``(ids, keep_mask)``.
+"""
+
+from ._common import PROMPT_FILL
+from .bayesian import BayesianSampler
+from .euler import PARAMETERIZATIONS, EulerSampler, x0_model_as
+
+__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "EulerSampler", "x0_model_as"]

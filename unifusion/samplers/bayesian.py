@@ -1,0 +1,145 @@
+"""Bayesian (ancestral) sampling from an x0 model: Algorithm 2 of the paper (App. C.5).
+
+With t_n = (1 − ε)(1 − n/N), z_{t_0} drawn from the kernel's noise distribution π_{t_0}, each step draws per position
+
+    z_s ~ p̂_{s|t}(· | z_t) = q_{t|s}(z_t | ·) q_s(· | x_θ) / q_t(z_t | x_θ),    t = t_n, s = t_{n+1},
+
+where x_θ = x_θ(· | z_t, t) is the model's clean-token distribution (mask state excluded). The last step has s = 0
+and q_0(·|x_θ) = x_θ, so it lands on clean tokens (for mask kernels: no mask left).
+
+Example::
+
+    sampler = uf.BayesianSampler(model, uf.UniformKernel(V), num_steps=64)
+    tokens = sampler.sample(4, 512, generator=torch.Generator().manual_seed(0))        # (4, 512) int64
+    prompt = torch.full((1, 512), -1); prompt[0, :16] = prefix_ids                     # -1 = generate here
+    tokens = sampler.sample(4, 512, prompt=prompt)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import _validation as V
+from ._common import (
+    BLOCK_SIZE,
+    ModelFn,
+    apply_prompt,
+    bayesian_step,
+    check_dtype,
+    check_eps,
+    check_head_shape,
+    check_kernel,
+    check_model,
+    check_positive_int,
+    check_sampling_options,
+    resolve_device,
+    resolve_prompt,
+    time_grid,
+    x0_weights,
+)
+
+__all__ = ["BayesianSampler"]
+
+Callback = Callable[[int, float, torch.Tensor], object]
+
+
+class BayesianSampler:
+    """Algorithm 2: N posterior steps z_{t_n} → z_{t_{n+1}} under an x0 model, for any :class:`~unifusion.Kernel`.
+
+    Args:
+        model: callable ``(x_t (B, L) int64, t (B,) float) → x0 logits (B, L, num_states)``; a
+            :class:`~unifusion.adapters.DiffusionLM` qualifies (it attends bidirectionally by default). The logit of
+            a mask state is ignored (x_θ puts 0 there). bf16 logits are upcast.
+        kernel: the forward kernel the model was trained with. Uniform, mask and hybrid kernels take the O(V) mixture
+            step (see :mod:`unifusion.samplers._common`); other kernels (:class:`~unifusion.GeneratorKernel`) use
+            the dense posterior through the kernel's hooks, O(S²) per position.
+        num_steps: N ≥ 1, the number of model calls.
+        eps: ε in (0, 1); the first step starts at t_0 = 1 − ε.
+        temperature, top_k, top_p: applied to x_θ before the posterior, in that order: softmax(logits / T), keep the
+            k most likely tokens (ties kept), keep the smallest set of most likely tokens holding ≥ ``top_p`` of the
+            remaining mass.
+        dtype: ``torch.float32`` or ``torch.float64`` for the posterior arithmetic (and the times passed to the model).
+        cache_unchanged: reuse the previous logits when no token changed since the last model call (MDLM's cache;
+            helps mask kernels, where most steps unmask nothing at small L / large N). **Only valid for a model that
+            ignores t.** Costs one host-device synchronisation per step (to decide whether to call the model).
+
+    Randomness: every draw takes the ``generator`` passed to :meth:`sample`; a given generator state gives the same
+    tokens. No step reads a tensor back to the host (unless ``cache_unchanged``; a model's own validation of its
+    inputs follows :func:`unifusion.set_validation`).
+    """
+
+    def __init__(self, model: ModelFn, kernel, num_steps: int, *, eps: float = 1e-3, temperature: float = 1.0,
+                 top_p: float | None = None, top_k: int | None = None, dtype: torch.dtype = torch.float32,
+                 cache_unchanged: bool = False) -> None:
+        self.model = check_model(model)
+        self.kernel = check_kernel(kernel)
+        self.num_steps = check_positive_int("num_steps", num_steps)
+        self.eps = check_eps(eps)
+        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p)
+        self.dtype = check_dtype(dtype)
+        if not isinstance(cache_unchanged, bool):
+            raise TypeError(f"cache_unchanged: expected a bool, got {type(cache_unchanged).__name__}")
+        self.cache_unchanged = cache_unchanged
+
+    def __repr__(self) -> str:
+        return (f"BayesianSampler(kernel={self.kernel!r}, num_steps={self.num_steps}, eps={self.eps}, "
+                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, dtype={self.dtype})")
+
+    def sample(self, batch_size: int, seq_len: int, *, prompt: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+               | None = None, generator: torch.Generator | None = None, progress: bool = False,
+               callback: Callback | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """Generate ``(batch_size, seq_len)`` int64 token ids.
+
+        Args:
+            batch_size, seq_len: B and L.
+            prompt: positions to keep, as a ``(B, L)`` tensor with ``-1`` (:data:`PROMPT_FILL`) where tokens are
+                generated, or a pair ``(ids, keep_mask)`` (bool, True = keep). ``(L,)`` and ``(1, L)`` broadcast.
+                Kept tokens are in z_t at every step (the model always sees them) and never change: prefix prompts
+                and arbitrary infilling masks alike.
+            generator: a ``torch.Generator`` on the sampling device (the default generator when ``None``).
+            progress: show a tqdm bar over the steps.
+            callback: ``callback(step, t, x_t)`` after each step, with ``step`` = n + 1 steps done, ``t`` = t_{n+1}
+                (a float; 0 after the last step) and ``x_t`` the ``(B, L)`` tokens at that time (a fresh tensor every
+                step). Return ``True`` to stop early: :meth:`sample` then returns that ``x_t`` as it is (it may still
+                hold noise or mask tokens). Any other return value continues.
+            device: where to sample; default: the prompt's, else the generator's, else the model's device.
+        """
+        B = check_positive_int("batch_size", batch_size)
+        L = check_positive_int("seq_len", seq_len)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback: expected a callable (step, t, x_t) -> bool or None, got "
+                            f"{type(callback).__name__}")
+        kernel, N, dtype = self.kernel, self.num_steps, self.dtype
+        S = kernel.num_states
+        dev = resolve_device(self.model, prompt, generator, device)
+        kept = resolve_prompt(prompt, B, L, kernel, dev)
+        ts = time_grid(N, self.eps, dtype, dev)  # (N + 1,) on the device: indexing it never syncs
+        t_host = [(1.0 - self.eps) * (1.0 - n / N) for n in range(N)] + [0.0]
+
+        x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
+        workspace: torch.Tensor | None = None
+        head: torch.Tensor | None = None
+        x_seen: torch.Tensor | None = None
+        steps = range(N)
+        if progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="sampling", total=N)
+        with torch.no_grad():
+            for n in steps:
+                t, s = ts[n], ts[n + 1]
+                if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
+                    head = self.model(x, t.expand(B))
+                    x_seen = x
+                if workspace is None:  # first step: check the model's output once
+                    head = check_head_shape("model", head, B, L, S)
+                    V.check_finite("model output", head)
+                    workspace = torch.empty((B, L, S), dtype=dtype, device=dev)
+                w = x0_weights(head, workspace, mask_id=kernel.mask_id, temperature=self.temperature,
+                               top_k=self.top_k, top_p=self.top_p)
+                x = apply_prompt(bayesian_step(w, x, kernel, t, s, generator, block_size=BLOCK_SIZE), kept)
+                if callback is not None and callback(n + 1, t_host[n + 1], x) is True:
+                    break
+        return x
