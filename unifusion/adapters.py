@@ -209,8 +209,15 @@ class DiffusionLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the model reads and logit columns it writes (``S``)."""
-        return int(self._hf.get_output_embeddings().weight.shape[0])
+        """Number of token ids the model reads and logit columns it writes (``S``).
+
+        Read from the output layer's declared size (``out_features`` / ``num_embeddings``), which stays right when
+        the weight itself is a partitioned placeholder (DeepSpeed ZeRO-3).
+        """
+        head = self._hf.get_output_embeddings()
+        declared = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        weight_rows = int(head.weight.shape[0])
+        return int(declared) if declared and weight_rows in (0, declared) else weight_rows
 
     @property
     def num_states(self) -> int:
@@ -420,24 +427,34 @@ class DiffusionLM(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
         """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory."""
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
 
         if self._hf is not self.base_model:
-            raise NotImplementedError(
+            raise TypeError(
                 "save_pretrained: the base model is a peft model; merge the adapters first "
                 "(adapt_ar_model(model.base_model.merge_and_unload(), ...)) or save them with peft")
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         with open(path / CONFIG_NAME, "w") as f:
             json.dump(self._stamp(), f, indent=2, sort_keys=True, default=str)
-        save_model(self, str(path / WEIGHTS_NAME))
+        # Tied tensors (same storage, shape and stride) are stored once; every tensor is copied out contiguously, so
+        # parameters that are views into one flat buffer (DeepSpeed ZeRO-2, FSDP-gathered) save too.
+        state: dict[str, torch.Tensor] = {}
+        seen: set[tuple[Any, ...]] = set()
+        for name, tensor in self.state_dict().items():
+            key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            if tensor.numel() and key in seen:
+                continue
+            seen.add(key)
+            state[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str], *, device: torch.device | str | None = None
                         ) -> DiffusionLM:
         """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights)."""
         import transformers
-        from safetensors.torch import load_model
+        from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(directory)
@@ -461,7 +478,15 @@ class DiffusionLM(nn.Module):
         model = cls(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
                     time_conditioning=stamp.get("time_conditioning", False),
                     added_mask_token=stamp.get("added_mask_token", False))
-        load_model(model, str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
+        state = load_file(str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # names left out of the file must be tied to a tensor that was loaded
+        params = dict(model.state_dict(keep_vars=True))
+        loaded_ptrs = {params[n].data_ptr() for n in state if n in params}
+        untied = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
+        if untied or unexpected:
+            raise ValueError(f"directory: {WEIGHTS_NAME} does not match the model (missing {untied[:5]}, "
+                             f"unexpected {list(unexpected)[:5]})")
         if device is not None:
             model.to(device)
         return model.eval()

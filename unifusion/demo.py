@@ -77,8 +77,8 @@ def _blocks(tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     out = []
     for part in (paragraphs[:split], paragraphs[split:]):
         ids: list[int] = []
-        for p in part:
-            ids += tokenizer(p + "\n", add_special_tokens=False)["input_ids"]
+        for row in tokenizer([p + "\n" for p in part], add_special_tokens=False)["input_ids"]:
+            ids += row
         n = len(ids) // seq_len
         out.append(torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len))
     return out[0], out[1]

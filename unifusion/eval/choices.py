@@ -232,10 +232,11 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
     L̄(a|·) = (1/K) Σ_k Σ_{i ∈ I_k(a)} −log x_θ^i(a_i | z_{t_k}, t_k) with K stratified times
     t_k = t_min + (1 − t_min)(k − u)/K (one u ~ U(0, 1) per answer); both L̄ share the same corruption draws.
 
+    The other arguments are as in :func:`score_choices`.
+
     Args:
         null_context_ids: the answer-only context, the tokens of ``"Answer:"`` in the paper.
         t_min: minimum time (10⁻³ in the paper), in [0, 1).
-        other arguments: as :func:`score_choices`.
 
     Returns:
         float64 ``(C,)`` scores.

@@ -155,7 +155,8 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         seeds: one generator seed per repetition (non-negative ints; the paper: 123, 456, 789, 2024, 3407).
         num_samples: samples per (steps, seed) (the paper: 1024).
         seq_len: tokens per sample (the paper: 512 small / 1024 medium).
-        judge_model, judge_tokenizer: the GenPPL judge (the paper: GPT-2 large).
+        judge_model: the GenPPL judge causal LM (the paper: GPT-2 large).
+        judge_tokenizer: the judge's tokenizer.
         tokenizer: decodes the model's samples to text.
         sampler: ``"bayesian"`` (Algorithm 2), ``"euler"``, or a factory ``(model, kernel, num_steps, **kw)`` returning
             an object with ``.sample(batch_size, seq_len, generator=...)``.

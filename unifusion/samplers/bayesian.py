@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _validation as V
+from ..kernels import Kernel
 from ._common import (
     BLOCK_SIZE,
     ModelFn,
@@ -57,9 +58,9 @@ class BayesianSampler:
             the dense posterior through the kernel's hooks, O(S²) per position.
         num_steps: N ≥ 1, the number of model calls.
         eps: ε in (0, 1); the first step starts at t_0 = 1 − ε.
-        temperature, top_k, top_p: applied to x_θ before the posterior, in that order: softmax(logits / T), keep the
-            k most likely tokens (ties kept), keep the smallest set of most likely tokens holding ≥ ``top_p`` of the
-            remaining mass.
+        temperature: T > 0; x_θ = softmax(logits / T) before the posterior (then top-k, then top-p).
+        top_k: keep the k most likely tokens of x_θ (ties kept).
+        top_p: keep the smallest set of most likely tokens holding ≥ ``top_p`` of the remaining mass.
         dtype: ``torch.float32`` or ``torch.float64`` for the posterior arithmetic (and the times passed to the model).
         cache_unchanged: reuse the previous logits when no token changed since the last model call (MDLM's cache;
             helps mask kernels, where most steps unmask nothing at small L / large N). **Only valid for a model that
@@ -70,7 +71,7 @@ class BayesianSampler:
     inputs follows :func:`unifusion.set_validation`).
     """
 
-    def __init__(self, model: ModelFn, kernel, num_steps: int, *, eps: float = 1e-3, temperature: float = 1.0,
+    def __init__(self, model: ModelFn, kernel: Kernel, num_steps: int, *, eps: float = 1e-3, temperature: float = 1.0,
                  top_p: float | None = None, top_k: int | None = None, dtype: torch.dtype = torch.float32,
                  cache_unchanged: bool = False) -> None:
         self.model = check_model(model)
@@ -93,7 +94,8 @@ class BayesianSampler:
         """Generate ``(batch_size, seq_len)`` int64 token ids.
 
         Args:
-            batch_size, seq_len: B and L.
+            batch_size: B.
+            seq_len: L.
             prompt: positions to keep, as a ``(B, L)`` tensor with ``-1`` (:data:`PROMPT_FILL`) where tokens are
                 generated, or a pair ``(ids, keep_mask)`` (bool, True = keep). ``(L,)`` and ``(1, L)`` broadcast.
                 Kept tokens are in z_t at every step (the model always sees them) and never change: prefix prompts

@@ -225,7 +225,9 @@ class EulerSampler:
         num_steps: N ≥ 1 model calls: N − 1 Euler steps on t_n = (1 − ε)(1 − n/N), then the denoising step to 0.
         parameterization: ``"x0"``, ``"sedd"``, ``"m2s"`` or ``"ctmc"``.
         eps: ε in (0, 1).
-        temperature, top_k, top_p: as :class:`BayesianSampler`, for ``parameterization="x0"`` only.
+        temperature: as :class:`BayesianSampler`, for ``parameterization="x0"`` only.
+        top_k: as :class:`BayesianSampler` (x0 only).
+        top_p: as :class:`BayesianSampler` (x0 only).
         dtype: ``torch.float32`` or ``torch.float64`` for the rate arithmetic.
         final_step: ``"sample"`` (default) draws the last step from the posterior; ``"argmax"`` takes its mode.
 

@@ -1,0 +1,225 @@
+"""Smoke tests of the training examples: each runs at tiny size on CPU in a subprocess.
+
+Beyond "exit 0 and a finite loss", the training scripts share their random streams, so the same flags must give the
+same per-update losses whatever the launcher: one process with accumulation, DDP and FSDP2 under torchrun (gloo),
+DeepSpeed ZeRO-2/3 and Accelerate all reproduce the single-process run, which checks the global token-count
+normaliser. A single-process run resumed from an FSDP2 checkpoint reproduces the uninterrupted run (weights and
+optimizer state), and the ``save_pretrained`` exports of DDP and FSDP2 reload with identical weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import unifusion as uf
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+# 4 updates, global batch 8 = micro-batch 2 × 2 processes × 2 accumulation steps (× 4 on one process); γ anneals
+# over 2 updates so the random causal/bidirectional mask is exercised; checkpoints after updates 2 and 4.
+TRAIN_FLAGS = ["--tiny", "--steps", "4", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "32",
+               "--warmup", "1", "--anneal-steps", "2", "--save-every", "2", "--seed", "3"]
+STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) \| lr \S+ \| gamma \S+ \| grad_norm (\S+)", re.M)
+
+
+def _run(args: list[str], *, torchrun: bool = False, timeout: int = 240) -> str:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    proc = subprocess.run(launcher + args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def _losses(stdout: str) -> dict[int, tuple[float, float]]:
+    """``{update: (loss, gradient norm before clipping)}`` from the step lines."""
+    losses = {int(k): (float(v), float(g)) for k, v, g in STEP_LINE.findall(stdout)}
+    assert losses, stdout[-2000:]
+    assert all(math.isfinite(v) and math.isfinite(g) for v, g in losses.values()), losses
+    return losses
+
+
+def _assert_same_losses(got: dict[int, tuple[float, float]], expected: dict[int, tuple[float, float]]) -> None:
+    """Same loss and same gradient norm per update: AdamW and clipping hide a gradient scale error from the
+    losses, the printed norm does not."""
+    assert got.keys() <= expected.keys() and got, (got, expected)
+    for step, (loss, grad_norm) in got.items():
+        assert loss == pytest.approx(expected[step][0], rel=1e-5, abs=1e-6), (step, got, expected)
+        assert grad_norm == pytest.approx(expected[step][1], rel=1e-3), (step, got, expected)
+
+
+def _load_example(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def _reload(folder: Path) -> uf.DiffusionLM:
+    assert (folder / "model.safetensors").is_file() and (folder / "unifusion_config.json").is_file(), folder
+    return uf.DiffusionLM.from_pretrained(folder)
+
+
+def _max_weight_diff(a: uf.DiffusionLM, b: uf.DiffusionLM) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa)
+
+
+# ------------------------------------------------------------------------------------------------ pure helpers
+def test_accumulation_steps_reproduce_the_paper_batch_table():
+    module = _load_example("train_torchrun")
+    # docs/guides/multi_gpu.md: (GPUs, micro-batch) → accumulation for 864 sequences per update
+    for world, micro, accum in [(8, 12, 9), (16, 9, 6), (24, 12, 3), (48, 9, 2), (72, 12, 1), (96, 9, 1)]:
+        assert module.accumulation_steps(864, micro, world) == accum
+        assert micro * accum * world == module.PAPER_GLOBAL_BATCH
+    with pytest.raises(ValueError, match="global_batch: expected a multiple of micro_batch × world_size"):
+        module.accumulation_steps(864, 10, 8)
+    with pytest.raises(ValueError, match="micro_batch"):
+        module.accumulation_steps(864, 0, 8)
+
+
+def test_cosine_lr_warms_up_linearly_then_decays_to_the_floor():
+    module = _load_example("train_torchrun")
+    lr = [module.cosine_lr(k, peak_lr=1.0, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for k in range(25)]
+    assert lr[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lr[4:], lr[5:]))
+    assert lr[20] == pytest.approx(0.1) and lr[24] == pytest.approx(0.1)
+
+
+def test_every_example_prints_help():
+    scripts = ["train_torchrun", "train_deepspeed", "train_accelerate", "conversion_paths", "objectives"]
+    code = (
+        "import runpy, sys\n"
+        f"for name in {scripts!r}:\n"
+        f"    sys.argv = [name, '--help']\n"
+        "    try:\n"
+        f"        runpy.run_path({str(EXAMPLES)!r} + '/' + name + '.py', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (name, e.code)\n"
+        "    print('HELP-OK', name, flush=True)\n"
+    )
+    out = _run(["-c", code])
+    assert out.count("HELP-OK") == len(scripts), out[-2000:]
+    assert "--global-batch" in out and "--deepspeed-config" in out and "--phase-steps" in out
+
+
+# ------------------------------------------------------------------------------------------------ train_torchrun
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The reference: one process, 4 accumulation steps of 2 sequences per update."""
+    out = tmp_path_factory.mktemp("single")
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "none", "--out", str(out)])
+    assert "grad_accum 4 | global_batch 8 seq x 32 tok = 256 tok/update" in stdout
+    return _losses(stdout), out
+
+
+def test_train_torchrun_single_process_trains_and_checkpoints(single_process_run):
+    losses, out = single_process_run
+    assert sorted(losses) == [1, 2, 3, 4]
+    model = _reload(out / "checkpoint-4")
+    assert (out / "checkpoint-2" / "trainer_state.pt").is_file()
+    x = torch.randint(4, 260, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(x)).all()
+
+
+@pytest.mark.distributed
+def test_train_torchrun_ddp_matches_single_process(single_process_run, tmp_path):
+    reference, ref_dir = single_process_run
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "ddp", "--out", str(tmp_path)],
+                  torchrun=True)
+    assert "world_size 2 | dist ddp" in stdout and "grad_accum 2" in stdout
+    _assert_same_losses(_losses(stdout), reference)
+    assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
+
+
+@pytest.mark.distributed
+def test_train_torchrun_fsdp2_matches_single_process_and_resumes(single_process_run, tmp_path):
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "fully_shard"):  # FSDP2 needs torch >= 2.6
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
+    reference, ref_dir = single_process_run
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "fsdp2", "--out", str(tmp_path)],
+                  torchrun=True)
+    assert "world_size 2 | dist fsdp2" in stdout
+    _assert_same_losses(_losses(stdout), reference)
+    assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
+    # resume the sharded run's update-2 checkpoint on one process: updates 3 and 4 need the restored AdamW state
+    resumed = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "none", "--out",
+                    str(tmp_path / "resumed"), "--resume", str(tmp_path / "checkpoint-2")])
+    assert "at step 2" in resumed
+    losses = _losses(resumed)
+    assert sorted(losses) == [3, 4]
+    _assert_same_losses(losses, reference)
+    assert _max_weight_diff(_reload(tmp_path / "resumed" / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ deepspeed, accelerate
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["ds_zero2.json", "ds_zero3.json"])
+def test_train_deepspeed_matches_single_process(single_process_run, tmp_path, config):
+    pytest.importorskip("deepspeed")
+    reference, ref_dir = single_process_run
+    stdout = _run([str(EXAMPLES / "train_deepspeed.py"), *TRAIN_FLAGS, "--fp32", "--deepspeed-config",
+                   str(EXAMPLES / config), "--out", str(tmp_path)], torchrun=True, timeout=400)
+    assert f"deepspeed ZeRO-{config[7]}" in stdout
+    _assert_same_losses(_losses(stdout), reference)
+    assert (tmp_path / "deepspeed" / "latest").is_file()
+    assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
+
+
+@pytest.mark.distributed
+def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
+    pytest.importorskip("accelerate")
+    reference, ref_dir = single_process_run
+    stdout = _run([str(EXAMPLES / "train_accelerate.py"), "--cpu", *TRAIN_FLAGS, "--out", str(tmp_path)],
+                  torchrun=True)
+    assert "world_size 2 | accelerate" in stdout
+    _assert_same_losses(_losses(stdout), reference)
+    assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ paper §4.1 / §4.2
+def test_conversion_paths_runs_all_four_paths():
+    stdout = _run([str(EXAMPLES / "conversion_paths.py"), "--tiny", "--phase-steps", "2", "--eval-blocks", "16"])
+    for path, kernels in [("AR→mask", ("mask", "mask")), ("AR→uniform", ("uniform", "uniform")),
+                          ("AR→mask→uniform", ("mask", "uniform")), ("AR→uniform→mask", ("uniform", "mask"))]:
+        for phase, kernel in enumerate(kernels, start=1):
+            line = re.search(rf"^{re.escape(path)}\s+phase {phase} \({kernel}\s*\) train (\S+) → (\S+) \| "
+                             rf"eval@t=0.5 (\S+) → (\S+)$", stdout, re.M)
+            assert line, (path, phase, stdout[-3000:])
+            assert all(math.isfinite(float(v)) for v in line.groups())
+        final = re.search(rf"^\s*{re.escape(path)}\s+(\S+)\s+(\S+)$", stdout.split("final model")[1], re.M)
+        assert final and all(math.isfinite(float(v)) for v in final.groups())
+    # paths that share their first phase share its numbers exactly (same copy of the model, same random streams)
+    first = dict(re.findall(r"^(AR→\S+)\s+phase 1 \(\w+\s*\) (train .*)$", stdout, re.M))
+    assert first["AR→mask"] == first["AR→mask→uniform"] and first["AR→uniform"] == first["AR→uniform→mask"]
+
+
+def test_objectives_rate_equivalent_losses_train_identically():
+    stdout = _run([str(EXAMPLES / "objectives.py"), "--tiny", "--steps", "3", "--eval-blocks", "16"])
+    rows = {}
+    for line in stdout.split("eval ELBO@0.5")[1].splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 9 and cells[1] in ("uniform", "mask"):
+            rows[(cells[0], cells[1])] = cells
+    assert len(rows) == 8, stdout[-3000:]
+    for key in [("sedd", "uniform"), ("m2s", "uniform"), ("ctmc", "uniform"), ("mdlm", "mask")]:
+        assert float(rows[key][7]) <= 1e-4, rows[key]  # Corollary 3.4: same loss function of the logits
+    assert float(rows[("m2s (μ head)", "uniform")][7]) > 1e-2  # a different parameterization trains differently
+    assert all(math.isfinite(float(c)) for cells in rows.values() for c in cells[3:])
+    assert re.search(r"M2S, mean loss over the first 3 updates: x0 head \S+, μ head \S+", stdout)
