@@ -70,11 +70,13 @@ def test_all_objectives_agree_on_an_x0_head(kernel):
     objectives = ["gidd", "sedd", "m2s", "ctmc"] + (["mdlm"] if isinstance(kernel, uf.MaskKernel) else [])
     values, grads = [], []
     for obj in objectives:
-        out = uf.diffusion_loss(model, x0, kernel, objective=obj, generator=torch.Generator().manual_seed(3))
-        assert out.loss.shape == x0.shape and torch.isfinite(out.loss).all()
-        (g,) = torch.autograd.grad(out.mean(), model.table)
-        values.append(out.loss.detach())
-        grads.append(g)
+        for reference in (False, True):  # fast x0-head path and the published loss in its own coordinates
+            out = uf.diffusion_loss(model, x0, kernel, objective=obj, generator=torch.Generator().manual_seed(3),
+                                    reference=reference)
+            assert out.loss.shape == x0.shape and torch.isfinite(out.loss).all()
+            (g,) = torch.autograd.grad(out.mean(), model.table)
+            values.append(out.loss.detach())
+            grads.append(g)
     for v, g in zip(values[1:], grads[1:]):
         torch.testing.assert_close(v, values[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g, grads[0], rtol=1e-10, atol=1e-12)
@@ -166,3 +168,33 @@ def test_bad_input():
         uf.diffusion_loss(lambda x, t: torch.zeros(*x.shape, S + 1), _x0(), kernel)
     with pytest.raises(ValueError, match="t"):
         uf.diffusion_loss(model, _x0(), kernel, t=torch.full((3,), 1.5))
+
+
+def test_fused_loss_through_a_diffusion_lm_equals_the_logits_path():
+    """fused=True (hidden states + chunked output head, no (B, L, V) logits) == logits + x0_head_loss."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _hf_tiny import tiny_model
+
+    for kernel_kind in ("uniform", "mask"):
+        model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=kernel_kind == "mask")
+        kernel = (uf.UniformKernel(model.num_states) if kernel_kind == "uniform"
+                  else uf.MaskKernel(model.num_states, model.mask_token_id))
+        x0 = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+        pad = torch.ones_like(x0)
+        pad[1, 5:] = 0
+        outs, grads = [], []
+        for fused in (False, True):
+            out = uf.diffusion_loss(model, x0, kernel, attention_mask=pad, fused=fused,
+                                    generator=torch.Generator().manual_seed(4))
+            model.zero_grad()
+            out.mean().backward()
+            outs.append(out.loss.detach())
+            grads.append(model.lm_head_weight.grad.clone())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(model.loss(out.x_t, out.t, x0, kernel), model(out.x_t, out.t, x0=x0, kernel=kernel))
+    with pytest.raises(TypeError, match="fused"):
+        uf.diffusion_loss(EmbedHead(), _x0(), uf.UniformKernel(S), fused=True)

@@ -343,20 +343,40 @@ class DiffusionLM(nn.Module):
         return kwargs
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
-                attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
-                ) -> torch.Tensor:
-        """x0 logits ``x_θ(· | x_t, t)``.
+                attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                x0: torch.Tensor | None = None, kernel: Any = None, objective: str = "gidd",
+                weighting: str = "elbo", max_weight: float = 2.0) -> torch.Tensor:
+        """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
             x_t: ``(B, L)`` int64 noisy token ids.
-            t: ``(B,)`` float times in ``(0, 1)``; required only with time conditioning.
+            t: ``(B,)`` float times in ``(0, 1)``; required with time conditioning or a loss.
             bidirectional_prob: ``γ`` in ``[0, 1]`` (0 causal, 1 fully bidirectional; see :func:`anneal_schedule`).
             attention_mask: optional ``(B, L)`` padding mask, 1 = real token (right or left padding).
             generator: random generator for the Bernoulli mask entries when ``0 < γ < 1``.
+            x0: clean tokens ``(B, L)``; with ``kernel``, return the loss instead of the logits.
+            kernel: the forward kernel of the loss.
+            objective: x0-head objective (see :func:`unifusion.losses.x0_head_loss`).
+            weighting: GIDD weighting of the loss.
+            max_weight: clip of the GIDD weights.
 
         Returns:
-            ``(B, L, V)`` logits; row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``.
+            ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``), or with
+            ``x0``/``kernel`` the ``(B, L)`` float32 loss of
+            :func:`unifusion.losses.fused_linear_diffusion_loss`, computed from the hidden states without ever
+            holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
         """
+        if x0 is not None or kernel is not None:
+            if x0 is None or kernel is None or t is None:
+                raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
+            from .losses.fused_linear import fused_linear_diffusion_loss
+
+            h = self.hidden_states(x_t, t, bidirectional_prob=bidirectional_prob, attention_mask=attention_mask,
+                                   generator=generator)
+            return fused_linear_diffusion_loss(
+                h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
+                weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
+                logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
         logits = self._hf(**kwargs).logits  # (B, L+1, V)
@@ -373,6 +393,13 @@ class DiffusionLM(nn.Module):
         kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
+
+    def loss(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
+        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss).
+
+        Same as ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``; under DDP/FSDP call the wrapper that way instead.
+        """
+        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.

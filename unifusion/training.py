@@ -19,6 +19,7 @@ import torch
 from . import _validation as V
 from .kernels import Kernel, MaskKernel
 from .losses import native
+from .losses.fast import x0_head_loss
 from .rates import _check_kernel, x0_log_probs
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
@@ -127,13 +128,29 @@ def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch
     raise AssertionError(objective)
 
 
+def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+                    kernel: Kernel, weighting: str, max_weight: float) -> torch.Tensor:
+    """The objective's own published loss on the converted x0 head (slow, straightforward; for tests and demos)."""
+    if objective == "gidd":
+        return native.gidd_loss(logits, x0, x_t, t, kernel, weighting=weighting, max_weight=max_weight)
+    if objective == "mdlm":
+        return native.mdlm_loss(logits, x0, x_t, t, kernel)
+    heads = _x0_head_to(objective, logits, kernel, x_t, t)
+    if objective == "sedd":
+        return native.sedd_loss(heads[0], x0, x_t, t, kernel)
+    if objective == "m2s":
+        return native.m2s_loss(heads[0], x0, x_t, t, kernel)
+    return native.ctmc_loss(heads[0], heads[1], x0, x_t, t, kernel)
+
+
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                    step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
                    attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                    t: torch.Tensor | None = None, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
                    max_weight: float = 2.0, t_min: float = 1e-3,
-                   bidirectional_prob: float | None = None) -> DiffusionLossOutput:
+                   bidirectional_prob: float | None = None, fused: bool = False,
+                   reference: bool = False) -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
 
     Args:
@@ -155,6 +172,15 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         max_weight: upper clip of the GIDD weights.
         t_min: smallest sampled time.
         bidirectional_prob: override γ directly (takes precedence over ``step``).
+        fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
+            (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
+            for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
+
+    ``reference=True`` instead converts the head into each objective's own coordinates and evaluates the published
+    loss there (:mod:`unifusion.losses.native`; slow, the same values).
+
+    The x0-head objectives run through :func:`~unifusion.losses.x0_head_loss` (analytic gradient, chunked, at the
+    cost of a cross-entropy); ``head="mu"`` uses the M2S reference loss.
 
     Returns:
         :class:`DiffusionLossOutput` with per-token ``loss (B, L)`` and the token count for normalising.
@@ -200,6 +226,20 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             gamma = anneal_schedule(step, anneal_steps)
     else:
         gamma = float(bidirectional_prob)
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+    if fused and not _is_diffusion_lm(model):
+        raise TypeError(
+            f"fused: needs a DiffusionLM (hidden states + output head), got {type(_unwrap(model)).__name__}")
+    if fused and head == "mu":
+        raise ValueError("fused: head='mu' is not an x0 head; use fused=False")
+    if fused:
+        loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
+                     x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight)
+        mask = valid.to(loss.dtype)
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
+                                   bidirectional_prob=gamma)
     if _is_diffusion_lm(model):
         logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
     else:
@@ -213,20 +253,13 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     t_pos = t.to(dtype)[:, None].expand(B, L)
     logits = logits.to(dtype)
     with V.validation(False):  # inputs were validated above; skip the syncing re-checks inside
-        if objective == "gidd":
-            loss = native.gidd_loss(logits, x0, x_t, t_pos, kernel, weighting=weighting, max_weight=max_weight)
-        elif objective == "mdlm":
-            loss = native.mdlm_loss(logits, x0, x_t, t_pos, kernel)
-        elif objective == "m2s" and head == "mu":
+        if head == "mu":
             loss = native.m2s_loss(logits, x0, x_t, t_pos, kernel)
+        elif reference:
+            loss = _reference_loss(objective, logits, x0, x_t, t_pos, kernel, weighting, max_weight)
         else:
-            heads = _x0_head_to(objective, logits, kernel, x_t, t_pos)
-            if objective == "sedd":
-                loss = native.sedd_loss(heads[0], x0, x_t, t_pos, kernel)
-            elif objective == "m2s":
-                loss = native.m2s_loss(heads[0], x0, x_t, t_pos, kernel)
-            else:
-                loss = native.ctmc_loss(heads[0], heads[1], x0, x_t, t_pos, kernel)
+            loss = x0_head_loss(logits, x0, x_t, t_pos, kernel, objective=objective, weighting=weighting,
+                                max_weight=max_weight)
     mask = valid.to(loss.dtype)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
