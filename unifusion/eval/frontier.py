@@ -321,6 +321,16 @@ def plot_frontier(results: Sequence[FrontierResult | dict[str, Any] | str | os.P
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
     ax.margins(0.08)
+    values = [r["genppl_mean"] for res in items for r in res.summary if r["genppl_mean"] > 0]
+    if values and max(values) / min(values) < 3.0:
+        # less than half a decade: log ticks would fall outside the data, so label a few values inside it
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+        lo, hi = ax.get_ylim()[::-1] if ax.yaxis_inverted() else ax.get_ylim()
+        ticks = [float(f"{v:.3g}") for v in (lo * (hi / lo) ** (k / 4) for k in range(5))]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("mean unigram entropy (nats, GPT-2 tokens)")
     ax.set_ylabel("generative perplexity (log scale, inverted)")
     if title:
