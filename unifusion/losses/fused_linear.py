@@ -26,8 +26,9 @@ from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_
 
 __all__ = ["fused_linear_diffusion_loss"]
 
-# elements of one block of logits (64 MiB in float32)
-_CHUNK_ELEMENTS = 1 << 24
+# elements of one block of logits (128 MiB in float32). At V = 262,144, N = 1024, d = 640: 64 MiB blocks measured
+# 0.26x the memory / 2.0x the time of materialised cross-entropy, 256 MiB blocks 0.38x / 1.48x (larger matmuls)
+_CHUNK_ELEMENTS = 1 << 25
 
 
 def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
@@ -111,7 +112,8 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         lm_head_weight: output embedding ``(S, d)``, S = ``kernel.num_states``.
         x0, x_t, t, kernel, objective, weighting, max_weight: as in :func:`~unifusion.losses.x0_head_loss`.
         lm_head_bias: optional ``(S,)``.  logit_scale: κ.  final_logit_softcap: c (gemma2/3) or ``None``.
-        chunk_size: positions per block (default: 2²⁴ / S, i.e. 64 MiB float32 blocks).
+        chunk_size: positions per block (default: 2²⁵ / S, i.e. 128 MiB float32 blocks; smaller saves memory,
+            larger makes the matmuls more efficient).
 
     Returns float32 losses ``(...)`` (float64 for float64 inputs). Backward recomputes each block's logits
     (one extra matmul) and is exact for any incoming per-position gradient.

@@ -261,7 +261,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
         w = _dynamic_weight(kernel, x0, x_t, t).clamp(0.0, max_weight)
     loss = torch.where(v > 0, w * term, torch.zeros_like(term))
     # x_t impossible under x0: the true rates are 0 by convention, D_t is the model's exit rate
-    exit_theta = v * torch.expm1(-_gather(log_q_theta, x_t))
+    exit_theta = torch.where(v > 0, v * torch.expm1(-_gather(log_q_theta, x_t)), torch.zeros_like(v))
     return torch.where(possible, loss, exit_theta)
 
 

@@ -1,0 +1,46 @@
+"""Peak resident memory of one benchmark variant, measured in its own process.
+
+A parent script calls :func:`measure` with its own path and a variant name; the child (the same script run with
+``--child VARIANT ...``) builds its inputs, calls :func:`baseline`, runs the variant once and calls :func:`report`.
+The reported number is peak RSS (``resource.getrusage(...).ru_maxrss``) after the run minus peak RSS after the
+inputs were allocated, so inputs and the interpreter are excluded and each variant starts from a fresh heap.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+_MARK = "PEAK_RSS_JSON "
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+_BASE = {"bytes": 0}
+
+
+def baseline() -> None:
+    """Call in the child once the inputs exist (and nothing else big has been allocated)."""
+    _BASE["bytes"] = _peak_bytes()
+
+
+def report(**extra: object) -> None:
+    """Call in the child after the variant ran: prints the peak RSS increase for the parent."""
+    print(_MARK + json.dumps({"peak_delta_bytes": _peak_bytes() - _BASE["bytes"], **extra}), flush=True)
+
+
+def measure(script: str, variant: str, *args: str) -> int | None:
+    """Run ``python SCRIPT --child VARIANT ARGS...`` and return its peak RSS increase in bytes (``None`` when the
+    child died, e.g. killed for memory)."""
+    out = subprocess.run([sys.executable, script, "--child", variant, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"# {variant}: child exited with {out.returncode} (killed for memory?)", file=sys.stderr)
+        return None
+    for line in out.stdout.splitlines():
+        if line.startswith(_MARK):
+            return int(json.loads(line[len(_MARK):])["peak_delta_bytes"])
+    raise RuntimeError(f"{script} --child {variant}: no measurement in its output:\n{out.stdout}\n{out.stderr}")

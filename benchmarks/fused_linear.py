@@ -1,0 +1,103 @@
+"""Fused output head + x0-head loss against materialised logits (forward + backward, grads for hidden and W).
+
+    python benchmarks/fused_linear.py [--n 1024] [--d 640] [--v 262144] [--reps 2]
+
+Variants: ``materialised_ce`` (baseline: logits = h Wᵀ, F.cross_entropy(reduction="none").sum().backward()),
+``materialised_fast`` (logits = h Wᵀ, fast gidd_loss), ``fused`` (fused_linear_diffusion_loss, uniform kernel,
+never holds N×V logits), ``fused_mask`` (mask kernel). float32, 2 threads, validation off. Time: best of
+``--reps`` interleaved runs; memory: peak RSS increase of one run in its own process (benchmarks/_memory.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _memory  # noqa: E402
+
+import unifusion as uf  # noqa: E402
+from unifusion.losses import fast  # noqa: E402
+from unifusion.losses.fused_linear import fused_linear_diffusion_loss  # noqa: E402
+
+VARIANTS = ["materialised_ce", "materialised_fast", "fused", "fused_mask"]
+
+
+def make_inputs(N: int, d: int, V: int):
+    g = torch.Generator().manual_seed(0)
+    h = torch.empty(N, d).normal_(0.0, 1.0, generator=g)
+    W = torch.empty(V, d).normal_(0.0, 0.05, generator=g)
+    x0 = torch.randint(0, V - 1, (N,), generator=g)
+    t = torch.rand(N, generator=g) * 0.98 + 0.01
+    return h, W, x0, t, g
+
+
+def make_variant(name: str, h, W, x0, t, g):
+    V = W.shape[0]
+    kernel = uf.MaskKernel(V, V - 1) if name.endswith("mask") else uf.UniformKernel(V)
+    x_t = kernel.sample(x0, t, generator=g)
+
+    def leaves():
+        return h.detach().requires_grad_(), W.detach().requires_grad_()
+
+    if name == "materialised_ce":
+        def run():
+            hh, WW = leaves()
+            F.cross_entropy(hh @ WW.T, x0, reduction="none").sum().backward()
+    elif name == "materialised_fast":
+        def run():
+            hh, WW = leaves()
+            fast.gidd_loss(hh @ WW.T, x0, x_t, t, kernel).sum().backward()
+    else:
+        def run():
+            hh, WW = leaves()
+            fused_linear_diffusion_loss(hh, WW, x0, x_t, t, kernel).sum().backward()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--d", type=int, default=640)
+    ap.add_argument("--v", type=int, default=262144)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    uf.set_validation(False)
+    h, W, x0, t, g = make_inputs(args.n, args.d, args.v)
+    if args.child is not None:
+        run = make_variant(args.child, h, W, x0, t, g)
+        _memory.baseline()
+        run()
+        _memory.report()
+        return
+    names = args.variants.split(",")
+    # memory first: a child inherits the parent's ru_maxrss at fork, so the parent must still be small
+    child_args = ["--n", str(args.n), "--d", str(args.d), "--v", str(args.v)]
+    mem = {name: _memory.measure(os.path.abspath(__file__), name, *child_args) for name in names}
+    runs = {name: make_variant(name, h, W, x0, t, g) for name in names}
+    times = {name: [] for name in names}
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    base_t, base_m = min(times["materialised_ce"]), mem["materialised_ce"]
+    print(f"N={args.n} d={args.d} V={args.v} float32 threads=2 reps={args.reps} (time: best of reps; memory: "
+          f"peak RSS increase, own process)")
+    print(f"{'variant':20s} {'time s':>8s} {'x CE':>6s} {'peak MiB':>9s} {'x CE':>6s}")
+    for name in names:
+        tb, mb = min(times[name]), mem[name]
+        mem_cols = f"{mb / 2**20:9.1f} {mb / base_m:6.2f}" if mb is not None and base_m else f"{'n/a':>9s} {'':>6s}"
+        print(f"{name:20s} {tb:8.3f} {tb / base_t:6.2f} {mem_cols}")
+
+
+if __name__ == "__main__":
+    main()

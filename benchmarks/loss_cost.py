@@ -1,0 +1,109 @@
+"""Cost of the x0-head losses against F.cross_entropy on the same logits (forward + backward).
+
+    python benchmarks/loss_cost.py [--n 2048] [--v 49152] [--dtype float32|bfloat16] [--reps 5]
+
+Time: best of ``--reps`` interleaved runs in this process. Memory: peak RSS increase of one run in a fresh process
+per variant (benchmarks/_memory.py). 2 threads (torch.set_num_threads(2)), validation off for every variant.
+Baseline: ``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _memory  # noqa: E402
+
+import unifusion as uf  # noqa: E402
+from unifusion.losses import fast, native  # noqa: E402
+
+VARIANTS = ["cross_entropy", "fast_uniform", "fast_mask", "fast_hybrid", "fast_uniform_dynamic",
+            "native_uniform"]
+
+
+def _kernel(name: str, V: int):
+    if "uniform" in name:
+        return uf.UniformKernel(V)
+    if "mask" in name:
+        return uf.MaskKernel(V, V - 1)
+    return uf.HybridKernel(V, V - 1, 0.2)
+
+
+def make_inputs(N: int, V: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.empty(N, V, dtype=dtype)
+    for i in range(0, N, 64):  # in row blocks: no N×V float32 temporary that would raise the baseline peak
+        logits[i:i + 64].normal_(0.0, 2.0, generator=g)
+    x0 = torch.randint(0, V - 1, (N,), generator=g)
+    t = torch.rand(N, generator=g) * 0.98 + 0.01
+    return logits, x0, t, g
+
+
+def make_variant(name: str, logits, x0, t, g):
+    V = logits.shape[-1]
+    if name == "cross_entropy":
+        def run():
+            z = logits.detach().requires_grad_()
+            F.cross_entropy(z, x0, reduction="none").sum().backward()
+        return run
+    kernel = _kernel(name, V)
+    x_t = kernel.sample(x0, t, generator=g)
+    weighting = "dynamic" if name.endswith("dynamic") else "elbo"
+    loss_fn = fast.gidd_loss if name.startswith("fast") else native.gidd_loss
+
+    def run():
+        z = logits.detach().requires_grad_()
+        loss_fn(z, x0, x_t, t, kernel, weighting).sum().backward()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--v", type=int, default=49152)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    uf.set_validation(False)
+    dtype = getattr(torch, args.dtype)
+    logits, x0, t, g = make_inputs(args.n, args.v, dtype)
+    if args.child is not None:
+        run = make_variant(args.child, logits, x0, t, g)
+        _memory.baseline()
+        run()
+        _memory.report()
+        return
+    names = args.variants.split(",")
+    # memory first: a child inherits the parent's ru_maxrss at fork, so the parent must still be small
+    child_args = ["--n", str(args.n), "--v", str(args.v), "--dtype", args.dtype]
+    mem = {name: _memory.measure(os.path.abspath(__file__), name, *child_args) for name in names}
+    runs = {name: make_variant(name, logits, x0, t, g) for name in names}
+    for run in runs.values():
+        run()  # warm-up
+    times = {name: [] for name in names}
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    base_t, base_m = min(times["cross_entropy"]), mem["cross_entropy"]
+    print(f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; memory: "
+          f"peak RSS increase, own process)")
+    print(f"{'variant':24s} {'time s':>8s} {'x CE':>6s} {'peak MiB':>9s} {'x CE':>6s}")
+    for name in names:
+        tb, mb = min(times[name]), mem[name]
+        mem_cols = f"{mb / 2**20:9.1f} {mb / base_m:6.2f}" if mb is not None and base_m else f"{'n/a':>9s} {'':>6s}"
+        print(f"{name:24s} {tb:8.3f} {tb / base_t:6.2f} {mem_cols}")
+
+
+if __name__ == "__main__":
+    main()

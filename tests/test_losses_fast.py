@@ -1,0 +1,223 @@
+"""The cross-entropy-cost x0-head losses (unifusion.losses.fast) against the float64 references in losses.native."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unifusion as uf
+from unifusion.conversions import convert_x0_to
+from unifusion.losses import fast, native
+
+S = 40
+
+
+def _kernels():
+    g = torch.Generator().manual_seed(1)
+    p_u, gamma = (float(v) for v in torch.rand(2, generator=g))
+    return {
+        "uniform-linear": uf.UniformKernel(S),
+        "uniform-cosine": uf.UniformKernel(S, uf.CosineSchedule()),
+        "uniform-loglinear": uf.UniformKernel(S, uf.LogLinearSchedule()),
+        "mask-linear": uf.MaskKernel(S, 5),
+        "mask-cosine": uf.MaskKernel(S, S - 1, uf.CosineSchedule()),
+        "hybrid-random": uf.HybridKernel(S, 0, 0.05 + 0.9 * p_u, 0.1 + 1.9 * gamma),
+        "hybrid-p0": uf.HybridKernel(S, 7, 0.0),
+    }
+
+
+KERNELS = _kernels()
+TIMES = torch.tensor([1e-6, 1e-4, 0.01, 0.2, 0.5, 0.8, 0.99, 1 - 1e-4, 1 - 1e-6], dtype=torch.float64)
+
+
+def _batch(kernel, n=72, dtype=torch.float64, seed=0, times=None):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randint(0, S, (n,), generator=g)
+    if kernel.mask_id is not None:
+        x0 = torch.where(x0 == kernel.mask_id, (x0 + 1) % S, x0)
+    t = times[torch.arange(n) % len(times)] if times is not None else torch.rand(n, generator=g, dtype=torch.float64)
+    t = t.to(torch.float32).to(torch.float64) if dtype != torch.float64 else t  # representable in float32
+    x_t = kernel.sample(x0, t, generator=g)
+    x_t[:4] = x0[:4]  # some clean positions for sure
+    logits = torch.randn(n, S, generator=g, dtype=torch.float64) * 3
+    return logits.to(dtype), x0, x_t, t
+
+
+def _ref_and_grad(logits, x0, x_t, t, kernel, weighting, scale):
+    L = logits.detach().to(torch.float64).requires_grad_()
+    ref = native.gidd_loss(L, x0, x_t, t, kernel, weighting)
+    (g,) = torch.autograd.grad((ref * scale).sum(), L)
+    return ref.detach(), g
+
+
+@pytest.mark.parametrize("weighting", ["elbo", "clip", "dynamic"])
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_float64_equals_reference_values_and_grads(name, weighting):
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, times=TIMES)
+    scale = torch.rand(len(x0), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    scale[::5] = 0.0  # padding positions
+    ref, g_ref = _ref_and_grad(logits, x0, x_t, t, kernel, weighting, scale)
+    L = logits.clone().requires_grad_()
+    out = fast.gidd_loss(L, x0, x_t, t, kernel, weighting)
+    (out * scale).sum().backward()
+    assert out.dtype == torch.float64 and out.shape == x0.shape
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-300)
+    torch.testing.assert_close(L.grad, g_ref, rtol=1e-9, atol=1e-12 * float(g_ref.abs().max()))
+    assert torch.all(L.grad[::5] == 0)  # padded positions get no gradient
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_float32_is_as_accurate_as_a_float32_cross_entropy(name):
+    """float32 logits and times: loss within 4e-6 relative of the float64 truth and gradient within 1e-5 (of its
+    max), or no worse than the float32 reference where float32 schedule values themselves are off (cosine, t → 1)."""
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, dtype=torch.float32, times=TIMES, n=90)
+    scale = torch.ones(len(x0), dtype=torch.float64)
+    ref, g_ref = _ref_and_grad(logits, x0, x_t, t, kernel, "elbo", scale)
+    L = logits.clone().requires_grad_()
+    ref32 = native.gidd_loss(L, x0, x_t, t.float(), kernel)
+    (g_ref32,) = torch.autograd.grad(ref32.sum(), L)
+    out = fast.gidd_loss(L, x0, x_t, t.float(), kernel)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and L.grad.dtype == torch.float32
+
+    def rel(x):
+        return (x.detach().double() - ref).abs() / ref.abs().clamp_min(1e-30)
+
+    assert torch.all(rel(out) <= torch.clamp(2 * rel(ref32), min=4e-6))
+    grad_err = float((L.grad.double() - g_ref).abs().max()) / float(g_ref.abs().max())
+    ref_err = float((g_ref32.double() - g_ref).abs().max()) / float(g_ref.abs().max())
+    assert grad_err <= max(1e-5, 2 * ref_err)
+
+
+@pytest.mark.parametrize("name", ["uniform-linear", "mask-linear", "hybrid-random"])
+def test_bf16_logits_are_finite_and_match_float32_math(name):
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, dtype=torch.bfloat16)
+    L = logits.clone().requires_grad_()
+    out = fast.gidd_loss(L, x0, x_t, t.float(), kernel)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and L.grad.dtype == torch.bfloat16
+    assert torch.isfinite(out).all() and torch.isfinite(L.grad).all()
+    ref, g_ref = _ref_and_grad(logits, x0, x_t, t.float().double(), kernel, "elbo", torch.ones(len(x0)))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(L.grad.double(), g_ref, rtol=1e-2, atol=1e-2 * float(g_ref.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["uniform-cosine", "mask-linear", "hybrid-random"])
+def test_gradcheck_float64(name):
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, n=6)
+    L = logits.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: fast.x0_head_loss(z, x0, x_t, t, kernel), (L,), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["uniform-linear", "mask-linear", "hybrid-random"])
+def test_threaded_blocks_equal_single_block(name, monkeypatch):
+    """Small blocks force the multi-threaded CPU path (rows split across workers) and many blocks per worker."""
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, n=101)
+    L1 = logits.clone().requires_grad_()
+    out1 = fast.gidd_loss(L1, x0, x_t, t, kernel)
+    out1.sum().backward()
+    monkeypatch.setattr(fast, "_BLOCK_ELEMENTS", 3 * S)
+    torch.set_num_threads(2)
+    L2 = logits.clone().requires_grad_()
+    out2 = fast.gidd_loss(L2, x0, x_t, t, kernel)
+    out2.sum().backward()
+    torch.testing.assert_close(out2, out1, rtol=1e-13, atol=0)
+    torch.testing.assert_close(L2.grad, L1.grad, rtol=1e-13, atol=1e-15)
+
+
+def test_batched_shapes_and_scalar_time():
+    kernel = KERNELS["hybrid-random"]
+    logits, x0, x_t, _ = _batch(kernel, n=24)
+    out = fast.gidd_loss(logits.reshape(4, 6, S), x0.reshape(4, 6), x_t.reshape(4, 6), 0.3, kernel)
+    ref = native.gidd_loss(logits.reshape(4, 6, S), x0.reshape(4, 6), x_t.reshape(4, 6), 0.3, kernel)
+    assert out.shape == (4, 6)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
+
+
+def test_no_grad_forward_equals_grad_forward():
+    kernel = KERNELS["uniform-linear"]
+    logits, x0, x_t, t = _batch(kernel)
+    with torch.no_grad():
+        a = fast.gidd_loss(logits.requires_grad_(), x0, x_t, t, kernel)
+    b = fast.gidd_loss(logits.detach(), x0, x_t, t, kernel)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["uniform-linear", "hybrid-random", "mask-cosine"])
+def test_x0_head_objectives_equal_native_losses_of_converted_heads(name):
+    """Theorem 3.5: SEDD/M2S/CTMC losses of the converted x0 head are the x0 head's D_t."""
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, n=30)
+    probs = uf.rates.x0_log_probs(kernel, logits).exp()
+    expected = native.gidd_loss(logits, x0, x_t, t, kernel)
+    score = convert_x0_to("sedd", probs, kernel, x_t, t)
+    sedd = native.sedd_loss(torch.log(score), x0, x_t, t, kernel)
+    mu = convert_x0_to("m2s", probs, kernel, x_t, t, strict=False)
+    m2s = native.m2s_loss(torch.log(mu), x0, x_t, t, kernel)
+    lam, jump = convert_x0_to("ctmc", probs, kernel, x_t, t)
+    ctmc = native.ctmc_loss(torch.log(lam), torch.log(jump), x0, x_t, t, kernel)
+    for objective, other in (("sedd", sedd), ("m2s", m2s), ("ctmc", ctmc), ("gidd", expected)):
+        out = fast.x0_head_loss(logits, x0, x_t, t, kernel, objective=objective)
+        torch.testing.assert_close(out, other, rtol=1e-8, atol=1e-12)
+
+
+def test_mdlm_equals_native_mdlm():
+    kernel = KERNELS["mask-linear"]
+    logits, x0, x_t, t = _batch(kernel)
+    torch.testing.assert_close(fast.mdlm_loss(logits, x0, x_t, t, kernel), native.mdlm_loss(logits, x0, x_t, t, kernel),
+                               rtol=1e-10, atol=1e-300)
+    with pytest.raises(TypeError, match="kernel"):
+        fast.x0_head_loss(logits, x0, x_t, t, KERNELS["uniform-linear"], objective="mdlm")
+
+
+def test_generator_kernel_falls_back_to_reference():
+    n = 6
+    gen = torch.full((n, n), 1.0 / n, dtype=torch.float64) - torch.eye(n, dtype=torch.float64)
+    kernel = uf.GeneratorKernel(gen, schedule=uf.LinearSchedule())
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(10, n, generator=g, dtype=torch.float64)
+    x0 = torch.randint(0, n, (10,), generator=g)
+    x_t = kernel.sample(x0, 0.4, generator=g)
+    torch.testing.assert_close(fast.gidd_loss(logits, x0, x_t, 0.4, kernel),
+                               native.gidd_loss(logits, x0, x_t, 0.4, kernel))
+    with pytest.raises(ValueError, match="weighting"):
+        fast.gidd_loss(logits, x0, x_t, 0.4, kernel, weighting="clip")
+
+
+def test_bad_arguments_raise_named_errors():
+    kernel = KERNELS["uniform-linear"]
+    logits, x0, x_t, t = _batch(kernel, n=8)
+    with pytest.raises(ValueError, match="weighting"):
+        fast.gidd_loss(logits, x0, x_t, t, kernel, weighting="nope")
+    with pytest.raises(ValueError, match="objective"):
+        fast.x0_head_loss(logits, x0, x_t, t, kernel, objective="nope")
+    with pytest.raises(ValueError, match="max_weight"):
+        fast.gidd_loss(logits, x0, x_t, t, kernel, weighting="clip", max_weight=-1.0)
+    with pytest.raises(ValueError, match="x0_logits"):
+        fast.gidd_loss(logits[:, :-1], x0, x_t, t, kernel)
+    with pytest.raises(ValueError, match="x0_logits"):
+        fast.gidd_loss(logits[:4], x0, x_t, t, kernel)
+    with pytest.raises(TypeError, match="x0_logits"):
+        fast.gidd_loss(logits.long(), x0, x_t, t, kernel)
+    with pytest.raises(ValueError, match="t"):
+        fast.gidd_loss(logits, x0, x_t, 1.5, kernel)
+    with pytest.raises(ValueError, match="x0_logits"):
+        bad = logits.clone()
+        bad[2, 3] = float("nan")
+        fast.gidd_loss(bad, x0, x_t, t, kernel)
+
+
+def test_backward_twice_with_retained_graph_accumulates():
+    kernel = KERNELS["uniform-linear"]
+    logits, x0, x_t, t = _batch(kernel, n=8)
+    L = logits.clone().requires_grad_()
+    out = fast.gidd_loss(L, x0, x_t, t, kernel).sum()
+    out.backward(retain_graph=True)
+    first = L.grad.clone()
+    out.backward()
+    torch.testing.assert_close(L.grad, 2 * first, rtol=0, atol=0)
