@@ -451,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(f"final loss {loss.item():.6f}", flush=True)
     if dist.is_initialized():
+        dist.barrier()  # every rank done (and rank 0's checkpoint written) before the group goes away
         dist.destroy_process_group()
     return 0
 
