@@ -1,4 +1,4 @@
-"""Multi-process readiness on CPU: DDP and FSDP2 gradients equal the single-process gradients of the same global batch."""
+"""Multi-process readiness on CPU: DDP and FSDP2 gradients equal single-process gradients of the same global batch."""
 
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ def test_switching_kernels_mid_training_lowers_each_loss():
         for kernel in path:
             fixed_t = torch.full((x0.shape[0],), 0.5)
 
-            def eval_loss():
+            def eval_loss(model=model, kernel=kernel, fixed_t=fixed_t):
                 with torch.no_grad():
                     return uf.diffusion_loss(model, x0, kernel, t=fixed_t,
                                              generator=torch.Generator().manual_seed(9)).mean()
