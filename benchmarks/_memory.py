@@ -44,3 +44,27 @@ def measure(script: str, variant: str, *args: str) -> int | None:
         if line.startswith(_MARK):
             return int(json.loads(line[len(_MARK):])["peak_delta_bytes"])
     raise RuntimeError(f"{script} --child {variant}: no measurement in its output:\n{out.stdout}\n{out.stderr}")
+
+
+def time_and_print(runs: dict, mem: dict, baseline: str, reps: int, header: str, *, warmup: bool = False,
+                   width: int = 24) -> None:
+    """Time each ``runs[name]()`` ``reps`` times, interleaved (best of reps), and print time and peak memory as
+    ratios to the ``baseline`` variant measured in the same run."""
+    import time
+
+    if warmup:
+        for run in runs.values():
+            run()
+    times: dict = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    base_t, base_m = min(times[baseline]), mem[baseline]
+    print(header)
+    print(f"{'variant':{width}s} {'time s':>8s} {'x CE':>6s} {'peak MiB':>9s} {'x CE':>6s}")
+    for name in runs:
+        tb, mb = min(times[name]), mem[name]
+        mem_cols = f"{mb / 2**20:9.1f} {mb / base_m:6.2f}" if mb is not None and base_m else f"{'n/a':>9s} {'':>6s}"
+        print(f"{name:{width}s} {tb:8.3f} {tb / base_t:6.2f} {mem_cols}")

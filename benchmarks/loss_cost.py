@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -87,23 +86,9 @@ def main() -> None:
     child_args = ["--n", str(args.n), "--v", str(args.v), "--dtype", args.dtype]
     mem = {name: _memory.measure(os.path.abspath(__file__), name, *child_args) for name in names}
     runs = {name: make_variant(name, logits, x0, t, g) for name in names}
-    for run in runs.values():
-        run()  # warm-up
-    times = {name: [] for name in names}
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
-    base_t, base_m = min(times["cross_entropy"]), mem["cross_entropy"]
-    print(f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; memory: "
-          f"peak RSS increase, own process)")
-    print(f"{'variant':24s} {'time s':>8s} {'x CE':>6s} {'peak MiB':>9s} {'x CE':>6s}")
-    for name in names:
-        tb, mb = min(times[name]), mem[name]
-        mem_cols = f"{mb / 2**20:9.1f} {mb / base_m:6.2f}" if mb is not None and base_m else f"{'n/a':>9s} {'':>6s}"
-        print(f"{name:24s} {tb:8.3f} {tb / base_t:6.2f} {mem_cols}")
-
+    _memory.time_and_print(runs, mem, "cross_entropy", args.reps,
+                           f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; "
+                           "memory: peak RSS increase, own process)", warmup=True)
 
 if __name__ == "__main__":
     main()

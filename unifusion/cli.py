@@ -37,34 +37,24 @@ KERNELS = ("uniform", "mask", "hybrid")
 # argument types
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` that parses with ``parse`` and accepts values with ``ok(value)``."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return convert
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {value}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _checked(int, lambda v: v >= 0, "a non-negative integer")
+_probability = _checked(float, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,7 +106,7 @@ def load_diffusion_model(spec: str, *, kernel: str = "uniform", gguf_file: str |
     """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly.
 
     On-the-fly adaptation adds a mask token for ``mask``/``hybrid`` kernels; for ``uniform`` it keeps the vocabulary
-    (the mask id is set to an existing special token, which the uniform kernel never uses).
+    (``add_mask_token=False``: no absorbing state, ``model.mask_token_id is None``).
     """
     from transformers import AutoTokenizer
 

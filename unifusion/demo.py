@@ -50,26 +50,6 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _load(model_arg: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) for 'smollm2', an HF folder or a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if model_arg == "smollm2":
-        from .models import load_smollm2, load_smollm2_tokenizer
-        return load_smollm2(dtype=dtype), load_smollm2_tokenizer()
-    path = Path(model_arg)
-    if path.is_file() and path.suffix == ".gguf":
-        kwargs = dict(gguf_file=path.name)
-        folder = str(path.parent)
-    elif path.is_dir():
-        kwargs, folder = {}, str(path)
-    else:
-        raise ValueError(f"--model: expected 'smollm2', an HF model folder or a .gguf file, got {model_arg!r}")
-    tok = AutoTokenizer.from_pretrained(folder, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).eval()
-    return model, tok
-
-
 def _blocks(tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenise the bundled corpus into (train, held-out) blocks of ``seq_len`` tokens (last 5% held out)."""
     paragraphs = CORPUS.read_text(encoding="utf-8").splitlines()
@@ -104,6 +84,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     import unifusion as uf
 
+    from .cli import load_causal_lm
     from .eval import frontier
 
     if args.threads:
@@ -116,8 +97,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     # 1. load + AR perplexity -----------------------------------------------------------------------------
     print(f"[1/3] loading {args.model} ...", flush=True)
-    hf_model, tokenizer = _load(args.model)
-    hf_model.to(device)
+    hf_model, tokenizer = load_causal_lm(args.model, device=str(device))
     model = uf.adapt_ar_model(hf_model, add_mask_token=False)
     train, held_out = _blocks(tokenizer, args.seq_len)
     held_out = held_out[:32]
@@ -171,8 +151,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     # 3. sample + evaluate --------------------------------------------------------------------------------
     print("[3/3] sampling with BayesianSampler and evaluating (GenPPL judge: the original AR model) ...", flush=True)
-    judge, judge_tok = _load(args.model)  # the original AR weights (the adapted model trained in place)
-    judge.to(device)
+    # the original AR weights (the adapted model trained in place)
+    judge, judge_tok = load_causal_lm(args.model, device=str(device))
     result = frontier(model, kernel, steps=tuple(args.steps), seeds=(args.seed,), num_samples=args.num_samples,
                       seq_len=args.seq_len, judge_model=judge, judge_tokenizer=judge_tok, tokenizer=tokenizer,
                       out_dir=out_dir, label="demo", batch_size=args.num_samples, progress=True)

@@ -161,11 +161,6 @@ class Kernel:
     def _log_marginal_ids(self, ids: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return safe_log(self._propagate(self._one_hot(ids, dtype), t))
 
-    def _log_marginal_at(self, ids: torch.Tensor, at: torch.Tensor, t: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-        """log q_{t|0}(at | ids) elementwise (``(...)``)."""
-        return self._log_marginal_ids(ids, t, dtype).gather(-1, at.unsqueeze(-1)).squeeze(-1)
-
     # subclass hooks -------------------------------------------------------------------------------
     def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         """Σ_z p(z) q_{t|0}(·|z) for a non-negative (not necessarily normalised) ``p`` ``(..., S)``."""
