@@ -6,7 +6,9 @@ For each model, measured in one run with the cases interleaved over rounds (so d
 * ``HF forward``: the wrapped Hugging Face model on the same L + 1 ids (the adapter's own overhead, for reference);
 * ``Bayesian step``: ``BayesianSampler(...).sample(B, L)`` time / num_steps (model call + posterior step);
 * ``Bayesian step, top-k 50``: the same with top-k filtering;
-* ``posterior step alone``: ``x0_weights`` + ``bayesian_step`` on fixed logits (no model call);
+* ``posterior step alone``: ``bayesian_step_from_logits`` on fixed logits (no model call; the default path: block
+  masses of the logits in one compiled pass, no softmax over the vocabulary);
+* ``step alone, top-k 50``: ``x0_weights`` (softmax into a workspace, top-k) + ``bayesian_step``;
 * ``Euler step (x0)`` (``--euler``): ``EulerSampler`` time / num_steps, for comparison.
 
 The ratio ``Bayesian step / forward`` is the sampler's overhead (target ≤ 1.05); as end-to-end timings of a
@@ -29,7 +31,7 @@ import torch
 
 import unifusion as uf
 from unifusion.samplers import BayesianSampler, EulerSampler
-from unifusion.samplers._common import bayesian_step, x0_weights
+from unifusion.samplers._common import bayesian_step, bayesian_step_from_logits, x0_weights
 
 
 def _min_time(fn: Callable[[], object], repeats: int) -> float:
@@ -74,8 +76,11 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
     workspace = torch.empty(B, L, V)
     t_, s_ = torch.tensor(0.5), torch.tensor(0.49)
 
-    def step_only() -> torch.Tensor:
-        w = x0_weights(logits, workspace, mask_id=kernel.mask_id)
+    def step_only() -> torch.Tensor:  # the default path: x_θ straight from the logits
+        return bayesian_step_from_logits(logits, x, kernel, t_, s_, g)
+
+    def step_workspace() -> torch.Tensor:  # the top-k / top-p path: softmax into a workspace, then filter
+        w = x0_weights(logits, workspace, mask_id=kernel.mask_id, top_k=50)
         return bayesian_step(w, x, kernel, t_, s_, g)
 
     cases: dict[str, Callable[[], object]] = {
@@ -84,6 +89,7 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
         "Bayesian step": lambda: bayes.sample(B, L, generator=g),
         "Bayesian step, top-k 50": lambda: bayes_topk.sample(B, L, generator=g),
         "posterior step alone": step_only,
+        "step alone, top-k 50": step_workspace,
     }
     if with_euler:
         cases["Euler step (x0)"] = lambda: euler.sample(B, L, generator=g)

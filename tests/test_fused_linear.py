@@ -32,10 +32,12 @@ def _inputs(kernel, n=50, dtype=torch.float64, seed=0, bias=False):
     return h, W, b, x0, x_t, t, scale
 
 
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("weighting", ["elbo", "dynamic"])
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_equals_materialised_logits_and_reference(name, weighting, softcap):
+def test_equals_materialised_logits_and_reference(name, weighting, softcap, backend, monkeypatch):
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
     kernel = KERNELS[name]
     h, W, b, x0, x_t, t, scale = _inputs(kernel, bias=True)
     z = (h @ W.T + b) * 1.3
@@ -52,8 +54,10 @@ def test_equals_materialised_logits_and_reference(name, weighting, softcap):
     assert torch.all(g[0][::4] == 0)
 
 
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
 @pytest.mark.parametrize("chunk_size", [1, 13, None])
-def test_bias_less_head_any_chunk_size_float32(chunk_size):
+def test_bias_less_head_any_chunk_size_float32(chunk_size, backend, monkeypatch):
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
     kernel = KERNELS["hybrid"]
     h, W, _, x0, x_t, t, scale = _inputs(kernel, dtype=torch.float32)
     ref = native.gidd_loss(h.double() @ W.double().T, x0, x_t, t, kernel)
@@ -68,7 +72,9 @@ def test_bias_less_head_any_chunk_size_float32(chunk_size):
     torch.testing.assert_close(gw.double(), gw_ref, rtol=1e-4, atol=1e-5 * float(gw_ref.abs().max()))
 
 
-def test_bf16_is_finite_and_close():
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+def test_bf16_is_finite_and_close(backend, monkeypatch):
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
     kernel = KERNELS["uniform"]
     h, W, _, x0, x_t, t, _ = _inputs(kernel, dtype=torch.bfloat16)
     out = fused_linear_diffusion_loss(h.reshape(5, 10, D), W, x0.reshape(5, 10), x_t.reshape(5, 10),

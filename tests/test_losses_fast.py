@@ -7,7 +7,7 @@ import torch
 
 import unifusion as uf
 from unifusion.conversions import convert_x0_to
-from unifusion.losses import fast, native
+from unifusion.losses import _x0_kernel, fast, native
 
 S = 40
 
@@ -27,6 +27,15 @@ def _kernels():
 
 
 KERNELS = _kernels()
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def backend(request):
+    """Run a test on both backends of the fast loss (torch.compile-fused and eager blocks)."""
+    previous = uf.get_backend()
+    uf.set_backend(request.param)
+    yield request.param
+    uf.set_backend(previous)
 TIMES = torch.tensor([1e-6, 1e-4, 0.01, 0.2, 0.5, 0.8, 0.99, 1 - 1e-4, 1 - 1e-6], dtype=torch.float64)
 
 
@@ -52,7 +61,7 @@ def _ref_and_grad(logits, x0, x_t, t, kernel, weighting, scale):
 
 @pytest.mark.parametrize("weighting", ["elbo", "clip", "dynamic"])
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_float64_equals_reference_values_and_grads(name, weighting):
+def test_float64_equals_reference_values_and_grads(name, weighting, backend):
     kernel = KERNELS[name]
     logits, x0, x_t, t = _batch(kernel, times=TIMES)
     scale = torch.rand(len(x0), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -68,7 +77,7 @@ def test_float64_equals_reference_values_and_grads(name, weighting):
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_float32_is_as_accurate_as_a_float32_cross_entropy(name):
+def test_float32_is_as_accurate_as_a_float32_cross_entropy(name, backend):
     """float32 logits and times: loss within 4e-6 relative of the float64 truth and gradient within 1e-5 (of its
     max), or no worse than the float32 reference where float32 schedule values themselves are off (cosine, t → 1)."""
     kernel = KERNELS[name]
@@ -92,7 +101,7 @@ def test_float32_is_as_accurate_as_a_float32_cross_entropy(name):
 
 
 @pytest.mark.parametrize("name", ["uniform-linear", "mask-linear", "hybrid-random"])
-def test_bf16_logits_are_finite_and_match_float32_math(name):
+def test_bf16_logits_are_finite_and_match_float32_math(name, backend):
     kernel = KERNELS[name]
     logits, x0, x_t, t = _batch(kernel, dtype=torch.bfloat16)
     L = logits.clone().requires_grad_()
@@ -106,7 +115,7 @@ def test_bf16_logits_are_finite_and_match_float32_math(name):
 
 
 @pytest.mark.parametrize("name", ["uniform-cosine", "mask-linear", "hybrid-random"])
-def test_gradcheck_float64(name):
+def test_gradcheck_float64(name, backend):
     kernel = KERNELS[name]
     logits, x0, x_t, t = _batch(kernel, n=6)
     L = logits.clone().requires_grad_()
@@ -114,20 +123,44 @@ def test_gradcheck_float64(name):
 
 
 @pytest.mark.parametrize("name", ["uniform-linear", "mask-linear", "hybrid-random"])
-def test_threaded_blocks_equal_single_block(name, monkeypatch):
-    """Small blocks force the multi-threaded CPU path (rows split across workers) and many blocks per worker."""
+def test_eager_threaded_blocks_equal_compiled(name, monkeypatch):
+    """Small blocks force the eager multi-threaded CPU path (rows split across workers, many blocks per worker);
+    it runs the same function the compiled backend fuses, so both agree to float64 rounding."""
     kernel = KERNELS[name]
     logits, x0, x_t, t = _batch(kernel, n=101)
-    L1 = logits.clone().requires_grad_()
-    out1 = fast.gidd_loss(L1, x0, x_t, t, kernel)
-    out1.sum().backward()
-    monkeypatch.setattr(fast, "_BLOCK_ELEMENTS", 3 * S)
-    torch.set_num_threads(2)
-    L2 = logits.clone().requires_grad_()
-    out2 = fast.gidd_loss(L2, x0, x_t, t, kernel)
-    out2.sum().backward()
-    torch.testing.assert_close(out2, out1, rtol=1e-13, atol=0)
-    torch.testing.assert_close(L2.grad, L1.grad, rtol=1e-13, atol=1e-15)
+    scale = torch.rand(len(x0), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    results = []
+    for backend in ("compiled", "eager"):
+        monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+        monkeypatch.setattr(_x0_kernel, "EAGER_BLOCK_ELEMENTS", 3 * S)
+        torch.set_num_threads(2)
+        L = logits.clone().requires_grad_()
+        out = fast.gidd_loss(L, x0, x_t, t, kernel)
+        (out * scale).sum().backward()
+        results.append((out.detach(), L.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-13, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-15)
+
+
+def test_backend_switch_checks_its_argument():
+    with pytest.raises(ValueError, match="backend"):
+        uf.set_backend("triton")
+    assert uf.get_backend() in ("compiled", "eager")
+
+
+def test_x_minus_log1p_is_accurate_in_both_precisions():
+    """x − log1p(x) against an exact float64 series/direct evaluation over 1e-30 … 1e6 (float64 cancels below 1e-4,
+    so the truth there is the series x²/2 − x³/3 + x⁴/4 − …)."""
+    x = torch.logspace(-30, 6, 4001, dtype=torch.float64)
+    direct = x - torch.log1p(x)
+    k = torch.arange(2, 40, dtype=torch.float64)
+    xs = x.clamp(max=1e-2).unsqueeze(-1)
+    series = ((-1.0) ** k * xs ** k / k).sum(-1)
+    truth = torch.where(x < 1e-2, series, direct)
+    for dtype, tol in ((torch.float64, 5e-14), (torch.float32, 1e-6)):
+        got = _x0_kernel.x_minus_log1p(x.to(dtype)).double()
+        ok = truth > 1e-36 if dtype == torch.float32 else truth > 0  # float32 underflows below ~1e-38
+        assert float(((got - truth).abs() / truth)[ok].max()) <= tol, dtype
 
 
 def test_batched_shapes_and_scalar_time():
@@ -221,3 +254,21 @@ def test_backward_twice_with_retained_graph_accumulates():
     first = L.grad.clone()
     out.backward()
     torch.testing.assert_close(L.grad, 2 * first, rtol=0, atol=0)
+
+
+def test_inside_a_users_torch_compile_region():
+    """A training step compiled by the user traces the loss inline (or graph-breaks around it) and gives the same
+    values and gradients as eager."""
+    kernel = KERNELS["hybrid-random"]
+    logits, x0, x_t, t = _batch(kernel, n=16, dtype=torch.float32)
+
+    def step(z):
+        return (fast.gidd_loss(z, x0, x_t, t.float(), kernel) * 0.5).sum()
+
+    L1 = logits.clone().requires_grad_()
+    step(L1).backward()
+    L2 = logits.clone().requires_grad_()
+    out = torch.compile(step)(L2)
+    out.backward()
+    torch.testing.assert_close(out, step(logits), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(L2.grad, L1.grad, rtol=1e-4, atol=1e-6)

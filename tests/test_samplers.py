@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.samplers import PARAMETERIZATIONS, PROMPT_FILL, BayesianSampler, EulerSampler, x0_model_as
+from unifusion.samplers import PARAMETERIZATIONS, PROMPT_FILL, BayesianSampler, EulerSampler, _common, x0_model_as
 from unifusion.samplers._common import bayesian_step, posterior_mixture, sample_weights, x0_weights
 from unifusion.samplers.euler import euler_step_probs
 
@@ -139,6 +139,71 @@ def test_bayesian_step_draws_from_the_posterior(name: str) -> None:
         ref = kernel.posterior(p, torch.tensor(b), 0.4, t)
         assert float((freq - ref).abs().sum()) / 2 < 0.015, (b, freq, ref)
         assert bool((freq[ref == 0] == 0).all())  # impossible states never drawn
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("V,mask_id", [(4099, 4098), (4096, 100), (4096, None), (300, 299)])
+def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypatch) -> None:
+    """Block masses of the direct draw (compiled from COMPILE_MIN_STATES states up) against a float64 per-block
+    logsumexp: a tail block, an exact multiple of the block size, a mask id inside a block, no mask."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 3, V, generator=g) * 4
+    ref = logits.double() / 0.7
+    if mask_id is not None:
+        ref[..., mask_id] = -math.inf
+    nb = -(-V // 256)
+    ref = torch.nn.functional.pad(ref, (0, nb * 256 - V), value=-math.inf).unflatten(-1, (nb, 256)).logsumexp(-1)
+    mask = None if mask_id is None else torch.tensor(mask_id)
+    key = ("cpu", torch.float32, torch.float32, mask is None, False, 256)
+    out = uf._compile.run(_common.block_log_mass, key, lambda fn: fn(logits, mask, 0.7, 256, torch.float32),
+                          lambda: _common.block_log_mass(logits, mask, 0.7, 256, torch.float32))
+    assert out.shape == (2, 3, nb) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("mask_id", [None, 4100])
+def test_draw_from_logits_is_the_softmax_and_matches_the_workspace_path(mask_id, backend, monkeypatch) -> None:
+    """The direct draw (no softmax over V) follows softmax(l / T) with the mask excluded, returns x_θ(x_t), and
+    with the same uniforms picks the same states as the workspace path (softmax + two-level inverse CDF)."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+    V, n, T = 4200, 100_000, 1.3
+    g = torch.Generator().manual_seed(11)
+    l = torch.full((V,), -30.0)
+    hot = torch.tensor([3, 700, 2049, 4100, 4199])  # across blocks, one of them the mask id
+    l[hot] = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
+    logits = l.expand(1, n, V)
+    x_t = torch.full((1, n), 700)
+    u = torch.rand(1, n, 2, generator=g)
+    z, p_b = _common.draw_from_logits(logits, x_t, u, mask_id=mask_id, temperature=T, dtype=torch.float32)
+    p = torch.softmax(l.double() / T if mask_id is None else torch.where(torch.arange(V) == mask_id, -math.inf,
+                                                                           l.double()) / T, -1)
+    torch.testing.assert_close(p_b, p[700].float().expand(1, n), rtol=1e-5, atol=0)
+    freq = torch.bincount(z.flatten(), minlength=V).double()
+    keep = hot if mask_id is None else hot[hot != mask_id]
+    if mask_id is not None:
+        assert int(freq[mask_id]) == 0
+    assert chi2(freq[keep], p[keep] / p[keep].sum()) < CHI2_4DF_1E5  # ≤ 4 degrees of freedom
+    w = x0_weights(logits, torch.empty(1, n, V), mask_id=mask_id, temperature=T)
+    z_ref, _ = sample_weights(w, u)
+    assert float((z == z_ref).double().mean()) > 0.999
+
+
+def test_sampler_direct_and_workspace_paths_agree(monkeypatch) -> None:
+    """BayesianSampler's default path (direct draw) and its workspace path (taken with top-k = V) give the same
+    tokens from the same generator, up to float rounding at inverse-CDF boundaries."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "compiled"})  # the direct path at this vocabulary size
+    V = 2100
+    kernel = uf.HybridKernel(V, mask_id=V - 1, p_uniform=0.3)
+    head = torch.randn(1, 64, V, generator=torch.Generator().manual_seed(1)) * 3
+
+    def model(x, t):
+        return head.expand(x.shape[0], -1, -1)
+
+    out = [BayesianSampler(model, kernel, 8, top_k=top_k).sample(4, 64, generator=torch.Generator().manual_seed(5))
+           for top_k in (None, V)]
+    assert float((out[0] == out[1]).double().mean()) > 0.99
 
 
 def test_sample_weights_matches_weights_and_skips_zeros() -> None:

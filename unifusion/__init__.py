@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import eval, losses, models, samplers
+from ._compile import get_backend, set_backend
 from ._validation import set_validation, validation, validation_enabled
 from .adapters import DiffusionLM, adapt_ar_model, anneal_schedule
 from .conversions import convert_x0_to
@@ -52,10 +53,12 @@ __all__ = [
     "convert_x0_to",
     "diffusion_loss",
     "eval",
+    "get_backend",
     "losses",
     "models",
     "samplers",
     "sample_times",
+    "set_backend",
     "set_validation",
     "validation",
     "validation_enabled",

@@ -1,4 +1,4 @@
-"""x0-head losses at the cost of a cross-entropy: analytic gradient, chunked over positions, no N×V temporaries.
+"""x0-head losses at the cost of a cross-entropy: analytic gradient, fused row passes, no N×V temporaries.
 
 For an x0 head on an interpolating kernel q_{t|0}(j|i) = α_t δ_ij + m_t(j) (uniform, mask, GIDD's hybrid) every
 published loss of an x0 prediction equals, per position, the master objective D_t between the true conditional
@@ -19,17 +19,17 @@ and the gradient is O(V) per row: with e_y = 1 − q0_y/qθ_y (= x_y/(1+x_y) off
 
     ∂L/∂logit_z = w α p_z [e_z − Σ_y p_y e_y + (δ_{z,x_t} − p(x_t)) h].
 
-:func:`x0_head_loss` evaluates both in one pass over blocks of rows and stashes only the gradient (the logits'
-dtype, N×V) for the backward pass, which scales it in place by the incoming per-position gradient. Math runs in
-float32 for bf16/fp16/fp32 logits (float64 for float64 logits); the sum of x − log1p x runs in float64 because its
-terms are ~x²/2 where x is small. The reference implementations are :mod:`unifusion.losses.native`.
+:func:`x0_head_loss`'s forward pass computes the loss and two row statistics (max and Σ exp of the logits) and
+keeps the logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The
+arithmetic is one pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses into a few
+cache-resident passes per row, so nothing of size N×V exists besides the logits and their gradient (the eager
+backend runs the same function on blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64 for
+float64 logits); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. The
+reference implementations are :mod:`unifusion.losses.native`.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,19 +37,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
-from .._math import bregman_g, expm1_minus_x, safe_log
+from .._math import safe_log
 from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from ..rates import _check_kernel
-from . import native
+from . import _x0_kernel, native
 from .native import GIDD_WEIGHTINGS, _dynamic_weight
 
 __all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES"]
 
 X0_HEAD_OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
-
-# elements per block of rows processed at once (a few MB of float32 temporaries; fits the caches)
-_BLOCK_ELEMENTS = 1 << 18
-_THREAD_LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------------- row setup
@@ -82,15 +78,11 @@ class _Rows:
     w_active: torch.Tensor = None  # type: ignore[assignment]
     v_active: torch.Tensor = None  # type: ignore[assignment]
     A: torch.Tensor = None  # type: ignore[assignment]
-    zero: torch.Tensor = None  # type: ignore[assignment]
-    neg_inf: torch.Tensor = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.log_alpha is not None:
             return  # a slice of an already completed instance
         zero = torch.zeros_like(self.alpha)
-        self.zero = zero
-        self.neg_inf = torch.full_like(zero, -math.inf)
         self.log_alpha = torch.log(self.alpha)
         self.log_m_x0 = safe_log(self.m_x0)
         self.log_m_xt = safe_log(self.m_xt)
@@ -108,6 +100,19 @@ class _Rows:
     def __getitem__(self, s: slice) -> _Rows:
         fields = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return _Rows(**fields)
+
+    def run(self, logits: torch.Tensor, *, need_loss: bool = True, need_stats: bool = False,
+            grad_scale: torch.Tensor | None = None, stats: tuple[torch.Tensor, ...] | None = None):
+        """(loss, gradient, row statistics) of ``logits`` ``(n, V)`` for these rows on the selected backend
+        (:func:`unifusion.set_backend`): the gradient when ``grad_scale`` is given, the statistics
+        (for a later gradient call) when ``need_stats``."""
+        tensors = tuple(getattr(self, name) for name in _x0_kernel.ROW_FIELDS)
+        mask = None if self.mask_id is None else torch.tensor(self.mask_id, device=logits.device)
+        if grad_scale is not None:
+            grad_scale = grad_scale.contiguous()
+        return _x0_kernel.run(logits, tensors, mask, uniform_noise=self.uniform_noise, dtype=self.dtype,
+                              need_loss=need_loss, need_grad=grad_scale is not None, need_stats=need_stats,
+                              grad_scale=grad_scale, stats=stats)
 
 
 def _is_fast_kernel(kernel: Kernel) -> bool:
@@ -179,155 +184,18 @@ def _prepare_rows(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: ob
     return rows, shape
 
 
-# ---------------------------------------------------------------------------------------------------- the kernel
-def _clean_max(logits: torch.Tensor, mask_id: int | None) -> torch.Tensor:
-    """Row max over clean states (the mask column excluded), ``(R,)``, without copying the block."""
-    if mask_id is None:
-        return logits.amax(-1)
-    V_ = logits.shape[-1]
-    parts = [logits[:, :mask_id], logits[:, mask_id + 1:]]
-    maxes = [p.amax(-1) for p in parts if p.shape[-1] > 0]
-    return maxes[0] if len(maxes) == 1 else torch.maximum(maxes[0], maxes[1]) if V_ > 1 else maxes[0]
-
-
-def _rows_loss_and_grad(logits: torch.Tensor, rows: _Rows, grad_out: torch.Tensor | None,
-                        grad_scale: torch.Tensor | None = None,
-                        block_elements: int = _BLOCK_ELEMENTS) -> torch.Tensor:
-    """Loss ``(N,)`` (compute dtype) of logits ``(N, V)``; writes ∂(Σ_n g_n L_n)/∂logits into ``grad_out`` when given.
-
-    ``grad_scale`` ``(N,)`` is g (ones when None). ``grad_out`` may be ``logits`` itself (each block is read before
-    its gradient is written). On CPU the rows are split over ``torch.get_num_threads()`` Python threads that run
-    single-threaded ops (many small parallel regions stall badly on a busy machine); elsewhere one loop.
-    """
-    N, S = logits.shape
-    loss = torch.empty(N, dtype=rows.dtype, device=logits.device)
-    R = max(1, min(N, block_elements // max(S, 1)))
-    workers = torch.get_num_threads() if logits.device.type == "cpu" else 1
-    workers = max(1, min(workers, N // (2 * R)))
-    if workers == 1:
-        _loss_rows(logits, rows, grad_out, grad_scale, loss, 0, N, R)
-        return loss
-    bounds = [N * i // workers for i in range(workers + 1)]
-    with _THREAD_LOCK:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                jobs = [pool.submit(_loss_rows, logits, rows, grad_out, grad_scale, loss, lo, hi, R)
-                        for lo, hi in zip(bounds[:-1], bounds[1:])]
-                for job in jobs:
-                    job.result()
-        finally:
-            torch.set_num_threads(previous)
-    return loss
-
-
-@torch.no_grad()
-def _loss_rows(logits: torch.Tensor, rows: _Rows, grad_out: torch.Tensor | None, grad_scale: torch.Tensor | None,
-               loss: torch.Tensor, lo: int, hi: int, R: int) -> None:
-    """Rows ``lo:hi`` of :func:`_rows_loss_and_grad`, in blocks of ``R`` rows."""
-    S = logits.shape[-1]
-    dtype = rows.dtype
-    R = min(R, hi - lo)
-    P = torch.empty(R, S, dtype=dtype, device=logits.device)
-    E = torch.empty_like(P) if (grad_out is not None and rows.uniform_noise) else None
-    X64 = torch.empty(R, S, dtype=torch.float64, device=logits.device) if rows.uniform_noise else None
-    for start in range(lo, hi, R):
-        stop = min(start + R, hi)
-        n = stop - start
-        blk = rows[start:stop]
-        lb = logits[start:stop]
-        Pb = P[:n]
-        x0, x_t = blk.x0.unsqueeze(-1), blk.x_t.unsqueeze(-1)
-        # ---- softmax over clean states, unnormalised: P = exp(l − max), s = Σ P
-        mx = _clean_max(lb, blk.mask_id).to(dtype)
-        if lb.dtype == dtype:
-            torch.sub(lb, mx.unsqueeze(-1), out=Pb)
-        else:  # bf16/fp16: one vectorised conversion, then same-dtype math
-            Pb.copy_(lb).sub_(mx.unsqueeze(-1))
-        if blk.mask_id is not None:
-            Pb[:, blk.mask_id] = -math.inf
-        Pb.exp_()
-        s = Pb.sum(-1)
-        P_xt = Pb.gather(-1, x_t).squeeze(-1)
-        shift = mx + torch.log(s)
-        log_p_x0 = torch.where(blk.x0_is_mask, blk.neg_inf, lb.gather(-1, x0).squeeze(-1).to(dtype) - shift)
-        log_p_xt = torch.where(blk.xt_is_mask, blk.neg_inf, lb.gather(-1, x_t).squeeze(-1).to(dtype) - shift)
-
-        alpha = blk.alpha
-        log_q_theta_x0 = torch.logaddexp(blk.log_alpha + log_p_x0, blk.log_m_x0)
-        log_q_theta_xt = torch.logaddexp(blk.log_alpha + log_p_xt, blk.log_m_xt)
-        one_minus_p_x0 = -torch.expm1(log_p_x0)
-        # log(q0/qθ) at x0 = log1p(α (1 − p_x0) / qθ(x0)) and, off x0, log ρ = −log1p(α p_xt / m(x_t)): no
-        # difference of two logs, so both stay accurate when they are tiny (t → 1)
-        l_x0 = torch.log1p(alpha * one_minus_p_x0 * torch.exp(-log_q_theta_x0))
-        log_rho = torch.where(blk.same, l_x0, -torch.log1p(torch.exp(blk.log_alpha + log_p_xt - blk.safe_log_m_xt)))
-        log_rho = torch.where(blk.possible, log_rho, blk.zero)
-
-        # ---- Σ_y f(q0_y, qθ_y) = f at x0 + (u Σ_{y≠x0} (x_y − log1p x_y)  or  α (1 − p_x0) when u = 0)
-        term1 = torch.exp(log_q_theta_x0) * bregman_g(l_x0)
-        term2 = alpha * one_minus_p_x0
-        if blk.uniform_noise:
-            # x = α p / u = P · k with k = α/(u s); in float64 because x − log1p x ≈ x²/2 for small x
-            Xb = X64[:n]
-            Xb.copy_(Pb).mul_((blk.alpha_over_u / s).to(torch.float64).unsqueeze(-1))
-            Xb.scatter_(-1, x0, 0.0)
-            sum_x = Xb.sum(-1)
-            sum_log1p = Xb.log1p_().sum(-1)
-            term2 = torch.where(blk.u_pos, blk.u * (sum_x - sum_log1p).to(dtype), term2)
-        term = term1 + term2 + expm1_minus_x(log_rho)
-        exit_theta = blk.v_active * torch.expm1(-log_q_theta_xt)
-        loss[start:stop] = torch.where(blk.possible, blk.w_active * term, exit_theta)
-        if grad_out is None:
-            continue
-
-        # ---- gradient: g_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
-        g = grad_scale[start:stop].to(dtype) if grad_scale is not None else 1.0
-        A = blk.A * g
-        p_xt_over_q_xt = torch.exp(log_p_xt - log_q_theta_xt)
-        Hp = torch.where(blk.possible, A * (-torch.expm1(log_rho)) * p_xt_over_q_xt,
-                         -alpha * blk.v_active * p_xt_over_q_xt * torch.exp(-log_q_theta_xt) * g)
-        e_x0 = -alpha * one_minus_p_x0 * torch.exp(-log_q_theta_x0)
-        gb = grad_out[start:stop]
-        if blk.uniform_noise:
-            # e_y = x_y/(1 + x_y) = P_y / (P_y + u s/α) off x0
-            Eb = E[:n]
-            torch.add(Pb, (s / blk.alpha_over_u).unsqueeze(-1), out=Eb)
-            torch.div(Pb, Eb, out=Eb)
-            Eb.scatter_(-1, x0, e_x0.unsqueeze(-1))
-            c = torch.linalg.vecdot(Pb, Eb) / s
-            # E ← (A e − A c − Hp) / s, then g = P ⊙ E (P unnormalised: p = P/s)
-            torch.addcmul((-(A * c + Hp) / s).unsqueeze(-1), Eb, (A / s).unsqueeze(-1), out=Eb)
-            coef_xt = Eb.gather(-1, x_t).squeeze(-1)
-            if gb.dtype == dtype:
-                torch.mul(Pb, Eb, out=gb)
-            else:
-                gb.copy_(Eb.mul_(Pb))
-        else:
-            # u = 0 (mask kernel): e_y = 1 off x0, so c = (1 − p_x0) + p_x0 e_x0 and g = p (A − A c − Hp) off x0
-            c = one_minus_p_x0 + torch.exp(log_p_x0) * e_x0
-            at_x0 = A * e_x0 - A * c - Hp
-            base = (A - A * c - Hp) / s
-            if gb.dtype == dtype:
-                torch.mul(Pb, base.unsqueeze(-1), out=gb)
-            else:
-                gb.copy_(Pb.mul_(base.unsqueeze(-1)))
-            gb.scatter_(-1, x0, (torch.exp(log_p_x0) * at_x0).unsqueeze(-1).to(gb.dtype))
-            coef_xt = torch.where(blk.same, at_x0 / s, base)
-        # the x_t entry: P_xt · coef + H p_xt (P_xt = 0 at the mask state)
-        g_xt = torch.where(blk.xt_is_mask, blk.zero, P_xt * coef_xt + Hp)
-        gb.scatter_(-1, x_t, g_xt.unsqueeze(-1).to(gb.dtype))
-
-
+# ---------------------------------------------------------------------------------------------------- autograd
 class _X0HeadLossFunction(torch.autograd.Function):
-    """Per-position loss of logits ``(N, V)``; the forward computes the gradient too and saves it for backward."""
+    """Per-position loss of logits ``(N, V)``. Forward computes the loss and three row statistics (max, Σ exp,
+    c = Σ p e) and keeps the logits; backward computes the gradient with the incoming per-position gradient folded
+    in (one pass over each row), so nothing of size N×V is allocated before backward and any reduction is exact."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: _Rows, block_elements: int) -> torch.Tensor:  # type: ignore[override]
-        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        loss = _rows_loss_and_grad(logits, rows, grad, block_elements=block_elements)
-        if grad is not None:
-            ctx.save_for_backward(grad)  # released by the engine after backward (unless retain_graph)
+    def forward(ctx, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:  # type: ignore[override]
+        loss, _, stats = rows.run(logits, need_stats=ctx.needs_input_grad[0])
+        if stats is not None:
+            ctx.save_for_backward(logits, *stats)
+            ctx.rows = rows
         if V.validation_enabled() and bool(torch.isnan(loss).any()):
             raise ValueError("x0_logits: contains NaN (the loss of some position is NaN)")
         return loss
@@ -335,8 +203,9 @@ class _X0HeadLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype).unsqueeze(-1), None, None
+        logits, *stats = ctx.saved_tensors
+        _, grad, _ = ctx.rows.run(logits, need_loss=False, grad_scale=grad_loss, stats=tuple(stats))
+        return grad, None
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -363,9 +232,9 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
             ``"dynamic"`` (GIDD's dynamic weights clipped to [0, ``max_weight``]). Non-ELBO weights replace w for
             every objective alike.
 
-    Returns float32 (float64 for float64 logits) losses ``(...)``; reduce them yourself. Memory: the gradient
-    (``x0_logits``' shape and dtype) is computed in the forward pass and kept until backward; nothing else of
-    size N×S is allocated (the backward pass returns it scaled by the incoming gradient).
+    Returns float32 (float64 for float64 logits) losses ``(...)``; reduce them yourself. Memory: the logits are kept
+    for backward (as cross-entropy keeps its log-softmax) and backward allocates their gradient; nothing else of
+    size N×S. Runs ``torch.compile``-fused by default (see :func:`unifusion.set_backend`).
 
     Example::
 
@@ -389,7 +258,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
     rows, shape = _prepare_rows(kernel, tuple(logits.shape[:-1]), x0, x_t, t, dtype, logits.device,
                                 weighting, float(max_weight))
     flat = logits.reshape(-1, S)
-    loss = _X0HeadLossFunction.apply(flat, rows, _BLOCK_ELEMENTS)
+    loss = _X0HeadLossFunction.apply(flat, rows)
     return loss.reshape(shape)
 
 

@@ -8,8 +8,9 @@ soft-cap c as in gemma2/3):
 is evaluated over blocks of ``chunk_size`` positions: matmul → loss and analytic ∂L/∂logits of the block
 (:mod:`unifusion.losses.fast`) → ∂/∂h of the block and accumulation of ∂/∂W. The forward pass computes only the
 losses; the backward pass recomputes each block's logits with the incoming per-position gradient folded in, so any
-reduction (masks, per-token weights) is exact. Memory beyond the inputs: one ``(chunk_size, V)`` block, a few
-``(rows, V)`` scratch buffers, and the ``(V, d)`` gradient of W (float32 for low-precision weights).
+reduction (masks, per-token weights) is exact; with the row statistics (max, Σ exp, Σ p e) saved by the forward
+pass, the gradient is one pass over each recomputed row. Memory beyond the inputs: the ``(chunk_size, V)`` logits
+block and, in backward, its gradient, plus the ``(V, d)`` gradient of W (float32 for low-precision weights).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as V
 from ..kernels import Kernel
 from ..rates import _check_kernel
-from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows, _rows_loss_and_grad
+from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows
 
 __all__ = ["fused_linear_diffusion_loss"]
 
@@ -49,11 +50,17 @@ class _FusedLinearX0Loss(torch.autograd.Function):
                 rows: _Rows, chunk: int, scale: float, softcap: float | None) -> torch.Tensor:
         N = hidden.shape[0]
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
+        stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3))
+        need_stats = any(ctx.needs_input_grad[:3])
         for lo in range(0, N, chunk):
             hi = min(lo + chunk, N)
             logits, _ = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
-            loss[lo:hi] = _rows_loss_and_grad(logits, rows[lo:hi], None)
-        ctx.save_for_backward(hidden, weight, bias)
+            loss[lo:hi], _, blk_stats = rows[lo:hi].run(logits, need_stats=need_stats)
+            if need_stats:
+                for dst, src in zip(stats, blk_stats):
+                    dst[lo:hi] = src
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, *stats)
         ctx.rows, ctx.chunk, ctx.scale, ctx.softcap = rows, chunk, scale, softcap
         if V.validation_enabled() and bool(torch.isnan(loss).any()):
             raise ValueError("hidden: the loss of some position is NaN (NaN in hidden or lm_head_weight?)")
@@ -62,7 +69,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        hidden, weight, bias = ctx.saved_tensors
+        hidden, weight, bias, *stats = ctx.saved_tensors
         rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         N = hidden.shape[0]
@@ -74,9 +81,10 @@ class _FusedLinearX0Loss(torch.autograd.Function):
             hi = min(lo + chunk, N)
             h = hidden[lo:hi]
             logits, th = _block_logits(h, weight, bias, scale, softcap)
-            # ∂/∂logits, written over the logits block itself (each row block is read before it is written)
-            _rows_loss_and_grad(logits, rows[lo:hi], logits, grad_scale=grad_loss[lo:hi])
-            g = logits
+            # ∂/∂logits with the incoming gradient folded in: one pass, given the forward's row statistics
+            _, g, _ = rows[lo:hi].run(logits, need_loss=False, grad_scale=grad_loss[lo:hi],
+                                      stats=tuple(v[lo:hi] for v in stats))
+            del logits
             if th is not None:  # d(c tanh(z/c))/dz = 1 − tanh²
                 g.mul_(th.square_().neg_().add_(1.0))
             if scale != 1.0:

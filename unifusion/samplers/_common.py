@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import _compile
 from .. import _validation as V
 from ..kernels import InterpolatingKernel, Kernel
 
@@ -282,6 +283,74 @@ def sample_weights(weights: torch.Tensor, u: torch.Tensor, *, block_size: int = 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# draws straight from the logits (no (B, L, S) workspace): the default when no top-k / top-p filter is set
+
+COMPILE_MIN_STATES = 2048
+"""Vocabularies from this size up run :func:`block_log_mass` through ``torch.compile`` (see
+:func:`unifusion.set_backend`); below it the pass is cheap next to any model and the one-off compilation is not."""
+
+
+def block_log_mass(logits: torch.Tensor, mask_id: torch.Tensor | None, temperature: float, block_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """log Σ_{y in block} exp(l_y / T) per vocabulary block of ``block_size`` states, ``(..., ceil(S / block))``.
+
+    The mask state (MDLM's SUBS) counts as −inf; the last block may be shorter. Computed as m + log Σ exp(l − m)
+    with m the row max, so a block far below the max underflows to −inf: its mass relative to the row's is
+    < e^−87 (float32) or e^−708 (float64), below the precision of any draw. Compiled, this is a max and one pass of
+    exp over the logits, and nothing of size S is written.
+    """
+    S = logits.shape[-1]
+    l = logits.to(dtype)
+    if temperature != 1.0:
+        l = l / temperature
+    if mask_id is not None:
+        l = torch.where(torch.arange(S, device=logits.device) == mask_id, -math.inf, l)
+    m = l.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    num_full = S // block_size
+    parts = []
+    if num_full > 0:
+        parts.append(torch.exp(l[..., : num_full * block_size] - m).unflatten(-1, (num_full, block_size)).sum(-1))
+    if S - num_full * block_size > 0:
+        parts.append(torch.exp(l[..., num_full * block_size:] - m).sum(-1, keepdim=True))
+    mass = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+    return torch.log(mass) + m
+
+
+def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *, mask_id: int | None,
+                     temperature: float, dtype: torch.dtype, block_size: int = BLOCK_SIZE
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw z ~ x_θ = softmax(logits / T) (mask state excluded) per position and x_θ(x_t), without a softmax
+    over the whole vocabulary: block masses from :func:`block_log_mass`, then the same two-level inverse CDF as
+    :func:`sample_weights` (``u`` ``(..., 2)``: block, then state), exponentiating only the chosen block.
+
+    Returns ``(z (B, L) int64, x_θ(x_t) (B, L) in dtype)``.
+    """
+    S = logits.shape[-1]
+    mask = None if mask_id is None else torch.tensor(mask_id, device=logits.device)
+    key = (logits.device.type, logits.dtype, dtype, mask is None, temperature == 1.0, block_size)
+    if S >= COMPILE_MIN_STATES and not torch.compiler.is_compiling():
+        log_mass = _compile.run(block_log_mass, key, lambda fn: fn(logits, mask, temperature, block_size, dtype),
+                                lambda: block_log_mass(logits, mask, temperature, block_size, dtype))
+    else:
+        log_mass = block_log_mass(logits, mask, temperature, block_size, dtype)
+    log_total = torch.logsumexp(log_mass, -1, keepdim=True)  # (B, L, 1)
+    block = _search(torch.exp(log_mass - log_total).cumsum(-1), u[..., :1])  # (B, L, 1)
+    idx = block * block_size + torch.arange(min(block_size, S), device=logits.device)
+    inside = idx < S
+    if mask_id is not None:
+        inside = inside & (idx != mask_id)
+    local = logits.gather(-1, idx.clamp_max(S - 1)).to(dtype) / temperature
+    local = torch.where(inside, torch.exp(local - log_total), torch.zeros_like(local))
+    z = idx.gather(-1, _search(local.cumsum(-1), u[..., 1:2])).squeeze(-1)
+    l_b = logits.gather(-1, x_t.unsqueeze(-1)).to(dtype) / temperature
+    p_b = torch.exp(l_b - log_total).squeeze(-1)
+    if mask_id is not None:
+        p_b = torch.where(x_t == mask_id, torch.zeros_like(p_b), p_b)
+    return z, p_b
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the Bayesian posterior step (Algorithm 2)
 
 
@@ -343,9 +412,30 @@ def bayesian_step(weights: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: t
         return sample_weights(post, u[..., 2:], block_size=block_size)[0]
 
     noise = noise_tokens(kernel, (B, L), generator, weights.device)
-    coef_t, coef_s = kernel._coefficients(t), kernel._coefficients(s)
     draw, total = sample_weights(weights, u[..., 2:], block_size=block_size)  # z ~ x_θ, and Σ weights
     p_b = weights.gather(-1, x_t.unsqueeze(-1)).squeeze(-1) / total.clamp_min(torch.finfo(total.dtype).tiny)
+    return mix_step(kernel, draw, p_b, x_t, noise, u, t, s)
+
+
+def bayesian_step_from_logits(logits: torch.Tensor, x_t: torch.Tensor, kernel: InterpolatingKernel,
+                              t: torch.Tensor, s: torch.Tensor, generator: torch.Generator | None, *,
+                              temperature: float = 1.0, dtype: torch.dtype = torch.float32,
+                              block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """:func:`bayesian_step` with x_θ = softmax(logits / T) taken straight from the model's logits ``(B, L, S)``
+    (:func:`draw_from_logits`; no workspace). Same randomness as :func:`bayesian_step`, same distribution."""
+    B, L, _ = logits.shape
+    u = torch.rand((B, L, 4), generator=generator, device=logits.device, dtype=dtype)
+    noise = noise_tokens(kernel, (B, L), generator, logits.device)
+    draw, p_b = draw_from_logits(logits, x_t, u[..., 2:], mask_id=kernel.mask_id, temperature=temperature,
+                                 dtype=dtype, block_size=block_size)
+    return mix_step(kernel, draw, p_b, x_t, noise, u, t, s)
+
+
+def mix_step(kernel: InterpolatingKernel, draw: torch.Tensor, p_b: torch.Tensor, x_t: torch.Tensor,
+             noise: torch.Tensor, u: torch.Tensor, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The mixture form of p̂_{s|t} given one draw from x_θ and x_θ(x_t): stay at x_t with the stay probability,
+    else take the x_θ draw (probability α_s), the mask state (a_s) or the uniform ``noise`` token (b_s)."""
+    coef_t, coef_s = kernel._coefficients(t), kernel._coefficients(s)
     stay = stay_probability(kernel, p_b, x_t, coef_t, coef_s, t, s)
     alpha_s, a_s, b_s = coef_s
     norm = alpha_s + a_s + b_s  # = 1 for the built-in kernels

@@ -21,13 +21,16 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _compile
 from .. import _validation as V
-from ..kernels import Kernel
+from ..kernels import InterpolatingKernel, Kernel
 from ._common import (
     BLOCK_SIZE,
+    COMPILE_MIN_STATES,
     ModelFn,
     apply_prompt,
     bayesian_step,
+    bayesian_step_from_logits,
     check_dtype,
     check_eps,
     check_head_shape,
@@ -121,6 +124,9 @@ class BayesianSampler:
         t_host = [(1.0 - self.eps) * (1.0 - n / N) for n in range(N)] + [0.0]
 
         x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
+        # top-k / top-p need the whole x_θ (and dense kernels the dense posterior): a reused workspace then; so
+        # does the eager backend at LM vocabulary sizes (a softmax into the workspace beats unfused block sums)
+        direct = isinstance(kernel, InterpolatingKernel) and self.top_k is None and self.top_p is None
         workspace: torch.Tensor | None = None
         head: torch.Tensor | None = None
         x_seen: torch.Tensor | None = None
@@ -135,13 +141,20 @@ class BayesianSampler:
                 if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
                     head = self.model(x, t.expand(B))
                     x_seen = x
-                if workspace is None:  # first step: check the model's output once
+                if n == 0:  # first step: check the model's output once
                     head = check_head_shape("model", head, B, L, S)
                     V.check_finite("model output", head)
-                    workspace = torch.empty((B, L, S), dtype=dtype, device=dev)
-                w = x0_weights(head, workspace, mask_id=kernel.mask_id, temperature=self.temperature,
-                               top_k=self.top_k, top_p=self.top_p)
-                x = apply_prompt(bayesian_step(w, x, kernel, t, s, generator, block_size=BLOCK_SIZE), kept)
+                if direct and (S < COMPILE_MIN_STATES or _compile.get_backend() == "compiled"):
+                    # x_θ straight from the logits: no (B, L, S) workspace, one fused pass over them
+                    z = bayesian_step_from_logits(head, x, kernel, t, s, generator, temperature=self.temperature,
+                                                  dtype=dtype, block_size=BLOCK_SIZE)
+                else:
+                    if workspace is None:
+                        workspace = torch.empty((B, L, S), dtype=dtype, device=dev)
+                    w = x0_weights(head, workspace, mask_id=kernel.mask_id, temperature=self.temperature,
+                                   top_k=self.top_k, top_p=self.top_p)
+                    z = bayesian_step(w, x, kernel, t, s, generator, block_size=BLOCK_SIZE)
+                x = apply_prompt(z, kept)
                 if callback is not None and callback(n + 1, t_host[n + 1], x) is True:
                     break
         return x
