@@ -4,8 +4,10 @@
 
 Variants: ``materialised_ce`` (baseline: logits = h Wᵀ, F.cross_entropy(reduction="none").sum().backward()),
 ``materialised_fast`` (logits = h Wᵀ, fast gidd_loss), ``fused`` (fused_linear_diffusion_loss, uniform kernel,
-never holds N×V logits), ``fused_mask`` (mask kernel). float32, 2 threads, validation off. Time: best of
-``--reps`` interleaved runs; memory: peak RSS increase of one run in its own process (benchmarks/_memory.py).
+never holds N×V logits; per-position losses, logits recomputed in backward), ``fused_mask`` (mask kernel),
+``fused_sum`` (``reduction="sum"``: gradients computed in the forward pass, three matmuls instead of four). float32,
+2 threads, validation off. Time: best of ``--reps`` interleaved runs; memory: peak RSS increase of one run in its
+own process (benchmarks/_memory.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import unifusion as uf  # noqa: E402
 from unifusion.losses import fast  # noqa: E402
 from unifusion.losses.fused_linear import fused_linear_diffusion_loss  # noqa: E402
 
-VARIANTS = ["materialised_ce", "materialised_fast", "fused", "fused_mask"]
+VARIANTS = ["materialised_ce", "materialised_fast", "fused", "fused_mask", "fused_sum"]
 
 
 def make_inputs(N: int, d: int, V: int):
@@ -52,6 +54,10 @@ def make_variant(name: str, h, W, x0, t, g):
         def run():
             hh, WW = leaves()
             fast.gidd_loss(hh @ WW.T, x0, x_t, t, kernel).sum().backward()
+    elif name == "fused_sum":  # reduced inside: gradients in forward, three matmuls per block
+        def run():
+            hh, WW = leaves()
+            fused_linear_diffusion_loss(hh, WW, x0, x_t, t, kernel, reduction="sum").backward()
     else:
         def run():
             hh, WW = leaves()
@@ -84,7 +90,7 @@ def main() -> None:
     runs = {name: make_variant(name, h, W, x0, t, g) for name in names}
     _memory.time_and_print(runs, mem, "materialised_ce", args.reps,
                            f"N={args.n} d={args.d} V={args.v} float32 threads=2 reps={args.reps} (time: best of reps; "
-                           "memory: peak RSS increase, own process)", width=20)
+                           "memory: peak RSS increase, own process)", width=20, warmup=True)
 
 if __name__ == "__main__":
     main()

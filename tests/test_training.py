@@ -196,5 +196,12 @@ def test_fused_loss_through_a_diffusion_lm_equals_the_logits_path():
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(model.loss(out.x_t, out.t, x0, kernel), model(out.x_t, out.t, x0=x0, kernel=kernel))
+        # the reduced fused loss through the adapter: same value and head gradient as the masked mean
+        model.zero_grad()
+        mean = model.loss(out.x_t, out.t, x0, kernel, attention_mask=pad, reduction="mean",
+                          position_weight=pad.float())
+        mean.backward()
+        torch.testing.assert_close(mean, out.loss.sum() / pad.sum(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.lm_head_weight.grad, grads[1], rtol=1e-4, atol=1e-6)
     with pytest.raises(TypeError, match="fused"):
         uf.diffusion_loss(EmbedHead(), _x0(), uf.UniformKernel(S), fused=True)

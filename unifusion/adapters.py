@@ -345,7 +345,8 @@ class DiffusionLM(nn.Module):
     def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                 x0: torch.Tensor | None = None, kernel: Any = None, objective: str = "gidd",
-                weighting: str = "elbo", max_weight: float = 2.0) -> torch.Tensor:
+                weighting: str = "elbo", max_weight: float = 2.0, reduction: str = "none",
+                position_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -359,6 +360,9 @@ class DiffusionLM(nn.Module):
             objective: x0-head objective (see :func:`unifusion.losses.x0_head_loss`).
             weighting: GIDD weighting of the loss.
             max_weight: clip of the GIDD weights.
+            reduction, position_weight: ``"none"`` (per-position loss), or ``"sum"``/``"mean"`` of the loss
+                weighted by ``position_weight`` (e.g. the padding mask), whose gradients are computed in the forward
+                pass (one matmul fewer; see :func:`unifusion.losses.fused_linear_diffusion_loss`).
 
         Returns:
             ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``), or with
@@ -376,7 +380,8 @@ class DiffusionLM(nn.Module):
             return fused_linear_diffusion_loss(
                 h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
                 weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
-                logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
+                logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
+                position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
         logits = self._hf(**kwargs).logits  # (B, L+1, V)
@@ -395,7 +400,8 @@ class DiffusionLM(nn.Module):
         return h[:, :-1]
 
     def loss(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
-        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss).
+        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss), or its
+        weighted sum / mean with ``reduction=``, ``position_weight=``.
 
         Same as ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``; under DDP/FSDP call the wrapper that way instead.
         """

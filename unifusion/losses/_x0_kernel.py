@@ -153,36 +153,45 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
 def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: torch.Tensor | None, *,
         uniform_noise: bool, dtype: torch.dtype, need_loss: bool = True, need_grad: bool = False,
         need_stats: bool = False, grad_scale: torch.Tensor | None = None,
-        stats: tuple[torch.Tensor, ...] | None = None,
+        stats: tuple[torch.Tensor, ...] | None = None, grad_into_logits: bool = False,
         ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-    """:func:`loss_and_grad` of all rows on the selected backend, in blocks of rows where that is faster."""
+    """:func:`loss_and_grad` of all rows on the selected backend, in blocks of rows where that is faster.
+    ``grad_into_logits``: write the gradient over ``logits`` (returned as the gradient; saves a block of memory)."""
     flags = (uniform_noise, need_loss, need_grad, need_stats, dtype)
     if torch.compiler.is_compiling():  # inside the caller's own compiled region: trace it inline
-        return loss_and_grad(logits, rows, mask_id, grad_scale, stats, None, *flags)
-    key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None) + flags
+        out = loss_and_grad(logits, rows, mask_id, grad_scale, stats, None, *flags)
+        if grad_into_logits and out[1] is not None:
+            logits.copy_(out[1])
+            out = (out[0], logits, out[2])
+        return out
+    in_place = grad_into_logits and need_grad
+    key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None, in_place) + flags
     # on CPU Inductor stores exp(l − max) between its row loops, so blocks of rows keep that in cache; on GPUs one
     # call over all rows
     block = COMPILED_CPU_BLOCK_ELEMENTS if logits.device.type == "cpu" else None
     return _compile.run(
         loss_and_grad, key,
-        lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags),
-        lambda: _blocks(loss_and_grad, EAGER_BLOCK_ELEMENTS, True, logits, rows, mask_id, grad_scale, stats, flags),
+        lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, in_place),
+        lambda: _blocks(loss_and_grad, EAGER_BLOCK_ELEMENTS, True, logits, rows, mask_id, grad_scale, stats, flags,
+                        in_place),
         options=_INDUCTOR_OPTIONS)
 
 
 def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: torch.Tensor,
             rows: tuple[torch.Tensor, ...], mask_id: torch.Tensor | None, grad_scale: torch.Tensor | None,
-            stats: tuple[torch.Tensor, ...] | None, flags: tuple):
+            stats: tuple[torch.Tensor, ...] | None, flags: tuple, in_place: bool = False):
     """``fn`` over blocks of about ``block_elements`` logits (all rows at once when ``None``), writing into
-    full-size outputs. ``threaded``: on CPU split the blocks over ``torch.get_num_threads()`` Python threads that
-    run single-threaded ops (the eager backend: thousands of small OpenMP regions stall on a busy machine)."""
+    full-size outputs (the gradient over the logits when ``in_place``). ``threaded``: on CPU split the blocks over
+    ``torch.get_num_threads()`` Python threads that run single-threaded ops (the eager backend: thousands of small
+    OpenMP regions stall on a busy machine)."""
     N, S = logits.shape
     R = N if block_elements is None else max(1, min(N, block_elements // max(S, 1)))
     if R >= N:
-        return fn(logits, rows, mask_id, grad_scale, stats, None, *flags)
+        out = fn(logits, rows, mask_id, grad_scale, stats, logits if in_place else None, *flags)
+        return (out[0], logits, out[2]) if in_place else out
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
-    grad = torch.empty_like(logits) if need_grad else None
+    grad = (logits if in_place else torch.empty_like(logits)) if need_grad else None
     out_stats = tuple(torch.empty(N, dtype=dtype, device=logits.device) for _ in range(3)) if need_stats else None
 
     def cut(x, lo: int, hi: int):

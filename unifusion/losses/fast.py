@@ -102,17 +102,18 @@ class _Rows:
         return _Rows(**fields)
 
     def run(self, logits: torch.Tensor, *, need_loss: bool = True, need_stats: bool = False,
-            grad_scale: torch.Tensor | None = None, stats: tuple[torch.Tensor, ...] | None = None):
+            grad_scale: torch.Tensor | None = None, stats: tuple[torch.Tensor, ...] | None = None,
+            grad_into_logits: bool = False):
         """(loss, gradient, row statistics) of ``logits`` ``(n, V)`` for these rows on the selected backend
         (:func:`unifusion.set_backend`): the gradient when ``grad_scale`` is given, the statistics
-        (for a later gradient call) when ``need_stats``."""
+        (for a later gradient call) when ``need_stats``; ``grad_into_logits`` overwrites the logits with it."""
         tensors = tuple(getattr(self, name) for name in _x0_kernel.ROW_FIELDS)
         mask = None if self.mask_id is None else torch.tensor(self.mask_id, device=logits.device)
         if grad_scale is not None:
             grad_scale = grad_scale.contiguous()
         return _x0_kernel.run(logits, tensors, mask, uniform_noise=self.uniform_noise, dtype=self.dtype,
                               need_loss=need_loss, need_grad=grad_scale is not None, need_stats=need_stats,
-                              grad_scale=grad_scale, stats=stats)
+                              grad_scale=grad_scale, stats=stats, grad_into_logits=grad_into_logits)
 
 
 def _is_fast_kernel(kernel: Kernel) -> bool:

@@ -9,8 +9,8 @@ is evaluated over blocks of ``chunk_size`` positions: matmul → loss and analyt
 (:mod:`unifusion.losses.fast`) → ∂/∂h of the block and accumulation of ∂/∂W. The forward pass computes only the
 losses; the backward pass recomputes each block's logits with the incoming per-position gradient folded in, so any
 reduction (masks, per-token weights) is exact; with the row statistics (max, Σ exp, Σ p e) saved by the forward
-pass, the gradient is one pass over each recomputed row. Memory beyond the inputs: the ``(chunk_size, V)`` logits
-block and, in backward, its gradient, plus the ``(V, d)`` gradient of W (float32 for low-precision weights).
+pass, the gradient is one pass over each recomputed row, written over the block. Memory beyond the inputs: one
+``(chunk_size, V)`` block, plus the ``(V, d)`` gradient of W (float32 for low-precision weights).
 """
 
 from __future__ import annotations
@@ -71,35 +71,86 @@ class _FusedLinearX0Loss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
         hidden, weight, bias, *stats = ctx.saved_tensors
         rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        N = hidden.shape[0]
-        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if need_b else None
-        for lo in range(0, N, chunk):
-            hi = min(lo + chunk, N)
-            h = hidden[lo:hi]
-            logits, th = _block_logits(h, weight, bias, scale, softcap)
+        grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
+        for lo in range(0, hidden.shape[0], chunk):
+            hi = min(lo + chunk, hidden.shape[0])
+            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
             # ∂/∂logits with the incoming gradient folded in: one pass, given the forward's row statistics
             _, g, _ = rows[lo:hi].run(logits, need_loss=False, grad_scale=grad_loss[lo:hi],
-                                      stats=tuple(v[lo:hi] for v in stats))
+                                      stats=tuple(v[lo:hi] for v in stats), grad_into_logits=True)
             del logits
-            if th is not None:  # d(c tanh(z/c))/dz = 1 − tanh²
-                g.mul_(th.square_().neg_().add_(1.0))
-            if scale != 1.0:
-                g.mul_(scale)
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[lo:hi]) if g.dtype == grad_h.dtype else grad_h[lo:hi].copy_(g @ weight)
-            if grad_w is not None:
-                grad_w.addmm_(g.T.to(acc_dtype), h.to(acc_dtype))
-            if grad_b is not None:
-                grad_b.add_(g.sum(0, dtype=acc_dtype))
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+            grads.add_block(lo, hi, g, th, scale, softcap)
+        return (*grads.result(), None, None, None, None)
+
+
+class _Grads:
+    """∂/∂hidden, ∂/∂W, ∂/∂b accumulated block by block from ∂/∂logits (float32 accumulation for bf16/fp16)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 needs: tuple[bool, ...]) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        acc = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        self.acc = acc
+        self.h = torch.empty_like(hidden) if needs[0] else None
+        self.w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        self.b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if needs[2] else None
+
+    def add_block(self, lo: int, hi: int, g: torch.Tensor, th: torch.Tensor | None, scale: float,
+                  softcap: float | None) -> None:
+        """Chain rule through soft-cap and scale (in place on ``g``), then the three matmul-shaped updates."""
+        if th is not None:  # d(c tanh(z/c))/dz = 1 − tanh²
+            g.mul_(th.square_().neg_().add_(1.0))
+        if scale != 1.0:
+            g.mul_(scale)
+        if self.h is not None:
+            out = self.h[lo:hi]
+            torch.mm(g, self.weight, out=out) if g.dtype == out.dtype else out.copy_(g @ self.weight)
+        if self.w is not None:
+            self.w.addmm_(g.T.to(self.acc), self.hidden[lo:hi].to(self.acc))
+        if self.b is not None:
+            self.b.add_(g.sum(0, dtype=self.acc))
+
+    def result(self) -> tuple[torch.Tensor | None, ...]:
+        w = None if self.w is None else self.w.to(self.weight.dtype)
+        b = None if self.b is None else self.b.to(self.bias.dtype)
+        return self.h, w, b
+
+
+class _FusedLinearX0LossReduced(torch.autograd.Function):
+    """Σ_n ω_n L_n with its gradients computed in the forward pass (three matmuls per block, as fused linear
+    cross-entropy kernels do); backward only scales them by the incoming scalar gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                rows: _Rows, chunk: int, scale: float, softcap: float | None,
+                position_weight: torch.Tensor) -> torch.Tensor:
+        needs = ctx.needs_input_grad[:3]
+        grads = _Grads(hidden, weight, bias, needs) if any(needs) else None
+        total = torch.zeros((), dtype=rows.dtype, device=hidden.device)
+        for lo in range(0, hidden.shape[0], chunk):
+            hi = min(lo + chunk, hidden.shape[0])
+            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
+            omega = position_weight[lo:hi]
+            loss, g, _ = rows[lo:hi].run(logits, grad_scale=omega if grads is not None else None,
+                                         grad_into_logits=True)
+            total += torch.linalg.vecdot(loss, omega)
+            if grads is not None:
+                grads.add_block(lo, hi, g, th, scale, softcap)
+            del logits, g
+        if V.validation_enabled() and bool(torch.isnan(total)):
+            raise ValueError("hidden: the loss is NaN (NaN in hidden or lm_head_weight?)")
+        ctx.grads = None if grads is None else grads.result()
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
+        grads, ctx.grads = ctx.grads, None  # scaled in place and handed over: no second (V, d) buffer
+        if grads is None:
+            raise RuntimeError("fused_linear_diffusion_loss: a reduced loss can be backpropagated once (its gradients "
+                               "are computed in the forward pass); use reduction='none' with retain_graph=True")
+        out = tuple(None if x is None else x.mul_(grad_total.to(x.dtype)) for x in grads)
+        return (*out, None, None, None, None, None)
 
 
 def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, x0: torch.Tensor,
@@ -107,8 +158,9 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
                                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                                 lm_head_bias: torch.Tensor | None = None, logit_scale: float = 1.0,
-                                final_logit_softcap: float | None = None,
-                                chunk_size: int | None = None) -> torch.Tensor:
+                                final_logit_softcap: float | None = None, chunk_size: int | None = None,
+                                reduction: Literal["none", "sum", "mean"] = "none",
+                                position_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per-position x0-head loss ``(...)`` of ``logits = head(hidden)`` without materialising the logits.
 
     Equals ``x0_head_loss(head(hidden), x0, x_t, t, kernel, objective=..., weighting=...)`` with
@@ -122,19 +174,34 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         lm_head_bias: optional ``(S,)``.  logit_scale: κ.  final_logit_softcap: c (gemma2/3) or ``None``.
         chunk_size: positions per block (default: 2²⁵ / S, i.e. 128 MiB float32 blocks; smaller saves memory,
             larger makes the matmuls more efficient).
+        reduction: ``"none"`` (per-position losses), ``"sum"`` (Σ_n ω_n L_n) or ``"mean"`` (Σ_n ω_n L_n / Σ_n ω_n).
+            A reduced loss gets its gradients in the forward pass (three matmuls per block instead of four, the
+            way fused linear cross-entropy kernels work); backward scales them by the incoming scalar. Use it when
+            the loss is reduced anyway, e.g. the padding mask as ``position_weight`` and ``"mean"``; with a global
+            normaliser across ranks use ``"sum"`` and divide.
+        position_weight: ω ``(...)`` (leading shape of ``x_t``; e.g. the padding mask), only with a reduction;
+            ones when ``None``.
 
-    Returns float32 losses ``(...)`` (float64 for float64 inputs). Backward recomputes each block's logits
-    (one extra matmul) and is exact for any incoming per-position gradient.
+    Returns float32 losses ``(...)`` (float64 for float64 inputs), or their reduction (0-d). Per-position losses:
+    backward recomputes each block's logits (one extra matmul) and is exact for any incoming per-position gradient.
 
     Example::
 
         h = model.hidden_states(x_t, t)                                        # (B, L, d)
         loss = uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel)
         (loss * mask).sum().div(mask.sum()).backward()
+        # the same value and gradients, three matmuls per block instead of four:
+        uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel, reduction="mean",
+                                              position_weight=mask).backward()
     """
     kernel = _check_kernel(kernel)
     _check_weighting(weighting, max_weight)
     _check_objective(objective, kernel)
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
+    if position_weight is not None and reduction == "none":
+        raise ValueError("position_weight: only used with reduction='sum' or 'mean' (weight per-position losses "
+                         "yourself), got a tensor with reduction='none'")
     hidden = V.check_tensor("hidden", hidden)
     weight = V.check_tensor("lm_head_weight", lm_head_weight)
     for name, x in (("hidden", hidden), ("lm_head_weight", weight)):
@@ -170,5 +237,17 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
     flat = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // S)
     softcap = None if final_logit_softcap is None else float(final_logit_softcap)
-    loss = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap)
-    return loss.reshape(shape)
+    if reduction == "none":
+        loss = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap)
+        return loss.reshape(shape)
+    if position_weight is None:
+        omega = torch.ones(flat.shape[0], dtype=dtype, device=hidden.device)
+    else:
+        omega = V.check_tensor("position_weight", position_weight)
+        if tuple(omega.shape) != shape:
+            raise ValueError(f"position_weight: expected shape {shape} (that of x_t), got {tuple(omega.shape)}")
+        omega = omega.to(device=hidden.device, dtype=dtype).reshape(-1)
+    if reduction == "mean":
+        omega = omega / omega.sum().clamp_min(torch.finfo(dtype).tiny)
+    return _FusedLinearX0LossReduced.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap,
+                                           omega.contiguous())
