@@ -4,6 +4,7 @@ For each model, measured in one run with the cases interleaved over rounds (so d
 
 * ``forward``: ``model(x_t, t)`` — the adapted ``DiffusionLM`` forward (BOS + L positions, bidirectional);
 * ``HF forward``: the wrapped Hugging Face model on the same L + 1 ids (the adapter's own overhead, for reference);
+* ``forward, N in a row``: N = ``--steps`` forwards back to back, per call (timed like the sampler: one call of N);
 * ``Bayesian step``: ``BayesianSampler(...).sample(B, L)`` time / num_steps (model call + posterior step);
 * ``Bayesian step, top-k 50``: the same with top-k filtering;
 * ``posterior step alone``: ``bayesian_step_from_logits`` on fixed logits (no model call; the default path: block
@@ -83,8 +84,13 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
         w = x0_weights(logits, workspace, mask_id=kernel.mask_id, top_k=50)
         return bayesian_step(w, x, kernel, t_, s_, g)
 
+    def forward_loop() -> None:  # N forwards back to back, as the sampler calls the model
+        for _ in range(steps):
+            model(x, t)
+
     cases: dict[str, Callable[[], object]] = {
         "forward": lambda: model(x, t),
+        "forward, N in a row": forward_loop,
         "HF forward": lambda: base(input_ids=ids, use_cache=False).logits,
         "Bayesian step": lambda: bayes.sample(B, L, generator=g),
         "Bayesian step, top-k 50": lambda: bayes_topk.sample(B, L, generator=g),
@@ -93,7 +99,7 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
     }
     if with_euler:
         cases["Euler step (x0)"] = lambda: euler.sample(B, L, generator=g)
-    per_call = {k: (steps if k.startswith("Bayesian") or k.startswith("Euler") else 1) for k in cases}
+    per_call = {k: (steps if k.startswith(("Bayesian", "Euler", "forward, N")) else 1) for k in cases}
     results: dict[str, list[float]] = {k: [] for k in cases}
     with torch.inference_mode(), uf.validation(False):
         for _ in range(rounds):
@@ -107,6 +113,8 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
         print(f"  {k:<26}{1e3 * min(v):11.2f}{min(v) / ref:12.3f}")
     step = min(results["posterior step alone"])
     print(f"  => step / forward from the parts: 1 + {step * 1e3:.2f} / {ref * 1e3:.2f} = {1 + step / ref:.3f}")
+    loop, bayes = min(results["forward, N in a row"]), min(results["Bayesian step"])
+    print(f"  => sample() per step / forward per call, both as N back-to-back model calls: {bayes / loop:.3f}")
 
 
 def main() -> None:

@@ -32,10 +32,20 @@ __all__ = ["fused_linear_diffusion_loss"]
 _CHUNK_ELEMENTS = 1 << 25
 
 
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One ``(min(chunk, N), V)`` block for the logits of every block of a pass."""
+    rows = min(chunk, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=torch.result_type(hidden, weight), device=hidden.device)
+
+
 def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
-                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits of one block ``(n, V)`` and, when soft-capping, tanh(z/c) ``(n, V)`` for the chain rule."""
-    z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+                  softcap: float | None, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits of one block ``(n, V)`` and, when soft-capping, tanh(z/c) ``(n, V)`` for the chain rule.
+
+    The matmul writes into ``buffer`` (≥ n rows, reused across blocks: a fresh (n, V) allocation per block costs
+    page faults comparable to the matmul's own memory traffic)."""
+    out = buffer[: h.shape[0]]
+    z = torch.mm(h, weight.T, out=out) if bias is None else torch.addmm(bias, h, weight.T, out=out)
     if scale != 1.0:
         z.mul_(scale)
     if softcap is None:
@@ -52,9 +62,10 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
         stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3))
         need_stats = any(ctx.needs_input_grad[:3])
+        buffer = _logits_buffer(hidden, weight, chunk)
         for lo in range(0, N, chunk):
             hi = min(lo + chunk, N)
-            logits, _ = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
+            logits, _ = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
             loss[lo:hi], _, blk_stats = rows[lo:hi].run(logits, need_stats=need_stats)
             if need_stats:
                 for dst, src in zip(stats, blk_stats):
@@ -72,9 +83,10 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         hidden, weight, bias, *stats = ctx.saved_tensors
         rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
         grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
+        buffer = _logits_buffer(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(lo + chunk, hidden.shape[0])
-            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
+            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
             # ∂/∂logits with the incoming gradient folded in: one pass, given the forward's row statistics
             _, g, _ = rows[lo:hi].run(logits, need_loss=False, grad_scale=grad_loss[lo:hi],
                                       stats=tuple(v[lo:hi] for v in stats), grad_into_logits=True)
@@ -127,9 +139,10 @@ class _FusedLinearX0LossReduced(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         grads = _Grads(hidden, weight, bias, needs) if any(needs) else None
         total = torch.zeros((), dtype=rows.dtype, device=hidden.device)
+        buffer = _logits_buffer(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(lo + chunk, hidden.shape[0])
-            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap)
+            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
             omega = position_weight[lo:hi]
             loss, g, _ = rows[lo:hi].run(logits, grad_scale=omega if grads is not None else None,
                                          grad_into_logits=True)

@@ -139,6 +139,7 @@ class BayesianSampler:
             for n in steps:
                 t, s = ts[n], ts[n + 1]
                 if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
+                    head = None  # let the last step's logits go before the model allocates the next ones
                     head = self.model(x, t.expand(B))
                     x_seen = x
                 if n == 0:  # first step: check the model's output once
