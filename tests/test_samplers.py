@@ -154,10 +154,9 @@ def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypat
         ref[..., mask_id] = -math.inf
     nb = -(-V // 256)
     ref = torch.nn.functional.pad(ref, (0, nb * 256 - V), value=-math.inf).unflatten(-1, (nb, 256)).logsumexp(-1)
-    mask = None if mask_id is None else torch.tensor(mask_id)
-    key = ("cpu", torch.float32, torch.float32, mask is None, False, 256)
-    out = uf._compile.run(_common.block_log_mass, key, lambda fn: fn(logits, mask, 0.7, 256, torch.float32),
-                          lambda: _common.block_log_mass(logits, mask, 0.7, 256, torch.float32))
+    key = ("cpu", torch.float32, torch.float32, mask_id is None, False, 256)
+    out = uf._compile.run(_common.block_log_mass, key, lambda fn: fn(logits, mask_id, 0.7, 256, torch.float32),
+                          lambda: _common.block_log_mass(logits, mask_id, 0.7, 256, torch.float32))
     assert out.shape == (2, 3, nb) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5)
 

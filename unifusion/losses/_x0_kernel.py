@@ -2,10 +2,11 @@
 
 :func:`loss_and_grad` maps a block of logits ``(n, S)`` and the logit-free per-row quantities ``(n,)`` to the loss
 ``(n,)`` and, optionally, ∂(Σ_n g_n L_n)/∂logits ``(n, S)`` (equations in :mod:`unifusion.losses.fast`). It is written
-with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Inductor turns it into one loop nest per
-row (max, Σ exp, Σ (x − log1p x), Σ p e, then the gradient store), i.e. a few cache-resident passes over each row
-and no N×S temporaries besides the gradient itself. That is what puts the loss at or below the cost of a
-cross-entropy; eagerly the same function needs ~20 passes and runs block by block.
+with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Inductor turns it into a few loops per row
+(max, Σ exp, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps exp(l − max) between those loops,
+so :func:`run` calls it on blocks of rows small enough for that buffer to stay in cache; on GPUs, on all rows at
+once. That is what puts the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20
+passes and runs on smaller blocks.
 
 Backends: :func:`unifusion.set_backend` (``"compiled"`` by default, ``"eager"``; see :mod:`unifusion._compile`).
 """
@@ -62,7 +63,7 @@ def x_minus_log1p(x: torch.Tensor) -> torch.Tensor:
     return torch.where(small, series, x - torch.log1p(x))
 
 
-def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: torch.Tensor | None,
+def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None,
                   grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None,
                   grad_out: torch.Tensor | None, uniform_noise: bool, need_loss: bool, need_grad: bool,
                   need_stats: bool, dtype: torch.dtype,
@@ -70,7 +71,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``)
     and, if ``need_stats``, the row statistics (max_y l_y, s = Σ_y exp(l_y − max), c = Σ_y p_y e_y), each ``(n,)``.
 
-    ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is a 0-d int64 tensor or
+    ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
     same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). With ``grad_out``
     (logits' shape and dtype) the gradient is written there and ``None`` is returned in its place.
@@ -150,7 +151,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
 
 
 # ---------------------------------------------------------------------------------------------------- running it
-def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: torch.Tensor | None, *,
+def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None, *,
         uniform_noise: bool, dtype: torch.dtype, need_loss: bool = True, need_grad: bool = False,
         need_stats: bool = False, grad_scale: torch.Tensor | None = None,
         stats: tuple[torch.Tensor, ...] | None = None, grad_into_logits: bool = False,
@@ -158,13 +159,9 @@ def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: torch.Ten
     """:func:`loss_and_grad` of all rows on the selected backend, in blocks of rows where that is faster.
     ``grad_into_logits``: write the gradient over ``logits`` (returned as the gradient; saves a block of memory)."""
     flags = (uniform_noise, need_loss, need_grad, need_stats, dtype)
-    if torch.compiler.is_compiling():  # inside the caller's own compiled region: trace it inline
-        out = loss_and_grad(logits, rows, mask_id, grad_scale, stats, None, *flags)
-        if grad_into_logits and out[1] is not None:
-            logits.copy_(out[1])
-            out = (out[0], logits, out[2])
-        return out
     in_place = grad_into_logits and need_grad
+    if torch.compiler.is_compiling():  # inside the caller's own compiled region: trace it inline, all rows at once
+        return _blocks(loss_and_grad, None, False, logits, rows, mask_id, grad_scale, stats, flags, in_place)
     key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None, in_place) + flags
     # on CPU Inductor stores exp(l − max) between its row loops, so blocks of rows keep that in cache; on GPUs one
     # call over all rows
@@ -178,7 +175,7 @@ def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: torch.Ten
 
 
 def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: torch.Tensor,
-            rows: tuple[torch.Tensor, ...], mask_id: torch.Tensor | None, grad_scale: torch.Tensor | None,
+            rows: tuple[torch.Tensor, ...], mask_id: int | None, grad_scale: torch.Tensor | None,
             stats: tuple[torch.Tensor, ...] | None, flags: tuple, in_place: bool = False):
     """``fn`` over blocks of about ``block_elements`` logits (all rows at once when ``None``), writing into
     full-size outputs (the gradient over the logits when ``in_place``). ``threaded``: on CPU split the blocks over

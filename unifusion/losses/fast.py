@@ -19,12 +19,12 @@ and the gradient is O(V) per row: with e_y = 1 − q0_y/qθ_y (= x_y/(1+x_y) off
 
     ∂L/∂logit_z = w α p_z [e_z − Σ_y p_y e_y + (δ_{z,x_t} − p(x_t)) h].
 
-:func:`x0_head_loss`'s forward pass computes the loss and two row statistics (max and Σ exp of the logits) and
-keeps the logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The
-arithmetic is one pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses into a few
-cache-resident passes per row, so nothing of size N×V exists besides the logits and their gradient (the eager
-backend runs the same function on blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64 for
-float64 logits); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. The
+:func:`x0_head_loss`'s forward pass computes the loss and three row statistics (max and Σ exp of the logits, and
+c = Σ p e) and keeps the logits; its backward pass computes the gradient with the incoming per-position gradient
+folded in. The arithmetic is one pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses
+into a few cache-resident passes per row, so nothing of size N×V exists besides the logits and their gradient (the
+eager backend runs the same function on blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64
+for float64 logits); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. The
 reference implementations are :mod:`unifusion.losses.native`.
 """
 
@@ -108,10 +108,9 @@ class _Rows:
         (:func:`unifusion.set_backend`): the gradient when ``grad_scale`` is given, the statistics
         (for a later gradient call) when ``need_stats``; ``grad_into_logits`` overwrites the logits with it."""
         tensors = tuple(getattr(self, name) for name in _x0_kernel.ROW_FIELDS)
-        mask = None if self.mask_id is None else torch.tensor(self.mask_id, device=logits.device)
         if grad_scale is not None:
             grad_scale = grad_scale.contiguous()
-        return _x0_kernel.run(logits, tensors, mask, uniform_noise=self.uniform_noise, dtype=self.dtype,
+        return _x0_kernel.run(logits, tensors, self.mask_id, uniform_noise=self.uniform_noise, dtype=self.dtype,
                               need_loss=need_loss, need_grad=grad_scale is not None, need_stats=need_stats,
                               grad_scale=grad_scale, stats=stats, grad_into_logits=grad_into_logits)
 

@@ -272,14 +272,17 @@ def sample_weights(weights: torch.Tensor, u: torch.Tensor, *, block_size: int = 
     block_mass = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # (..., nb)
     block_cdf = block_mass.cumsum(-1)
     block = _search(block_cdf, u[..., :1])  # (..., 1)
-    width = min(block_size, S)
-    offsets = torch.arange(width, device=weights.device)
-    idx = block * block_size + offsets  # (..., width)
-    inside = idx < S
-    local = weights.gather(-1, idx.clamp_max(S - 1))
-    local = torch.where(inside, local, torch.zeros_like(local))
-    j = _search(local.cumsum(-1), u[..., 1:2])
-    return (idx.gather(-1, j)).squeeze(-1), block_cdf[..., -1]
+    return _draw_in_block(block, block_size, S, lambda idx: weights.gather(-1, idx), u[..., 1:2]), block_cdf[..., -1]
+
+
+def _draw_in_block(block: torch.Tensor, block_size: int, S: int, weight_of: Callable[[torch.Tensor], torch.Tensor],
+                   u: torch.Tensor) -> torch.Tensor:
+    """Second level of the two-level draw: a state of the chosen ``block`` ``(..., 1)`` ∝ ``weight_of(ids)`` (ids
+    ``(..., width)``, clamped into range; states past S weigh 0), by inverse CDF with ``u`` ``(..., 1)``. ``(...)``."""
+    idx = block * block_size + torch.arange(min(block_size, S), device=block.device)  # (..., width)
+    local = weight_of(idx.clamp_max(S - 1))
+    local = torch.where(idx < S, local, torch.zeros_like(local))
+    return idx.gather(-1, _search(local.cumsum(-1), u)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,7 +293,7 @@ COMPILE_MIN_STATES = 2048
 :func:`unifusion.set_backend`); below it the pass is cheap next to any model and the one-off compilation is not."""
 
 
-def block_log_mass(logits: torch.Tensor, mask_id: torch.Tensor | None, temperature: float, block_size: int,
+def block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """log Σ_{y in block} exp(l_y / T) per vocabulary block of ``block_size`` states, ``(..., ceil(S / block))``.
 
@@ -327,27 +330,21 @@ def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *
     Returns ``(z (B, L) int64, x_θ(x_t) (B, L) in dtype)``.
     """
     S = logits.shape[-1]
-    mask = None if mask_id is None else torch.tensor(mask_id, device=logits.device)
-    key = (logits.device.type, logits.dtype, dtype, mask is None, temperature == 1.0, block_size)
+    key = (logits.device.type, logits.dtype, dtype, mask_id is None, temperature == 1.0, block_size)
     if S >= COMPILE_MIN_STATES and not torch.compiler.is_compiling():
-        log_mass = _compile.run(block_log_mass, key, lambda fn: fn(logits, mask, temperature, block_size, dtype),
-                                lambda: block_log_mass(logits, mask, temperature, block_size, dtype))
+        log_mass = _compile.run(block_log_mass, key, lambda fn: fn(logits, mask_id, temperature, block_size, dtype),
+                                lambda: block_log_mass(logits, mask_id, temperature, block_size, dtype))
     else:
-        log_mass = block_log_mass(logits, mask, temperature, block_size, dtype)
+        log_mass = block_log_mass(logits, mask_id, temperature, block_size, dtype)
     log_total = torch.logsumexp(log_mass, -1, keepdim=True)  # (B, L, 1)
+
+    def x_theta(ids: torch.Tensor) -> torch.Tensor:  # x_θ at ``ids``, 0 at the mask state
+        p = torch.exp(logits.gather(-1, ids).to(dtype) / temperature - log_total)
+        return p if mask_id is None else torch.where(ids == mask_id, torch.zeros_like(p), p)
+
     block = _search(torch.exp(log_mass - log_total).cumsum(-1), u[..., :1])  # (B, L, 1)
-    idx = block * block_size + torch.arange(min(block_size, S), device=logits.device)
-    inside = idx < S
-    if mask_id is not None:
-        inside = inside & (idx != mask_id)
-    local = logits.gather(-1, idx.clamp_max(S - 1)).to(dtype) / temperature
-    local = torch.where(inside, torch.exp(local - log_total), torch.zeros_like(local))
-    z = idx.gather(-1, _search(local.cumsum(-1), u[..., 1:2])).squeeze(-1)
-    l_b = logits.gather(-1, x_t.unsqueeze(-1)).to(dtype) / temperature
-    p_b = torch.exp(l_b - log_total).squeeze(-1)
-    if mask_id is not None:
-        p_b = torch.where(x_t == mask_id, torch.zeros_like(p_b), p_b)
-    return z, p_b
+    z = _draw_in_block(block, block_size, S, x_theta, u[..., 1:2])
+    return z, x_theta(x_t.unsqueeze(-1)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
