@@ -1,4 +1,4 @@
-"""Peak resident memory of one benchmark variant, measured in its own process.
+"""Shared benchmark helpers: peak resident memory of one variant in its own process, timing, the ratio table.
 
 A parent script calls :func:`measure` with its own path and a variant name; the child (the same script run with
 ``--child VARIANT ...``) builds its inputs, calls :func:`baseline`, runs the variant once and calls :func:`report`.
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 _MARK = "PEAK_RSS_JSON "
 
@@ -46,12 +49,24 @@ def measure(script: str, variant: str, *args: str) -> int | None:
     raise RuntimeError(f"{script} --child {variant}: no measurement in its output:\n{out.stdout}\n{out.stderr}")
 
 
+def time_calls(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
+               reduce: Callable[[list[float]], float] = statistics.median) -> float:
+    """``reduce`` (median by default; ``min`` is the estimate least hurt by other jobs) of ``repeats`` timed calls of
+    ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return reduce(times)
+
+
 def time_and_print(runs: dict, mem: dict, baseline: str, reps: int, header: str, *, warmup: bool = False,
                    width: int = 24) -> None:
     """Time each ``runs[name]()`` ``reps`` times, interleaved (best of reps), and print time and peak memory as
     ratios to the ``baseline`` variant measured in the same run."""
-    import time
-
     if warmup:
         for run in runs.values():
             run()

@@ -13,25 +13,16 @@ timed runs after one warm-up, excluding loading and tokenisation; "vs AR" = AR t
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+import os
+import sys
 
 import torch
 
-import unifusion as uf
-from unifusion.samplers import BayesianSampler
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _memory  # noqa: E402
 
-
-def _median_time(fn: Callable[[], object], repeats: int, warmup: bool = True) -> float:
-    if warmup:
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+import unifusion as uf  # noqa: E402
+from unifusion.samplers import BayesianSampler  # noqa: E402
 
 
 def load(name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -81,15 +72,15 @@ def main() -> None:
     with torch.inference_mode(), uf.validation(False):
         out = ar()
         assert out.shape[1] == L + 1, f"generate produced {out.shape[1] - 1} tokens, expected {L}"
-        rows.append((f"{args.model} (AR, KV cache)", "--", _median_time(ar, args.repeats)))
+        rows.append((f"{args.model} (AR, KV cache)", "--", _memory.time_calls(ar, args.repeats)))
         if args.short_warmup:
             BayesianSampler(model, kernel, 2).sample(1, L, generator=torch.Generator().manual_seed(0))
         for N in args.steps:
             sampler = BayesianSampler(model, kernel, N)
             g = torch.Generator().manual_seed(0)
             rows.append((f"{args.model} (diffusion)", str(N),
-                         _median_time(lambda s=sampler, g=g: s.sample(1, L, generator=g), args.repeats,
-                                      warmup=not args.short_warmup)))
+                         _memory.time_calls(lambda s=sampler, g=g: s.sample(1, L, generator=g), args.repeats,
+                                            warmup=0 if args.short_warmup else 1)))
 
     ar_time = rows[0][2]
     warm = " (diffusion: one 2-step warm-up)" if args.short_warmup else ""

@@ -25,25 +25,18 @@ LlamaForCausalLM (d = 256) with GPT-2's vocabulary (V = 50,257), where the outpu
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 
-import unifusion as uf
-from unifusion.samplers import BayesianSampler, EulerSampler
-from unifusion.samplers._common import bayesian_step, bayesian_step_from_logits, x0_weights
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _memory  # noqa: E402
 
-
-def _min_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best of ``repeats`` timed calls after a warm-up (the minimum is the estimate least hurt by other jobs)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+import unifusion as uf  # noqa: E402
+from unifusion.samplers import BayesianSampler, EulerSampler  # noqa: E402
+from unifusion.samplers._common import bayesian_step, bayesian_step_from_logits, x0_weights  # noqa: E402
 
 
 def load(name: str) -> torch.nn.Module:
@@ -104,7 +97,7 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
     with torch.inference_mode(), uf.validation(False):
         for _ in range(rounds):
             for k, fn in cases.items():
-                results[k].append(_min_time(fn, repeats if per_call[k] == 1 else 1) / per_call[k])
+                results[k].append(_memory.time_calls(fn, repeats if per_call[k] == 1 else 1, reduce=min) / per_call[k])
     ref = min(results["forward"])
     print(f"\n{name}: V={V}, B={B}, L={L}, steps={steps}, kernel={kernel_name}, "
           f"threads={torch.get_num_threads()}, validation off")

@@ -16,24 +16,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 
-from unifusion.adapters import adapt_ar_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _memory  # noqa: E402
 
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from unifusion.adapters import adapt_ar_model  # noqa: E402
 
 
 def measure(name: str, base: torch.nn.Module, B: int, L: int, repeats: int) -> None:
@@ -53,7 +45,7 @@ def measure(name: str, base: torch.nn.Module, B: int, L: int, repeats: int) -> N
         results: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(3):
             for k, fn in cases.items():
-                results[k].append(_median_time(fn, repeats))
+                results[k].append(_memory.time_calls(fn, repeats, warmup=2))
     bare = min(results["bare"])
     print(f"\n{name}: B={B}, L={L}, attn={base.config._attn_implementation}")
     for k, v in results.items():
