@@ -18,7 +18,8 @@ position with no (B, L, V) temporary besides a reused workspace.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -174,6 +175,42 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
                              f"generate with {PROMPT_FILL} (or keep_mask=False) instead")
     ids = torch.where(keep, ids, torch.zeros_like(ids))  # fill values never reach the model
     return ids, keep
+
+
+@dataclass
+class SamplingRun:
+    """What both samplers' :meth:`sample` set up before their step loop (see :func:`start_run`)."""
+
+    B: int
+    L: int
+    device: torch.device
+    kept: tuple[torch.Tensor, torch.Tensor] | None  # the resolved prompt (ids, keep mask) or None
+    ts: torch.Tensor  # t_0 … t_N on the device, (N + 1,): indexing it never syncs
+    t_host: list[float]  # the same times on the host (for callbacks and the prior)
+    x: torch.Tensor  # z_{t_0}: a draw from the kernel's prior, prompt applied, (B, L)
+    steps: Iterable[int]  # range(N), wrapped in a tqdm bar when asked
+
+
+def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object, generator: torch.Generator | None,
+              progress: bool, callback: object, device: torch.device | str | None) -> SamplingRun:
+    """Check :meth:`sample`'s arguments, resolve device and prompt, build the time grid t_n = (1 − ε)(1 − n/N) and
+    draw z_{t_0} from the prior. ``sampler`` has ``model``, ``kernel``, ``num_steps``, ``eps`` and ``dtype``."""
+    B = check_positive_int("batch_size", batch_size)
+    L = check_positive_int("seq_len", seq_len)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback: expected a callable (step, t, x_t) -> bool or None, got {type(callback).__name__}")
+    kernel, N, eps = sampler.kernel, sampler.num_steps, sampler.eps
+    dev = resolve_device(sampler.model, prompt, generator, device)
+    kept = resolve_prompt(prompt, B, L, kernel, dev)
+    ts = time_grid(N, eps, sampler.dtype, dev)
+    t_host = [(1.0 - eps) * (1.0 - n / N) for n in range(N)] + [0.0]
+    x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
+    steps: Iterable[int] = range(N)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="sampling", total=N)
+    return SamplingRun(B, L, dev, kept, ts, t_host, x, steps)
 
 
 def apply_prompt(x: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

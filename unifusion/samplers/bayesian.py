@@ -38,9 +38,7 @@ from ._common import (
     check_model,
     check_positive_int,
     check_sampling_options,
-    resolve_device,
-    resolve_prompt,
-    time_grid,
+    start_run,
     x0_weights,
 )
 
@@ -111,32 +109,18 @@ class BayesianSampler:
                 hold noise or mask tokens). Any other return value continues.
             device: where to sample; default: the prompt's, else the generator's, else the model's device.
         """
-        B = check_positive_int("batch_size", batch_size)
-        L = check_positive_int("seq_len", seq_len)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback: expected a callable (step, t, x_t) -> bool or None, got "
-                            f"{type(callback).__name__}")
-        kernel, N, dtype = self.kernel, self.num_steps, self.dtype
+        run = start_run(self, batch_size, seq_len, prompt, generator, progress, callback, device)
+        B, L, dev, kept, ts, t_host, x = run.B, run.L, run.device, run.kept, run.ts, run.t_host, run.x
+        kernel, dtype = self.kernel, self.dtype
         S = kernel.num_states
-        dev = resolve_device(self.model, prompt, generator, device)
-        kept = resolve_prompt(prompt, B, L, kernel, dev)
-        ts = time_grid(N, self.eps, dtype, dev)  # (N + 1,) on the device: indexing it never syncs
-        t_host = [(1.0 - self.eps) * (1.0 - n / N) for n in range(N)] + [0.0]
-
-        x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
         # top-k / top-p need the whole x_θ (and dense kernels the dense posterior): a reused workspace then; so
         # does the eager backend at LM vocabulary sizes (a softmax into the workspace beats unfused block sums)
         direct = isinstance(kernel, InterpolatingKernel) and self.top_k is None and self.top_p is None
         workspace: torch.Tensor | None = None
         head: torch.Tensor | None = None
         x_seen: torch.Tensor | None = None
-        steps = range(N)
-        if progress:
-            from tqdm.auto import tqdm
-
-            steps = tqdm(steps, desc="sampling", total=N)
         with torch.no_grad():
-            for n in steps:
+            for n in run.steps:
                 t, s = ts[n], ts[n + 1]
                 if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
                     head = None  # let the last step's logits go before the model allocates the next ones

@@ -59,10 +59,8 @@ from ._common import (
     check_positive_int,
     check_sampling_options,
     posterior_mixture,
-    resolve_device,
-    resolve_prompt,
     sample_weights,
-    time_grid,
+    start_run,
     x0_weights,
 )
 
@@ -286,27 +284,13 @@ class EulerSampler:
                | None = None, generator: torch.Generator | None = None, progress: bool = False,
                callback: Callback | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """Generate ``(batch_size, seq_len)`` int64 token ids; arguments as :meth:`BayesianSampler.sample`."""
-        B = check_positive_int("batch_size", batch_size)
-        L = check_positive_int("seq_len", seq_len)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback: expected a callable (step, t, x_t) -> bool or None, got "
-                            f"{type(callback).__name__}")
+        run = start_run(self, batch_size, seq_len, prompt, generator, progress, callback, device)
+        B, L, dev, kept, ts, t_host, x = run.B, run.L, run.device, run.kept, run.ts, run.t_host, run.x
         kernel, N, dtype = self.kernel, self.num_steps, self.dtype
         S = kernel.num_states
-        dev = resolve_device(self.model, prompt, generator, device)
-        kept = resolve_prompt(prompt, B, L, kernel, dev)
-        ts = time_grid(N, self.eps, dtype, dev)
-        t_host = [(1.0 - self.eps) * (1.0 - n / N) for n in range(N)] + [0.0]
-
-        x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
         workspace: torch.Tensor | None = None
-        steps = range(N)
-        if progress:
-            from tqdm.auto import tqdm
-
-            steps = tqdm(steps, desc="sampling", total=N)
         with torch.no_grad():
-            for n in steps:
+            for n in run.steps:
                 t = ts[n]
                 head = self._check_head(self.model(x, t.expand(B)), B, L)
                 if self.parameterization == "x0":
