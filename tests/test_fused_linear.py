@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.losses import native
+from unifusion.losses import fused_linear, native
 from unifusion.losses.fused_linear import fused_linear_diffusion_loss
 
 S, D = 40, 8
@@ -132,16 +132,154 @@ def test_reduction_arguments_are_checked():
     h, W, _, x0, x_t, t, scale = _inputs(kernel)
     with pytest.raises(ValueError, match="reduction"):
         fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction="max")
-    with pytest.raises(ValueError, match="position_weight"):
-        fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, position_weight=scale)
-    with pytest.raises(ValueError, match="position_weight"):
-        fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction="sum", position_weight=scale[:-1])
+    for reduction in ("none", "sum"):
+        with pytest.raises(ValueError, match="position_weight"):
+            fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction=reduction, position_weight=scale[:-1])
 
 
-def test_reduced_loss_backward_twice_raises_clearly():
+def _reference_grads(kernel, h, W, b, x0, x_t, t, upstream):
+    """Gradients of Σ_n g_n L_n through materialised logits and the native loss (float64)."""
+    hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    z = hd @ Wd.T + (0.0 if bd is None else bd)
+    ref = native.gidd_loss(z, x0, x_t, t.double(), kernel)
+    leaves = (hd, Wd) if bd is None else (hd, Wd, bd)
+    return ref.detach(), torch.autograd.grad((ref * upstream.double()).sum(), leaves)
+
+
+def _upstream(kind, n, x_t, kernel, seed=1):
+    """Incoming per-position gradients of the usual reductions and of arbitrary ones."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(n, generator=g) > 0.2).double()
+    if kind == "sum":
+        return torch.ones(n, dtype=torch.float64)
+    if kind == "masked_mean":  # (loss * mask).sum() / mask.sum()
+        return mask / mask.sum()
+    if kind == "per_sequence":  # two sequences normalised by their own lengths: two values
+        return torch.where(torch.arange(n) < n // 3, 1.0 / (n // 3), 1.0 / (n - n // 3)).double()
+    if kind == "mostly_zero":  # the common value is 0
+        out = torch.zeros(n, dtype=torch.float64)
+        out[:5] = torch.rand(5, generator=g, dtype=torch.float64)
+        return out
+    return torch.rand(n, generator=g, dtype=torch.float64) * 2 - 0.5  # "random": all different, some negative
+
+
+@pytest.mark.parametrize("kind", ["sum", "masked_mean", "per_sequence", "mostly_zero", "random"])
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_per_position_gradients_exact_for_any_incoming_gradient(name, kind, monkeypatch):
+    """Gradients computed in the forward pass, then scaled by the common incoming value and corrected where it
+    differs: equal to the float64 reference for the usual reductions and for arbitrary per-position gradients."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    kernel = KERNELS[name]
+    h, W, b, x0, x_t, t, _ = _inputs(kernel, bias=True)
+    upstream = _upstream(kind, h.shape[0], x_t, kernel)
+    ref, g_ref = _reference_grads(kernel, h, W, b, x0, x_t, t, upstream)
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, lm_head_bias=b, chunk_size=9)
+    g = torch.autograd.grad((out * upstream).sum(), (h, W, b))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-300)
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+def _count_recomputed_rows(monkeypatch):
+    rows = []
+    real = fused_linear._recompute
+
+    def counting(ctx, grads, hidden, weight, bias, stats, index, grad_scale, with_h):
+        rows.append(int(index.numel()))
+        return real(ctx, grads, hidden, weight, bias, stats, index, grad_scale, with_h)
+
+    monkeypatch.setattr(fused_linear, "_recompute", counting)
+    return rows
+
+
+def test_usual_reductions_recompute_nothing(monkeypatch):
+    """Sum, mean, a global token count and the padding mask as position_weight: backward only scales the gradients
+    computed in the forward pass (no logits recomputed); other positions are recomputed, and only those."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    recomputed = _count_recomputed_rows(monkeypatch)
     kernel = KERNELS["uniform"]
     h, W, _, x0, x_t, t, _ = _inputs(kernel)
-    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction="mean")
-    out.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="once"):
-        out.backward()
+    mask = torch.ones(h.shape[0], dtype=torch.float64)
+    mask[-7:] = 0.0  # right padding
+    for reduce in (lambda out: out.sum(), lambda out: out.mean(), lambda out: out.sum() / 1234.0):
+        torch.autograd.grad(reduce(fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)), (h, W))
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, position_weight=mask)
+    assert torch.all(out[-7:] == 0)
+    torch.autograd.grad(out.sum() / mask.sum(), (h, W))
+    assert recomputed == []
+    # the same mask applied by hand: the 7 padded positions get their correction, nothing else
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
+    torch.autograd.grad((out * mask).sum() / mask.sum(), (h, W))
+    assert recomputed == [7]
+    # mask kernel: unmasked positions have no gradient and never need a correction
+    mk = KERNELS["mask"]
+    h, W, _, x0, x_t, t, _ = _inputs(mk)
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, mk)
+    torch.autograd.grad((out * (x_t != mk.mask_id)).sum(), (h, W))
+    assert recomputed == [7]
+
+
+def test_position_weight_per_position_equals_weighting_by_hand():
+    kernel = KERNELS["hybrid"]
+    h, W, b, x0, x_t, t, scale = _inputs(kernel, bias=True)
+    kw = dict(lm_head_bias=b, logit_scale=1.3, final_logit_softcap=4.0, chunk_size=7)
+    per = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, **kw)
+    g_ref = torch.autograd.grad((per * scale).sum() * 0.3, (h, W, b))
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, position_weight=scale, **kw)
+    g = torch.autograd.grad(out.sum() * 0.3, (h, W, b))
+    torch.testing.assert_close(out, per * scale, rtol=1e-12, atol=0)
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_retain_graph_backward_twice(reduction, monkeypatch):
+    """With retain_graph=True the saved gradients are not scaled in place: a second backward (another incoming
+    gradient) is exact too."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    kernel = KERNELS["uniform"]
+    h, W, _, x0, x_t, t, _ = _inputs(kernel)
+    n = h.shape[0]
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction=reduction)
+    for upstream in (torch.full((n,), 0.5, dtype=torch.float64), _upstream("random", n, x_t, kernel)):
+        if reduction == "sum":
+            upstream = torch.full((n,), float(upstream[0]), dtype=torch.float64)
+            first = torch.autograd.grad(out * upstream[0], (h, W), retain_graph=True)
+        else:
+            first = torch.autograd.grad((out * upstream).sum(), (h, W), retain_graph=True)
+        _, expected = _reference_grads(kernel, h, W, None, x0, x_t, t, upstream)
+        for a, e in zip(first, expected):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+def test_no_grad_and_frozen_head():
+    """Without autograd only the losses are computed; with a frozen output head only ∂/∂hidden."""
+    kernel = KERNELS["hybrid"]
+    h, W, _, x0, x_t, t, scale = _inputs(kernel)
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
+    with torch.no_grad():
+        plain = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
+    assert not plain.requires_grad
+    torch.testing.assert_close(plain, out.detach(), rtol=1e-12, atol=0)
+    frozen = W.detach()
+    gh = torch.autograd.grad((fused_linear_diffusion_loss(h, frozen, x0, x_t, t, kernel) * scale).sum(), h)[0]
+    gh_ref = torch.autograd.grad((out * scale).sum(), h)[0]
+    torch.testing.assert_close(gh, gh_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_inside_a_users_torch_compile_region():
+    """A compiled training step: the fused loss recomputes blocks in backward (no host sync in the traced code) and
+    gives the eager values and gradients."""
+    kernel = KERNELS["uniform"]
+    h, W, _, x0, x_t, t, scale = _inputs(kernel, dtype=torch.float32)
+    t = t.float()
+
+    def step(h, W):
+        return (fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, chunk_size=16) * scale.float()).sum()
+
+    g_ref = torch.autograd.grad(step(h, W), (h, W))
+    with uf.validation(False):
+        g = torch.autograd.grad(torch.compile(step)(h, W), (h, W))
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)

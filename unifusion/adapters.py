@@ -360,10 +360,10 @@ class DiffusionLM(nn.Module):
             objective: x0-head objective (see :func:`unifusion.losses.x0_head_loss`).
             weighting: GIDD weighting of the loss.
             max_weight: clip of the GIDD weights.
-            reduction: ``"none"`` (per-position loss), or ``"sum"``/``"mean"`` of the loss weighted by
-                ``position_weight``, with gradients computed in the forward pass (one matmul fewer; see
-                :func:`unifusion.losses.fused_linear_diffusion_loss`).
-            position_weight: ``(B, L)`` weights of a reduced loss (e.g. the padding mask); ones when ``None``.
+            reduction: ``"none"`` (per-position loss times ``position_weight``), or ``"sum"``/``"mean"`` of the
+                weighted loss (see :func:`unifusion.losses.fused_linear_diffusion_loss`).
+            position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
+                gradient work); ones when ``None``.
 
         Returns:
             ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``), or with

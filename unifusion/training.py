@@ -234,10 +234,11 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if fused and head == "mu":
         raise ValueError("fused: head='mu' is not an x0 head; use fused=False")
     if fused:
+        # padded positions weighted 0: exactly 0 loss, and no gradient work for them in the fused backward
         loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                     x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight)
+                     x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
+                     position_weight=None if attention_mask is None else valid)
         mask = valid.to(loss.dtype)
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
     if _is_diffusion_lm(model):

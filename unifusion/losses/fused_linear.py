@@ -1,16 +1,26 @@
 """Output head + x0-head loss fused, so the N×V logits never exist (the idea of fused linear cross-entropy kernels).
 
 For hidden states h ``(N, d)`` and an output matrix W ``(V, d)`` (optional bias b ``(V,)``, logit scale κ, final
-soft-cap c as in gemma2/3):
+soft-cap c as in gemma2/3) and position weights ω ``(N,)`` (ones by default):
 
-    z = κ (h Wᵀ + b),   logits = c · tanh(z / c)  (or z),   L_n = x0_head_loss(logits_n, x0_n, x_t_n, t_n)
+    z = κ (h Wᵀ + b),   logits = c · tanh(z / c)  (or z),   out_n = ω_n L_n(logits_n, x0_n, x_t_n, t_n)
 
 is evaluated over blocks of ``chunk_size`` positions: matmul → loss and analytic ∂L/∂logits of the block
-(:mod:`unifusion.losses.fast`) → ∂/∂h of the block and accumulation of ∂/∂W. The forward pass computes only the
-losses; the backward pass recomputes each block's logits with the incoming per-position gradient folded in, so any
-reduction (masks, per-token weights) is exact; with the row statistics (max, Σ exp, Σ p e) saved by the forward
-pass, the gradient is one pass over each recomputed row, written over the block. Memory beyond the inputs: one
-``(chunk_size, V)`` block, plus the ``(V, d)`` gradient of W (float32 for low-precision weights).
+(:mod:`unifusion.losses.fast`) → ∂/∂h of the block and accumulation of ∂/∂W. Three matmuls per block, in the
+forward pass, as fused linear cross-entropy kernels do; the backward pass then only applies the incoming gradient
+g ``(N,)`` of the per-position output:
+
+    ∂/∂h_n = g_n H_n,     ∂/∂W = Σ_n g_n Δ_nᵀ h_n = c Σ_n Δ_nᵀ h_n + Σ_{n: g_n ≠ c} (g_n − c) Δ_nᵀ h_n,
+
+with Δ_n = ω_n ∂L_n/∂z_n ``(V,)`` and H_n = Δ_n W computed in the forward pass, and c the most common value of g
+over the positions whose loss depends on the logits. Every usual reduction (sum, mean, the padding mask as ω, a
+global token count) gives g_n = c for all of them, so backward is a scaling; other positions (any other weighting)
+get their block's logits recomputed and their correction added, so the gradients are exact for any g. A reduced
+loss (``reduction="sum"/"mean"``) knows g_n = c ω_n ahead. Memory beyond the inputs: one ``(chunk_size, V)``
+block and the ``(V, d)`` gradient of W (float32 for low-precision weights), held from forward to backward.
+
+Inside a caller's ``torch.compile`` region, or when no gradient is needed, the forward pass computes only the losses
+and three row statistics, and backward recomputes each block's logits with g folded in (four matmuls per block).
 """
 
 from __future__ import annotations
@@ -54,116 +64,162 @@ def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return th * softcap, th
 
 
-class _FusedLinearX0Loss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
-                rows: _Rows, chunk: int, scale: float, softcap: float | None) -> torch.Tensor:
-        N = hidden.shape[0]
-        loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
-        stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3))
-        need_stats = any(ctx.needs_input_grad[:3])
-        buffer = _logits_buffer(hidden, weight, chunk)
-        for lo in range(0, N, chunk):
-            hi = min(lo + chunk, N)
-            logits, _ = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
-            loss[lo:hi], _, blk_stats = rows[lo:hi].run(logits, need_stats=need_stats)
-            if need_stats:
-                for dst, src in zip(stats, blk_stats):
-                    dst[lo:hi] = src
-            del logits
-        ctx.save_for_backward(hidden, weight, bias, *stats)
-        ctx.rows, ctx.chunk, ctx.scale, ctx.softcap = rows, chunk, scale, softcap
-        if V.validation_enabled() and bool(torch.isnan(loss).any()):
-            raise ValueError("hidden: the loss of some position is NaN (NaN in hidden or lm_head_weight?)")
-        return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        hidden, weight, bias, *stats = ctx.saved_tensors
-        rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
-        grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
-        buffer = _logits_buffer(hidden, weight, chunk)
-        for lo in range(0, hidden.shape[0], chunk):
-            hi = min(lo + chunk, hidden.shape[0])
-            logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
-            # ∂/∂logits with the incoming gradient folded in: one pass, given the forward's row statistics
-            _, g, _ = rows[lo:hi].run(logits, need_loss=False, grad_scale=grad_loss[lo:hi],
-                                      stats=tuple(v[lo:hi] for v in stats), grad_into_logits=True)
-            del logits
-            grads.add_block(lo, hi, g, th, scale, softcap)
-        return (*grads.result(), None, None, None, None)
+def _graph_kept() -> bool:
+    """Whether the running backward pass keeps the graph (``retain_graph=True``): then the saved gradients must not
+    be scaled in place. Unknown (older torch): assume it does."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
 
 
 class _Grads:
-    """∂/∂hidden, ∂/∂W, ∂/∂b accumulated block by block from ∂/∂logits (float32 accumulation for bf16/fp16)."""
+    """∂/∂hidden, ∂/∂W, ∂/∂b from blocks of ∂/∂logits (float32 accumulation of W and b for bf16/fp16)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  needs: tuple[bool, ...]) -> None:
-        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.weight, self.bias = weight, bias
         acc = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
         self.acc = acc
         self.h = torch.empty_like(hidden) if needs[0] else None
         self.w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
         self.b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if needs[2] else None
 
-    def add_block(self, lo: int, hi: int, g: torch.Tensor, th: torch.Tensor | None, scale: float,
-                  softcap: float | None) -> None:
-        """Chain rule through soft-cap and scale (in place on ``g``), then the three matmul-shaped updates."""
+    def add_block(self, h: torch.Tensor, g: torch.Tensor, th: torch.Tensor | None, scale: float,
+                  softcap: float | None, h_out: torch.Tensor | None) -> None:
+        """Chain rule through soft-cap and scale (in place on ``g`` ``(n, V)``), then ∂/∂h of the block into
+        ``h_out`` ``(n, d)`` (skipped when ``None``) and the accumulation of ∂/∂W and ∂/∂b (``h``: the block's
+        hidden states)."""
         if th is not None:  # d(c tanh(z/c))/dz = 1 − tanh²
             g.mul_(th.square_().neg_().add_(1.0))
         if scale != 1.0:
             g.mul_(scale)
-        if self.h is not None:
-            out = self.h[lo:hi]
-            torch.mm(g, self.weight, out=out) if g.dtype == out.dtype else out.copy_(g @ self.weight)
+        if h_out is not None:
+            torch.mm(g, self.weight, out=h_out) if g.dtype == h_out.dtype else h_out.copy_(g @ self.weight)
         if self.w is not None:
-            self.w.addmm_(g.T.to(self.acc), self.hidden[lo:hi].to(self.acc))
+            self.w.addmm_(g.T.to(self.acc), h.to(self.acc))
         if self.b is not None:
             self.b.add_(g.sum(0, dtype=self.acc))
 
-    def result(self) -> tuple[torch.Tensor | None, ...]:
-        w = None if self.w is None else self.w.to(self.weight.dtype)
-        b = None if self.b is None else self.b.to(self.bias.dtype)
-        return self.h, w, b
+    def weight_and_bias(self, c: torch.Tensor | None, in_place: bool) -> tuple[torch.Tensor | None, ...]:
+        """c ∂/∂W and c ∂/∂b (``c`` a 0-d tensor, ``None`` for 1), in place when the graph is not kept."""
+        out = []
+        for x in (self.w, self.b):
+            if x is not None and c is not None:
+                x = x.mul_(c) if in_place else x * c
+            out.append(x)
+        return tuple(out)
+
+    def result(self, w: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None if w is None else w.to(self.weight.dtype), None if b is None else b.to(self.bias.dtype))
 
 
-class _FusedLinearX0LossReduced(torch.autograd.Function):
-    """Σ_n ω_n L_n with its gradients computed in the forward pass (three matmuls per block, as fused linear
-    cross-entropy kernels do); backward only scales them by the incoming scalar gradient."""
+def _blocks(N: int, chunk: int):
+    return ((lo, min(lo + chunk, N)) for lo in range(0, N, chunk))
+
+
+class _FusedLinearX0Loss(torch.autograd.Function):
+    """ω ⊙ L per position (``plan`` "precompute" or "recompute") or Σ_n ω_n L_n (``plan`` "reduce").
+
+    "precompute" / "reduce": gradients in the forward pass (three matmuls per block); backward scales them and, for
+    per-position output, corrects the positions whose incoming gradient differs from the common one. "recompute":
+    forward keeps the row statistics, backward recomputes every block (four matmuls per block)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
-                rows: _Rows, chunk: int, scale: float, softcap: float | None,
-                position_weight: torch.Tensor) -> torch.Tensor:
+                rows: _Rows, chunk: int, scale: float, softcap: float | None, omega: torch.Tensor,
+                plan: str) -> torch.Tensor:
+        N = hidden.shape[0]
         needs = ctx.needs_input_grad[:3]
-        grads = _Grads(hidden, weight, bias, needs) if any(needs) else None
-        total = torch.zeros((), dtype=rows.dtype, device=hidden.device)
+        grads = _Grads(hidden, weight, bias, needs) if plan != "recompute" and any(needs) else None
+        need_stats = plan != "reduce" and any(needs)
+        loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
+        stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3)) if need_stats else ()
         buffer = _logits_buffer(hidden, weight, chunk)
-        for lo in range(0, hidden.shape[0], chunk):
-            hi = min(lo + chunk, hidden.shape[0])
+        for lo, hi in _blocks(N, chunk):
             logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
-            omega = position_weight[lo:hi]
-            loss, g, _ = rows[lo:hi].run(logits, grad_scale=omega if grads is not None else None,
-                                         grad_into_logits=True)
-            total += torch.linalg.vecdot(loss, omega)
+            loss[lo:hi], g, blk_stats = rows[lo:hi].run(
+                logits, need_stats=need_stats, grad_scale=None if grads is None else omega[lo:hi],
+                grad_into_logits=True)
+            for dst, src in zip(stats, blk_stats or ()):
+                dst[lo:hi] = src
             if grads is not None:
-                grads.add_block(lo, hi, g, th, scale, softcap)
+                grads.add_block(hidden[lo:hi], g, th, scale, softcap,
+                                None if grads.h is None else grads.h[lo:hi])
             del logits, g
-        if V.validation_enabled() and bool(torch.isnan(total)):
-            raise ValueError("hidden: the loss is NaN (NaN in hidden or lm_head_weight?)")
-        ctx.grads = None if grads is None else grads.result()
-        return total
+        out = torch.linalg.vecdot(loss, omega) if plan == "reduce" else loss.mul_(omega)
+        if V.validation_enabled() and bool(torch.isnan(out).any()):
+            raise ValueError("hidden: the loss of some position is NaN (NaN in hidden or lm_head_weight?)")
+        ctx.save_for_backward(hidden, weight, bias, omega, *stats)
+        ctx.rows, ctx.chunk, ctx.scale, ctx.softcap, ctx.plan, ctx.grads = rows, chunk, scale, softcap, plan, grads
+        return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        grads, ctx.grads = ctx.grads, None  # scaled in place and handed over: no second (V, d) buffer
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        hidden, weight, bias, omega, *stats = ctx.saved_tensors
+        none = (None,) * 6
+        if ctx.plan == "recompute":
+            grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
+            _recompute(ctx, grads, hidden, weight, bias, stats, torch.arange(hidden.shape[0], device=hidden.device),
+                       grad_out * omega, with_h=True)
+            return (grads.h, *grads.result(grads.w, grads.b), *none)
+        grads = ctx.grads
         if grads is None:
-            raise RuntimeError("fused_linear_diffusion_loss: a reduced loss can be backpropagated once (its gradients "
-                               "are computed in the forward pass); use reduction='none' with retain_graph=True")
-        out = tuple(None if x is None else x.mul_(grad_total.to(x.dtype)) for x in grads)
-        return (*out, None, None, None, None, None)
+            return (None, None, None, *none)
+        in_place = not _graph_kept()
+        if in_place:
+            ctx.grads = None  # scaled in place and handed over: no second (V, d) buffer
+        g = grad_out.to(ctx.rows.dtype)
+        h = None if grads.h is None else _scale_rows(grads.h, g if g.dim() == 0 else g.unsqueeze(-1), in_place)
+        if ctx.plan == "reduce":
+            return (h, *grads.result(*grads.weight_and_bias(g, in_place)), *none)
+        if grads.w is None and grads.b is None:  # e.g. a frozen output head: ∂/∂h is exact as it is
+            return (h, None, None, *none)
+        c, others = _common_value(g, _live(ctx.rows, omega))
+        w, b = grads.weight_and_bias(c, in_place)
+        if others.numel() > 0:
+            grads.w, grads.b = w, b  # the scaled sums receive the corrections of the other positions
+            _recompute(ctx, grads, hidden, weight, bias, stats, others, (g[others] - c) * omega[others],
+                       with_h=False)
+        return (h, *grads.result(w, b), *none)
+
+
+def _scale_rows(H: torch.Tensor, g: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """g · H with the product in g's (float32/float64) precision and one rounding to H's dtype."""
+    if H.dtype == g.dtype:
+        return H.mul_(g) if in_place else H * g
+    return (H.to(g.dtype) * g).to(H.dtype)
+
+
+def _live(rows: _Rows, omega: torch.Tensor) -> torch.Tensor:
+    """Positions whose output ω L depends on the logits ``(N,)`` bool (a weight or an exit rate, and ω ≠ 0)."""
+    return ((rows.A != 0) | (rows.v_active != 0)) & (omega != 0)
+
+
+def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most common incoming gradient c over the live positions (0-d) and the live positions where g ≠ c
+    (int64 indices). Reads the gradient on the host once (a device sync)."""
+    g_live = g[live]
+    if g_live.numel() == 0:
+        return torch.zeros((), dtype=g.dtype, device=g.device), g_live.new_empty(0, dtype=torch.long)
+    c = torch.mode(g_live).values
+    return c, torch.nonzero(live & (g != c)).squeeze(-1)
+
+
+def _recompute(ctx, grads: _Grads, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               stats: list[torch.Tensor], index: torch.Tensor, grad_scale: torch.Tensor, with_h: bool) -> None:
+    """Recompute the logits of the positions ``index`` in blocks and add ∂(Σ grad_scale · L)/∂(W, b) (and, with
+    ``with_h``, write ∂/∂h) with the forward's row statistics: one pass over each recomputed row."""
+    rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
+    contiguous = index.numel() == hidden.shape[0]  # all positions (indices are sorted, so in order)
+    buffer = _logits_buffer(hidden[: index.numel()], weight, chunk)
+    for lo, hi in _blocks(index.numel(), chunk):
+        sel = slice(lo, hi) if contiguous else index[lo:hi]
+        h = hidden[sel]
+        logits, th = _block_logits(h, weight, bias, scale, softcap, buffer)
+        _, g, _ = rows[sel].run(logits, need_loss=False, grad_scale=grad_scale[lo:hi],
+                                stats=tuple(v[sel] for v in stats), grad_into_logits=True)
+        del logits
+        grads.add_block(h, g, th, scale, softcap, grads.h[sel] if with_h and grads.h is not None else None)
 
 
 def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, x0: torch.Tensor,
@@ -187,23 +243,29 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         lm_head_bias: optional ``(S,)``.  logit_scale: κ.  final_logit_softcap: c (gemma2/3) or ``None``.
         chunk_size: positions per block (default: 2²⁵ / S, i.e. 128 MiB float32 blocks; smaller saves memory,
             larger makes the matmuls more efficient).
-        reduction: ``"none"`` (per-position losses), ``"sum"`` (Σ_n ω_n L_n) or ``"mean"`` (Σ_n ω_n L_n / Σ_n ω_n).
-            A reduced loss gets its gradients in the forward pass (three matmuls per block instead of four, the
-            way fused linear cross-entropy kernels work); backward scales them by the incoming scalar. Use it when
-            the loss is reduced anyway, e.g. the padding mask as ``position_weight`` and ``"mean"``; with a global
-            normaliser across ranks use ``"sum"`` and divide.
-        position_weight: ω ``(...)`` (leading shape of ``x_t``; e.g. the padding mask), only with a reduction;
-            ones when ``None``.
+        reduction: ``"none"`` (per-position ω_n L_n), ``"sum"`` (Σ_n ω_n L_n) or ``"mean"``
+            (Σ_n ω_n L_n / Σ_n ω_n).
+        position_weight: ω ``(...)`` (leading shape of ``x_t``; e.g. the padding mask); ones when ``None``.
+            Positions with ω = 0 cost no gradient work.
 
-    Returns float32 losses ``(...)`` (float64 for float64 inputs), or their reduction (0-d). Per-position losses:
-    backward recomputes each block's logits (one extra matmul) and is exact for any incoming per-position gradient.
+    Returns float32 losses ``(...)`` (float64 for float64 inputs), or their reduction (0-d).
+
+    Gradients are computed in the forward pass when autograd needs them (three matmuls per block, as fused linear
+    cross-entropy kernels do) and held until backward (a ``(S, d)`` buffer, the size of W's gradient). Backward reads
+    the incoming per-position gradient g once (a device sync): where it takes one common value c over the positions
+    that matter (``.sum()``, ``.mean()``, masked means with the mask as ω or by hand, a global token count), it is a
+    scaling; positions with other values get their logits recomputed and a correction added, so any g is exact
+    (at up to one extra matmul for those positions). ``retain_graph=True`` works. Inside a caller's
+    ``torch.compile`` region the forward keeps only row statistics and backward recomputes every block (four
+    matmuls per block, no sync).
 
     Example::
 
         h = model.hidden_states(x_t, t)                                        # (B, L, d)
-        loss = uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel)
-        (loss * mask).sum().div(mask.sum()).backward()
-        # the same value and gradients, three matmuls per block instead of four:
+        loss = uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel,
+                                                     position_weight=mask)    # (B, L), 0 where padded
+        loss.sum().div(mask.sum()).backward()
+        # the same value and gradients as one scalar:
         uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel, reduction="mean",
                                               position_weight=mask).backward()
     """
@@ -212,9 +274,6 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
     _check_objective(objective, kernel)
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
-    if position_weight is not None and reduction == "none":
-        raise ValueError("position_weight: only used with reduction='sum' or 'mean' (weight per-position losses "
-                         "yourself), got a tensor with reduction='none'")
     hidden = V.check_tensor("hidden", hidden)
     weight = V.check_tensor("lm_head_weight", lm_head_weight)
     for name, x in (("hidden", hidden), ("lm_head_weight", weight)):
@@ -250,9 +309,6 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
     flat = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // S)
     softcap = None if final_logit_softcap is None else float(final_logit_softcap)
-    if reduction == "none":
-        loss = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap)
-        return loss.reshape(shape)
     if position_weight is None:
         omega = torch.ones(flat.shape[0], dtype=dtype, device=hidden.device)
     else:
@@ -262,5 +318,13 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         omega = omega.to(device=hidden.device, dtype=dtype).reshape(-1)
     if reduction == "mean":
         omega = omega / omega.sum().clamp_min(torch.finfo(dtype).tiny)
-    return _FusedLinearX0LossReduced.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap,
-                                           omega.contiguous())
+    if reduction != "none":
+        plan = "reduce"
+    elif torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
+            x is not None and x.requires_grad for x in (flat, weight, lm_head_bias)):
+        plan = "precompute"
+    else:  # no gradient wanted (only the statistics are kept), or traced by the caller's compiler (no host sync)
+        plan = "recompute"
+    out = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap,
+                                   omega.contiguous(), plan)
+    return out if reduction != "none" else out.reshape(shape)
