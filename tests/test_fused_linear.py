@@ -260,8 +260,10 @@ def test_no_grad_and_frozen_head():
     out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
     with torch.no_grad():
         plain = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
-    assert not plain.requires_grad
+        total = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction="sum", position_weight=scale)
+    assert not plain.requires_grad and not total.requires_grad
     torch.testing.assert_close(plain, out.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(total, (out.detach() * scale).sum(), rtol=1e-12, atol=0)
     frozen = W.detach()
     gh = torch.autograd.grad((fused_linear_diffusion_loss(h, frozen, x0, x_t, t, kernel) * scale).sum(), h)[0]
     gh_ref = torch.autograd.grad((out * scale).sum(), h)[0]
@@ -276,7 +278,10 @@ def test_inside_a_users_torch_compile_region():
     t = t.float()
 
     def step(h, W):
-        return (fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, chunk_size=16) * scale.float()).sum()
+        per_position = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, chunk_size=16)
+        mean = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, chunk_size=16, reduction="mean",
+                                           position_weight=scale.float())
+        return (per_position * scale.float()).sum() + mean
 
     g_ref = torch.autograd.grad(step(h, W), (h, W))
     with uf.validation(False):

@@ -117,20 +117,20 @@ def _blocks(N: int, chunk: int):
 
 
 class _FusedLinearX0Loss(torch.autograd.Function):
-    """ω ⊙ L per position (``plan`` "precompute" or "recompute") or Σ_n ω_n L_n (``plan`` "reduce").
+    """ω ⊙ L per position, or Σ_n ω_n L_n when ``reduced``.
 
-    "precompute" / "reduce": gradients in the forward pass (three matmuls per block); backward scales them and, for
-    per-position output, corrects the positions whose incoming gradient differs from the common one. "recompute":
-    forward keeps the row statistics, backward recomputes every block (four matmuls per block)."""
+    ``precompute``: gradients in the forward pass (three matmuls per block); backward scales them and, for
+    per-position output, corrects the positions whose incoming gradient differs from the common one. Otherwise the
+    forward keeps the row statistics and backward recomputes every block (four matmuls per block)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 rows: _Rows, chunk: int, scale: float, softcap: float | None, omega: torch.Tensor,
-                plan: str) -> torch.Tensor:
+                precompute: bool, reduced: bool) -> torch.Tensor:
         N = hidden.shape[0]
         needs = ctx.needs_input_grad[:3]
-        grads = _Grads(hidden, weight, bias, needs) if plan != "recompute" and any(needs) else None
-        need_stats = plan != "reduce" and any(needs)
+        grads = _Grads(hidden, weight, bias, needs) if precompute and any(needs) else None
+        need_stats = not (precompute and reduced) and any(needs)  # for recomputing some or all blocks
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
         stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3)) if need_stats else ()
         buffer = _logits_buffer(hidden, weight, chunk)
@@ -145,19 +145,20 @@ class _FusedLinearX0Loss(torch.autograd.Function):
                 grads.add_block(hidden[lo:hi], g, th, scale, softcap,
                                 None if grads.h is None else grads.h[lo:hi])
             del logits, g
-        out = torch.linalg.vecdot(loss, omega) if plan == "reduce" else loss.mul_(omega)
+        out = torch.linalg.vecdot(loss, omega) if reduced else loss.mul_(omega)
         if V.validation_enabled() and bool(torch.isnan(out).any()):
             raise ValueError("hidden: the loss of some position is NaN (NaN in hidden or lm_head_weight?)")
         ctx.save_for_backward(hidden, weight, bias, omega, *stats)
-        ctx.rows, ctx.chunk, ctx.scale, ctx.softcap, ctx.plan, ctx.grads = rows, chunk, scale, softcap, plan, grads
+        ctx.rows, ctx.chunk, ctx.scale, ctx.softcap = rows, chunk, scale, softcap
+        ctx.precompute, ctx.reduced, ctx.grads = precompute, reduced, grads
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         hidden, weight, bias, omega, *stats = ctx.saved_tensors
-        none = (None,) * 6
-        if ctx.plan == "recompute":
+        none = (None,) * 7
+        if not ctx.precompute:
             grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
             _recompute(ctx, grads, hidden, weight, bias, stats, torch.arange(hidden.shape[0], device=hidden.device),
                        grad_out * omega, with_h=True)
@@ -170,7 +171,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
             ctx.grads = None  # scaled in place and handed over: no second (V, d) buffer
         g = grad_out.to(ctx.rows.dtype)
         h = None if grads.h is None else _scale_rows(grads.h, g if g.dim() == 0 else g.unsqueeze(-1), in_place)
-        if ctx.plan == "reduce":
+        if ctx.reduced:
             return (h, *grads.result(*grads.weight_and_bias(g, in_place)), *none)
         if grads.w is None and grads.b is None:  # e.g. a frozen output head: ∂/∂h is exact as it is
             return (h, None, None, *none)
@@ -318,13 +319,10 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         omega = omega.to(device=hidden.device, dtype=dtype).reshape(-1)
     if reduction == "mean":
         omega = omega / omega.sum().clamp_min(torch.finfo(dtype).tiny)
-    if reduction != "none":
-        plan = "reduce"
-    elif torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
-            x is not None and x.requires_grad for x in (flat, weight, lm_head_bias)):
-        plan = "precompute"
-    else:  # no gradient wanted (only the statistics are kept), or traced by the caller's compiler (no host sync)
-        plan = "recompute"
+    # gradients in the forward pass when autograd will want them; the caller's compiler traces the other way (no
+    # host sync in backward)
+    precompute = (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                  and any(x is not None and x.requires_grad for x in (flat, weight, lm_head_bias)))
     out = _FusedLinearX0Loss.apply(flat, weight, lm_head_bias, rows, chunk, float(logit_scale), softcap,
-                                   omega.contiguous(), plan)
+                                   omega.contiguous(), precompute, reduction != "none")
     return out if reduction != "none" else out.reshape(shape)
