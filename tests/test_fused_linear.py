@@ -242,7 +242,8 @@ def test_retain_graph_backward_twice(reduction, monkeypatch):
     h, W, _, x0, x_t, t, _ = _inputs(kernel)
     n = h.shape[0]
     out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction=reduction)
-    for upstream in (torch.full((n,), 0.5, dtype=torch.float64), _upstream("random", n, x_t, kernel)):
+    for upstream in (torch.full((n,), 0.5, dtype=torch.float64), _upstream("random", n, x_t, kernel),
+                     _upstream("masked_mean", n, x_t, kernel), _upstream("random", n, x_t, kernel, seed=2)):
         if reduction == "sum":
             upstream = torch.full((n,), float(upstream[0]), dtype=torch.float64)
             first = torch.autograd.grad(out * upstream[0], (h, W), retain_graph=True)

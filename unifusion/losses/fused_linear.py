@@ -25,6 +25,7 @@ and three row statistics, and backward recomputes each block's logits with g fol
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -99,16 +100,17 @@ class _Grads:
         if self.b is not None:
             self.b.add_(g.sum(0, dtype=self.acc))
 
-    def weight_and_bias(self, c: torch.Tensor | None, in_place: bool) -> tuple[torch.Tensor | None, ...]:
-        """c ∂/∂W and c ∂/∂b (``c`` a 0-d tensor, ``None`` for 1), in place when the graph is not kept."""
-        out = []
-        for x in (self.w, self.b):
-            if x is not None and c is not None:
-                x = x.mul_(c) if in_place else x * c
-            out.append(x)
-        return tuple(out)
+    def scaled(self, c: torch.Tensor, in_place: bool) -> _Grads:
+        """The sums c ∂/∂W and c ∂/∂b (``c`` a 0-d tensor) as a _Grads without ∂/∂h that later blocks can add to:
+        scaled in place when the graph is not kept, copies otherwise (the saved sums stay as they are)."""
+        out = copy.copy(self)
+        out.h = None
+        out.w, out.b = ((None if x is None else x.mul_(c) if in_place else x * c) for x in (self.w, self.b))
+        return out
 
-    def result(self, w: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def weight_and_bias(self) -> tuple[torch.Tensor | None, ...]:
+        """∂/∂W and ∂/∂b in the parameters' dtypes."""
+        w, b = self.w, self.b
         return (None if w is None else w.to(self.weight.dtype), None if b is None else b.to(self.bias.dtype))
 
 
@@ -162,7 +164,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
             grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
             _recompute(ctx, grads, hidden, weight, bias, stats, torch.arange(hidden.shape[0], device=hidden.device),
                        grad_out * omega, with_h=True)
-            return (grads.h, *grads.result(grads.w, grads.b), *none)
+            return (grads.h, *grads.weight_and_bias(), *none)
         grads = ctx.grads
         if grads is None:
             return (None, None, None, *none)
@@ -172,16 +174,15 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         g = grad_out.to(ctx.rows.dtype)
         h = None if grads.h is None else _scale_rows(grads.h, g if g.dim() == 0 else g.unsqueeze(-1), in_place)
         if ctx.reduced:
-            return (h, *grads.result(*grads.weight_and_bias(g, in_place)), *none)
+            return (h, *grads.scaled(g, in_place).weight_and_bias(), *none)
         if grads.w is None and grads.b is None:  # e.g. a frozen output head: ∂/∂h is exact as it is
             return (h, None, None, *none)
         c, others = _common_value(g, _live(ctx.rows, omega))
-        w, b = grads.weight_and_bias(c, in_place)
-        if others.numel() > 0:
-            grads.w, grads.b = w, b  # the scaled sums receive the corrections of the other positions
-            _recompute(ctx, grads, hidden, weight, bias, stats, others, (g[others] - c) * omega[others],
+        out = grads.scaled(c, in_place)
+        if others.numel() > 0:  # the other positions' corrections, added to the scaled sums
+            _recompute(ctx, out, hidden, weight, bias, stats, others, (g[others] - c) * omega[others],
                        with_h=False)
-        return (h, *grads.result(w, b), *none)
+        return (h, *out.weight_and_bias(), *none)
 
 
 def _scale_rows(H: torch.Tensor, g: torch.Tensor, in_place: bool) -> torch.Tensor:
