@@ -162,8 +162,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         none = (None,) * 7
         if not ctx.precompute:
             grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
-            _recompute(ctx, grads, hidden, weight, bias, stats, torch.arange(hidden.shape[0], device=hidden.device),
-                       grad_out * omega, with_h=True)
+            _recompute(ctx, grads, hidden, weight, bias, stats, None, grad_out * omega, with_h=True)
             return (grads.h, *grads.weight_and_bias(), *none)
         grads = ctx.grads
         if grads is None:
@@ -208,14 +207,16 @@ def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _recompute(ctx, grads: _Grads, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               stats: list[torch.Tensor], index: torch.Tensor, grad_scale: torch.Tensor, with_h: bool) -> None:
-    """Recompute the logits of the positions ``index`` in blocks and add ∂(Σ grad_scale · L)/∂(W, b) (and, with
-    ``with_h``, write ∂/∂h) with the forward's row statistics: one pass over each recomputed row."""
+               stats: list[torch.Tensor], index: torch.Tensor | None, grad_scale: torch.Tensor,
+               with_h: bool) -> None:
+    """Recompute the logits of the positions ``index`` (all when ``None``) in blocks and add
+    ∂(Σ grad_scale · L)/∂(W, b) (and, with ``with_h``, write ∂/∂h) with the forward's row statistics: one pass over
+    each recomputed row. ``grad_scale`` has one entry per recomputed position."""
     rows, chunk, scale, softcap = ctx.rows, ctx.chunk, ctx.scale, ctx.softcap
-    contiguous = index.numel() == hidden.shape[0]  # all positions (indices are sorted, so in order)
-    buffer = _logits_buffer(hidden[: index.numel()], weight, chunk)
-    for lo, hi in _blocks(index.numel(), chunk):
-        sel = slice(lo, hi) if contiguous else index[lo:hi]
+    count = hidden.shape[0] if index is None else index.numel()
+    buffer = _logits_buffer(hidden[:count], weight, chunk)
+    for lo, hi in _blocks(count, chunk):
+        sel = slice(lo, hi) if index is None else index[lo:hi]
         h = hidden[sel]
         logits, th = _block_logits(h, weight, bias, scale, softcap, buffer)
         _, g, _ = rows[sel].run(logits, need_loss=False, grad_scale=grad_scale[lo:hi],
