@@ -289,3 +289,21 @@ def test_inside_a_users_torch_compile_region():
         g = torch.autograd.grad(torch.compile(step)(h, W), (h, W))
     for a, e in zip(g, g_ref):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("kernel", [uf.MaskKernel(S, S - 1), uf.HybridKernel(S, 0, 0.3, 1.2)],
+                         ids=["mask-last", "hybrid-first"])
+def test_mask_in_the_first_or_last_column(kernel, backend, monkeypatch):
+    """A mask state in an end column is sliced off the logits (gradients written in place into the chunk's
+    logits buffer, the mask column zeroed); x0 and x_t holding the mask id included."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+    h, W, b, x0, x_t, t, scale = _inputs(kernel, bias=True)
+    x0[5:9] = kernel.mask_id
+    x_t[7:15] = kernel.mask_id
+    ref, g_ref = _reference_grads(kernel, h, W, b, x0, x_t, t, scale)
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, lm_head_bias=b, chunk_size=11)
+    g = torch.autograd.grad((out * scale).sum(), (h, W, b))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-300)
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)

@@ -149,18 +149,34 @@ def test_backend_switch_checks_its_argument():
 
 
 def test_x_minus_log1p_is_accurate_in_both_precisions():
-    """x − log1p(x) against an exact float64 series/direct evaluation over 1e-30 … 1e6 (float64 cancels below 1e-4,
-    so the truth there is the series x²/2 − x³/3 + x⁴/4 − …)."""
-    x = torch.logspace(-30, 6, 4001, dtype=torch.float64)
-    direct = x - torch.log1p(x)
+    """x − log1p(x) against an exact float64 series/direct evaluation over 1e-30 … 1e30 (float64 cancels below 1e-4,
+    so the truth there is the series x²/2 − x³/3 + x⁴/4 − …); float32 with log x computed by the function or passed
+    in as the loss passes it (hi + lo), alone or with x / (1 + x) sharing its division."""
+    x = torch.logspace(-30, 30, 6001, dtype=torch.float64)
     k = torch.arange(2, 40, dtype=torch.float64)
-    xs = x.clamp(max=1e-2).unsqueeze(-1)
-    series = ((-1.0) ** k * xs ** k / k).sum(-1)
-    truth = torch.where(x < 1e-2, series, direct)
-    for dtype, tol in ((torch.float64, 5e-14), (torch.float32, 1e-6)):
-        got = _x0_kernel.x_minus_log1p(x.to(dtype)).double()
-        ok = truth > 1e-36 if dtype == torch.float32 else truth > 0  # float32 underflows below ~1e-38
-        assert float(((got - truth).abs() / truth)[ok].max()) <= tol, dtype
+
+    def truth_of(x):
+        series = ((-1.0) ** k * x.clamp(max=1e-2).unsqueeze(-1) ** k / k).sum(-1)
+        return torch.where(x < 1e-2, series, x - torch.log1p(x))
+
+    def rel(got, truth):
+        ok = truth > 1e-36  # float32 underflows below ~1e-38
+        return float(((got.double() - truth).abs() / truth)[ok].max())
+
+    assert rel(_x0_kernel.x_minus_log1p(x), truth_of(x)) <= 5e-14
+    x32 = x.float()
+    truth = truth_of(x32.double())  # of the float32 input
+    log_x = torch.log(x32.double())
+    log_x_hi = log_x.float()
+    log_x_lo = (log_x - log_x_hi.double()).float()
+    assert rel(_x0_kernel.x_minus_log1p(x32[x32 < 1e6]), truth[x32 < 1e6]) <= 1e-6
+    for with_ratio in (False, True):
+        f, ratio = _x0_kernel._x_minus_log1p_and_ratio(x32, log_x_hi + log_x_lo, with_ratio)
+        assert f.dtype == torch.float32 and rel(f, truth) <= 5e-7
+        if with_ratio:
+            assert rel(ratio, x32.double() / (1 + x32.double())) <= 4e-7
+        else:
+            assert ratio is None
 
 
 def test_batched_shapes_and_scalar_time():
@@ -272,3 +288,24 @@ def test_inside_a_users_torch_compile_region():
     out.backward()
     torch.testing.assert_close(out, step(logits), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(L2.grad, L1.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_id", [0, 5, S - 1])
+@pytest.mark.parametrize("p_uniform", [0.0, 0.4])
+def test_mask_state_in_any_column_with_mask_ids_in_x0_and_x_t(mask_id, p_uniform, backend):
+    """The mask column is sliced off when it is the first or last (masked in every pass otherwise); x0 and x_t may
+    hold the mask id themselves: values and gradients equal the float64 reference either way, and the mask column's
+    gradient is 0."""
+    kernel = uf.HybridKernel(S, mask_id, p_uniform) if p_uniform else uf.MaskKernel(S, mask_id)
+    logits, x0, x_t, t = _batch(kernel, n=60, times=TIMES)
+    x0[4:10] = mask_id
+    x_t[8:16] = mask_id
+    scale = torch.rand(len(x0), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref, g_ref = _ref_and_grad(logits, x0, x_t, t, kernel, "elbo", scale)
+    L = logits.clone().requires_grad_()
+    out = fast.gidd_loss(L, x0, x_t, t, kernel)
+    (out * scale).sum().backward()
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-300)
+    torch.testing.assert_close(L.grad, g_ref, rtol=1e-9, atol=1e-12 * float(g_ref.abs().max()))
+    assert torch.all(L.grad[:, mask_id] == 0)

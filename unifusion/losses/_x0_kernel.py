@@ -41,57 +41,94 @@ ROW_FIELDS = ("x0", "x_t", "alpha", "log_alpha", "u", "alpha_over_u", "log_m_x0"
 
 
 # ---------------------------------------------------------------------------------------------------- math
-def x_minus_log1p(x: torch.Tensor) -> torch.Tensor:
+def x_minus_log1p(x: torch.Tensor, log_x: torch.Tensor | None = None) -> torch.Tensor:
     """x − log1p(x) ≥ 0 for x ≥ 0, to a few ulp in the dtype of ``x`` (no cancellation for small x).
 
-    With y = x / (2 + x), log1p(x) = 2 atanh(y) = 2 Σ_k y^(2k+1)/(2k+1) and x − 2y = x y, so
-    x − log1p(x) = x y − 2 y³ (1/3 + y²/5 + y⁴/7 + …); used below a cut-off (x < 1/2 in float32: y² < 0.04, six
-    terms; x < 1/10 in float64: y² < 0.0023, seven terms), the direct formula above it (where it loses ≤ 4 bits).
+    log1p(x) = 2 atanh(v) with v = x / (2 + x), and x − 2v = x v, so x − log1p(x) = x v − 2 v³ S(v²) with
+    S(w) = Σ_j w^j / (2j + 3) = 1/3 + w/5 + w²/7 + …. float32: that below x = 1 (v < 1/3: six terms of S); above
+    it, log1p(x) = log x + log1p(1/x) = log x + 2 atanh(v) with v = 1 / (2x + 1) < 1/3, so
+    x − log1p(x) = x − log x − 2v − 2 v³ S(v²), the same series: one division and no transcendental function
+    when the caller knows ``log_x`` (the fast loss has it from the logits; ``None``: ``torch.log(x)``). Within
+    4e-7 relative of the truth for float32 ``x`` with ``log_x`` exact to its ulp. float64: the series below
+    x = 1/10 (seven terms), the direct formula above it (where it loses ≤ 4 bits).
     """
+    return _x_minus_log1p_and_ratio(x, log_x, False)[0]
+
+
+def _x_minus_log1p_and_ratio(x: torch.Tensor, log_x: torch.Tensor | None, with_ratio: bool,
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`x_minus_log1p` and, if ``with_ratio``, x / (1 + x). float32 shares one division between them:
+    q = 1 / ((1 + x) D) with v = N / D as above gives v = N (1 + x) q and x / (1 + x) = x D q."""
+    ratio = None
     if x.dtype == torch.float64:
-        cut, terms = 0.1, 7
+        small = x < 0.1
+        xs = torch.where(small, x, torch.zeros_like(x))
+        v = xs / (2.0 + xs)
+        base, terms = xs * v, 7
+        if with_ratio:
+            ratio = x / (1.0 + x)
     else:
-        cut, terms = 0.5, 6
-    small = x < cut
-    xs = torch.where(small, x, torch.zeros_like(x))
-    y = xs / (2.0 + xs)
-    y2 = y * y
-    acc = torch.full_like(y2, 1.0 / (2 * terms + 1))
-    for k in range(terms - 1, 0, -1):
-        acc = acc * y2 + 1.0 / (2 * k + 1)
-    series = xs * y - 2.0 * y * y2 * acc
-    return torch.where(small, series, x - torch.log1p(x))
+        if log_x is None:
+            log_x = torch.log(x)
+        small = x < 1.0
+        numerator, denominator = torch.where(small, x, 1.0), torch.where(small, x + 2.0, 2.0 * x + 1.0)
+        if with_ratio:  # (1 + x) D ≤ 2 (1 + x)² stays finite with x capped at 1e18 (where v < 1e-18, ratio = 1)
+            x_capped = torch.clamp(x, max=1e18)
+            one_plus_x = 1.0 + x_capped
+            denominator = torch.where(small, denominator, 2.0 * x_capped + 1.0)
+            q = 1.0 / (one_plus_x * denominator)
+            v = numerator * one_plus_x * q
+            ratio = x_capped * denominator * q
+        else:
+            v = numerator / denominator
+        base, terms = torch.where(small, x * v, x - log_x - 2.0 * v), 6
+    w = v * v
+    acc = torch.full_like(w, 1.0 / (2 * terms + 1))
+    for j in range(terms - 1, 0, -1):
+        acc = acc * w + 1.0 / (2 * j + 1)
+    series = base - 2.0 * v * w * acc
+    if x.dtype == torch.float64:
+        return torch.where(small, series, x - torch.log1p(x)), ratio
+    return series, ratio
 
 
 def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None,
                   grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None,
                   grad_out: torch.Tensor | None, uniform_noise: bool, need_loss: bool, need_grad: bool,
                   need_stats: bool, dtype: torch.dtype,
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+                             tuple[torch.Tensor, ...] | None]:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``)
     and, if ``need_stats``, the row statistics (max_y l_y, s = Σ_y exp(l_y − max), c = Σ_y p_y e_y), each ``(n,)``.
 
     ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
     same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). With ``grad_out``
-    (logits' shape and dtype) the gradient is written there and ``None`` is returned in its place.
+    (logits' shape and dtype) the gradient is written there except at the columns x0 and x_t of each row, and
+    ``(index, value)``, each ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes
+    it (:func:`run` does; inside a compiled function that scatter would cost a copy of the block).
     """
     (x0, x_t, alpha, log_alpha, u, alpha_over_u, log_m_x0, log_m_xt, safe_log_m_xt, same, possible, u_pos,
      x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
     S = logits.shape[-1]
     neg_inf = torch.full_like(alpha, -math.inf)
     zero = torch.zeros_like(alpha)
-    col = torch.arange(S, device=logits.device)
+    # column ids as floats where exact (below 2^24 states): Inductor's CPU loops compare those in one instruction,
+    # int64 ids in several
+    id_dtype = dtype if S < 2**24 else torch.int64
+    col = torch.arange(S, device=logits.device, dtype=id_dtype)
     l = logits.to(dtype)
     if mask_id is not None:  # MDLM's SUBS: the mask entry of the head is ignored
         l = torch.where(col == mask_id, -math.inf, l)
     # ---- softmax over clean states, unnormalised: P = exp(l − max), s = Σ P
     mx = l.amax(-1) if stats is None else stats[0]
-    P = torch.exp(l - mx.unsqueeze(-1))
+    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated
+    P = torch.exp(d)
     s = P.sum(-1) if stats is None else stats[1]
     shift = mx + torch.log(s)
-    l_x0 = l.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    l_xt = l.gather(-1, x_t.unsqueeze(-1)).squeeze(-1)
+    # a mask id may lie outside the columns (run() slices the mask column off): gather at 0 there, flagged anyway
+    l_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1)
+    l_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1)
     log_p_x0 = torch.where(x0_is_mask, neg_inf, l_x0 - shift)
     log_p_xt = torch.where(xt_is_mask, neg_inf, l_xt - shift)
 
@@ -104,14 +141,23 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     log_rho = torch.where(same, l_at_x0, -torch.log1p(torch.exp(log_alpha + log_p_xt - safe_log_m_xt)))
     log_rho = torch.where(possible, log_rho, zero)
     e_x0 = -alpha * one_minus_p_x0 * torch.exp(-log_q_theta_x0)  # e_y = 1 − q0_y/qθ_y at y = x0
-    at_x0 = col == x0.unsqueeze(-1)
-    X = E = None
+    at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
+    X = E = f_X = ratio = None
+    need_c = need_stats or (need_grad and stats is None)
     if uniform_noise:
         k = alpha_over_u / s  # x_y = α p_y / u = k P_y  (off x0)
         X = torch.where(at_x0, 0.0, P * k.unsqueeze(-1))
-    need_c = need_stats or (need_grad and stats is None)
-    if uniform_noise and (need_c or need_grad):  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
-        E = torch.where(at_x0, e_x0.unsqueeze(-1), torch.where(u_pos.unsqueeze(-1), X / (1.0 + X), 1.0))
+        if need_loss:
+            log_X = None
+            if dtype != torch.float64:  # log x_y = d_y + log k, log k as float32 hi + lo (from float64)
+                log_k = torch.log(k.double())
+                log_k_hi = log_k.to(dtype)
+                log_k_lo = (log_k - log_k_hi.double()).to(dtype)
+                log_X = (d + log_k_hi.unsqueeze(-1)) + log_k_lo.unsqueeze(-1)
+            f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
+        if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
+            ratio = X / (1.0 + X) if ratio is None else ratio
+            E = torch.where(at_x0, e_x0.unsqueeze(-1), torch.where(u_pos.unsqueeze(-1), ratio, 1.0))
     if stats is not None:
         c = stats[2]
     elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c = (1 − p_x0) + p_x0 e_x0
@@ -124,8 +170,8 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         # Σ_y f(q0_y, qθ_y) = f at x0 + (u Σ_{y≠x0} (x_y − log1p x_y)  or  α (1 − p_x0) when u = 0)
         term1 = torch.exp(log_q_theta_x0) * bregman_g(l_at_x0)
         term2 = alpha * one_minus_p_x0
-        if X is not None:
-            term2 = torch.where(u_pos, u * x_minus_log1p(X).sum(-1), term2)
+        if f_X is not None:
+            term2 = torch.where(u_pos, u * f_X.sum(-1), term2)
         term = term1 + term2 + expm1_minus_x(log_rho)
         exit_theta = v_active * torch.expm1(-log_q_theta_xt)
         loss = torch.where(possible, w_active * term, exit_theta)
@@ -139,15 +185,26 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     p_xt_over_q_xt = torch.exp(log_p_xt - log_q_theta_xt)
     Hp = torch.where(possible, A_g * (-torch.expm1(log_rho)) * p_xt_over_q_xt,
                      -alpha * v_active * p_xt_over_q_xt * torch.exp(-log_q_theta_xt) * g)
-    if E is None:
-        E = torch.where(at_x0, e_x0.unsqueeze(-1), 1.0)
-    coef = (A_g.unsqueeze(-1) * E - (A_g * c + Hp).unsqueeze(-1)) / s.unsqueeze(-1)
-    at_xt = (col == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1)
-    grad = (P * coef + torch.where(at_xt, Hp.unsqueeze(-1), 0.0)).to(logits.dtype)
-    if grad_out is not None:
-        grad_out.copy_(grad)
-        grad = None
-    return loss, grad, out_stats
+    a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
+
+    def e_off_x0(P_z: torch.Tensor) -> torch.Tensor | float:  # e_z for z ≠ x0: x/(1 + x), 1 where u = 0
+        if not uniform_noise:
+            return 1.0
+        X_z = P_z * k.unsqueeze(-1)
+        return torch.where(u_pos.unsqueeze(-1), X_z / (1.0 + X_z), 1.0)
+
+    # every column as if it were neither x0 nor x_t (no per-element index test), then those two columns per row
+    grad = (P * (a_row.unsqueeze(-1) * e_off_x0(P) - b_row.unsqueeze(-1))).to(logits.dtype)
+    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
+    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
+    P_j = torch.exp(l.gather(-1, j) - mx.unsqueeze(-1))
+    E_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), e_x0.unsqueeze(-1), e_off_x0(P_j))
+    H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
+    value_j = P_j * (a_row.unsqueeze(-1) * E_j - b_row.unsqueeze(-1)) + H_j
+    if grad_out is None:
+        return loss, grad.scatter(-1, j, value_j.to(logits.dtype)), out_stats
+    grad_out.copy_(grad)
+    return loss, (j, value_j.to(logits.dtype)), out_stats
 
 
 # ---------------------------------------------------------------------------------------------------- running it
@@ -157,38 +214,76 @@ def run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | Non
         stats: tuple[torch.Tensor, ...] | None = None, grad_into_logits: bool = False,
         ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
     """:func:`loss_and_grad` of all rows on the selected backend, in blocks of rows where that is faster.
-    ``grad_into_logits``: write the gradient over ``logits`` (returned as the gradient; saves a block of memory)."""
+    ``grad_into_logits``: write the gradient over ``logits`` (returned as the gradient; saves a block of memory).
+
+    A mask state in the first or last column (where kernels usually put it) is left out by slicing the logits
+    instead of masking that column in every pass; its gradient is 0.
+    """
     flags = (uniform_noise, need_loss, need_grad, need_stats, dtype)
-    in_place = grad_into_logits and need_grad
+    grad = None
+    if need_grad:
+        grad = logits if grad_into_logits else torch.empty_like(logits)
+    S = logits.shape[-1]
+    if mask_id is not None and S > 1 and mask_id in (0, S - 1):
+        lo = 1 if mask_id == 0 else 0
+        rows = tuple(ids - lo for ids in rows[:2]) + tuple(rows[2:])  # the mask id (now out of range) is flagged
+        keep = slice(lo, lo + S - 1)
+        loss, _, out_stats = _run(logits[:, keep], rows, None, grad_scale, stats, flags,
+                                  None if grad is None else grad[:, keep])
+        if grad is not None:
+            grad[:, mask_id] = 0
+        return loss, grad, out_stats
+    return _run(logits, rows, mask_id, grad_scale, stats, flags, grad)
+
+
+def _run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None,
+         grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None, flags: tuple,
+         grad_out: torch.Tensor | None):
+    """:func:`run` without the mask-column slicing; the gradient (if any) goes into ``grad_out``."""
     if torch.compiler.is_compiling():  # inside the caller's own compiled region: trace it inline, all rows at once
-        return _blocks(loss_and_grad, None, False, logits, rows, mask_id, grad_scale, stats, flags, in_place)
-    key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None, in_place) + flags
-    # on CPU Inductor stores exp(l − max) between its row loops, so blocks of rows keep that in cache; on GPUs one
-    # call over all rows
-    block = COMPILED_CPU_BLOCK_ELEMENTS if logits.device.type == "cpu" else None
+        return _blocks(loss_and_grad, None, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out)
+    in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()
+    key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None, in_place,
+           logits.is_contiguous()) + flags
+    # on CPU Inductor stores exp(l − max) between the row loops of a loss pass, so blocks of rows keep that in
+    # cache; a gradient from saved statistics is one loop per row (nothing stored between loops), so it runs on all
+    # rows at once, as everything does on GPUs (fewer calls: each costs ~0.3 ms of guards and set-up)
+    block = None
+    if logits.device.type == "cpu" and (stats is None or flags[1]):
+        block = COMPILED_CPU_BLOCK_ELEMENTS
     return _compile.run(
         loss_and_grad, key,
-        lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, in_place),
+        lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out),
         lambda: _blocks(loss_and_grad, EAGER_BLOCK_ELEMENTS, True, logits, rows, mask_id, grad_scale, stats, flags,
-                        in_place),
+                        grad_out),
         options=_INDUCTOR_OPTIONS)
+
+
+def _put(grad: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
+    """``grad[n, index[n, i]] = value[n, i]`` (what ``scatter_`` does, without the copy of ``grad`` that CPU
+    ``scatter_`` makes)."""
+    rows = torch.arange(grad.shape[0], device=grad.device).unsqueeze(-1).expand_as(index)
+    grad.index_put_((rows, index), value)
 
 
 def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: torch.Tensor,
             rows: tuple[torch.Tensor, ...], mask_id: int | None, grad_scale: torch.Tensor | None,
-            stats: tuple[torch.Tensor, ...] | None, flags: tuple, in_place: bool = False):
+            stats: tuple[torch.Tensor, ...] | None, flags: tuple, grad_out: torch.Tensor | None = None):
     """``fn`` over blocks of about ``block_elements`` logits (all rows at once when ``None``), writing into
-    full-size outputs (the gradient over the logits when ``in_place``). ``threaded``: on CPU split the blocks over
-    ``torch.get_num_threads()`` Python threads that run single-threaded ops (the eager backend: thousands of small
-    OpenMP regions stall on a busy machine)."""
+    full-size outputs (the gradient into ``grad_out``, which may be ``logits`` itself). ``threaded``: on CPU split
+    the blocks over ``torch.get_num_threads()`` Python threads that run single-threaded ops (the eager backend:
+    thousands of small OpenMP regions stall on a busy machine)."""
     N, S = logits.shape
     R = N if block_elements is None else max(1, min(N, block_elements // max(S, 1)))
     if R >= N:
-        out = fn(logits, rows, mask_id, grad_scale, stats, logits if in_place else None, *flags)
-        return (out[0], logits, out[2]) if in_place else out
+        loss, fix, out_stats = fn(logits, rows, mask_id, grad_scale, stats, grad_out, *flags)
+        if grad_out is None:
+            return loss, fix, out_stats
+        _put(grad_out, *fix)
+        return loss, grad_out, out_stats
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
-    grad = (logits if in_place else torch.empty_like(logits)) if need_grad else None
+    grad = grad_out
     out_stats = tuple(torch.empty(N, dtype=dtype, device=logits.device) for _ in range(3)) if need_stats else None
 
     def cut(x, lo: int, hi: int):
@@ -200,8 +295,10 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
     def work(lo: int, hi: int) -> None:
         for a in range(lo, hi, R):
             b = min(a + R, hi)
-            blk_loss, _, blk_stats = fn(logits[a:b], cut(rows, a, b), mask_id, cut(grad_scale, a, b),
-                                        cut(stats, a, b), cut(grad, a, b), *flags)
+            blk_loss, fix, blk_stats = fn(logits[a:b], cut(rows, a, b), mask_id, cut(grad_scale, a, b),
+                                          cut(stats, a, b), cut(grad, a, b), *flags)
+            if grad is not None:
+                _put(grad[a:b], *fix)
             if loss is not None:
                 loss[a:b] = blk_loss
             if out_stats is not None:
