@@ -1,9 +1,10 @@
 """Cost of the x0-head losses against F.cross_entropy on the same logits (forward + backward).
 
-    python benchmarks/loss_cost.py [--n 2048] [--v 49152] [--dtype float32|bfloat16] [--reps 5]
+    python benchmarks/loss_cost.py [--n 2048] [--v 49152] [--dtype float32|bfloat16] [--reps 5] [--cold]
 
 Time: best of ``--reps`` interleaved runs in this process. Memory: peak RSS increase of one run in a fresh process
-per variant (benchmarks/_memory.py). 2 threads (torch.set_num_threads(2)), validation off for every variant.
+per variant (benchmarks/_memory.py), after a warm-up call on small inputs that compiles the fast losses (``--cold``:
+without it, so the one-off memory of compiling counts too). 2 threads (torch.set_num_threads(2)), validation off for every variant.
 Baseline: ``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
 """
 
@@ -69,11 +70,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--cold", action="store_true", help="count the one-off memory of compiling (no warm-up)")
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
     uf.set_validation(False)
     dtype = getattr(torch, args.dtype)
+    if args.child is not None and not args.cold:  # compile on small inputs, below the peak the real inputs set
+        make_variant(args.child, *make_inputs(16, 1024, dtype))()
     logits, x0, t, g = make_inputs(args.n, args.v, dtype)
     if args.child is not None:
         run = make_variant(args.child, logits, x0, t, g)
@@ -83,12 +87,12 @@ def main() -> None:
         return
     names = args.variants.split(",")
     # memory first: a child inherits the parent's ru_maxrss at fork, so the parent must still be small
-    child_args = ["--n", str(args.n), "--v", str(args.v), "--dtype", args.dtype]
+    child_args = ["--n", str(args.n), "--v", str(args.v), "--dtype", args.dtype] + (["--cold"] if args.cold else [])
     mem = {name: _memory.measure(os.path.abspath(__file__), name, *child_args) for name in names}
     runs = {name: make_variant(name, logits, x0, t, g) for name in names}
     _memory.time_and_print(runs, mem, "cross_entropy", args.reps,
                            f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; "
-                           "memory: peak RSS increase, own process)", warmup=True)
+                           f"memory: peak RSS increase, own process, {'cold' if args.cold else 'after a warm-up'})", warmup=True)
 
 if __name__ == "__main__":
     main()

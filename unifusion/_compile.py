@@ -51,8 +51,15 @@ def get_backend() -> str:
     return _state["backend"]
 
 
+# Inductor options of every compiled hot path. With dynamic shapes one compiled kernel serves every size, but its C++
+# loops are made serial when the sizes of the first call (or of whichever process first filled Inductor's on-disk
+# cache with the same graph, a unit test say) were small; chunk size 1 keeps them parallel over rows at any size.
+BASE_OPTIONS: dict[str, Any] = {"cpp.min_chunk_size": 1}
+
+
 def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) -> Callable:
-    """One ``torch.compile``d copy of ``fn`` per ``key`` (static configuration), with dynamic shapes.
+    """One ``torch.compile``d copy of ``fn`` per ``key`` (static configuration), with dynamic shapes and
+    ``BASE_OPTIONS`` updated by ``options``.
 
     Each copy gets its own code object, so Dynamo's per-code recompile limit is not shared between the
     configurations a process uses (dtypes, devices, kernel families).
@@ -66,7 +73,7 @@ def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) ->
                 name = f"{fn.__name__}_{len(_cache)}"
                 copy = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
                                 fn.__closure__)
-                out = torch.compile(copy, dynamic=True, options=options)
+                out = torch.compile(copy, dynamic=True, options={**BASE_OPTIONS, **(options or {})})
                 _cache[full_key] = out
     return out
 

@@ -186,25 +186,29 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     Hp = torch.where(possible, A_g * (-torch.expm1(log_rho)) * p_xt_over_q_xt,
                      -alpha * v_active * p_xt_over_q_xt * torch.exp(-log_q_theta_xt) * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
-
-    def e_off_x0(P_z: torch.Tensor) -> torch.Tensor | float:  # e_z for z ≠ x0: x/(1 + x), 1 where u = 0
-        if not uniform_noise:
-            return 1.0
-        X_z = P_z * k.unsqueeze(-1)
-        return torch.where(u_pos.unsqueeze(-1), X_z / (1.0 + X_z), 1.0)
-
+    k_or_none = k if uniform_noise else None
     # every column as if it were neither x0 nor x_t (no per-element index test), then those two columns per row
-    grad = (P * (a_row.unsqueeze(-1) * e_off_x0(P) - b_row.unsqueeze(-1))).to(logits.dtype)
+    grad = (P * (a_row.unsqueeze(-1) * _e_off_x0(P, k_or_none, u_pos) - b_row.unsqueeze(-1))).to(logits.dtype)
     j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
     j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
     P_j = torch.exp(l.gather(-1, j) - mx.unsqueeze(-1))
-    E_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), e_x0.unsqueeze(-1), e_off_x0(P_j))
+    E_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), e_x0.unsqueeze(-1),
+                      _e_off_x0(P_j, k_or_none, u_pos))
     H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
     value_j = P_j * (a_row.unsqueeze(-1) * E_j - b_row.unsqueeze(-1)) + H_j
     if grad_out is None:
         return loss, grad.scatter(-1, j, value_j.to(logits.dtype)), out_stats
     grad_out.copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
+
+
+def _e_off_x0(P: torch.Tensor, k: torch.Tensor | None, u_pos: torch.Tensor) -> torch.Tensor | float:
+    """e_z = 1 − q0_z/qθ_z for z ≠ x0 from P_z ``(n, m)``: x/(1 + x) with x = k P (1 where u = 0 or ``k`` is
+    ``None``, the mask kernel)."""
+    if k is None:
+        return 1.0
+    X = P * k.unsqueeze(-1)
+    return torch.where(u_pos.unsqueeze(-1), X / (1.0 + X), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- running it
