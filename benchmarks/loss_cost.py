@@ -3,9 +3,9 @@
     python benchmarks/loss_cost.py [--n 2048] [--v 49152] [--dtype float32|bfloat16] [--reps 5] [--cold]
 
 Time: best of ``--reps`` interleaved runs in this process. Memory: peak RSS increase of one run in a fresh process
-per variant (benchmarks/_memory.py), after a warm-up call on small inputs that compiles the fast losses (``--cold``:
-without it, so the one-off memory of compiling counts too). 2 threads (torch.set_num_threads(2)), validation off for every variant.
-Baseline: ``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
+per variant (benchmarks/_memory.py), after a warm-up call on small inputs that compiles the fast losses
+(``--cold``: without it, so the one-off memory of compiling counts too). 2 threads (torch.set_num_threads(2)),
+validation off for every variant. Baseline: ``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def main() -> None:
     runs = {name: make_variant(name, logits, x0, t, g) for name in names}
     _memory.time_and_print(runs, mem, "cross_entropy", args.reps,
                            f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; "
-                           f"memory: peak RSS increase, own process, {'cold' if args.cold else 'after a warm-up'})", warmup=True)
+                           f"memory: peak RSS increase, own process, {'cold' if args.cold else 'after a warm-up'})",
+                           warmup=True)
 
 if __name__ == "__main__":
     main()

@@ -4,9 +4,9 @@
 ``(n,)`` and, optionally, ∂(Σ_n g_n L_n)/∂logits ``(n, S)`` (equations in :mod:`unifusion.losses.fast`). It is written
 with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Inductor turns it into a few loops per row
 (max, Σ exp, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps exp(l − max) between those loops,
-so :func:`run` calls it on blocks of rows small enough for that buffer to stay in cache; on GPUs, on all rows at
-once. That is what puts the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20
-passes and runs on smaller blocks.
+so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to stay in cache; a gradient pass
+from saved statistics (one loop per row) and everything on GPUs run on all rows at once. That is what puts the loss
+at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs on smaller blocks.
 
 Backends: :func:`unifusion.set_backend` (``"compiled"`` by default, ``"eager"``; see :mod:`unifusion._compile`).
 """
