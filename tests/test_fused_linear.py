@@ -147,6 +147,16 @@ def _reference_grads(kernel, h, W, b, x0, x_t, t, upstream):
     return ref.detach(), torch.autograd.grad((ref * upstream.double()).sum(), leaves)
 
 
+def _assert_equals_reference(kernel, h, W, b, x0, x_t, t, upstream, chunk_size):
+    """The fused per-position loss and the gradients of Σ_n g_n L_n equal the float64 reference."""
+    ref, g_ref = _reference_grads(kernel, h, W, b, x0, x_t, t, upstream)
+    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, lm_head_bias=b, chunk_size=chunk_size)
+    g = torch.autograd.grad((out * upstream).sum(), (h, W, b))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-300)
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
 def _upstream(kind, n, x_t, kernel, seed=1):
     """Incoming per-position gradients of the usual reductions and of arbitrary ones."""
     g = torch.Generator().manual_seed(seed)
@@ -173,12 +183,7 @@ def test_per_position_gradients_exact_for_any_incoming_gradient(name, kind, monk
     kernel = KERNELS[name]
     h, W, b, x0, x_t, t, _ = _inputs(kernel, bias=True)
     upstream = _upstream(kind, h.shape[0], x_t, kernel)
-    ref, g_ref = _reference_grads(kernel, h, W, b, x0, x_t, t, upstream)
-    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, lm_head_bias=b, chunk_size=9)
-    g = torch.autograd.grad((out * upstream).sum(), (h, W, b))
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-300)
-    for a, e in zip(g, g_ref):
-        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+    _assert_equals_reference(kernel, h, W, b, x0, x_t, t, upstream, chunk_size=9)
 
 
 def _count_recomputed_rows(monkeypatch):
@@ -301,9 +306,4 @@ def test_mask_in_the_first_or_last_column(kernel, backend, monkeypatch):
     h, W, b, x0, x_t, t, scale = _inputs(kernel, bias=True)
     x0[5:9] = kernel.mask_id
     x_t[7:15] = kernel.mask_id
-    ref, g_ref = _reference_grads(kernel, h, W, b, x0, x_t, t, scale)
-    out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, lm_head_bias=b, chunk_size=11)
-    g = torch.autograd.grad((out * scale).sum(), (h, W, b))
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-300)
-    for a, e in zip(g, g_ref):
-        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+    _assert_equals_reference(kernel, h, W, b, x0, x_t, t, scale, chunk_size=11)

@@ -71,11 +71,11 @@ def _x_minus_log1p_and_ratio(x: torch.Tensor, log_x: torch.Tensor | None, with_r
         if log_x is None:
             log_x = torch.log(x)
         small = x < 1.0
-        numerator, denominator = torch.where(small, x, 1.0), torch.where(small, x + 2.0, 2.0 * x + 1.0)
-        if with_ratio:  # (1 + x) D ≤ 2 (1 + x)² stays finite with x capped at 1e18 (where v < 1e-18, ratio = 1)
-            x_capped = torch.clamp(x, max=1e18)
+        # x capped at 1e18 (where v < 1e-18 and x/(1+x) = 1) keeps (1 + x) D ≤ 2 (1 + x)² finite
+        x_capped = torch.clamp(x, max=1e18)
+        numerator, denominator = torch.where(small, x, 1.0), torch.where(small, x + 2.0, 2.0 * x_capped + 1.0)
+        if with_ratio:
             one_plus_x = 1.0 + x_capped
-            denominator = torch.where(small, denominator, 2.0 * x_capped + 1.0)
             q = 1.0 / (one_plus_x * denominator)
             v = numerator * one_plus_x * q
             ratio = x_capped * denominator * q
@@ -98,13 +98,14 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                   need_stats: bool, dtype: torch.dtype,
                   ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                              tuple[torch.Tensor, ...] | None]:
-    """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``)
-    and, if ``need_stats``, the row statistics (max_y l_y, s = Σ_y exp(l_y − max), c = Σ_y p_y e_y), each ``(n,)``.
+    """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``,
+    into ``grad_out``) and, if ``need_stats``, the row statistics (max_y l_y, s = Σ_y exp(l_y − max),
+    c = Σ_y p_y e_y), each ``(n,)``.
 
     ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
-    same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). With ``grad_out``
-    (logits' shape and dtype) the gradient is written there except at the columns x0 and x_t of each row, and
+    same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). The gradient needs
+    ``grad_out`` (logits' shape and dtype): it is written there except at the columns x0 and x_t of each row, and
     ``(index, value)``, each ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes
     it (:func:`run` does; inside a compiled function that scatter would cost a copy of the block).
     """
@@ -196,8 +197,6 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                       _e_off_x0(P_j, k_or_none, u_pos))
     H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
     value_j = P_j * (a_row.unsqueeze(-1) * E_j - b_row.unsqueeze(-1)) + H_j
-    if grad_out is None:
-        return loss, grad.scatter(-1, j, value_j.to(logits.dtype)), out_stats
     grad_out.copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
 
@@ -281,9 +280,8 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
     R = N if block_elements is None else max(1, min(N, block_elements // max(S, 1)))
     if R >= N:
         loss, fix, out_stats = fn(logits, rows, mask_id, grad_scale, stats, grad_out, *flags)
-        if grad_out is None:
-            return loss, fix, out_stats
-        _put(grad_out, *fix)
+        if grad_out is not None:
+            _put(grad_out, *fix)
         return loss, grad_out, out_stats
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
