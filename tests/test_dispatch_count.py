@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from _dispatch_count import DispatchCounter, count_syncs
 
 
