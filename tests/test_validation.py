@@ -135,3 +135,28 @@ def test_validation_switch_skips_value_checks_only(kernel: uf.Kernel) -> None:
     assert uf.validation_enabled()
     with pytest.raises(TypeError, match="enabled"):
         uf.set_validation(1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- model vs kernel
+def test_check_model_kernel_names_both_mask_ids():
+    from _hf_tiny import tiny_model
+
+    from unifusion._validation import check_model_kernel
+
+    with_mask = uf.adapt_ar_model(tiny_model("llama"))  # mask token added: id V, S = V + 1
+    S, m = with_mask.num_states, with_mask.mask_token_id
+    check_model_kernel(with_mask, uf.MaskKernel(S, m))
+    check_model_kernel(with_mask, uf.HybridKernel(S, m, 0.1))
+    check_model_kernel(with_mask, uf.UniformKernel(S))  # the mask token as one more noise state: allowed
+    with pytest.raises(ValueError, match=rf"mask_id=5 but the model's mask token is {m}"):
+        check_model_kernel(with_mask, uf.MaskKernel(S, 5))
+    with pytest.raises(ValueError, match=f"has {S + 1} states but the model predicts {S}"):
+        check_model_kernel(with_mask, uf.UniformKernel(S + 1))
+    no_mask = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    with pytest.raises(ValueError, match="add_mask_token=False"):
+        check_model_kernel(no_mask, uf.MaskKernel(no_mask.num_states, 0))
+    wrapped = torch.nn.Module()
+    wrapped.module = with_mask  # what DDP / DeepSpeed expose
+    with pytest.raises(ValueError, match="mask token is"):
+        check_model_kernel(wrapped, uf.MaskKernel(S, 0))
+    check_model_kernel(lambda x_t, t: None, uf.MaskKernel(S, 0))  # a plain callable knows no mask token

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -140,3 +141,42 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
         if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
             return torch.float64
     return torch.float32
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    inner = model
+    for _ in range(4):
+        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if nxt is None:
+            break
+        inner = nxt
+    return inner
+
+
+def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel") -> None:
+    """Raise ``ValueError`` when ``kernel`` does not fit the model: a different number of states, or — for a
+    :class:`~unifusion.DiffusionLM`, which knows its mask token — a different mask id, or a mask/hybrid kernel on a
+    model adapted without a mask token (its id ``kernel.mask_id`` is then an ordinary word).
+
+    Models that do not know their mask token (plain callables) are checked for ``num_states`` when they expose it.
+    A :class:`~unifusion.UniformKernel` on a model with a mask token is allowed (the mask token is then one more
+    noise state: the AR → mask → uniform conversion path).
+    """
+    from .adapters import DiffusionLM  # local: adapters imports this module
+
+    inner = unwrap_model(model)
+    num_states = getattr(inner, "num_states", None)
+    if isinstance(num_states, int) and num_states != kernel.num_states:
+        raise ValueError(f"{name}: has {kernel.num_states} states but the model predicts {num_states}; build the "
+                         f"kernel with num_states=model.num_states")
+    if not isinstance(inner, DiffusionLM) or kernel.mask_id is None:
+        return
+    if inner.mask_token_id is None:
+        raise ValueError(
+            f"{name}: {type(kernel).__name__} absorbs into mask id {kernel.mask_id}, but the model has no mask token "
+            f"(it was adapted with add_mask_token=False, so id {kernel.mask_id} is an ordinary word to it); adapt "
+            "the model with a mask token (adapt_ar_model(..., add_mask_token=True)) or use a UniformKernel")
+    if inner.mask_token_id != kernel.mask_id:
+        raise ValueError(f"{name}: mask_id={kernel.mask_id} but the model's mask token is {inner.mask_token_id}; "
+                         f"build the kernel with mask_id=model.mask_token_id")

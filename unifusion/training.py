@@ -85,23 +85,12 @@ class DiffusionLossOutput:
         return self.loss.sum() / self.num_tokens.clamp_min(1)
 
 
-def _unwrap(model: Any) -> Any:
-    """The module inside DDP / DeepSpeed / torch.compile wrappers (for type checks only)."""
-    inner = model
-    for _ in range(4):
-        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
-        if nxt is None:
-            break
-        inner = nxt
-    return inner
-
-
 def _is_diffusion_lm(model: Any) -> bool:
     try:
         from .adapters import DiffusionLM
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(_unwrap(model), DiffusionLM)
+    return isinstance(V.unwrap_model(model), DiffusionLM)
 
 
 def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
@@ -230,7 +219,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
     if fused and not _is_diffusion_lm(model):
         raise TypeError(
-            f"fused: needs a DiffusionLM (hidden states + output head), got {type(_unwrap(model)).__name__}")
+            f"fused: needs a DiffusionLM (hidden states + output head), got {type(V.unwrap_model(model)).__name__}")
     if fused and head == "mu":
         raise ValueError("fused: head='mu' is not an x0 head; use fused=False")
     if fused:
