@@ -105,6 +105,15 @@ def alpha_fn(schedule: uf.Schedule) -> Callable[[torch.Tensor], torch.Tensor]:
         eps = schedule.eps
         # α = e^{−σ(t)} with σ(t) = −log(1 − (1−ε)t)
         return lambda t: torch.exp(torch.log(1.0 - (1.0 - eps) * t))
+    if name == "GeometricSchedule":  # SEDD: α = e^{−σ}, σ(t) = σ_min^{1−t} σ_max^t
+        lo, hi = schedule.sigma_min, schedule.sigma_max
+        return lambda t: torch.exp(-(lo ** (1.0 - t)) * hi**t)
+    if name == "MDLMCosineSchedule":  # MDLM: α = ε + (1 − ε) cos(π t / 2)
+        eps = schedule.eps
+        return lambda t: eps + (1.0 - eps) * torch.cos(0.5 * math.pi * t)
+    if name == "DUOCosineSchedule":  # DUO: α = 1 − sin(π (1 − ε) t / 2)
+        eps = schedule.eps
+        return lambda t: 1.0 - torch.sin(0.5 * math.pi * (1.0 - eps) * t)
     raise TypeError(name)
 
 

@@ -11,7 +11,9 @@ from reference import DT, alpha_fn, derivative
 
 import unifusion as uf
 
-SCHEDULES = [uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(), uf.LogLinearSchedule(eps=0.2)]
+SCHEDULES = [uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(), uf.LogLinearSchedule(eps=0.2),
+             uf.GeometricSchedule(), uf.GeometricSchedule(0.01, 5.0), uf.MDLMCosineSchedule(),
+             uf.MDLMCosineSchedule(0.1), uf.DUOCosineSchedule(), uf.DUOCosineSchedule(0.1)]
 
 
 def _mp_alpha(schedule: uf.Schedule, t: float) -> mpmath.mpf:
@@ -20,6 +22,14 @@ def _mp_alpha(schedule: uf.Schedule, t: float) -> mpmath.mpf:
         return mpmath.cos(mpmath.pi * t / 2)
     if isinstance(schedule, uf.LogLinearSchedule):
         return 1 - (1 - mpmath.mpf(schedule.eps)) * t
+    if isinstance(schedule, uf.GeometricSchedule):
+        lo, hi = mpmath.mpf(schedule.sigma_min), mpmath.mpf(schedule.sigma_max)
+        return mpmath.exp(-(lo ** (1 - t)) * hi**t)
+    if isinstance(schedule, uf.MDLMCosineSchedule):
+        eps = mpmath.mpf(schedule.eps)
+        return eps + (1 - eps) * mpmath.cos(mpmath.pi * t / 2)
+    if isinstance(schedule, uf.DUOCosineSchedule):
+        return 1 - mpmath.sin(mpmath.pi * (1 - mpmath.mpf(schedule.eps)) * t / 2)
     return 1 - t
 
 
@@ -28,7 +38,9 @@ def test_alpha_matches_definition_and_is_monotone(schedule: uf.Schedule) -> None
     t = torch.linspace(0.0, 1.0 - 1e-6, 1001, dtype=DT)
     alpha = schedule.alpha(t)
     torch.testing.assert_close(alpha, alpha_fn(schedule)(t), rtol=1e-15, atol=1e-15)
-    assert float(alpha[0]) == 1.0
+    # α_0 = 1, except SEDD's geometric noise: σ(0) = σ_min > 0
+    alpha_0 = math.exp(-schedule.sigma_min) if isinstance(schedule, uf.GeometricSchedule) else 1.0
+    assert math.isclose(float(alpha[0]), alpha_0, rel_tol=2e-16)
     assert bool((alpha[1:] <= alpha[:-1]).all())
     assert bool((alpha > 0).all())
     assert alpha.dtype == DT and alpha.shape == t.shape
@@ -36,11 +48,13 @@ def test_alpha_matches_definition_and_is_monotone(schedule: uf.Schedule) -> None
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=repr)
 def test_derivative_and_hazard(schedule: uf.Schedule) -> None:
+    mpmath.mp.dps = 50
     for t in [1e-6, 0.1, 0.37, 0.5, 0.9, 0.999]:
         tt = torch.tensor(t, dtype=DT)
-        d_ref = float(derivative(alpha_fn(schedule), t))
+        d_ref = float(mpmath.diff(lambda x: _mp_alpha(schedule, x), mpmath.mpf(t)))
+        assert abs(float(derivative(alpha_fn(schedule), t)) - d_ref) <= 1e-12 * max(1.0, abs(d_ref))  # the ref itself
         assert abs(float(schedule.alpha_prime(tt)) - d_ref) <= 1e-14 * max(1.0, abs(d_ref))
-        h_ref = -d_ref / float(alpha_fn(schedule)(tt))
+        h_ref = -d_ref / float(_mp_alpha(schedule, t))
         assert abs(float(schedule.hazard(tt)) - h_ref) <= 1e-13 * h_ref
         assert float(schedule.hazard(tt)) >= 0.0
 
@@ -53,8 +67,11 @@ def test_one_minus_alpha_and_log_alpha_are_accurate(schedule: uf.Schedule) -> No
         tt = torch.tensor(t, dtype=DT)
         a = _mp_alpha(schedule, t)
         beta, log_a = float(1 - a), float(mpmath.log(a))
-        assert abs(float(schedule.one_minus_alpha(tt)) - beta) <= 4e-16 * abs(beta)
-        assert abs(float(schedule.log_alpha(tt)) - log_a) <= 1e-15 * max(abs(log_a), 1e-300) + 1e-300
+        # SEDD's σ = σ_min e^{t log(σ_max/σ_min)} carries the exponential's t·log(σ_max/σ_min) ulp
+        ulps = 4.0 if not isinstance(schedule, uf.GeometricSchedule) else 4.0 + 2 * t * math.log(
+            schedule.sigma_max / schedule.sigma_min)
+        assert abs(float(schedule.one_minus_alpha(tt)) - beta) <= ulps * 1.12e-16 * abs(beta)
+        assert abs(float(schedule.log_alpha(tt)) - log_a) <= 2.5 * ulps * 1.12e-16 * max(abs(log_a), 1e-300) + 1e-300
 
 
 def test_schedules_keep_shape_and_dtype() -> None:
@@ -80,3 +97,44 @@ def test_loglinear_eps_validation_equality_and_repr() -> None:
     assert "eps=0.01" in repr(uf.LogLinearSchedule(0.01))
     # α_1 = eps: the chain never fully forgets the data
     assert math.isclose(float(uf.LogLinearSchedule(0.01).alpha(torch.tensor(1.0, dtype=DT))), 0.01, rel_tol=1e-14)
+
+
+def test_peer_schedules_validate_their_arguments_and_compare_by_value() -> None:
+    with pytest.raises(ValueError, match="sigma_min, sigma_max"):
+        uf.GeometricSchedule(20.0, 1e-4)
+    with pytest.raises(TypeError, match="sigma_min"):
+        uf.GeometricSchedule("1e-4")  # type: ignore[arg-type]
+    for cls in (uf.MDLMCosineSchedule, uf.DUOCosineSchedule):
+        with pytest.raises(ValueError, match="eps"):
+            cls(eps=1.0)
+        assert cls(0.01) == cls(0.01) and cls(0.01) != cls(0.02) and hash(cls(0.01)) == hash(cls(0.01))
+        assert "eps=0.01" in repr(cls(0.01))
+    with pytest.raises(TypeError, match="chain_factor"):
+        uf.DUOCosineSchedule(chain_factor=1)  # type: ignore[arg-type]
+    assert uf.DUOCosineSchedule(chain_factor=False) != uf.DUOCosineSchedule()
+    assert uf.GeometricSchedule() != uf.LogLinearSchedule()
+
+
+def test_duo_published_derivative_lacks_the_chain_factor() -> None:
+    """DUO's code returns dα/dt' (t' = (1 − ε) t); ``chain_factor=False`` reproduces it: the true α' / (1 − ε)."""
+    t = torch.tensor([1e-3, 0.3, 0.9, 0.999], dtype=DT)
+    eps = 0.05
+    true, published = uf.DUOCosineSchedule(eps), uf.DUOCosineSchedule(eps, chain_factor=False)
+    torch.testing.assert_close(published.alpha(t), true.alpha(t), rtol=0, atol=0)
+    torch.testing.assert_close(published.alpha_prime(t), true.alpha_prime(t) / (1 - eps), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("schedule", [uf.GeometricSchedule(), uf.MDLMCosineSchedule(), uf.DUOCosineSchedule()],
+                         ids=repr)
+def test_peer_schedules_drive_kernels_to_finite_losses(schedule: uf.Schedule) -> None:
+    """Every kernel takes the peers' schedules; the fast loss equals the reference on them."""
+    g = torch.Generator().manual_seed(0)
+    for kernel in (uf.UniformKernel(11, schedule), uf.MaskKernel(11, 10, schedule)):
+        x0 = torch.randint(0, 10, (64,), generator=g)
+        t = torch.rand(64, generator=g, dtype=DT) * (1 - 2e-6) + 1e-6
+        x_t = kernel.sample(x0, t, generator=g)
+        logits = torch.randn(64, 11, generator=g, dtype=DT)
+        fast = uf.losses.gidd_loss(logits, x0, x_t, t, kernel)
+        torch.testing.assert_close(fast, uf.losses.reference_gidd_loss(logits, x0, x_t, t, kernel), rtol=1e-10,
+                                   atol=1e-300)
+        assert bool(torch.isfinite(fast).all())

@@ -22,7 +22,15 @@ from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel,
 from .losses import bregman_rate_loss
 from .rates import ReverseRate
 from .samplers import BayesianSampler, EulerSampler
-from .schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
+from .schedules import (
+    CosineSchedule,
+    DUOCosineSchedule,
+    GeometricSchedule,
+    LinearSchedule,
+    LogLinearSchedule,
+    MDLMCosineSchedule,
+    Schedule,
+)
 from .training import DiffusionLossOutput, diffusion_loss, sample_times
 
 try:
@@ -33,15 +41,18 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 __all__ = [
     "BayesianSampler",
     "CosineSchedule",
+    "DUOCosineSchedule",
     "DiffusionLM",
     "DiffusionLossOutput",
     "EulerSampler",
     "GeneratorKernel",
+    "GeometricSchedule",
     "HybridKernel",
     "InterpolatingKernel",
     "Kernel",
     "LinearSchedule",
     "LogLinearSchedule",
+    "MDLMCosineSchedule",
     "MaskKernel",
     "ReverseRate",
     "Schedule",

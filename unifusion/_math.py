@@ -26,7 +26,9 @@ def _series(l: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
 
 
 def bregman_g(l: torch.Tensor) -> torch.Tensor:
-    """g(ℓ) = ℓ e^ℓ − e^ℓ + 1 = f(e^ℓ, 1), accurate for all finite ℓ (≥ 0)."""
+    """g(ℓ) = ℓ e^ℓ − e^ℓ + 1 = f(e^ℓ, 1) ≥ 0, accurate where it is finite in the dtype (|ℓ| < ~88 in float32,
+    ~709 in float64; it overflows beyond). Callers with larger ℓ use c g(ℓ) = r (ℓ − 1) + c with r = c e^ℓ known
+    (see :func:`bregman_from_log_ratio`)."""
     small = l.abs() < _SERIES_CUTOFF
     l_small = torch.where(small, l, torch.zeros_like(l))
     direct = torch.expm1(l) * (l - 1.0) + l
@@ -63,18 +65,24 @@ def bregman_from_logs(log_r: torch.Tensor, log_c: torch.Tensor) -> torch.Tensor:
     return torch.where(~r_zero & c_zero, torch.full_like(value, math.inf), value)
 
 
-def bregman_from_log_ratio(log_c: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+def bregman_from_log_ratio(log_c: torch.Tensor, l: torch.Tensor, log_r: torch.Tensor | None = None) -> torch.Tensor:
     """f(r, c) from log c and ℓ = log(r/c) given directly (for callers that can compute ℓ without cancelling).
 
     ℓ = −inf means r = 0 (f = c); log_c = −inf with finite ℓ means r = c = 0 (f = 0); ℓ = +inf means c = 0 < r (∞).
+    ``log_r`` (optional, same shape): log r when the caller knows it. Then r is e^{log r} rather than c e^ℓ, which
+    stays exact when c underflows and ℓ is huge (a confidently wrong model: c = e^{−10⁴}, ℓ = 10⁴, r = O(1)), where
+    c e^ℓ would be 0 · ∞.
     """
     finite = torch.isfinite(l) & ~torch.isneginf(log_c)
     l_safe = torch.where(finite, l, torch.zeros_like(l))
     c = torch.exp(torch.where(torch.isneginf(log_c), torch.full_like(log_c, -math.inf), log_c))
     small = l_safe.abs() < _SERIES_CUTOFF
     l_small = torch.where(small, l_safe, torch.zeros_like(l_safe))
-    r = c * torch.exp(l_safe)
-    value = torch.where(small, c * _series(l_small, _G_COEFFS), r * l_safe - r + c)
+    if log_r is None:
+        r = c * torch.exp(l_safe)
+    else:
+        r = torch.exp(torch.where(finite, log_r, torch.zeros_like(log_r)))
+    value = torch.where(small, c * _series(l_small, _G_COEFFS), r * (l_safe - 1.0) + c)
     value = torch.where(finite, value, torch.zeros_like(value))
     value = torch.where(torch.isneginf(l), c, value)
     return torch.where(torch.isposinf(l), torch.full_like(value, math.inf), value)

@@ -36,7 +36,8 @@ COMPILED_CPU_BLOCK_ELEMENTS = 1 << 22
 _INDUCTOR_OPTIONS = {"realize_reads_threshold": 1000, "realize_opcount_threshold": 100000,
                      "realize_acc_reads_threshold": 1000, "realize_cpu_acc_reads_threshold": 1000,
                      "realize_cpu_opcount_threshold": 100000}
-ROW_FIELDS = ("x0", "x_t", "alpha", "log_alpha", "u", "alpha_over_u", "log_m_x0", "log_m_xt", "safe_log_m_xt",
+ROW_FIELDS = ("x0", "x_t", "alpha", "log_alpha", "u", "alpha_over_u", "m_x0", "m_xt", "log_m_x0", "log_m_xt",
+              "safe_log_m_xt",
               "same", "possible", "u_pos", "x0_is_mask", "xt_is_mask", "w_active", "v_active", "A")
 
 
@@ -109,8 +110,8 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     ``(index, value)``, each ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes
     it (:func:`run` does; inside a compiled function that scatter would cost a copy of the block).
     """
-    (x0, x_t, alpha, log_alpha, u, alpha_over_u, log_m_x0, log_m_xt, safe_log_m_xt, same, possible, u_pos,
-     x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
+    (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
+     u_pos, x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
     S = logits.shape[-1]
     neg_inf = torch.full_like(alpha, -math.inf)
     zero = torch.zeros_like(alpha)
@@ -133,15 +134,35 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     log_p_x0 = torch.where(x0_is_mask, neg_inf, l_x0 - shift)
     log_p_xt = torch.where(xt_is_mask, neg_inf, l_xt - shift)
 
-    log_q_theta_x0 = torch.logaddexp(log_alpha + log_p_x0, log_m_x0)
-    log_q_theta_xt = torch.logaddexp(log_alpha + log_p_xt, log_m_xt)
+    p_x0, p_xt = torch.exp(log_p_x0), torch.exp(log_p_xt)
     one_minus_p_x0 = -torch.expm1(log_p_x0)
-    # log(q0/qθ) at x0 = log1p(α (1 − p_x0) / qθ(x0)) and, off x0, log ρ = −log1p(α p_xt / m(x_t)): no difference
-    # of two logs, so both stay accurate when they are tiny (t → 1)
-    l_at_x0 = torch.log1p(alpha * one_minus_p_x0 * torch.exp(-log_q_theta_x0))
-    log_rho = torch.where(same, l_at_x0, -torch.log1p(torch.exp(log_alpha + log_p_xt - safe_log_m_xt)))
-    log_rho = torch.where(possible, log_rho, zero)
-    e_x0 = -alpha * one_minus_p_x0 * torch.exp(-log_q_theta_x0)  # e_y = 1 − q0_y/qθ_y at y = x0
+    # qθ = α p + m in linear space, a few ulp (its log from logaddexp of logs of size 10–30 would carry ~30 ulp);
+    # from logs only where it underflows: a confidently wrong model under the mask kernel (m = 0, p = e^{−10⁴})
+    tiny = torch.finfo(dtype).tiny * 2.0**24
+    q_theta_x0, q_theta_xt = alpha * p_x0 + m_x0, alpha * p_xt + m_xt
+    lin_x0, lin_xt = q_theta_x0 > tiny, q_theta_xt > tiny
+    log_q_theta_x0 = torch.where(lin_x0, torch.log(torch.where(lin_x0, q_theta_x0, 1.0)),
+                                 torch.logaddexp(log_alpha + log_p_x0, log_m_x0))
+    log_q_theta_xt = torch.where(lin_xt, torch.log(torch.where(lin_xt, q_theta_xt, 1.0)),
+                                 torch.logaddexp(log_alpha + log_p_xt, log_m_xt))
+    # at x0: q0/qθ = 1 + r with r = α (1 − p_x0) / qθ(x0) ≥ 0, ℓ = log1p(r); where qθ(x0) underflows, ℓ from logs
+    # (finite: 10⁴ for a model wrong by 10⁴ nats, where r and 1/qθ are not)
+    r_x0 = alpha * one_minus_p_x0 / torch.where(lin_x0, q_theta_x0, 1.0)
+    l_at_x0 = torch.where(lin_x0, torch.log1p(r_x0),
+                          _softplus(log_alpha + torch.log(one_minus_p_x0) - log_q_theta_x0))
+    # off x0: ρ = m(x_t) / qθ(x_t) = 1 / (1 + y), y = α p_xt / m(x_t)
+    y_xt = alpha * p_xt / torch.where(m_xt > 0, m_xt, 1.0)
+    # ρ enters only rows with a non-zero weight (at a clean token of the mask kernel ρ = 1/p_θ(x0) may overflow)
+    used = possible & (w_active != 0)
+    log_rho = torch.where(used, torch.where(same, l_at_x0, -torch.log1p(y_xt)), zero)
+    at_x0_lin = same & lin_x0 & used
+    # ρ − 1 − log ρ: r − log1p(r) at x0 (accurate for every r ≥ 0), e^{log ρ} − 1 − log ρ elsewhere (log ρ ≤ 0)
+    rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero)), expm1_minus_x(log_rho))
+    one_minus_rho = torch.where(at_x0_lin, -r_x0, torch.where(same, -torch.expm1(log_rho), y_xt / (1.0 + y_xt)))
+    one_minus_rho = torch.where(used, one_minus_rho, zero)
+    # p_x0 e_x0 with e_y = 1 − q0_y/qθ_y: −(1 − p_x0) α p_x0 / qθ(x0) ∈ [−1, 0] (e_x0 alone is −1/p_x0 at worst)
+    pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * p_x0 / torch.where(lin_x0, q_theta_x0, 1.0),
+                                          torch.exp(log_alpha + log_p_x0 - log_q_theta_x0))
     at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
     X = E = f_X = ratio = None
     need_c = need_stats or (need_grad and stats is None)
@@ -158,23 +179,27 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
             f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
         if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
             ratio = X / (1.0 + X) if ratio is None else ratio
-            E = torch.where(at_x0, e_x0.unsqueeze(-1), torch.where(u_pos.unsqueeze(-1), ratio, 1.0))
+            E = torch.where(at_x0, 0.0, torch.where(u_pos.unsqueeze(-1), ratio, 1.0))  # x0's term: pe_x0 below
     if stats is not None:
         c = stats[2]
     elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c = (1 − p_x0) + p_x0 e_x0
-        c = one_minus_p_x0 + torch.exp(log_p_x0) * e_x0
+        c = one_minus_p_x0 + pe_x0
     else:
-        c = (P * E).sum(-1) / s if need_c else None
+        c = (P * E).sum(-1) / s + pe_x0 if need_c else None
 
     loss = None
     if need_loss:
         # Σ_y f(q0_y, qθ_y) = f at x0 + (u Σ_{y≠x0} (x_y − log1p x_y)  or  α (1 − p_x0) when u = 0)
-        term1 = torch.exp(log_q_theta_x0) * bregman_g(l_at_x0)
+        # f(q0, qθ) at x0 = qθ g(ℓ) (series near ℓ = 0), = q0 (ℓ − 1) + qθ otherwise (q0 = α + m(x0): no e^ℓ)
+        q_theta = torch.where(lin_x0, q_theta_x0, torch.exp(log_q_theta_x0))
+        small = l_at_x0 < 0.5
+        term1 = torch.where(small, q_theta * bregman_g(torch.where(small, l_at_x0, zero)),
+                            (alpha + m_x0) * (l_at_x0 - 1.0) + q_theta)
         term2 = alpha * one_minus_p_x0
         if f_X is not None:
             term2 = torch.where(u_pos, u * f_X.sum(-1), term2)
-        term = term1 + term2 + expm1_minus_x(log_rho)
-        exit_theta = v_active * torch.expm1(-log_q_theta_xt)
+        term = term1 + term2 + rho_term
+        exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
         loss = torch.where(possible, w_active * term, exit_theta)
     out_stats = (mx, s, c) if need_stats else None
     if not need_grad:
@@ -183,9 +208,11 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     # ---- ∂L/∂logit_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
     g = grad_scale.to(dtype) if grad_scale is not None else 1.0
     A_g = A * g
-    p_xt_over_q_xt = torch.exp(log_p_xt - log_q_theta_xt)
-    Hp = torch.where(possible, A_g * (-torch.expm1(log_rho)) * p_xt_over_q_xt,
-                     -alpha * v_active * p_xt_over_q_xt * torch.exp(-log_q_theta_xt) * g)
+    p_xt_over_q_xt = torch.where(lin_xt, p_xt / torch.where(lin_xt, q_theta_xt, 1.0),
+                                 torch.exp(log_p_xt - log_q_theta_xt))
+    exit_scale = torch.exp(torch.where(v_active > 0, -log_q_theta_xt, zero))  # 1/qθ(x_t) where the loss is an exit
+    Hp = torch.where(possible, A_g * one_minus_rho * p_xt_over_q_xt,
+                     -alpha * v_active * p_xt_over_q_xt * exit_scale * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
     k_or_none = k if uniform_noise else None
     # every column as if it were neither x0 nor x_t (no per-element index test), then those two columns per row
@@ -193,12 +220,18 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
     j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
     P_j = torch.exp(l.gather(-1, j) - mx.unsqueeze(-1))
-    E_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), e_x0.unsqueeze(-1),
-                      _e_off_x0(P_j, k_or_none, u_pos))
+    # P_z a e_z at z = x0 is a s p_x0 e_x0 = A g pe_x0 (e_x0 itself may overflow)
+    aPE_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), (A_g * pe_x0).unsqueeze(-1),
+                        P_j * a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos))
     H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
-    value_j = P_j * (a_row.unsqueeze(-1) * E_j - b_row.unsqueeze(-1)) + H_j
+    value_j = aPE_j - P_j * b_row.unsqueeze(-1) + H_j
     grad_out.copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
+
+
+def _softplus(z: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^z) for every z (−inf → 0) without overflow: max(z, 0) + log1p(e^{−|z|})."""
+    return torch.clamp(z, min=0.0) + torch.log1p(torch.exp(-torch.abs(z)))
 
 
 def _e_off_x0(P: torch.Tensor, k: torch.Tensor | None, u_pos: torch.Tensor) -> torch.Tensor | float:

@@ -97,6 +97,13 @@ class _Rows:
         self.v_active = torch.where(active & ~self.possible, self.v, zero)
         self.A = torch.where(active & self.possible, self.w * self.alpha, zero)
 
+    def cast(self, dtype: torch.dtype) -> _Rows:
+        """The same rows with every floating field rounded to ``dtype`` (the compute dtype)."""
+        fields = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in vars(self).items()}
+        fields["dtype"] = dtype
+        return _Rows(**fields)
+
     def __getitem__(self, s: slice) -> _Rows:
         fields = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return _Rows(**fields)
@@ -145,6 +152,13 @@ def _prepare_rows(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: ob
                   t: object, dtype: torch.dtype, device: torch.device, weighting: str,
                   max_weight: float) -> tuple[_Rows, tuple[int, ...]]:
     """Validate ids and times, broadcast them to the positions' shape, and compute every logit-free quantity."""
+    with V.batched_checks():  # ids and times read back in one host sync
+        return _prepare_rows_checked(kernel, num_rows_shape, x0, x_t, t, dtype, device, weighting, max_weight)
+
+
+def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: object, x_t: object,
+                          t: object, dtype: torch.dtype, device: torch.device, weighting: str,
+                          max_weight: float) -> tuple[_Rows, tuple[int, ...]]:
     S = kernel.num_states
     x0 = V.check_token_ids("x0", x0, S)
     x_t = V.check_token_ids("x_t", x_t, S)
@@ -154,7 +168,10 @@ def _prepare_rows(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: ob
         raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
     if num_rows_shape is not None and tuple(num_rows_shape) != shape:
         raise ValueError(f"x0_logits: expected leading shape {shape} (that of x_t), got {tuple(num_rows_shape)}")
-    t_ = V.check_time("t", t, device=device, dtype=dtype)
+    # the per-row constants (α_t, m_t, rates, weights: chains of a dozen scalar ops near t → 0 or 1) are computed in
+    # float64 and rounded once to the compute dtype; they are (N,), so this costs nothing next to the (N, V) passes
+    row_dtype = torch.float32 if device.type == "mps" else torch.float64
+    t_ = V.check_time("t", t, device=device, dtype=row_dtype, shape=shape)
     try:
         t_ = torch.broadcast_to(t_, shape)
     except RuntimeError:
@@ -178,10 +195,10 @@ def _prepare_rows(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: ob
         w = v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt))
         if weighting == "clip":
             w = w.clamp(0.0, max_weight)
-    rows = _Rows(x0=x0, x_t=x_t, alpha=alpha, u=u, m_x0=m_x0, m_xt=m_xt, v=v, w=w.to(dtype),
+    rows = _Rows(x0=x0, x_t=x_t, alpha=alpha, u=u, m_x0=m_x0, m_xt=m_xt, v=v, w=w,
                  x0_is_mask=kernel._is_mask(x0), xt_is_mask=kernel._is_mask(x_t),
-                 uniform_noise=_has_uniform_noise(kernel), mask_id=kernel.mask_id, dtype=dtype)
-    return rows, shape
+                 uniform_noise=_has_uniform_noise(kernel), mask_id=kernel.mask_id, dtype=row_dtype)
+    return rows.cast(dtype), shape
 
 
 # ---------------------------------------------------------------------------------------------------- autograd
@@ -197,7 +214,9 @@ class _X0HeadLossFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, *stats)
             ctx.rows = rows
         if V.validation_enabled() and bool(torch.isnan(loss).any()):
-            raise ValueError("x0_logits: contains NaN (the loss of some position is NaN)")
+            # finite logits give a finite loss (every term is evaluated in log space), so a NaN comes from the input
+            raise ValueError("x0_logits: contains NaN or ±inf (the loss of some position is NaN); the loss is finite "
+                             "for every finite logit")
         return loss
 
     @staticmethod

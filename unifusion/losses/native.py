@@ -17,7 +17,7 @@ import torch
 
 from .. import _validation as V
 from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
-from ..kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
+from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from ..rates import ReverseRate, _b_operator, _check_kernel, x0_log_probs
 from .bregman import bregman_rate_loss
 
@@ -28,6 +28,12 @@ GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
 
 def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
              t: torch.Tensor | float):
+    with V.batched_checks():  # every value check of the call read back in one host sync
+        return _prepare_checked(kernel, heads, x0, x_t, t)
+
+
+def _prepare_checked(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
+                     t: torch.Tensor | float):
     kernel = _check_kernel(kernel)
     S = kernel.num_states
     x0 = V.check_token_ids("x0", x0, S)
@@ -52,7 +58,7 @@ def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x
                     f"{name}: expected shape {(*shape, S)} (x_t's shape + num_states), got {tuple(h.shape)}")
         out[name] = h
     dtype = V.compute_dtype(*out.values())
-    t_ = V.check_time("t", t, device=x_t.device, dtype=dtype)
+    t_ = V.check_time("t", t, device=x_t.device, dtype=dtype, shape=shape)
     try:
         t_ = torch.broadcast_to(t_, shape)
     except RuntimeError:
@@ -62,16 +68,18 @@ def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x
 
 
 def _input_precision(loss_fn):
-    """Run small-S GeneratorKernel losses in float64 (their matrix exponentials and log-ratios lose ~1e-4 relative
-    in float32) and return float32 unless a head is float64, like every other loss."""
+    """Evaluate the reference loss in float64 and return the compute dtype of its heads (float32 unless a head is
+    float64), so the references are accurate to float32 rounding whatever the inputs: their time-dependent constants
+    (α_t, rates, weights) lose ~1e-6 relative in float32 near t → 0 or 1, and small-S GeneratorKernel losses (matrix
+    exponentials) ~1e-4. These are the slow, straightforward paths; the fast ones (:mod:`unifusion.losses.fast`)
+    compute only their per-row constants in float64."""
     import functools
 
     @functools.wraps(loss_fn)
     def wrapper(*args, **kwargs):
-        kernel = next((a for a in (*args, *kwargs.values()) if isinstance(a, Kernel)), None)
         heads = [a for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dim() > 0]
         want = V.compute_dtype(*heads)
-        if isinstance(kernel, GeneratorKernel) and want != torch.float64:
+        if want != torch.float64 and not any(h.device.type == "mps" for h in heads):
             args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
                          for a in args)
             return loss_fn(*args, **kwargs).to(want)
@@ -172,13 +180,17 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
         log_r = _interp_log_r(_Interp(kernel, t, x_t.shape), x0, x_t)
     else:
         log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t)
-    log_s = h["log_score"].scatter(-1, x_t.unsqueeze(-1), 0.0)
-    log_r = log_r.scatter(-1, x_t.unsqueeze(-1), 0.0)
+    # entries with no rate (Q = 0: the x_t entry, every entry of an unmasked token under the mask kernel) get the
+    # harmless (r, s) = (1, 1): their term is dropped anyway, and an overflowing s there would poison the gradient
+    used = Q > 0
+    log_s = torch.where(used, h["log_score"], 0.0)
+    log_r = torch.where(used, log_r, 0.0)
     # s − r log s + r log r − r  ==  f(r, s)
     return _weighted_sum(Q, bregman_from_logs(log_r, log_s), x_t)
 
 
 # ---------------------------------------------------------------------------------------------------- MDLM
+@_input_precision
 def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: MaskKernel) -> torch.Tensor:
     """MDLM (App. A, eq. loss-mdlm), per position ``(...)``: (−α_t'/(1 − α_t)) · (−log x_θ(x0)) at masked positions,
@@ -195,21 +207,36 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 # ---------------------------------------------------------------------------------------------------- GIDD
 def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """GIDD's heuristic weights: 1 at a uniform-noise token, 2 at the mask, B((1−α_t)/α_t)^{γ/2} when x_t = x0."""
+    """GIDD's "dynamic" loss weights, unclipped ``(...)``, as GIDD's current code computes them
+    (github.com/dvruette/gidd, ``GiddLoss`` at commit f67acc9, 2025-06-09):
+
+        2 at the mask,   1 at a uniform-noise token (x_t ≠ x0),   (B / S) · exp((γ/2) · sigmoid(−t)) at x_t = x0,
+
+    with B = 2^γ p_u / (1 − p_u) and S the number of states (the mask included). sigmoid(−t) is the logistic
+    function of −t (GIDD's code names it a log-SNR): the clean weight varies by a factor e^{(γ/2)(0.5 − 0.27)} over
+    t ∈ (0, 1) and B/S sets its size. We follow the current revision because it is the one GIDD's published training
+    configurations run; its first public revision (685336d) used B_v1 · ((1 − α)/α)^{γ/2} with its own schedule and
+    B_v1 ≈ B/S, so both give clean tokens a weight O(1/S), not O(1).
+
+    Kernels: :class:`HybridKernel` uses its (B, γ). GIDD's ``p_uniform = 0`` means p_u = e^{−20} there (its
+    ``clip_noise``); ``HybridKernel(p_uniform=0)`` is the pure mask process and gives clean tokens weight 0 — pass
+    ``p_uniform=math.exp(-20)`` to match GIDD's default bit for bit. :class:`MaskKernel` is the hybrid at p_u = 0
+    (clean weight 0; its clean tokens carry no loss anyway). :class:`UniformKernel` (GIDD has no uniform-only
+    process) is unifusion's extension with B = γ = 1: (1/S) · exp(sigmoid(−t)/2) at clean tokens, 1 elsewhere —
+    the same 1/S scaling, so clean tokens weigh about 1/S of a noisy one.
+    """
     if isinstance(kernel, HybridKernel):
         B, gamma = kernel.B, kernel.gamma
-        alpha, _, _ = kernel._coefficients(t)
-    elif isinstance(kernel, (MaskKernel, UniformKernel)):
-        # mask: the hybrid at p_u = 0 (B = 0); uniform: our extension with B = 1, γ = 1 (documented)
-        B, gamma = (0.0, 1.0) if isinstance(kernel, MaskKernel) else (1.0, 1.0)
-        alpha = kernel.schedule.alpha(t)
+    elif isinstance(kernel, MaskKernel):
+        B, gamma = 0.0, 1.0
+    elif isinstance(kernel, UniformKernel):
+        B, gamma = 1.0, 1.0
     else:
         raise TypeError(
             f"kernel: weighting='dynamic' is defined for interpolating kernels, got {type(kernel).__name__}")
-    log_snr = -torch.logit(alpha).clamp(-20.0, 20.0)
-    x_scale = B * torch.exp(gamma / 2.0 * log_snr)
+    clean = (B / kernel.num_states) * torch.exp(gamma / 2.0 * torch.sigmoid(-t))
     noisy = torch.where(x_t == kernel.mask_id, 2.0, 1.0) if kernel.mask_id is not None else torch.ones_like(t)
-    return torch.where(x_t == x0, x_scale, noisy.to(t.dtype))
+    return torch.where(x_t == x0, clean, noisy.to(t.dtype))
 
 
 @_input_precision
@@ -222,9 +249,11 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     w_t(x_t, x0) = (β_t π_t'(x_t) − (α_t'/α_t) π_t(x_t)) / q_t(x_t|x0) = R_t(·, x_t) / q_{t|0}(x_t|x0).
 
     ``weighting="elbo"`` uses w exactly (then the loss equals D_t); ``"clip"`` clips w to [0, ``max_weight``];
-    ``"dynamic"`` uses GIDD's dynamic weights (1 on uniform-noise tokens, 2 on masks, B((1−α)/α)^{γ/2} on clean
-    tokens) clipped to [0, ``max_weight``]; for the uniform kernel B = γ = 1. For a :class:`GeneratorKernel` (rates
-    not rank one) the ELBO form is evaluated as D_t directly.
+    ``"dynamic"`` uses GIDD's dynamic weights (1 on uniform-noise tokens, 2 on masks, (B/S)·exp((γ/2)·sigmoid(−t))
+    on clean tokens; GIDD's current code, see :func:`_dynamic_weight`) clipped to [0, ``max_weight``]. For a
+    :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly.
+
+    Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient.
     """
     if weighting not in GIDD_WEIGHTINGS:
         raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
@@ -246,14 +275,17 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     log_q0, log_q_theta = ip.log_q(log_d, lqm_0), ip.log_q(log_x, lqm_theta)
     # ℓ_y = log q0(y) − log qθ(y): a difference of two small log(q/m) where m > 0 (no cancellation near t → 1)
     l = torch.where(ip.has_m, lqm_0 - lqm_theta, log_d - log_x)
-    kl = bregman_from_log_ratio(log_q_theta, l).sum(-1)  # Σ_y f(q0, qθ) = KL since both sum to 1
+    # Σ_y f(q0, qθ) = KL since both sum to 1; r = q0 passed in log space, so a confidently wrong model (qθ(x0)
+    # underflowing, ℓ = 10⁴) still gives q0 (ℓ − 1) + qθ instead of 0 · ∞
+    kl = bregman_from_log_ratio(log_q_theta, l, log_r=log_q0).sum(-1)
     v_mask, v_unif = kernel._rate_coefficients(t)
     v = torch.where(kernel._is_mask(x_t), v_mask,
                     torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
     log_q0_xt = _gather(log_q0, x_t)
     log_rho = _gather(l, x_t)
-    term = kl + expm1_minus_x(torch.where(torch.isneginf(log_q0_xt), torch.zeros_like(log_rho), log_rho))
     possible = ~torch.isneginf(log_q0_xt)
+    # ρ − 1 − log ρ only where it is used (v > 0): at a clean token of the mask kernel ρ = 1/p_θ(x0) may be e^{10⁴}
+    term = kl + expm1_minus_x(torch.where(possible & (v > 0), log_rho, torch.zeros_like(log_rho)))
     w = torch.exp(safe_log(v) - torch.where(possible, log_q0_xt, torch.zeros_like(log_q0_xt)))
     if weighting == "clip":
         w = w.clamp(0.0, max_weight)
@@ -261,7 +293,9 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
         w = _dynamic_weight(kernel, x0, x_t, t).clamp(0.0, max_weight)
     loss = torch.where(v > 0, w * term, torch.zeros_like(term))
     # x_t impossible under x0: the true rates are 0 by convention, D_t is the model's exit rate
-    exit_theta = torch.where(v > 0, v * torch.expm1(-_gather(log_q_theta, x_t)), torch.zeros_like(v))
+    exit_used = (v > 0) & ~possible
+    neg_log_q_xt = torch.where(exit_used, -_gather(log_q_theta, x_t), torch.zeros_like(v))
+    exit_theta = torch.where(exit_used, v * torch.expm1(neg_log_q_xt), torch.zeros_like(v))
     return torch.where(possible, loss, exit_theta)
 
 
@@ -312,9 +346,13 @@ def _m2s_interp(kernel: InterpolatingKernel, log_mu: torch.Tensor, x0: torch.Ten
     log_r = _interp_log_r(ip, x0, x_t)
     l = torch.where(ip.has_m & has_mx, l_acc, log_r - log_s)
     l = torch.where(torch.isneginf(log_r), log_r, l)
-    l = l.scatter(-1, x_t.unsqueeze(-1), 0.0)
-    log_s = torch.where(has_mx, log_s, torch.zeros_like(log_s)).scatter(-1, x_t.unsqueeze(-1), 0.0)
-    return _weighted_sum(R, bregman_from_log_ratio(log_s, l), x_t)
+    # entries with no rate (R = 0: x_t itself, unmasked tokens under the mask kernel) get (r, s) = (1, 1), so nothing
+    # overflowing there reaches the gradient; r is passed as log r (s may underflow where ℓ = log r/s is 10⁴)
+    used = R > 0
+    l = torch.where(used, l, 0.0)
+    log_s = torch.where(used & has_mx, log_s, 0.0)
+    log_r = torch.where(used, log_r, 0.0)
+    return _weighted_sum(R, bregman_from_log_ratio(log_s, l, log_r=log_r), x_t)
 
 
 # ---------------------------------------------------------------------------------------------------- Neural CTMC
