@@ -36,7 +36,8 @@ import _memory  # noqa: E402
 
 import unifusion as uf  # noqa: E402
 from unifusion.samplers import BayesianSampler, EulerSampler  # noqa: E402
-from unifusion.samplers._common import bayesian_step, bayesian_step_from_logits, x0_weights  # noqa: E402
+from unifusion.samplers._draws import x0_weights  # noqa: E402
+from unifusion.samplers._step import bayesian_step, bayesian_step_from_logits  # noqa: E402
 
 
 def load(name: str) -> torch.nn.Module:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.samplers import PARAMETERIZATIONS, PROMPT_FILL, BayesianSampler, EulerSampler, _common, x0_model_as
-from unifusion.samplers._common import bayesian_step, posterior_mixture, sample_weights, x0_weights
+from unifusion.samplers import PARAMETERIZATIONS, PROMPT_FILL, BayesianSampler, EulerSampler, _draws, x0_model_as
+from unifusion.samplers._draws import sample_weights, x0_weights
+from unifusion.samplers._step import bayesian_step, posterior_mixture
 from unifusion.samplers.euler import euler_step_probs
 
 S = 5  # clean states
@@ -155,8 +156,8 @@ def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypat
     nb = -(-V // 256)
     ref = torch.nn.functional.pad(ref, (0, nb * 256 - V), value=-math.inf).unflatten(-1, (nb, 256)).logsumexp(-1)
     key = ("cpu", torch.float32, torch.float32, mask_id is None, False, 256)
-    out = uf._compile.run(_common.block_log_mass, key, lambda fn: fn(logits, mask_id, 0.7, 256, torch.float32),
-                          lambda: _common.block_log_mass(logits, mask_id, 0.7, 256, torch.float32))
+    out = uf._compile.run(_draws.block_log_mass, key, lambda fn: fn(logits, mask_id, 0.7, 256, torch.float32),
+                          lambda: _draws.block_log_mass(logits, mask_id, 0.7, 256, torch.float32))
     assert out.shape == (2, 3, nb) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5)
 
@@ -175,7 +176,7 @@ def test_draw_from_logits_is_the_softmax_and_matches_the_workspace_path(mask_id,
     logits = l.expand(1, n, V)
     x_t = torch.full((1, n), 700)
     u = torch.rand(1, n, 2, generator=g)
-    z, p_b = _common.draw_from_logits(logits, x_t, u, mask_id=mask_id, temperature=T, dtype=torch.float32)
+    z, p_b = _draws.draw_from_logits(logits, x_t, u, mask_id=mask_id, temperature=T, dtype=torch.float32)
     p = torch.softmax(l.double() / T if mask_id is None else torch.where(torch.arange(V) == mask_id, -math.inf,
                                                                            l.double()) / T, -1)
     torch.testing.assert_close(p_b, p[700].float().expand(1, n), rtol=1e-5, atol=0)

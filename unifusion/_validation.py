@@ -13,7 +13,8 @@ This mirrors ``torch.distributions.Distribution.set_default_validate_args``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,23 +59,74 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+# ----------------------------------------------------------------------------------------------------------
+# value checks read back together: one host sync for a whole call
+
+
+_BATCH = threading.local()
+
+
+@contextlib.contextmanager
+def batched_checks() -> Iterator[None]:
+    """Within the block, value checks (id ranges, time ranges, NaN, padding) are queued and read back together on
+    exit: one host sync for all of them instead of one or two each. The first failing check raises its
+    ``ValueError`` then (its message, with the offending values, is computed only on that path). Nested blocks join
+    the outermost one. Code inside the block must not rely on a check having passed (flush first: leave the block).
+    """
+    if getattr(_BATCH, "items", None) is not None:
+        yield
+        return
+    _BATCH.items = []
+    try:
+        yield
+        items = _BATCH.items
+    finally:
+        _BATCH.items = None
+    if items:
+        flags = torch.stack([bad.reshape(()).to(device=items[0][0].device) for bad, _ in items])
+        if bool(flags.any()):  # the one host sync
+            for bad, message in items:
+                if bool(bad):
+                    raise ValueError(message())
+
+
+def fail_if(bad: torch.Tensor, message: Callable[[], str]) -> None:
+    """Raise ``ValueError(message())`` if the 0-d bool tensor ``bad`` is true — now (one host sync), or when the
+    enclosing :func:`batched_checks` block ends."""
+    items = getattr(_BATCH, "items", None)
+    if items is not None:
+        items.append((bad, message))
+    elif bool(bad):
+        raise ValueError(message())
+
+
 def check_token_ids(name: str, value: object, num_states: int) -> torch.Tensor:
     """Integer tensor with values in [0, num_states)."""
     ids = check_tensor(name, value)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected integer token ids (int64), got dtype {ids.dtype}")
+    check_not_meta(name, ids)
     if _VALIDATE and ids.numel() > 0:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= num_states:
-            raise ValueError(
-                f"{name}: expected token ids in [0, {num_states}), got values in [{lo}, {hi}]"
-            )
+        fail_if(((ids < 0) | (ids >= num_states)).any(), lambda: (
+            f"{name}: expected token ids in [0, {num_states}), got values in [{int(ids.min())}, {int(ids.max())}]"))
     return ids.long()
 
 
+TIME_RULE = ("t is a float, a 0-d tensor, a 1-D tensor of one time per row (length B, the leading dim of the tokens), "
+             "or a tensor with at least the tokens' number of dims that broadcasts with their shape")
+
+
 def check_time(name: str, value: object, *, device: torch.device | None = None,
-               dtype: torch.dtype | None = None, open_interval: bool = True) -> torch.Tensor:
-    """Float tensor (or Python number) of times in (0, 1)."""
+               dtype: torch.dtype | None = None, open_interval: bool = True,
+               shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+    """Float tensor (or Python number) of times in (0, 1) (``[0, 1)`` with ``open_interval=False``).
+
+    With ``shape`` (the tokens' shape, e.g. ``(B, L)``) the one rule for times applies (:data:`TIME_RULE`): a float
+    or 0-d tensor is one time for every token; a 1-D tensor is one time per row and must have length B (returned as
+    ``(B, 1, ...)``, so it broadcasts along the positions even when B == L); otherwise the tensor must have as many
+    dims as the tokens and broadcast to their shape (``(B, 1)``, ``(B, L)``, ``(1, L)``, ...), or more dims (a grid
+    of times over the tokens, broadcast as usual). Fewer dims than the tokens but more than one is an error.
+    """
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a float or a float tensor, got bool")
     if isinstance(value, (int, float)):
@@ -82,6 +134,7 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
     elif isinstance(value, torch.Tensor):
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point tensor of times, got dtype {value.dtype}")
+        check_not_meta(name, value)
         t = value
         if device is not None and t.device != device:
             t = t.to(device)
@@ -89,19 +142,60 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
             t = t.to(dtype)
     else:
         raise TypeError(f"{name}: expected a float or a float tensor, got {type(value).__name__}")
+    if shape is not None:
+        t = _times_for(name, t, tuple(shape))
     if _VALIDATE and t.numel() > 0:
-        lo, hi = float(t.detach().min()), float(t.detach().max())
-        if open_interval and not (lo > 0.0 and hi < 1.0):
-            raise ValueError(f"{name}: expected times in the open interval (0, 1), got values in [{lo}, {hi}]")
-        if not open_interval and not (lo >= 0.0 and hi < 1.0):
-            raise ValueError(f"{name}: expected times in [0, 1), got values in [{lo}, {hi}]")
+        lo_ok = (t > 0.0) if open_interval else (t >= 0.0)
+        interval = "the open interval (0, 1)" if open_interval else "[0, 1)"
+        fail_if(~(lo_ok & (t < 1.0)).all(), lambda: (
+            f"{name}: expected times in {interval}, got values in [{float(t.detach().min())}, "
+            f"{float(t.detach().max())}]"))
     return t
+
+
+def _times_for(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` shaped to broadcast over tokens of ``shape`` by :data:`TIME_RULE` (a ValueError saying the rule
+    otherwise)."""
+    if t.dim() == 0:
+        return t
+    if t.dim() == 1:
+        rows = shape[0] if shape else 1
+        if t.shape[0] == rows:
+            return t.reshape(rows, *([1] * (len(shape) - 1))) if shape else t.reshape(())
+        if t.shape[0] == 1:
+            return t.reshape([1] * len(shape))
+        raise ValueError(f"{name}: a 1-D t holds one time per row, so its length must be {rows} (the leading dim of "
+                         f"the tokens' shape {shape}), got {t.shape[0]}; for other layouts give t the tokens' number "
+                         f"of dims, e.g. shape {(rows, *([1] * (len(shape) - 1)))}")
+    if t.dim() >= len(shape):  # same dims: must broadcast to the tokens; more dims: a grid of times over them
+        try:
+            out = tuple(torch.broadcast_shapes(t.shape, shape))
+            if t.dim() > len(shape) or out == shape:
+                return t
+        except RuntimeError:
+            pass
+    raise ValueError(f"{name}: got shape {tuple(t.shape)} for tokens of shape {shape}; {TIME_RULE}")
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:
     if _VALIDATE and value.is_floating_point() and value.numel() > 0:
-        if bool(torch.isnan(value.detach()).any()):
-            raise ValueError(f"{name}: contains NaN")
+        fail_if(torch.isnan(value.detach()).any(), lambda: f"{name}: contains NaN")
+
+
+def check_not_meta(name: str, value: torch.Tensor) -> None:
+    """Meta tensors have no values: a clear error instead of a failure deep inside an op."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name}: is on the meta device (no data); materialise it first (e.g. .to_empty(device=...) "
+                         "and load weights for a model, or build the tensor on a real device)")
+
+
+def check_generator(value: object, name: str = "generator") -> torch.Generator | None:
+    """``None`` or a ``torch.Generator`` (an int seed is a common slip: say how to make one)."""
+    if value is None or isinstance(value, torch.Generator):
+        return value
+    hint = f"; use torch.Generator().manual_seed({value})" if isinstance(value, int) and not isinstance(
+        value, bool) else ""
+    raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}{hint}")
 
 
 def check_distribution(name: str, value: object, num_states: int, *, atol: float | None = None) -> torch.Tensor:
@@ -111,16 +205,17 @@ def check_distribution(name: str, value: object, num_states: int, *, atol: float
         raise TypeError(f"{name}: expected a floating-point distribution, got dtype {p.dtype}")
     if p.dim() == 0 or p.shape[-1] != num_states:
         raise ValueError(f"{name}: expected shape (..., {num_states}), got {tuple(p.shape)}")
+    check_not_meta(name, p)
     if _VALIDATE and p.numel() > 0:
-        if bool(torch.isnan(p).any()):
-            raise ValueError(f"{name}: contains NaN")
-        if bool((p < 0).any()):
-            raise ValueError(f"{name}: expected non-negative probabilities, got min {float(p.detach().min())}")
-        if atol is None:
-            atol = 1e-10 if p.dtype == torch.float64 else (1e-4 if p.dtype == torch.float32 else 2e-2)
-        err = float((p.detach().sum(-1) - 1).abs().max())
-        if err > atol:
-            raise ValueError(f"{name}: expected rows summing to 1 along the last dim, worst row is off by {err:.3g}")
+        with batched_checks():
+            fail_if(torch.isnan(p).any(), lambda: f"{name}: contains NaN")
+            fail_if((p < 0).any(), lambda: f"{name}: expected non-negative probabilities, got min "
+                    f"{float(p.detach().min())}")
+            tol = atol if atol is not None else (
+                1e-10 if p.dtype == torch.float64 else (1e-4 if p.dtype == torch.float32 else 2e-2))
+            err = (p.detach().sum(-1) - 1).abs().max()
+            fail_if(err > tol, lambda: f"{name}: expected rows summing to 1 along the last dim, worst row is off by "
+                    f"{float(err):.3g}")
     return p
 
 
@@ -180,3 +275,33 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel") -> None
     if inner.mask_token_id != kernel.mask_id:
         raise ValueError(f"{name}: mask_id={kernel.mask_id} but the model's mask token is {inner.mask_token_id}; "
                          f"build the kernel with mask_id=model.mask_token_id")
+
+
+def model_device(model: Any) -> torch.device | None:
+    """The device of a model's first parameter (inside DDP/FSDP/DeepSpeed/compile wrappers), ``None`` for callables
+    without parameters or models dispatched by accelerate (``hf_device_map``: their parameters may sit elsewhere)."""
+    inner = unwrap_model(model)
+    hf = getattr(inner, "base_model", inner)
+    if getattr(inner, "hf_device_map", None) is not None or getattr(hf, "hf_device_map", None) is not None:
+        return None
+    parameters = getattr(inner, "parameters", None)
+    if not callable(parameters):
+        return None
+    try:
+        return next(iter(parameters())).device
+    except (StopIteration, TypeError):
+        return None
+
+
+def check_model_device(model: Any, name: str, tensor: torch.Tensor) -> None:
+    """``ValueError`` when the model is on the meta device or ``tensor`` (argument ``name``) is on another device than
+    the model's parameters (host metadata only: no sync)."""
+    device = model_device(model)
+    if device is None:
+        return
+    if device.type == "meta":
+        raise ValueError("model: its parameters are on the meta device (no data); materialise it first, e.g. "
+                         "model.to_empty(device=...) and load the weights")
+    if tensor.device != device and not (tensor.device.type == device.type and device.index is None):
+        raise ValueError(f"{name}: is on {tensor.device} but the model's parameters are on {device}; move it with "
+                         f".to({str(device)!r})")

@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _validation as V
 from ._families import Family, family_for, supported_model_types
-from ._validation import check_time, check_token_ids, validation_enabled
+from ._validation import validation_enabled
 
 __all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attention_mask"]
 
@@ -252,34 +253,41 @@ class DiffusionLM(nn.Module):
             raise TypeError(f"x_t: expected a (B, L) int64 tensor of token ids, got {type(x_t).__name__}")
         if x_t.dim() != 2:
             raise ValueError(f"x_t: expected shape (B, L), got {tuple(x_t.shape)}")
-        x_t = check_token_ids("x_t", x_t, self.vocab_size)
         B, L = x_t.shape
-        if t is not None:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"t: expected a ({B},) float tensor, got {type(t).__name__}")
-            if t.shape != (B,):
-                raise ValueError(f"t: expected shape ({B},) (one time per sequence), got {tuple(t.shape)}")
-            t = check_time("t", t, device=x_t.device)
-        elif self.time_conditioning:
-            raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), "
-                             "got None")
+        if B == 0 or L == 0:
+            raise ValueError(f"x_t: expected a non-empty batch (B, L) with B, L >= 1, got {(B, L)}")
+        V.check_model_device(self, "x_t", x_t)
         if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)):
             raise TypeError(f"bidirectional_prob: expected a float in [0, 1], got {type(bidirectional_prob).__name__}")
         gamma = float(bidirectional_prob)
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob}")
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor):
-                raise TypeError(f"attention_mask: expected a ({B}, {L}) tensor, got {type(attention_mask).__name__}")
-            if attention_mask.shape != (B, L):
-                raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
-                                 f"got {tuple(attention_mask.shape)}")
-            attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
-            if validation_enabled():
-                changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 or 0 0 1: at most one
-                if bool((changes > 1).any()):
-                    raise ValueError("attention_mask: expected contiguous padding (all pads on the right or all on "
-                                     "the left of each row), got a row with holes")
+        # every value check in one host sync (none with validation off)
+        with V.batched_checks():
+            x_t = V.check_token_ids("x_t", x_t, self.vocab_size)
+            if t is not None:
+                # the package's time rule: a float, 0-d, (B,) or (B, 1) — one time per sequence, returned as (B,)
+                t = V.check_time("t", t, device=x_t.device, shape=(B, L))
+                if t.dim() == 2 and t.shape[1] != 1:
+                    raise ValueError(f"t: the model takes one time per sequence: a float, shape ({B},) or ({B}, 1), "
+                                     f"got shape {tuple(t.shape)}")
+                t = t.reshape(-1).expand(B) if t.numel() == 1 else t.reshape(B)
+            elif self.time_conditioning:
+                raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), "
+                                 "got None")
+            if attention_mask is not None:
+                if not isinstance(attention_mask, torch.Tensor):
+                    raise TypeError(f"attention_mask: expected a ({B}, {L}) tensor, got "
+                                    f"{type(attention_mask).__name__}")
+                if attention_mask.shape != (B, L):
+                    raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
+                                     f"got {tuple(attention_mask.shape)}")
+                attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
+                if validation_enabled():
+                    changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one
+                    V.fail_if((changes > 1).any(), lambda: (
+                        "attention_mask: expected contiguous padding (all pads on the right or all on the left of "
+                        "each row), got a row with holes"))
         return x_t, t, gamma, attention_mask
 
     def _mask_style(self) -> str:
@@ -376,8 +384,9 @@ class DiffusionLM(nn.Module):
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
             from .losses.fused_linear import fused_linear_diffusion_loss
 
-            h = self.hidden_states(x_t, t, bidirectional_prob=bidirectional_prob, attention_mask=attention_mask,
-                                   generator=generator)
+            x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+            assert t is not None
+            h = self._hidden(x_t, t, gamma, attention_mask, generator)
             return fused_linear_diffusion_loss(
                 h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
                 weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
@@ -396,6 +405,10 @@ class DiffusionLM(nn.Module):
         ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state).
         """
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        return self._hidden(x_t, t, gamma, attention_mask, generator)
+
+    def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float, attention_mask: torch.Tensor | None,
+                generator: torch.Generator | None) -> torch.Tensor:
         kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]

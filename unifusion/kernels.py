@@ -40,6 +40,13 @@ def _check_num_states(num_states: object) -> int:
     return num_states
 
 
+def _broadcast(name_a: str, a: torch.Size, name_b: str, b: torch.Size) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        raise ValueError(f"{name_a}: shape {tuple(a)} does not broadcast with {name_b}'s {tuple(b)}") from None
+
+
 def _check_schedule(schedule: object) -> Schedule:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: expected a unifusion Schedule, got {type(schedule).__name__}")
@@ -68,31 +75,37 @@ class Kernel:
     def marginal(self, x0: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
         """q_{t|0}(·|x0) for token ids ``x0`` ``(...)``, or q_t(·|x_θ) = Σ_z x_θ(z) q_{t|0}(·|z) for a distribution
         ``x0`` ``(..., S)``. Returns ``(..., S)``."""
-        if isinstance(x0, torch.Tensor) and x0.dtype.is_floating_point:
-            p = V.check_distribution("x0", x0, self.num_states)
-            dtype = V.compute_dtype(p, t if isinstance(t, torch.Tensor) else None)
-            t_ = V.check_time("t", t, device=p.device, dtype=dtype)
+        with V.batched_checks():
+            if isinstance(x0, torch.Tensor) and x0.dtype.is_floating_point:
+                p = V.check_distribution("x0", x0, self.num_states)
+                dtype = V.compute_dtype(p, t if isinstance(t, torch.Tensor) else None)
+                t_ = V.check_time("t", t, device=p.device, dtype=dtype, shape=p.shape[:-1])
+                ids = None
+            else:
+                ids = V.check_token_ids("x0", x0, self.num_states)
+                dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+                t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
+        if ids is None:
             return self._propagate(p.to(dtype), t_)
-        ids = V.check_token_ids("x0", x0, self.num_states)
-        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
         return self._propagate(self._one_hot(ids, dtype), t_)
 
     def rate_into(self, x_t: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
         """Forward rates R_t(i, x_t) from every source state i into ``x_t`` ``(...)``; returns ``(..., S)`` with 0 at
         i = x_t. SEDD's Q_t(x_t, i) is the same number (Q_t = R_t^T)."""
-        ids = V.check_token_ids("x_t", x_t, self.num_states)
-        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        with V.batched_checks():
+            ids = V.check_token_ids("x_t", x_t, self.num_states)
+            dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+            t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
         return self._rate_column(ids, t_)
 
     def transition_into(self, x_t: torch.Tensor, s: torch.Tensor | float, t: torch.Tensor | float) -> torch.Tensor:
         """q_{t|s}(x_t | a) for every state a, ``(..., S)``, for 0 ≤ s < t < 1 (s = 0 gives q_{t|0}(x_t|·))."""
-        ids = V.check_token_ids("x_t", x_t, self.num_states)
-        dtype = V.compute_dtype(*(v for v in (s, t) if isinstance(v, torch.Tensor)))
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
-        s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False)
-        self._check_order(s_, t_)
+        with V.batched_checks():
+            ids = V.check_token_ids("x_t", x_t, self.num_states)
+            dtype = V.compute_dtype(*(v for v in (s, t) if isinstance(v, torch.Tensor)))
+            t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
+            s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False, shape=ids.shape)
+            self._check_order(s_, t_)
         return self._column(ids, s_, t_)
 
     def posterior(self, x0_probs: torch.Tensor, x_t: torch.Tensor, s: torch.Tensor | float,
@@ -102,20 +115,24 @@ class Kernel:
         ``x0_probs`` ``(..., S)`` is the model's clean-token distribution (for kernels with a mask state its mask
         entry should be 0), ``x_t`` ``(...)``, 0 ≤ s < t < 1. Returns ``(..., S)`` summing to one.
         """
-        p = V.check_distribution("x0_probs", x0_probs, self.num_states)
-        ids = V.check_token_ids("x_t", x_t, self.num_states)
-        dtype = V.compute_dtype(p, *(v for v in (s, t) if isinstance(v, torch.Tensor)))
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
-        s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False)
-        self._check_order(s_, t_)
+        with V.batched_checks():
+            p = V.check_distribution("x0_probs", x0_probs, self.num_states)
+            ids = V.check_token_ids("x_t", x_t, self.num_states)
+            shape = _broadcast("x_t", ids.shape, "x0_probs", p.shape[:-1])
+            dtype = V.compute_dtype(p, *(v for v in (s, t) if isinstance(v, torch.Tensor)))
+            t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=shape)
+            s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False, shape=shape)
+            self._check_order(s_, t_)
         return self._posterior(p.to(dtype), ids, s_, t_)
 
     def sample(self, x0: torch.Tensor, t: torch.Tensor | float,
                generator: torch.Generator | None = None) -> torch.Tensor:
         """Draw x_t ~ q_{t|0}(·|x0) for token ids ``x0`` ``(...)``; returns int64 ``(...)``."""
-        ids = V.check_token_ids("x0", x0, self.num_states)
-        dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+        generator = V.check_generator(generator)
+        with V.batched_checks():
+            ids = V.check_token_ids("x0", x0, self.num_states)
+            dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
+            t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
         return self._sample(ids, t_, generator)
 
     def prior(self, t: torch.Tensor | float | None = None, *, dtype: torch.dtype = torch.float32,
@@ -131,6 +148,7 @@ class Kernel:
                      generator: torch.Generator | None = None,
                      device: torch.device | str | None = None) -> torch.Tensor:
         """Draw int64 tokens of ``shape`` i.i.d. from :meth:`prior` (at time ``t`` when given)."""
+        generator = V.check_generator(generator)
         dev = torch.device(device) if device is not None else (
             generator.device if generator is not None else torch.device("cpu"))
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
@@ -147,8 +165,8 @@ class Kernel:
 
     @staticmethod
     def _check_order(s: torch.Tensor, t: torch.Tensor) -> None:
-        if V.validation_enabled() and s.numel() and t.numel() and bool((s >= t).any()):
-            raise ValueError("s: expected s < t elementwise (the posterior steps backwards in time)")
+        if V.validation_enabled() and s.numel() and t.numel():
+            V.fail_if((s >= t).any(), lambda: "s: expected s < t elementwise (the posterior steps backwards in time)")
 
     def _posterior(self, p: torch.Tensor, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         numer = self._column(ids, s, t) * self._propagate(p, s)
@@ -220,9 +238,10 @@ class InterpolatingKernel(Kernel):
         if self.mask_id is not None and not self._uniform_over_all:
             support[self.mask_id] = 0.0
         m = (b / self._unif_count()).unsqueeze(-1) * support
-        if self.mask_id is not None:
-            m = m + a.unsqueeze(-1) * torch.nn.functional.one_hot(
-                torch.tensor(self.mask_id, device=a.device), S).to(a.dtype)
+        if self.mask_id is not None:  # e_mask by indexing (one_hot would read its input back to check the range)
+            e_mask = torch.zeros(S, dtype=a.dtype, device=a.device)
+            e_mask[self.mask_id] = 1.0
+            m = m + a.unsqueeze(-1) * e_mask
         return m
 
     def _noise_at(self, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -50,9 +50,10 @@ def _check_row(name: str, row: object, x_t: torch.Tensor, num_states: int) -> to
 
 def _setup(kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor | float,
            *rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    ids = V.check_token_ids("x_t", x_t, kernel.num_states)
-    dtype = V.compute_dtype(*rows, t if isinstance(t, torch.Tensor) else None)
-    t_ = V.check_time("t", t, device=ids.device, dtype=dtype)
+    with V.batched_checks():
+        ids = V.check_token_ids("x_t", x_t, kernel.num_states)
+        dtype = V.compute_dtype(*rows, t if isinstance(t, torch.Tensor) else None)
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
     return ids, t_, dtype
 
 

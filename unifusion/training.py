@@ -11,6 +11,7 @@ losses together with the token count, so a multi-GPU loop can divide by its *glo
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    generator = V.check_generator(generator)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min: expected a float in (0, 1), got {t_min!r}")
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
@@ -132,6 +134,17 @@ def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t:
     return native.ctmc_loss(heads[0], heads[1], x0, x_t, t, kernel)
 
 
+def _times_per_sequence(t: object, x0: torch.Tensor) -> torch.Tensor:
+    """Times of :func:`diffusion_loss` as ``(B,)``: one per sequence. Accepts a float, a 0-d tensor, ``(B,)`` or
+    ``(B, 1)`` (the package's time rule, :data:`unifusion._validation.TIME_RULE`; per-position times are not)."""
+    B, L = x0.shape
+    t_ = V.check_time("t", t, device=x0.device, shape=(B, L))
+    if t_.dim() == 2 and t_.shape[1] != 1:
+        raise ValueError(f"t: diffusion_loss takes one time per sequence: a float, shape ({B},) or ({B}, 1), got "
+                         f"shape {tuple(t_.shape)}")
+    return t_.reshape(-1).expand(B) if t_.numel() == 1 else t_.reshape(B)
+
+
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                    step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
@@ -156,7 +169,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             the paper's Fig. 2 comparison).
         attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
         generator: randomness for times, corruption and the annealed mask.
-        t: optional fixed times ``(B,)``; otherwise :func:`sample_times` (low-discrepancy, t ∈ [t_min, 1)).
+        t: optional fixed times, one per sequence: a float, ``(B,)`` or ``(B, 1)``; otherwise :func:`sample_times`
+            (low-discrepancy, t ∈ [t_min, 1)).
         weighting: GIDD weighting ``"elbo"``, ``"clip"`` or ``"dynamic"`` (objective ``"gidd"`` only).
         max_weight: upper clip of the GIDD weights.
         t_min: smallest sampled time.
@@ -185,26 +199,29 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if weighting != "elbo" and objective != "gidd":
         raise ValueError(f"weighting: only objective='gidd' supports {weighting!r}; the others are ELBO-weighted")
     kernel = _check_kernel(kernel)
+    generator = V.check_generator(generator)
+    V.check_model_kernel(model, kernel)
     x0 = V.check_tensor("x0", x0)
     if x0.dim() != 2:
         raise ValueError(f"x0: expected clean tokens of shape (B, L), got {tuple(x0.shape)}")
-    x0 = V.check_token_ids("x0", x0, kernel.num_states)
     B, L = x0.shape
-    if attention_mask is not None:
-        attention_mask = V.check_tensor("attention_mask", attention_mask)
-        if tuple(attention_mask.shape) != (B, L):
-            raise ValueError(f"attention_mask: expected shape {(B, L)} like x0, got {tuple(attention_mask.shape)}")
-        valid = attention_mask.to(torch.bool)
-    else:
-        valid = torch.ones_like(x0, dtype=torch.bool)
-
+    if B == 0 or L == 0:
+        raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got {(B, L)}")
+    V.check_model_device(model, "x0", x0)
+    # every value check of the step in one host sync, then kernel, model and loss run unchecked
+    with V.batched_checks():
+        x0 = V.check_token_ids("x0", x0, kernel.num_states)
+        if attention_mask is not None:
+            attention_mask = V.check_tensor("attention_mask", attention_mask)
+            if tuple(attention_mask.shape) != (B, L):
+                raise ValueError(f"attention_mask: expected shape {(B, L)} like x0, got {tuple(attention_mask.shape)}")
+        if t is not None:
+            t = _times_per_sequence(t, x0)
+    valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
     if t is None:
         t = sample_times(B, t_min=t_min, generator=generator, device=x0.device)
-    else:
-        t = V.check_time("t", t, device=x0.device)
-        if tuple(t.shape) != (B,):
-            raise ValueError(f"t: expected shape ({B},), got {tuple(t.shape)}")
-    x_t = kernel.sample(x0, t[:, None], generator=generator)
+    with V.validation(False):
+        x_t = kernel.sample(x0, t, generator=generator)  # t (B,): one time per row
     x_t = torch.where(valid, x_t, x0)
 
     if bidirectional_prob is None:
@@ -222,26 +239,31 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             f"fused: needs a DiffusionLM (hidden states + output head), got {type(V.unwrap_model(model)).__name__}")
     if fused and head == "mu":
         raise ValueError("fused: head='mu' is not an x0 head; use fused=False")
+    if step is not None and bidirectional_prob is None and not _is_diffusion_lm(model):
+        warnings.warn(f"step: the model ({type(V.unwrap_model(model)).__name__}) is not a DiffusionLM and cannot "
+                      "anneal its attention; step is ignored", stacklevel=2)
     if fused:
         # padded positions weighted 0: exactly 0 loss, and no gradient work for them in the fused backward
-        loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                     x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
-                     position_weight=None if attention_mask is None else valid)
+        with V.validation(False):
+            loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
+                         x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
+                         position_weight=None if attention_mask is None else valid)
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
-    if _is_diffusion_lm(model):
-        logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
-    else:
-        logits = model(x_t, t)
+    with V.validation(False):
+        if _is_diffusion_lm(model):
+            logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
+        else:
+            logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(
             f"model: expected logits of shape {(B, L, kernel.num_states)} (num_states = kernel's), got {got}")
 
+    # bf16 logits go to the loss as they are: it computes in float32 internally (no (B, L, V) float32 copy)
     dtype = V.compute_dtype(logits)
     t_pos = t.to(dtype)[:, None].expand(B, L)
-    logits = logits.to(dtype)
     with V.validation(False):  # inputs were validated above; skip the syncing re-checks inside
         if head == "mu":
             loss = native.m2s_loss(logits, x0, x_t, t_pos, kernel)

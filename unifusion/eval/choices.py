@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._validation import check_token_ids
+from .._validation import check_model_kernel, check_token_ids
 from ..kernels import InterpolatingKernel, Kernel
 from ..rates import x0_log_probs
 from .quality import _check_positive_int, _logits_of, _model_device, _progress
@@ -100,10 +100,8 @@ def _as_choices(choices_ids: object, num_states: int) -> list[torch.Tensor]:
 
 
 def _num_states(model: Any, kernel: Kernel) -> int:
-    n = getattr(model, "num_states", None)
-    if isinstance(n, int) and n != kernel.num_states:
-        raise ValueError(f"kernel: has {kernel.num_states} states but the model predicts {n}; build the kernel with "
-                         f"num_states=model.num_states")
+    """The kernel's state count, after checking that model and kernel agree (states, mask token)."""
+    check_model_kernel(model, kernel)
     return kernel.num_states
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._validation import check_model_kernel
 from ..kernels import Kernel
 from .quality import (
     _check_positive_int,
@@ -186,9 +187,7 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
     if not isinstance(label, str) or not label:
         raise ValueError(f"label: expected a non-empty string, got {label!r}")
-    n_model = getattr(model, "num_states", None)
-    if isinstance(n_model, int) and n_model != kernel.num_states:
-        raise ValueError(f"kernel: has {kernel.num_states} states but the model predicts {n_model}")
+    check_model_kernel(model, kernel)
     sampler_kwargs = dict(sampler_kwargs or {})
     ent_tok = entropy_tokenizer if entropy_tokenizer is not None else gpt2_tokenizer()
     out = Path(out_dir)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Literal
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -198,12 +199,17 @@ def _live(rows: _Rows, omega: torch.Tensor) -> torch.Tensor:
 
 def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The most common incoming gradient c over the live positions (0-d) and the live positions where g ≠ c
-    (int64 indices). Reads the gradient on the host once (a device sync)."""
-    g_live = g[live]
-    if g_live.numel() == 0:
-        return torch.zeros((), dtype=g.dtype, device=g.device), g_live.new_empty(0, dtype=torch.long)
-    c = torch.mode(g_live).values
-    return c, torch.nonzero(live & (g != c)).squeeze(-1)
+    (int64 indices). Reads (g, live) on the host in one transfer: the backward's one device sync (the index set has a
+    data-dependent size); the indices go back as a host-to-device copy."""
+    host = torch.stack((g.detach(), live.to(g.dtype))).cpu().numpy()  # (2, N), the one sync
+    g_host, live_host = host[0], host[1] != 0
+    if not live_host.any():
+        return torch.zeros((), dtype=g.dtype, device=g.device), torch.empty(0, dtype=torch.long, device=g.device)
+    values, counts = np.unique(g_host[live_host], return_counts=True)
+    c = values[counts.argmax()]
+    others = np.flatnonzero(live_host & (g_host != c))
+    return (torch.tensor(c, dtype=g.dtype, device=g.device),
+            torch.from_numpy(others).to(device=g.device, non_blocking=True))
 
 
 def _recompute(ctx, grads: _Grads, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -8,7 +8,7 @@ Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_F
 generate, or a pair ``(ids, keep_mask)``.
 """
 
-from ._common import PROMPT_FILL
+from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .euler import PARAMETERIZATIONS, EulerSampler, x0_model_as
 

@@ -24,13 +24,10 @@ import torch
 from .. import _compile
 from .. import _validation as V
 from ..kernels import InterpolatingKernel, Kernel
-from ._common import (
-    BLOCK_SIZE,
-    COMPILE_MIN_STATES,
+from ._draws import BLOCK_SIZE, COMPILE_MIN_STATES, x0_weights
+from ._setup import (
     ModelFn,
     apply_prompt,
-    bayesian_step,
-    bayesian_step_from_logits,
     check_dtype,
     check_eps,
     check_head_shape,
@@ -39,8 +36,8 @@ from ._common import (
     check_positive_int,
     check_sampling_options,
     start_run,
-    x0_weights,
 )
+from ._step import bayesian_step, bayesian_step_from_logits
 
 __all__ = ["BayesianSampler"]
 
@@ -55,7 +52,7 @@ class BayesianSampler:
             :class:`~unifusion.adapters.DiffusionLM` qualifies (it attends bidirectionally by default). The logit of
             a mask state is ignored (x_θ puts 0 there). bf16 logits are upcast.
         kernel: the forward kernel the model was trained with. Uniform, mask and hybrid kernels take the O(V) mixture
-            step (see :mod:`unifusion.samplers._common`); other kernels (:class:`~unifusion.GeneratorKernel`) use
+            step (see :mod:`unifusion.samplers._step`); other kernels (:class:`~unifusion.GeneratorKernel`) use
             the dense posterior through the kernel's hooks, O(S²) per position.
         num_steps: N ≥ 1, the number of model calls.
         eps: ε in (0, 1); the first step starts at t_0 = 1 − ε.
@@ -68,8 +65,13 @@ class BayesianSampler:
             ignores t.** Costs one host-device synchronisation per step (to decide whether to call the model).
 
     Randomness: every draw takes the ``generator`` passed to :meth:`sample`; a given generator state gives the same
-    tokens. No step reads a tensor back to the host (unless ``cache_unchanged``; a model's own validation of its
-    inputs follows :func:`unifusion.set_validation`).
+    tokens. Arguments and the prompt are validated once per :meth:`sample` call (one host sync, plus one for the first
+    model output); no step reads a tensor back to the host (unless ``cache_unchanged``): the model is called with
+    validation off, since the sampler's tokens and times are valid by construction.
+
+    The kernel must fit the model: with a :class:`~unifusion.DiffusionLM`, the same number of states and, for mask
+    and hybrid kernels, the model's mask token (a ``ValueError`` names both ids otherwise). ``top_k`` is at most the
+    number of states.
     """
 
     def __init__(self, model: ModelFn, kernel: Kernel, num_steps: int, *, eps: float = 1e-3, temperature: float = 1.0,
@@ -79,7 +81,8 @@ class BayesianSampler:
         self.kernel = check_kernel(kernel)
         self.num_steps = check_positive_int("num_steps", num_steps)
         self.eps = check_eps(eps)
-        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p)
+        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
+                                                                          self.kernel.num_states)
         self.dtype = check_dtype(dtype)
         if not isinstance(cache_unchanged, bool):
             raise TypeError(f"cache_unchanged: expected a bool, got {type(cache_unchanged).__name__}")
@@ -124,9 +127,10 @@ class BayesianSampler:
                 t, s = ts[n], ts[n + 1]
                 if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
                     head = None  # let the last step's logits go before the model allocates the next ones
-                    head = self.model(x, t.expand(B))
+                    with V.validation(False):  # the sampler's own tokens and times: valid by construction
+                        head = self.model(x, t.expand(B))
                     x_seen = x
-                if n == 0:  # first step: check the model's output once
+                if n == 0:  # first step: check the model's output once (the run's last host sync)
                     head = check_head_shape("model", head, B, L, S)
                     V.check_finite("model output", head)
                 if direct and (S < COMPILE_MIN_STATES or _compile.get_backend() == "compiled"):

@@ -46,11 +46,10 @@ from .._math import safe_log
 from ..conversions import convert_x0_to
 from ..kernels import GeneratorKernel, InterpolatingKernel, Kernel
 from ..rates import ReverseRate, x0_log_probs
-from ._common import (
-    BLOCK_SIZE,
+from ._draws import BLOCK_SIZE, sample_weights, x0_weights
+from ._setup import (
     ModelFn,
     apply_prompt,
-    bayesian_step,
     check_dtype,
     check_eps,
     check_head_shape,
@@ -58,11 +57,9 @@ from ._common import (
     check_model,
     check_positive_int,
     check_sampling_options,
-    posterior_mixture,
-    sample_weights,
     start_run,
-    x0_weights,
 )
+from ._step import bayesian_step, posterior_mixture
 
 __all__ = ["EulerSampler", "PARAMETERIZATIONS", "x0_model_as", "reverse_rate_from_head", "euler_step_probs",
            "clean_distribution_from_head"]
@@ -70,6 +67,12 @@ __all__ = ["EulerSampler", "PARAMETERIZATIONS", "x0_model_as", "reverse_rate_fro
 PARAMETERIZATIONS = ("x0", "sedd", "m2s", "ctmc")
 
 Callback = Callable[[int, float, torch.Tensor], object]
+
+
+def _is_diffusion_lm(model: object) -> bool:
+    from ..adapters import DiffusionLM  # local: adapters may import the samplers
+
+    return isinstance(V.unwrap_model(model), DiffusionLM)
 
 
 def _check_parameterization(parameterization: object) -> str:
@@ -229,8 +232,9 @@ class EulerSampler:
         dtype: ``torch.float32`` or ``torch.float64`` for the rate arithmetic.
         final_step: ``"sample"`` (default) draws the last step from the posterior; ``"argmax"`` takes its mode.
 
-    Value checks inside the :class:`~unifusion.ReverseRate` constructors synchronise with the device once per step;
-    turn them off with ``uf.set_validation(False)`` for speed.
+    Arguments, the prompt and the first model output are validated once per :meth:`sample` call; the steps run with
+    validation off, so none synchronises with the device. A :class:`~unifusion.DiffusionLM` outputs x0 logits: other
+    parameterizations need it wrapped by :func:`x0_model_as`.
     """
 
     def __init__(self, model: ModelFn, kernel: Kernel, num_steps: int, *, parameterization: str = "x0",
@@ -241,7 +245,8 @@ class EulerSampler:
         self.num_steps = check_positive_int("num_steps", num_steps)
         self.parameterization = _check_parameterization(parameterization)
         self.eps = check_eps(eps)
-        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p)
+        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
+                                                                          self.kernel.num_states)
         if parameterization != "x0":
             for name, value, default in (("temperature", self.temperature, 1.0), ("top_k", self.top_k, None),
                                          ("top_p", self.top_p, None)):
@@ -249,6 +254,11 @@ class EulerSampler:
                     raise ValueError(f"{name}: only supported with parameterization='x0' (it acts on x0 logits), "
                                      f"got {name}={value} with parameterization={parameterization!r}")
         self.dtype = check_dtype(dtype)
+        if self.parameterization != "x0" and _is_diffusion_lm(model):
+            raise ValueError(f"parameterization: a DiffusionLM outputs x0 logits, got parameterization="
+                             f"{self.parameterization!r}; use parameterization='x0', or sample its "
+                             f"{self.parameterization} head with uf.samplers.x0_model_as(model, kernel, "
+                             f"{self.parameterization!r})")
         if final_step not in ("sample", "argmax"):
             raise ValueError(f"final_step: expected 'sample' or 'argmax', got {final_step!r}")
         self.final_step = final_step
@@ -292,18 +302,26 @@ class EulerSampler:
         with torch.no_grad():
             for n in run.steps:
                 t = ts[n]
-                head = self._check_head(self.model(x, t.expand(B)), B, L)
+                with V.validation(False):  # the sampler's own tokens and times: valid by construction
+                    head = self.model(x, t.expand(B))
+                head = self._check_head(head, B, L)
+                if n == 0:  # the run's one value check of the model output (both parts of a CTMC head at once)
+                    with V.batched_checks():
+                        for h in head if isinstance(head, (tuple, list)) else (head,):
+                            V.check_finite("model output", h)
                 if self.parameterization == "x0":
                     if workspace is None:
                         workspace = torch.empty((B, L, S), dtype=dtype, device=dev)
                     head = self._x0_logits(head, workspace)
                 if n < N - 1:
-                    rate = reverse_rate_from_head(self.parameterization, head, kernel, x, t)
+                    with V.validation(False):  # no per-step host syncs (the head was checked at the first step)
+                        rate = reverse_rate_from_head(self.parameterization, head, kernel, x, t)
                     probs = euler_step_probs(rate.rates.to(dtype), x, t - ts[n + 1])
                     u = torch.rand((B, L, 2), generator=generator, device=dev, dtype=dtype)
                     x_new = sample_weights(probs, u, block_size=BLOCK_SIZE)[0]
                 else:
-                    p0 = clean_distribution_from_head(self.parameterization, head, kernel, x, t, dtype)
+                    with V.validation(False):
+                        p0 = clean_distribution_from_head(self.parameterization, head, kernel, x, t, dtype)
                     x_new = final_step(p0, x, kernel, t, generator, argmax=self.final_step == "argmax")
                 x = apply_prompt(x_new, kept)
                 if callback is not None and callback(n + 1, t_host[n + 1], x) is True:
