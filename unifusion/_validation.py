@@ -123,9 +123,9 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
 
     With ``shape`` (the tokens' shape, e.g. ``(B, L)``) the one rule for times applies (:data:`TIME_RULE`): a float
     or 0-d tensor is one time for every token; a 1-D tensor is one time per row and must have length B (returned as
-    ``(B, 1, ...)``, so it broadcasts along the positions even when B == L); otherwise the tensor must have as many
-    dims as the tokens and broadcast to their shape (``(B, 1)``, ``(B, L)``, ``(1, L)``, ...), or more dims (a grid
-    of times over the tokens, broadcast as usual). Fewer dims than the tokens but more than one is an error.
+    ``(B, 1, ...)``, so it broadcasts along the positions even when B == L); otherwise the tensor must have at least
+    as many dims as the tokens and broadcast with their shape as usual (``(B, 1)``, ``(B, L)``, ``(1, L)``, or a grid
+    of times such as ``(T, 1)`` against tokens ``(1, L)``). Fewer dims than the tokens but more than one is an error.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a float or a float tensor, got bool")
@@ -167,11 +167,10 @@ def _times_for(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
         raise ValueError(f"{name}: a 1-D t holds one time per row, so its length must be {rows} (the leading dim of "
                          f"the tokens' shape {shape}), got {t.shape[0]}; for other layouts give t the tokens' number "
                          f"of dims, e.g. shape {(rows, *([1] * (len(shape) - 1)))}")
-    if t.dim() >= len(shape):  # same dims: must broadcast to the tokens; more dims: a grid of times over them
+    if t.dim() >= len(shape):  # as many dims or more: broadcast as usual (e.g. (B, 1), or a grid of times (T, 1))
         try:
-            out = tuple(torch.broadcast_shapes(t.shape, shape))
-            if t.dim() > len(shape) or out == shape:
-                return t
+            torch.broadcast_shapes(t.shape, shape)
+            return t
         except RuntimeError:
             pass
     raise ValueError(f"{name}: got shape {tuple(t.shape)} for tokens of shape {shape}; {TIME_RULE}")

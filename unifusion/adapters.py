@@ -268,7 +268,7 @@ class DiffusionLM(nn.Module):
             if t is not None:
                 # the package's time rule: a float, 0-d, (B,) or (B, 1) — one time per sequence, returned as (B,)
                 t = V.check_time("t", t, device=x_t.device, shape=(B, L))
-                if t.dim() == 2 and t.shape[1] != 1:
+                if t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1) or t.numel() not in (1, B):
                     raise ValueError(f"t: the model takes one time per sequence: a float, shape ({B},) or ({B}, 1), "
                                      f"got shape {tuple(t.shape)}")
                 t = t.reshape(-1).expand(B) if t.numel() == 1 else t.reshape(B)
