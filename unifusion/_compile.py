@@ -1,32 +1,49 @@
-"""How unifusion's fused hot paths run: ``torch.compile``-fused (default) or eagerly (private machinery + switch).
+"""How unifusion's fused hot paths run: eager first, compiled once it pays, never a stall (machinery + switch).
 
 The fast x0-head losses (:mod:`unifusion.losses.fast`, :func:`~unifusion.losses.fused_linear_diffusion_loss`) and
 the samplers' per-step vocabulary pass are pure tensor functions. Compiled, Inductor fuses each into a few
-cache-resident loops per row; eagerly the same functions run op by op (block by block where that bounds memory).
-Both give the same values to float rounding.
+cache-resident loops per row; eagerly the same functions run op by op. Both give the same values to float rounding.
+Compiling costs seconds to a minute per configuration (dtype, device, kernel family) on a CPU.
 
-:func:`set_backend` picks one for the process; the environment variable ``UNIFUSION_BACKEND`` sets the initial
-value. If compiling fails (no C++ compiler, no Triton, an unsupported device), the call is rerun eagerly, one
+Backends (:func:`set_backend`, or the environment variable ``UNIFUSION_BACKEND``):
+
+* ``"auto"`` (default): a configuration runs eagerly until it has been used :data:`AUTO_MIN_CALLS` times with at least
+  :data:`AUTO_MIN_WORK` logits per call — work that a compiled copy repays. It is then compiled **in a background
+  thread** on a small copy of a real call's arguments, while the caller goes on eagerly; later calls use the compiled
+  copy once it is ready. Small or one-off work (a tutorial, a test) never compiles, and a training loop never waits.
+  :func:`wait_for_compilation` blocks until pending compilations are done (benchmarks, before timing).
+* ``"compiled"``: compile on the first call of each configuration, in the caller's thread (the first call waits).
+* ``"eager"``: never compile (no compiler needed).
+
+If compiling fails (no C++ compiler, no Triton, an unsupported device), the call is served eagerly, one
 ``RuntimeWarning`` says so, and the process stays eager. Inside a caller's own ``torch.compile`` region the
-functions are traced inline.
+functions are traced inline. :func:`compile_stats` reports how many configurations compiled and how long that took.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["set_backend", "get_backend"]
+__all__ = ["set_backend", "get_backend", "wait_for_compilation", "compile_stats"]
 
-BACKENDS = ("compiled", "eager")
-_state = {"backend": os.environ.get("UNIFUSION_BACKEND", "compiled")}
+BACKENDS = ("auto", "compiled", "eager")
+_state = {"backend": os.environ.get("UNIFUSION_BACKEND", "auto")}
 if _state["backend"] not in BACKENDS:
     raise ValueError(f"UNIFUSION_BACKEND: expected one of {BACKENDS}, got {_state['backend']!r}")
+
+AUTO_MIN_CALLS = 2
+"""``"auto"``: calls of one configuration (each with at least :data:`AUTO_MIN_WORK` logits) before it compiles."""
+AUTO_MIN_WORK = 1 << 20
+"""``"auto"``: logits (elements) per call below which a call does not count towards compiling (~1M: a few ms)."""
+
 _cache: dict[tuple, Callable] = {}
 _lock = threading.Lock()
 # what a failed compilation raises (Dynamo/Inductor wrap backend failures; a missing compiler or Triton shows up as
@@ -34,12 +51,31 @@ _lock = threading.Lock()
 _COMPILER_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError, NotImplementedError)
 
 
-def set_backend(backend: Literal["compiled", "eager"]) -> None:
-    """Run the fused hot paths (fast losses, sampler steps) ``"compiled"`` (default) or ``"eager"``.
+@dataclass
+class _Auto:
+    """One configuration under ``"auto"``: how often it ran, and its background compilation."""
 
-    ``"compiled"`` costs a one-off compilation per dtype, device and kernel family (seconds to tens of seconds on a
-    CPU, cached on disk by Inductor) and then runs the losses at or below the cost of a cross-entropy.
-    ``"eager"`` needs no compiler. Same values either way, to float rounding.
+    calls: int = 0
+    thread: threading.Thread | None = None
+    ready: Callable | None = None  # the compiled copy, once its warm-up call has run
+    seconds: float = 0.0
+
+
+_auto: dict[tuple, _Auto] = {}
+GLOBAL_STATE_LOCK = threading.Lock()
+"""Held by a background compilation for its whole duration: Dynamo guards on global torch state read while tracing
+(e.g. ``torch.get_num_threads()``), so code that changes such state temporarily (the eager loss's threaded blocks) takes
+this lock without blocking and, when it is held, runs without changing it."""
+_failed: list[BaseException] = []  # a background compilation's error, reported by the next call in the main thread
+
+
+def set_backend(backend: Literal["auto", "compiled", "eager"]) -> None:
+    """Run the fused hot paths (fast losses, sampler steps) ``"auto"`` (default), ``"compiled"`` or ``"eager"``.
+
+    ``"auto"`` compiles a configuration in the background once it has been used enough to repay it (see the module
+    docstring) and never makes a call wait for a compiler; ``"compiled"`` compiles on the first call (seconds to tens
+    of seconds on a CPU, cached on disk by Inductor); ``"eager"`` needs no compiler. Same values either way, to float
+    rounding.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -47,13 +83,35 @@ def set_backend(backend: Literal["compiled", "eager"]) -> None:
 
 
 def get_backend() -> str:
-    """The backend chosen by :func:`set_backend` (``"compiled"`` or ``"eager"``)."""
+    """The backend chosen by :func:`set_backend` (``"auto"``, ``"compiled"`` or ``"eager"``)."""
     return _state["backend"]
+
+
+def wait_for_compilation(timeout: float | None = None) -> bool:
+    """Block until the background compilations started by ``"auto"`` have finished; ``True`` if none is left
+    running (``timeout`` in seconds, ``None`` waits as long as it takes)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _lock:
+        threads = [a.thread for a in _auto.values() if a.thread is not None]
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def compile_stats() -> dict[str, Any]:
+    """``{"compiled": n, "pending": n, "seconds": s}``: configurations compiled in the background so far, those
+    still compiling, and the seconds their compilation took (wall time of the background threads)."""
+    with _lock:
+        entries = list(_auto.values())
+    return {"compiled": sum(a.ready is not None for a in entries),
+            "pending": sum(a.thread is not None and a.thread.is_alive() for a in entries),
+            "seconds": round(sum(a.seconds for a in entries), 3)}
 
 
 # Inductor options of every compiled hot path. With dynamic shapes one compiled kernel serves every size, but its C++
 # loops are made serial when the sizes of the first call (or of whichever process first filled Inductor's on-disk
 # cache with the same graph, a unit test say) were small; chunk size 1 keeps them parallel over rows at any size.
+# This is also what lets "auto" compile on a two-row copy of a call's arguments.
 BASE_OPTIONS: dict[str, Any] = {"cpp.min_chunk_size": 1}
 
 
@@ -78,19 +136,78 @@ def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) ->
     return out
 
 
-def run(fn: Callable, key: tuple, compiled_call: Callable[[Callable], Any], eager_call: Callable[[], Any],
-        options: dict[str, Any] | None = None) -> Any:
-    """``compiled_call(compiled fn)`` on the compiled backend, ``eager_call()`` on the eager one. A compilation
-    failure reruns eagerly, warns once and switches the process to eager. (Callers trace ``fn`` inline themselves
-    when ``torch.compiler.is_compiling()``.)
+def _fail(err: BaseException) -> None:
+    warnings.warn(f"unifusion: torch.compile failed ({type(err).__name__}: {err}); running eagerly from now on "
+                  "(unifusion.set_backend('eager') skips compiling)", RuntimeWarning, stacklevel=4)
+    _state["backend"] = "eager"
+
+
+def ready(fn: Callable, key: tuple, *, work: int, warmup: Callable[[Callable], Any] | None,
+          options: dict[str, Any] | None = None) -> Callable | None:
+    """The compiled copy of ``fn`` for ``key`` if the caller should use it now, else ``None`` (run eagerly).
+
+    ``"compiled"``: always the compiled copy (compiling on first use). ``"eager"``: never. ``"auto"``: counts this use
+    (``work`` = logits it processes); once the configuration has :data:`AUTO_MIN_CALLS` uses of at least
+    :data:`AUTO_MIN_WORK`, starts compiling it in a background thread by calling ``warmup(compiled_fn)`` (which must
+    run the compiled function on small inputs of the same structure: dtypes, devices, flags, contiguity, and leading
+    sizes capped at 2 so Dynamo specialises exactly as for the real call), and returns the compiled copy once that
+    warm-up has finished.
     """
-    if _state["backend"] != "compiled":
+    if _failed:
+        _fail(_failed.pop())
+    backend = _state["backend"]
+    if backend == "eager":
+        return None
+    if backend == "compiled":
+        return compiled(fn, key, options)
+    full_key = (fn.__module__, fn.__qualname__) + key
+    with _lock:
+        entry = _auto.setdefault(full_key, _Auto())
+        if entry.ready is not None:
+            return entry.ready
+        if warmup is None or entry.thread is not None or work < AUTO_MIN_WORK:
+            return None
+        entry.calls += 1
+        if entry.calls < AUTO_MIN_CALLS:
+            return None
+        entry.thread = threading.Thread(target=_compile_in_background, args=(entry, fn, key, options, warmup),
+                                        name=f"unifusion-compile-{fn.__name__}", daemon=True)
+    entry.thread.start()
+    return None
+
+
+def _compile_in_background(entry: _Auto, fn: Callable, key: tuple, options: dict[str, Any] | None,
+                           warmup: Callable[[Callable], Any]) -> None:
+    start = time.perf_counter()
+    if hasattr(os, "setpriority"):  # Linux: lower this thread's priority (and that of the compiler processes it
+        try:                        # starts) so the caller's eager work keeps the CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+    try:
+        compiled_fn = compiled(fn, key, options)
+        with GLOBAL_STATE_LOCK, torch.no_grad():
+            warmup(compiled_fn)
+    except _COMPILER_ERRORS as err:  # reported by the next call (warnings from this thread may go unseen)
+        _failed.append(err)
+        return
+    finally:
+        entry.seconds = time.perf_counter() - start
+    entry.ready = compiled_fn
+
+
+def run(fn: Callable, key: tuple, compiled_call: Callable[[Callable], Any], eager_call: Callable[[], Any],
+        options: dict[str, Any] | None = None, *, work: int = 0,
+        warmup: Callable[[Callable], Any] | None = None) -> Any:
+    """``compiled_call(compiled fn)`` when :func:`ready` says so, else ``eager_call()``. A compilation failure in
+    the caller's thread reruns eagerly, warns once and switches the process to eager. (Callers trace ``fn`` inline
+    themselves when ``torch.compiler.is_compiling()``.)"""
+    fn_c = ready(fn, key, work=work, warmup=warmup, options=options)
+    if fn_c is None:
         return eager_call()
     try:
-        return compiled_call(compiled(fn, key, options))
+        return compiled_call(fn_c)
     except _COMPILER_ERRORS as err:
         out = eager_call()  # bad inputs raise here too, and the backend stays as it is
-        warnings.warn(f"unifusion: torch.compile failed ({type(err).__name__}: {err}); running eagerly from now on "
-                      "(unifusion.set_backend('eager') skips compiling)", RuntimeWarning, stacklevel=3)
-        _state["backend"] = "eager"
+        _fail(err)
         return out

@@ -8,13 +8,13 @@ so :func:`run` calls a loss pass on blocks of rows small enough for that buffer 
 from saved statistics (one loop per row) and everything on GPUs run on all rows at once. That is what puts the loss
 at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs on smaller blocks.
 
-Backends: :func:`unifusion.set_backend` (``"compiled"`` by default, ``"eager"``; see :mod:`unifusion._compile`).
+Backends: :func:`unifusion.set_backend` (``"auto"`` by default: eager first, compiled in the background once a
+configuration repeats with enough work; ``"compiled"``; ``"eager"``; see :mod:`unifusion._compile`).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +24,6 @@ from .. import _compile
 from .._math import bregman_g, expm1_minus_x
 
 __all__ = ["loss_and_grad", "run", "x_minus_log1p"]
-
-_THREAD_LOCK = threading.Lock()
 
 # eager backend: elements per block of rows processed at once (a few MB of temporaries; fits the caches)
 EAGER_BLOCK_ELEMENTS = 1 << 18
@@ -292,7 +290,25 @@ def _run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | No
         lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out),
         lambda: _blocks(loss_and_grad, EAGER_BLOCK_ELEMENTS, True, logits, rows, mask_id, grad_scale, stats, flags,
                         grad_out),
-        options=_INDUCTOR_OPTIONS)
+        options=_INDUCTOR_OPTIONS, work=logits.numel(),
+        warmup=lambda fn: _warmup(fn, logits, rows, mask_id, grad_scale, stats, flags, grad_out, in_place))
+
+
+def _warmup(fn: Callable, logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None,
+            grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None, flags: tuple,
+            grad_out: torch.Tensor | None, in_place: bool) -> None:
+    """Call ``fn`` (a compiled :func:`loss_and_grad`) on a copy of the first rows of a real call — at most two, so
+    Dynamo specialises sizes 0/1 exactly as for the call itself — with the same dtypes, strides and in-place
+    relation between the gradient and the logits. What ``"auto"`` compiles in the background."""
+    n = min(logits.shape[0], 2)
+    warm = torch.empty_strided((n, logits.shape[1]), logits.stride(), dtype=logits.dtype, device=logits.device)
+    warm.copy_(logits[:n]).requires_grad_(logits.requires_grad)  # Dynamo guards on requires_grad too
+    grad = None
+    if grad_out is not None:
+        grad = warm if in_place else torch.empty_strided((n, grad_out.shape[1]), grad_out.stride(),
+                                                         dtype=grad_out.dtype, device=grad_out.device)
+    cut = (lambda x: None if x is None else tuple(v[:n].clone() for v in x))
+    fn(warm, cut(rows), mask_id, None if grad_scale is None else grad_scale[:n].clone(), cut(stats), grad, *flags)
 
 
 def _put(grad: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
@@ -342,11 +358,13 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
 
     workers = torch.get_num_threads() if threaded and logits.device.type == "cpu" else 1
     workers = max(1, min(workers, N // (2 * R)))
-    if workers == 1:
+    # the thread pool sets the process's thread count to 1 for its duration: not while a background compilation
+    # traces (it would record that count in its guards), so then run the blocks in this thread instead
+    if workers == 1 or not _compile.GLOBAL_STATE_LOCK.acquire(blocking=False):
         work(0, N)
         return loss, grad, out_stats
     bounds = [N * i // workers for i in range(workers + 1)]
-    with _THREAD_LOCK:
+    try:
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -355,4 +373,6 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
                     job.result()
         finally:
             torch.set_num_threads(previous)
+    finally:
+        _compile.GLOBAL_STATE_LOCK.release()
     return loss, grad, out_stats

@@ -129,6 +129,29 @@ def block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float
     return torch.log(mass) + m
 
 
+def _block_log_mass_config(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
+                           dtype: torch.dtype) -> tuple[tuple, Callable[[Callable], None]]:
+    """(compile key, warm-up) of :func:`block_log_mass` for these arguments (see :func:`unifusion._compile.ready`)."""
+    key = (logits.device.type, logits.dtype, dtype, mask_id is None, temperature == 1.0, block_size)
+
+    def warmup(fn: Callable) -> None:  # the first two positions of the first two sequences, as a fresh tensor
+        lead = tuple(min(d, 2) for d in logits.shape[:-1])
+        fn(logits[tuple(slice(0, d) for d in lead)].clone(), mask_id, temperature, block_size, dtype)
+
+    return key, warmup
+
+
+def compiled_block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
+                            dtype: torch.dtype) -> Callable | None:
+    """The compiled :func:`block_log_mass` for this configuration if it should be used now (``"auto"`` compiles it in
+    the background once sampling repeats at a vocabulary of at least :data:`COMPILE_MIN_STATES`), else ``None``.
+    Each call counts as a use (:func:`unifusion._compile.ready`)."""
+    if logits.shape[-1] < COMPILE_MIN_STATES or torch.compiler.is_compiling():
+        return None
+    key, warmup = _block_log_mass_config(logits, mask_id, temperature, block_size, dtype)
+    return _compile.ready(block_log_mass, key, work=logits.numel(), warmup=warmup)
+
+
 def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *, mask_id: int | None,
                      temperature: float, dtype: torch.dtype, block_size: int = BLOCK_SIZE
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +162,11 @@ def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *
     Returns ``(z (B, L) int64, x_θ(x_t) (B, L) in dtype)``.
     """
     S = logits.shape[-1]
-    key = (logits.device.type, logits.dtype, dtype, mask_id is None, temperature == 1.0, block_size)
     if S >= COMPILE_MIN_STATES and not torch.compiler.is_compiling():
+        key, warmup = _block_log_mass_config(logits, mask_id, temperature, block_size, dtype)
         log_mass = _compile.run(block_log_mass, key, lambda fn: fn(logits, mask_id, temperature, block_size, dtype),
-                                lambda: block_log_mass(logits, mask_id, temperature, block_size, dtype))
+                                lambda: block_log_mass(logits, mask_id, temperature, block_size, dtype),
+                                work=logits.numel(), warmup=warmup)
     else:
         log_mass = block_log_mass(logits, mask_id, temperature, block_size, dtype)
     log_total = torch.logsumexp(log_mass, -1, keepdim=True)  # (B, L, 1)

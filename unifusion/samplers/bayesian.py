@@ -21,10 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _compile
 from .. import _validation as V
 from ..kernels import InterpolatingKernel, Kernel
-from ._draws import BLOCK_SIZE, COMPILE_MIN_STATES, x0_weights
+from ._draws import BLOCK_SIZE, COMPILE_MIN_STATES, compiled_block_log_mass, x0_weights
 from ._setup import (
     ModelFn,
     apply_prompt,
@@ -133,7 +132,8 @@ class BayesianSampler:
                 if n == 0:  # first step: check the model's output once (the run's last host sync)
                     head = check_head_shape("model", head, B, L, S)
                     V.check_finite("model output", head)
-                if direct and (S < COMPILE_MIN_STATES or _compile.get_backend() == "compiled"):
+                if direct and (S < COMPILE_MIN_STATES or compiled_block_log_mass(
+                        head, kernel.mask_id, self.temperature, BLOCK_SIZE, dtype) is not None):
                     # x_θ straight from the logits: no (B, L, S) workspace, one fused pass over them
                     z = bayesian_step_from_logits(head, x, kernel, t, s, generator, temperature=self.temperature,
                                                   dtype=dtype, block_size=BLOCK_SIZE)

@@ -1,0 +1,147 @@
+"""The ``"auto"`` backend (unifusion._compile): eager until a configuration repeats with enough work, then compiled
+in a background thread and swapped in once ready; compiler failures fall back to eager with one warning."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import unifusion as uf
+from unifusion import _compile
+from unifusion.losses import fast
+
+
+@pytest.fixture
+def auto(monkeypatch):
+    """The ``"auto"`` backend with fresh bookkeeping, a threshold of 100 elements and 2 calls."""
+    monkeypatch.setattr(_compile, "_state", {"backend": "auto"})
+    monkeypatch.setattr(_compile, "_auto", {})
+    monkeypatch.setattr(_compile, "_failed", [])
+    monkeypatch.setattr(_compile, "AUTO_MIN_WORK", 100)
+    monkeypatch.setattr(_compile, "AUTO_MIN_CALLS", 2)
+    yield
+    _compile.wait_for_compilation()
+
+
+class _FakeCompiler:
+    """Stands in for torch.compile: records what it compiles and which thread runs the compiled copy."""
+
+    def __init__(self, fail: bool = False, gate: threading.Event | None = None) -> None:
+        self.compiled: list[str] = []
+        self.threads: list[str] = []
+        self.fail, self.gate = fail, gate
+
+    def __call__(self, fn, dynamic=None, options=None):
+        self.compiled.append(fn.__name__)
+
+        def run(*args):
+            self.threads.append(threading.current_thread().name)
+            if self.gate is not None:
+                self.gate.wait(10)
+            if self.fail:
+                raise RuntimeError("no C++ compiler")
+            return ("compiled", fn(*args))
+
+        return run
+
+
+def _double(x):
+    return x * 2
+
+
+def _call(x, key=("k",)):
+    """One call through the machinery: ('compiled', out) or ('eager', out)."""
+    return _compile.run(_double, key, lambda fn: fn(x), lambda: ("eager", _double(x)), work=x.numel(),
+                        warmup=lambda fn: fn(x[:2].clone()))
+
+
+def test_auto_is_the_default_and_small_work_never_compiles(auto, monkeypatch):
+    fake = _FakeCompiler()
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(torch, "compile", fake)
+    assert uf.get_backend() == "auto"
+    for _ in range(5):
+        kind, out = _call(torch.ones(10))  # 10 elements < AUTO_MIN_WORK
+        assert kind == "eager" and out.tolist() == [2.0] * 10
+    assert _compile.wait_for_compilation(5)
+    assert fake.compiled == [] and uf.compile_stats() == {"compiled": 0, "pending": 0, "seconds": 0.0}
+
+
+def test_auto_compiles_in_the_background_after_repeated_work_and_swaps_in(auto, monkeypatch):
+    gate = threading.Event()
+    fake = _FakeCompiler(gate=gate)
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(torch, "compile", fake)
+    x = torch.arange(200.0)
+    assert _call(x)[0] == "eager"  # first use: counted
+    assert _call(x)[0] == "eager"  # second use: compilation starts in a background thread, this call stays eager
+    assert uf.compile_stats()["pending"] == 1
+    assert _call(x)[0] == "eager"  # the compiler is still busy (held by the gate): the caller does not wait
+    gate.set()
+    assert _compile.wait_for_compilation(10)
+    kind, out = _call(x)
+    assert kind == "compiled" and torch.equal(out, x * 2)
+    assert fake.compiled == ["_double_0"]
+    assert fake.threads[0].startswith("unifusion-compile-")  # the warm-up ran off the caller's thread
+    assert fake.threads[-1] == threading.current_thread().name
+    stats = uf.compile_stats()
+    assert stats["compiled"] == 1 and stats["pending"] == 0 and stats["seconds"] > 0
+    assert _call(x, key=("other",))[0] == "eager"  # each configuration counts its own uses
+
+
+def test_a_background_compiler_failure_warns_once_and_stays_eager(auto, monkeypatch):
+    fake = _FakeCompiler(fail=True)
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(torch, "compile", fake)
+    x = torch.arange(200.0)
+    _call(x)
+    _call(x)
+    assert _compile.wait_for_compilation(10)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C\\+\\+ compiler"):
+        kind, _ = _call(x)
+    assert kind == "eager" and uf.get_backend() == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _call(x)[0] == "eager"
+
+
+def test_compiled_backend_compiles_on_first_call_and_eager_never(auto, monkeypatch):
+    fake = _FakeCompiler()
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(torch, "compile", fake)
+    uf.set_backend("eager")
+    assert _call(torch.arange(200.0))[0] == "eager"
+    uf.set_backend("compiled")
+    assert _call(torch.ones(3))[0] == "compiled"  # no threshold, in the caller's thread
+    assert fake.threads == [threading.current_thread().name]
+
+
+def test_auto_on_the_real_loss_switches_to_compiled_with_the_same_values(auto):
+    """End to end on the fast GIDD loss: after two calls above the threshold the background compilation finishes,
+    the next call runs the compiled copy (no recompilation: the warm-up specialised as the real call), same values."""
+    S, n = 64, 24
+    kernel = uf.MaskKernel(S, S - 1)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, S - 1, (n,), generator=g)
+    t = torch.rand(n, generator=g) * 0.9 + 0.05
+    x_t = kernel.sample(x0, t, generator=g)
+    logits = torch.randn(n, S, generator=g)
+
+    def step():
+        L = logits.clone().requires_grad_()
+        out = fast.gidd_loss(L, x0, x_t, t, kernel)
+        out.sum().backward()
+        return out.detach(), L.grad
+
+    eager = [step(), step()]  # both eager; the second starts the background compilation
+    assert _compile.wait_for_compilation(600)
+    assert uf.compile_stats()["compiled"] >= 1
+    torch._dynamo.utils.counters.clear()
+    value, grad = step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # served by the warm-up's compiled graph
+    torch.testing.assert_close(value, eager[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, eager[0][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager[1][0], eager[0][0], rtol=0, atol=0)
