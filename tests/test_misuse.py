@@ -50,14 +50,14 @@ def _wrong_mask_calls(model, kernel):
 
 def test_a_mask_kernel_with_another_mask_id_is_an_error_everywhere(model):
     kernel = uf.MaskKernel(model.num_states, 5)
-    for name, call in _wrong_mask_calls(model, kernel).items():
+    for _name, call in _wrong_mask_calls(model, kernel).items():
         with pytest.raises(ValueError, match=rf"mask_id=5 but the model's mask token is {model.mask_token_id}"):
             call()
 
 
 def test_a_mask_kernel_on_a_model_without_a_mask_token_is_an_error_everywhere(no_mask_model):
     kernel = uf.MaskKernel(no_mask_model.num_states, 0)
-    for name, call in _wrong_mask_calls(no_mask_model, kernel).items():
+    for _name, call in _wrong_mask_calls(no_mask_model, kernel).items():
         with pytest.raises(ValueError, match="add_mask_token=False"):
             call()
 
@@ -81,7 +81,7 @@ def test_an_int_generator_is_a_type_error_with_a_hint(model):
         "BayesianSampler.sample": lambda: uf.BayesianSampler(model, kernel, 2).sample(1, 4, generator=0),
         "EulerSampler.sample": lambda: uf.EulerSampler(model, kernel, 2).sample(1, 4, generator=0),
     }
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(TypeError, match=r"generator: expected a torch.Generator or None, got int; use "
                                             r"torch.Generator\(\).manual_seed\(0\)"):
             call()

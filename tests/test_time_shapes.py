@@ -82,7 +82,7 @@ def test_every_entry_point_reads_a_1d_t_as_one_time_per_row(kernel_name):
 def test_a_1d_t_of_another_length_is_an_error_that_states_the_rule(kernel_name):
     kernel = KERNELS[kernel_name]
     bad = torch.full((L + 1,), 0.5)
-    for name, fn in _entry_points(kernel).items():
+    for _name, fn in _entry_points(kernel).items():
         with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
             fn(bad)
     with pytest.raises(ValueError, match="tokens' number of dims"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) ->
             out = _cache.get(full_key)
             if out is None:
                 name = f"{fn.__name__}_{len(_cache)}"
-                copy = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
                                 fn.__closure__)
                 out = torch.compile(copy, dynamic=True, options={**BASE_OPTIONS, **(options or {})})
                 _cache[full_key] = out

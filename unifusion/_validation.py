@@ -13,6 +13,7 @@ This mirrors ``torch.distributions.Distribution.set_default_validate_args``.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -248,6 +249,16 @@ def unwrap_model(model: Any) -> Any:
     return inner
 
 
+def is_diffusion_lm(model: Any) -> bool:
+    """Whether ``model`` (inside DDP/FSDP/DeepSpeed/compile wrappers) is a :class:`~unifusion.DiffusionLM`.
+
+    Looked up without importing :mod:`unifusion.adapters` (which builds on this module): when that module has not
+    been imported, no DiffusionLM exists yet.
+    """
+    adapters = sys.modules.get("unifusion.adapters")
+    return adapters is not None and isinstance(unwrap_model(model), adapters.DiffusionLM)
+
+
 def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel") -> None:
     """Raise ``ValueError`` when ``kernel`` does not fit the model: a different number of states, or — for a
     :class:`~unifusion.DiffusionLM`, which knows its mask token — a different mask id, or a mask/hybrid kernel on a
@@ -257,14 +268,12 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel") -> None
     A :class:`~unifusion.UniformKernel` on a model with a mask token is allowed (the mask token is then one more
     noise state: the AR → mask → uniform conversion path).
     """
-    from .adapters import DiffusionLM  # local: adapters imports this module
-
     inner = unwrap_model(model)
     num_states = getattr(inner, "num_states", None)
     if isinstance(num_states, int) and num_states != kernel.num_states:
         raise ValueError(f"{name}: has {kernel.num_states} states but the model predicts {num_states}; build the "
                          f"kernel with num_states=model.num_states")
-    if not isinstance(inner, DiffusionLM) or kernel.mask_id is None:
+    if not is_diffusion_lm(inner) or kernel.mask_id is None:
         return
     if inner.mask_token_id is None:
         raise ValueError(

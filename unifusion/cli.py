@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "load_diffusion_model", "load_causal_lm", "make_kernel", "read_texts"]
+__all__ = ["main", "build_parser", "make_kernel", "read_texts"]
 
 KERNELS = ("uniform", "mask", "hybrid")
 
@@ -58,13 +58,7 @@ _probability = _checked(float, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loading (public helpers, reused by scripts)
-
-
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+# loading (the loaders live in unifusion.models)
 
 
 def _resolve_device(name: str) -> str:
@@ -73,63 +67,6 @@ def _resolve_device(name: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_causal_lm(spec: str, *, gguf_file: str | None = None, dtype: str = "float32",
-                   device: str = "cpu", arg: str = "--model") -> tuple[Any, Any]:
-    """``(hf_model, tokenizer)`` for ``smollm2``, an HF folder, a ``.gguf`` file or a folder + ``gguf_file``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = _torch_dtype(dtype)
-    if spec == "smollm2":
-        from .models import load_smollm2, load_smollm2_tokenizer
-
-        return load_smollm2(dtype=torch_dtype).to(device), load_smollm2_tokenizer()
-    path = Path(spec)
-    kwargs: dict[str, Any] = {}
-    if path.is_file() and path.suffix == ".gguf":
-        path, kwargs = path.parent, {"gguf_file": path.name}
-    elif gguf_file is not None:
-        kwargs = {"gguf_file": gguf_file}
-    if not path.is_dir():
-        raise ValueError(f"{arg}: expected 'smollm2', a model folder or a .gguf file, got {spec!r}")
-    if not kwargs and not (path / "config.json").is_file():
-        raise ValueError(f"{arg}: {spec!r} holds neither config.json (a Hugging Face model) nor "
-                         "unifusion_config.json (a saved DiffusionLM); pass --gguf-file for a GGUF folder")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    return model, tokenizer
-
-
-def load_diffusion_model(spec: str, *, kernel: str = "uniform", gguf_file: str | None = None,
-                         tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly.
-
-    On-the-fly adaptation adds a mask token for ``mask``/``hybrid`` kernels; for ``uniform`` it keeps the vocabulary
-    (``add_mask_token=False``: no absorbing state, ``model.mask_token_id is None``).
-    """
-    from transformers import AutoTokenizer
-
-    from .adapters import CONFIG_NAME, DiffusionLM, adapt_ar_model
-
-    path = Path(spec)
-    if path.is_dir() and (path / CONFIG_NAME).is_file():
-        model = DiffusionLM.from_pretrained(path, device=device)
-        if _torch_dtype(dtype) != next(model.parameters()).dtype:
-            model = model.to(_torch_dtype(dtype))
-        source = tokenizer or str(path)
-        try:
-            tok = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"--tokenizer: no tokenizer found in {source!r} (save one next to the model or pass "
-                             f"--tokenizer PATH): {err}") from None
-        return model, tok
-    hf, tok = load_causal_lm(spec, gguf_file=gguf_file, dtype=dtype, device=device)
-    if tokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-    # uniform noise needs no absorbing state: keep the AR vocabulary exactly as it is
-    model = adapt_ar_model(hf, add_mask_token=kernel != "uniform")
-    return model.eval(), tok
 
 
 def make_kernel(kind: str, model: Any, *, p_uniform: float = 0.1) -> Any:
@@ -212,6 +149,8 @@ def _sampler_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from .models import load_diffusion_model
+
     device = _resolve_device(args.device)
     model, tok = load_diffusion_model(args.model, kernel=getattr(args, "kernel", "uniform"), gguf_file=args.gguf_file,
                                       tokenizer=args.tokenizer, dtype=args.dtype, device=device)
@@ -220,6 +159,8 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _load_judge(args: argparse.Namespace) -> tuple[Any, Any]:
+    from .models import load_causal_lm
+
     return load_causal_lm(args.judge, gguf_file=args.judge_gguf_file, device=_resolve_device(args.device),
                           arg="--judge")
 
@@ -381,6 +322,7 @@ def _add_eval_mc(sub: Any) -> None:
 
 def cmd_eval_mc(args: argparse.Namespace) -> int:
     from .eval import run_multiple_choice
+    from .models import load_causal_lm
 
     if args.method == "ar":
         model, tok = load_causal_lm(args.model, gguf_file=args.gguf_file, dtype=args.dtype,

@@ -84,8 +84,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     import unifusion as uf
 
-    from .cli import load_causal_lm
     from .eval import frontier
+    from .models import load_causal_lm
 
     if args.threads:
         torch.set_num_threads(args.threads)

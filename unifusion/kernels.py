@@ -355,6 +355,7 @@ class MaskKernel(InterpolatingKernel):
     ignored: MDLM's SUBS convention). Only the mask state has non-zero reverse rates.
     """
 
+    mask_id: int
     _uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:

@@ -87,14 +87,6 @@ class DiffusionLossOutput:
         return self.loss.sum() / self.num_tokens.clamp_min(1)
 
 
-def _is_diffusion_lm(model: Any) -> bool:
-    try:
-        from .adapters import DiffusionLM
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(V.unwrap_model(model), DiffusionLM)
-
-
 def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
                 t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Convert x0 logits into the head(s) ``objective``'s loss takes (Theorem 3.5, in log space)."""
@@ -234,12 +226,12 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         gamma = float(bidirectional_prob)
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
-    if fused and not _is_diffusion_lm(model):
+    if fused and not V.is_diffusion_lm(model):
         raise TypeError(
             f"fused: needs a DiffusionLM (hidden states + output head), got {type(V.unwrap_model(model)).__name__}")
     if fused and head == "mu":
         raise ValueError("fused: head='mu' is not an x0 head; use fused=False")
-    if step is not None and bidirectional_prob is None and not _is_diffusion_lm(model):
+    if step is not None and bidirectional_prob is None and not V.is_diffusion_lm(model):
         warnings.warn(f"step: the model ({type(V.unwrap_model(model)).__name__}) is not a DiffusionLM and cannot "
                       "anneal its attention; step is ignored", stacklevel=2)
     if fused:
@@ -252,7 +244,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
     with V.validation(False):
-        if _is_diffusion_lm(model):
+        if V.is_diffusion_lm(model):
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
         else:
             logits = model(x_t, t)

@@ -385,16 +385,17 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
     if max_examples is not None:
         examples = examples[: _check_positive_int("max_examples", max_examples)]
     max_length = _check_positive_int("max_length", max_length)
+    kernel_: Kernel | None = None
+    num_times_ = 0
     if method == "ar":
         scorer = ar_model if ar_model is not None else model
         if hasattr(scorer, "base_model") and hasattr(scorer, "mask_token_id"):  # a DiffusionLM: score its HF model
             scorer = scorer.base_model
         bos = getattr(tokenizer, "bos_token_id", None)
     else:
-        kernel = _check_kernel(kernel)
-        if num_times is None:
-            num_times = 32 if method == "score" else 128
-        num_times = _check_positive_int("num_times", num_times)
+        kernel_ = _check_kernel(kernel)
+        num_times_ = _check_positive_int("num_times", num_times if num_times is not None else
+                                         (32 if method == "score" else 128))
         null_ids = _encode(tokenizer, null_context)
     generator = torch.Generator().manual_seed(int(seed))
 
@@ -410,11 +411,11 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
         context = _encode(tokenizer, text)
         budget = max_length - max(len(c) for c in choices)
         context = context[-budget:] if budget > 0 else []
-        if method == "score":
-            scores = score_choices(model, kernel, context, choices, num_times=num_times, generator=generator,
+        if method == "score" and kernel_ is not None:
+            scores = score_choices(model, kernel_, context, choices, num_times=num_times_, generator=generator,
                                    batch_size=batch_size)
-        elif method == "fair_pmi":
-            scores = fair_pmi_scores(model, kernel, context, choices, null_ids, num_times=num_times,
+        elif method == "fair_pmi" and kernel_ is not None:
+            scores = fair_pmi_scores(model, kernel_, context, choices, null_ids, num_times=num_times_,
                                      generator=generator, batch_size=batch_size)
         else:
             scores = ar_choice_nll(scorer, context, choices, bos_token_id=bos, reduction=ar_reduction)

@@ -73,8 +73,9 @@ def _logits_of(output: Any) -> torch.Tensor:
 def _vocab_size_of(model: Any) -> int | None:
     config = getattr(model, "config", None)
     size = getattr(config, "vocab_size", None)
-    if isinstance(model, torch.nn.Module) and hasattr(model, "get_output_embeddings"):
-        head = model.get_output_embeddings()
+    get_head = getattr(model, "get_output_embeddings", None)
+    if isinstance(model, torch.nn.Module) and callable(get_head):
+        head = get_head()
         if head is not None and hasattr(head, "weight"):
             size = int(head.weight.shape[0])
     return int(size) if size is not None else None

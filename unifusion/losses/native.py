@@ -26,14 +26,18 @@ __all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "m2s_loss", "ctmc_loss", "GIDD
 GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
 
 
+# (kernel, heads by name, x0, x_t, t broadcast to x_t's shape, compute dtype)
+_Prepared = tuple[Kernel, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]
+
+
 def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
-             t: torch.Tensor | float):
+             t: torch.Tensor | float) -> _Prepared:
     with V.batched_checks():  # every value check of the call read back in one host sync
         return _prepare_checked(kernel, heads, x0, x_t, t)
 
 
 def _prepare_checked(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
-                     t: torch.Tensor | float):
+                     t: torch.Tensor | float) -> _Prepared:
     kernel = _check_kernel(kernel)
     S = kernel.num_states
     x0 = V.check_token_ids("x0", x0, S)
@@ -183,8 +187,8 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     # entries with no rate (Q = 0: the x_t entry, every entry of an unmasked token under the mask kernel) get the
     # harmless (r, s) = (1, 1): their term is dropped anyway, and an overflowing s there would poison the gradient
     used = Q > 0
-    log_s = torch.where(used, h["log_score"], 0.0)
-    log_r = torch.where(used, log_r, 0.0)
+    log_s = h["log_score"].masked_fill(~used, 0.0)
+    log_r = log_r.masked_fill(~used, 0.0)
     # s − r log s + r log r − r  ==  f(r, s)
     return _weighted_sum(Q, bregman_from_logs(log_r, log_s), x_t)
 
@@ -197,11 +201,11 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     0 elsewhere. Mask kernel only."""
     if not isinstance(kernel, MaskKernel):
         raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
-    kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
+    _, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
     log_x = x0_log_probs(kernel, h["x0_logits"])
     weight = -kernel.schedule.alpha_prime(t) / kernel.schedule.one_minus_alpha(t)
     nll = -_gather(log_x, x0)
-    masked = x_t == kernel.mask_id
+    masked = x_t.eq(kernel.mask_id)
     return torch.where(masked, weight * nll, torch.zeros_like(nll))
 
 
@@ -368,6 +372,7 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
         kernel, {"log_exit_rate": log_exit_rate, "jump_logits": jump_logits}, x0, x_t, t)
     true = ReverseRate.true_conditional(kernel, x0, x_t, t)
     log_true = true.log_rates
+    assert log_true is not None  # true_conditional always keeps the log rates
     log_lam_hat = torch.logsumexp(log_true, dim=-1)
     log_lam = h["log_exit_rate"]
     poisson = bregman_from_logs(log_lam_hat, log_lam)

@@ -35,7 +35,7 @@ def check_kernel(kernel: object) -> Kernel:
 def check_model(model: object) -> ModelFn:
     if not callable(model):
         raise TypeError(f"model: expected a callable (x_t (B, L), t (B,)) -> head, got {type(model).__name__}")
-    return model  # type: ignore[return-value]
+    return model
 
 
 def check_callback(callback: object) -> None:

@@ -117,14 +117,16 @@ class BayesianSampler:
         S = kernel.num_states
         # top-k / top-p need the whole x_θ (and dense kernels the dense posterior): a reused workspace then; so
         # does the eager backend at LM vocabulary sizes (a softmax into the workspace beats unfused block sums)
-        direct = isinstance(kernel, InterpolatingKernel) and self.top_k is None and self.top_p is None
+        # the interpolating kernel when x_θ can go straight from the logits, else None
+        direct = kernel if isinstance(kernel, InterpolatingKernel) and self.top_k is None and self.top_p is None \
+            else None
         workspace: torch.Tensor | None = None
         head: torch.Tensor | None = None
         x_seen: torch.Tensor | None = None
         with torch.no_grad():
             for n in run.steps:
                 t, s = ts[n], ts[n + 1]
-                if head is None or not self.cache_unchanged or bool((x != x_seen).any()):
+                if head is None or x_seen is None or not self.cache_unchanged or bool(x.ne(x_seen).any()):
                     head = None  # let the last step's logits go before the model allocates the next ones
                     with V.validation(False):  # the sampler's own tokens and times: valid by construction
                         head = self.model(x, t.expand(B))
@@ -132,10 +134,10 @@ class BayesianSampler:
                 if n == 0:  # first step: check the model's output once (the run's last host sync)
                     head = check_head_shape("model", head, B, L, S)
                     V.check_finite("model output", head)
-                if direct and (S < COMPILE_MIN_STATES or compiled_block_log_mass(
+                if direct is not None and (S < COMPILE_MIN_STATES or compiled_block_log_mass(
                         head, kernel.mask_id, self.temperature, BLOCK_SIZE, dtype) is not None):
                     # x_θ straight from the logits: no (B, L, S) workspace, one fused pass over them
-                    z = bayesian_step_from_logits(head, x, kernel, t, s, generator, temperature=self.temperature,
+                    z = bayesian_step_from_logits(head, x, direct, t, s, generator, temperature=self.temperature,
                                                   dtype=dtype, block_size=BLOCK_SIZE)
                 else:
                     if workspace is None:

@@ -69,12 +69,6 @@ PARAMETERIZATIONS = ("x0", "sedd", "m2s", "ctmc")
 Callback = Callable[[int, float, torch.Tensor], object]
 
 
-def _is_diffusion_lm(model: object) -> bool:
-    from ..adapters import DiffusionLM  # local: adapters may import the samplers
-
-    return isinstance(V.unwrap_model(model), DiffusionLM)
-
-
 def _check_parameterization(parameterization: object) -> str:
     if not isinstance(parameterization, str) or parameterization not in PARAMETERIZATIONS:
         raise ValueError(f"parameterization: expected one of {PARAMETERIZATIONS}, got {parameterization!r}")
@@ -254,7 +248,7 @@ class EulerSampler:
                     raise ValueError(f"{name}: only supported with parameterization='x0' (it acts on x0 logits), "
                                      f"got {name}={value} with parameterization={parameterization!r}")
         self.dtype = check_dtype(dtype)
-        if self.parameterization != "x0" and _is_diffusion_lm(model):
+        if self.parameterization != "x0" and V.is_diffusion_lm(model):
             raise ValueError(f"parameterization: a DiffusionLM outputs x0 logits, got parameterization="
                              f"{self.parameterization!r}; use parameterization='x0', or sample its "
                              f"{self.parameterization} head with uf.samplers.x0_model_as(model, kernel, "
