@@ -13,6 +13,12 @@ an architecture lives here and nowhere else:
   (mistral, mixtral, phi3, starcoder2, qwen3_moe). ``"per_layer_type"``: the model accepts a dict
   ``{"full_attention": mask, "sliding_attention": mask}`` and windows the layers whose ``config.layer_types``
   entry is ``"sliding_attention"`` (gemma2, gemma3_text, qwen2, qwen3, smollm3, ministral, ...).
+* ``is_causal_kwarg``: whether the family's ``forward`` honours transformers' ``is_causal=False`` keyword argument
+  (``TransformersKwargs``, transformers ≥ 5): the mask builders then fall back to the bidirectional mask (``None``
+  when nothing is masked) and every attention module runs non-causally (SDPA ``is_causal=False``, flash-attention
+  ``causal=False``). The adapter uses it for fully bidirectional calls without padding or an active window, so no
+  dense ``(B, 1, L, L)`` mask is built. Falcon (its mask builder always materialises a causal mask) and StableLM
+  (its attention modules do not receive the keyword) do not honour it and keep the dense mask.
 * ``logit_scale`` / ``softcap_attr``: the post-processing the family's ``forward`` applies after ``lm_head``
   (granite divides by ``logits_scaling``, cohere multiplies by ``logit_scale``, gemma2/3 soft-cap with
   ``final_logit_softcapping``), so ``DiffusionLM.logits_from_hidden`` can reproduce ``forward`` exactly.
@@ -45,6 +51,7 @@ class Family:
         mask_style: ``"bool"`` or ``"additive"`` (see the module docstring); ``eager`` attention always forces
             ``"additive"``.
         window: ``"none"``, ``"all_layers"`` or ``"per_layer_type"`` sliding-window handling.
+        is_causal_kwarg: whether ``forward(..., is_causal=False)`` runs the model bidirectionally without a mask.
         logit_scale: ``config -> float`` multiplier applied to ``lm_head`` output by the family's ``forward``.
         softcap_attr: name of the config attribute holding the final logit soft-cap (``None`` if the family has
             none); logits = ``c * tanh(logits / c)`` when the value is set.
@@ -53,6 +60,7 @@ class Family:
     model_type: str
     mask_style: MaskStyle = "bool"
     window: WindowStyle = "none"
+    is_causal_kwarg: bool = True
     logit_scale: Callable[[Any], float] = _one
     softcap_attr: str | None = None
 
@@ -105,12 +113,12 @@ _ENTRIES = [
     Family("granite", logit_scale=_granite_scale),
     Family("smollm3", window="per_layer_type"),
     # further families checked with the same tests
-    Family("falcon"),
+    Family("falcon", is_causal_kwarg=False),
     Family("gemma"),
     Family("olmo"),
     Family("olmo3", window="per_layer_type"),
     Family("phi"),
-    Family("stablelm"),
+    Family("stablelm", is_causal_kwarg=False),
     Family("starcoder2", window="all_layers"),
     Family("cohere", logit_scale=_cohere_scale),
     Family("mixtral", window="all_layers"),

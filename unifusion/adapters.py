@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -186,11 +187,19 @@ class DiffusionLM(nn.Module):
         vocab_size: number of input ids / logit columns (including an added mask token).
         num_states: same as ``vocab_size`` (the state-space size ``S`` of the kernels).
         family: the :class:`unifusion._families.Family` entry used.
+        tokenizer: the tokenizer given to :func:`adapt_ar_model` (or found by :meth:`from_pretrained`), or ``None``;
+            a plain attribute (not part of the state dict), written by :meth:`save_pretrained`.
+        dense_bidirectional_mask: ``False`` (default): fully bidirectional calls (``γ = 1``) without padding or an
+            active sliding window pass no mask and run the attention with ``is_causal=False`` (see
+            :meth:`attention_path`). ``True``: always pass the dense ``(B, 1, L + 1, L + 1)`` mask (the same
+            outputs; for comparisons and debugging).
     """
 
     def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
-                 time_conditioning: bool = False, added_mask_token: bool = False) -> None:
+                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
         super().__init__()
+        self.tokenizer: Any = tokenizer
+        self.dense_bidirectional_mask: bool = False
         self.base_model = base_model
         hf = _unwrap_peft(base_model)
         object.__setattr__(self, "_hf", hf)  # not registered twice as a submodule
@@ -296,8 +305,47 @@ class DiffusionLM(nn.Module):
             return "additive"
         if impl == "sdpa":
             return self.family.mask_style
-        raise ValueError(f"model: attention implementation {impl!r} cannot take the annealed 4D mask; load the model "
-                         "with attn_implementation='sdpa' or 'eager'")
+        raise ValueError(f"model: attention implementation {impl!r} cannot take the annealed 4D mask (needed for "
+                         "0 < bidirectional_prob < 1, padding or sliding windows); load the model with "
+                         "attn_implementation='sdpa' or 'eager'")
+
+    def _maskless(self, n: int, window: int | None) -> bool:
+        """Whether full attention over ``n`` network positions can run with no mask (``is_causal=False``).
+
+        True when the family honours the ``is_causal`` keyword, the installed transformers has it, the dense mask is
+        not forced (:attr:`dense_bidirectional_mask`) and no sliding window bites (``w ≥ n``: then ``|i − j| ≤ n − 1
+        < w`` for every pair, so the window is vacuous).
+        """
+        return (not self.dense_bidirectional_mask and self.family.is_causal_kwarg and _has_is_causal_kwarg()
+                and (window is None or window >= n))
+
+    def attention_path(self, length: int, bidirectional_prob: float = 1.0, *, padded: bool = False) -> str:
+        """How a call on ``length`` tokens attends: ``"causal"``, ``"non_causal"`` or ``"mask"``.
+
+        * ``"causal"``: γ = 0 without padding; the model's own causal (and windowed) attention, no mask from us.
+        * ``"non_causal"``: γ = 1 without padding or an active sliding window, on a family that honours
+          ``is_causal=False``; no mask tensor at all (SDPA ``is_causal=False``; flash-attention and flex attention
+          work too).
+        * ``"mask"``: everything else; the dense boolean/additive ``(B, 1, L + 1, L + 1)`` mask of
+          :func:`annealed_attention_mask`.
+
+        Args:
+            length: ``L``, the number of tokens in ``x_t`` (the network runs ``L + 1`` positions).
+            bidirectional_prob: ``γ`` in ``[0, 1]``.
+            padded: whether an ``attention_mask`` is passed.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"length: expected a positive int, got {length!r}")
+        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)) \
+                or not 0.0 <= bidirectional_prob <= 1.0:
+            raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob!r}")
+        if padded:
+            return "mask"
+        if bidirectional_prob == 0.0:
+            return "causal"
+        if bidirectional_prob == 1.0 and self._maskless(length + 1, self.family.sliding_window(self.config)):
+            return "non_causal"
+        return "mask"
 
     def _net_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float,
                     attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
@@ -331,6 +379,11 @@ class DiffusionLM(nn.Module):
         window = self.family.sliding_window(self.config)
         if key_valid is None and gamma == 0.0:
             return kwargs  # the model's own causal (and windowed) mask: exactly the AR model
+        if key_valid is None and gamma == 1.0 and self._maskless(L + 1, window):
+            # A = all ones: no mask at all, every attention module non-causal (SDPA is_causal=False, so flash
+            # kernels stay eligible and nothing quadratic in L is allocated)
+            kwargs["is_causal"] = False
+            return kwargs
         style = self._mask_style()
         A = annealed_attention_mask(B, L + 1, gamma, key_valid=key_valid, generator=generator, device=device)
         masks = {"full_attention": A}
@@ -542,6 +595,19 @@ class DiffusionLM(nn.Module):
         return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
                 f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
                 f"time_conditioning={self.time_conditioning}")
+
+
+@functools.lru_cache(maxsize=1)
+def _has_is_causal_kwarg() -> bool:
+    """Whether the installed transformers takes ``is_causal`` as a model keyword (``TransformersKwargs``, 5.x):
+    its ``merge_with_config_defaults`` then switches the mask builders and attention modules to non-causal."""
+    try:
+        from transformers.utils import generic
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    kwargs = getattr(generic, "TransformersKwargs", None)
+    return (kwargs is not None and "is_causal" in getattr(kwargs, "__annotations__", {})
+            and hasattr(generic, "merge_with_config_defaults"))
 
 
 def _no_init() -> Any:
