@@ -42,7 +42,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -160,10 +160,14 @@ class TimeEmbedding(nn.Module):
 # the wrapper
 
 
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
+def _unwrap_peft(model: nn.Module) -> Any:
+    """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``.
+
+    Typed ``Any``: a ``PreTrainedModel``'s methods (``get_input_embeddings``, ``config``, ...) are reached through
+    ``nn.Module.__getattr__`` for peft models and plain attributes otherwise; neither types usefully."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if hasattr(model, "peft_config") and callable(get_base_model):
+        return get_base_model()
     return model
 
 
@@ -194,6 +198,9 @@ class DiffusionLM(nn.Module):
             :meth:`attention_path`). ``True``: always pass the dense ``(B, 1, L + 1, L + 1)`` mask (the same
             outputs; for comparisons and debugging).
     """
+
+    _hf: Any  # the Hugging Face *ForCausalLM (peft unwrapped); Any: its methods are not typed through nn.Module
+    config: Any  # its PretrainedConfig
 
     def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
                  time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
@@ -228,6 +235,22 @@ class DiffusionLM(nn.Module):
         declared = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
         weight_rows = int(head.weight.shape[0])
         return int(declared) if declared and weight_rows in (0, declared) else weight_rows
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the input embeddings (where ``x_t`` must live)."""
+        return self._hf.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating dtype of the input embeddings (the weights' dtype)."""
+        return self._hf.get_input_embeddings().weight.dtype
+
+    def num_parameters(self, only_trainable: bool = False) -> int:
+        """Number of parameters (tied tensors counted once), or only those with ``requires_grad``."""
+        if not isinstance(only_trainable, bool):
+            raise TypeError(f"only_trainable: expected a bool, got {type(only_trainable).__name__}")
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     @property
     def num_states(self) -> int:
@@ -405,8 +428,10 @@ class DiffusionLM(nn.Module):
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                x0: torch.Tensor | None = None, kernel: Any = None, objective: str = "gidd",
-                weighting: str = "elbo", max_weight: float = 2.0, reduction: str = "none",
+                x0: torch.Tensor | None = None, kernel: Any = None,
+                objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
+                weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
+                reduction: Literal["none", "sum", "mean"] = "none",
                 position_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
@@ -488,6 +513,67 @@ class DiffusionLM(nn.Module):
             z = torch.tanh(z / c) * c
         return z
 
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
+                 num_steps: int = 64, kernel: Any = None, temperature: float = 1.0, top_p: float | None = None,
+                 top_k: int | None = None, eps: float = 1e-3, generator: torch.Generator | None = None,
+                 progress: bool = False) -> torch.Tensor:
+        """Continue ``prompt_ids`` by ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2).
+
+        The prompt is a fixed prefix: it is in ``z_t`` at every step and never changes; the ``N = num_steps`` posterior
+        steps generate the positions after it, bidirectionally (``γ = 1``).
+
+        Args:
+            prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
+                gives ``B = 1``).
+            max_new_tokens: number of tokens to generate after the prompt; or give
+            seq_len: the total length ``P + max_new_tokens`` (exactly one of the two).
+            num_steps: ``N ≥ 1`` model calls.
+            kernel: the forward kernel the model was trained with; default :class:`~unifusion.MaskKernel` on the
+                model's mask token, or :class:`~unifusion.UniformKernel` when it has none.
+            temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
+            top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
+            top_k: keep the ``k`` most likely tokens (``None``: off).
+            eps: ``ε``; sampling starts at ``t_0 = 1 − ε``.
+            generator: random generator on the model's device, for reproducible samples.
+            progress: show a progress bar over the steps.
+
+        Returns:
+            ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns.
+        """
+        from .kernels import MaskKernel, UniformKernel
+        from .samplers._setup import PROMPT_FILL
+        from .samplers.bayesian import BayesianSampler
+
+        if not isinstance(prompt_ids, torch.Tensor):
+            raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
+        if prompt_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"prompt_ids: expected integer token ids, got dtype {prompt_ids.dtype}")
+        if prompt_ids.dim() == 1:
+            prompt_ids = prompt_ids[None]
+        if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
+            raise ValueError(f"prompt_ids: expected shape (B, P) with B >= 1, got {tuple(prompt_ids.shape)}")
+        B, P = prompt_ids.shape
+        for name, v in (("max_new_tokens", max_new_tokens), ("seq_len", seq_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if (max_new_tokens is None) == (seq_len is None):
+            raise ValueError("max_new_tokens, seq_len: give exactly one (the number of new tokens, or the total "
+                             f"length including the {P} prompt tokens)")
+        L = P + max_new_tokens if max_new_tokens is not None else seq_len
+        if L is None or L <= P:
+            raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
+                             f"after the {P} prompt tokens, got a total length of {L}")
+        if kernel is None:
+            kernel = (UniformKernel(self.num_states) if self.mask_token_id is None
+                      else MaskKernel(self.num_states, mask_id=self.mask_token_id))
+        sampler = BayesianSampler(self, kernel, num_steps, eps=eps, temperature=temperature, top_p=top_p,
+                                  top_k=top_k)
+        prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=self.device)  # generated positions
+        prompt[:, :P] = prompt_ids.to(self.device)
+        return sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=self.device)
+
     # -- passthroughs -------------------------------------------------------------------------------------------
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
@@ -525,10 +611,22 @@ class DiffusionLM(nn.Module):
             "base_config": base_config,
         }
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
-        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory."""
+    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None) -> None:
+        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory, and
+        the tokenizer's files next to them.
+
+        Args:
+            save_directory: the folder (created if missing).
+            tokenizer: a Hugging Face tokenizer to save with the model (``tokenizer.save_pretrained``); default the
+                one :func:`adapt_ar_model` was given (:attr:`tokenizer`). With a tokenizer in the folder,
+                ``unifusion sample --model DIR`` and :meth:`from_pretrained` find it.
+        """
         from safetensors.torch import save_file
 
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is not None and not callable(getattr(tok, "save_pretrained", None)):
+            raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
+                            f"{type(tok).__name__}")
         if self._hf is not self.base_model:
             raise TypeError(
                 "save_pretrained: the base model is a peft model; merge the adapters first "
@@ -548,18 +646,47 @@ class DiffusionLM(nn.Module):
             seen.add(key)
             state[name] = tensor.detach().to("cpu", copy=True).contiguous()
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        if tok is not None:
+            tok.save_pretrained(str(path))
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], *, device: torch.device | str | None = None
-                        ) -> DiffusionLM:
-        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights)."""
+    def from_pretrained(cls, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None, load_tokenizer: bool = True) -> DiffusionLM:
+        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights), in eval mode.
+
+        Args:
+            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``).
+            dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default: the dtype they
+                were saved in.
+            device: where to put the model; default CPU.
+            load_tokenizer: load the tokenizer saved in the folder, if any, as :attr:`tokenizer`.
+
+        Raises:
+            FileNotFoundError: ``directory`` does not exist.
+            ValueError: the folder is a plain Hugging Face model folder (load it with transformers and wrap it with
+                :func:`adapt_ar_model`), or not a saved model at all, or its weights do not match its config.
+        """
         import transformers
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
         path = Path(directory)
+        weights_dtype = _parse_dtype(dtype)
+        if not path.exists():
+            raise FileNotFoundError(f"directory: no such folder {str(path)!r}")
+        if not path.is_dir():
+            raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained, got the file "
+                             f"{str(path)!r}")
         if not (path / CONFIG_NAME).is_file():
-            raise ValueError(f"directory: expected a folder holding {CONFIG_NAME}, got {str(path)!r}")
+            if (path / "config.json").is_file():
+                raise ValueError(
+                    f"directory: {str(path)!r} is a plain Hugging Face model folder (config.json, no {CONFIG_NAME}); "
+                    "load it with transformers and wrap it: adapt_ar_model(AutoModelForCausalLM.from_pretrained("
+                    f"{str(path)!r}))")
+            raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained (holding "
+                             f"{CONFIG_NAME}), got {str(path)!r}")
         with open(path / CONFIG_NAME) as f:
             stamp = json.load(f)
         unknown = sorted(set(stamp) - _CONFIG_KEYS)
@@ -569,11 +696,12 @@ class DiffusionLM(nn.Module):
         base_config = dict(stamp["base_config"])
         model_type = base_config.pop("model_type", stamp.get("model_type"))
         config = AutoConfig.for_model(model_type, **base_config)
-        dtype = getattr(torch, stamp.get("dtype", "float32"))
+        saved_dtype = _parse_dtype(stamp.get("dtype", "float32"))
+        build_dtype = weights_dtype if weights_dtype is not None else saved_dtype
         model_cls = getattr(transformers, stamp.get("architecture", ""), None)
         with _no_init():
-            hf = (model_cls._from_config(config, dtype=dtype) if model_cls is not None
-                  else AutoModelForCausalLM.from_config(config, dtype=dtype))
+            hf = (model_cls._from_config(config, dtype=build_dtype) if model_cls is not None
+                  else AutoModelForCausalLM.from_config(config, dtype=build_dtype))
         hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
         model = cls(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
                     time_conditioning=stamp.get("time_conditioning", False),
@@ -589,12 +717,39 @@ class DiffusionLM(nn.Module):
                              f"unexpected {list(unexpected)[:5]})")
         if device is not None:
             model.to(device)
+        if load_tokenizer and any((path / name).is_file() for name in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            try:
+                model.tokenizer = AutoTokenizer.from_pretrained(str(path))
+            except (OSError, ValueError) as err:
+                warnings.warn(f"{str(path)!r}: the tokenizer files could not be loaded ({err}); model.tokenizer is "
+                              "None", stacklevel=2)
         return model.eval()
 
     def extra_repr(self) -> str:
         return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
                 f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
                 f"time_conditioning={self.time_conditioning}")
+
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def _parse_dtype(dtype: object) -> torch.dtype | None:
+    """``None``, a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``) → the dtype."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtype: expected a floating torch dtype or its name, got {dtype!r}")
+        dtype = value
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16) or its name, got {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating dtype, got {dtype}")
+    return dtype
 
 
 @functools.lru_cache(maxsize=1)
@@ -636,7 +791,8 @@ def _library_version() -> str:
 
 
 def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_token_id: int | None = None,
-                   time_conditioning: bool = False, add_mask_token: bool = True) -> DiffusionLM:
+                   time_conditioning: bool = False, add_mask_token: bool = True, tokenizer: Any = None
+                   ) -> DiffusionLM:
     """Wrap a pretrained Hugging Face causal LM as a shifted x0 predictor (paper §3.2).
 
     Args:
@@ -651,6 +807,9 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         add_mask_token: with ``mask_token_id=None``, whether to add the mask token. Pass ``False`` for uniform-noise
             training (the paper's setting): the vocabulary, and hence the AR model's logits, stay exactly as they
             are, and ``model.mask_token_id`` is ``None``.
+        tokenizer: the model's Hugging Face tokenizer, kept as ``result.tokenizer`` (a plain attribute, not state)
+            and written by :meth:`DiffusionLM.save_pretrained`, so the saved folder works with
+            ``unifusion sample --model DIR``. It is not changed: an added mask token has no text form.
 
     Returns:
         A :class:`DiffusionLM`; ``result.base_model`` is ``model``.
@@ -693,8 +852,11 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         mask_token_id, added = V, True
     else:
         _check_id("mask_token_id", mask_token_id, V)
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
+                        f"{type(tokenizer).__name__}")
     return DiffusionLM(model, bos_token_id=bos_token_id, mask_token_id=mask_token_id,
-                       time_conditioning=time_conditioning, added_mask_token=added)
+                       time_conditioning=time_conditioning, added_mask_token=added, tokenizer=tokenizer)
 
 
 def _check_id(name: str, value: Any, vocab_size: int) -> None:
@@ -705,7 +867,7 @@ def _check_id(name: str, value: Any, vocab_size: int) -> None:
 
 
 @torch.no_grad()
-def _add_token(hf: nn.Module) -> None:
+def _add_token(hf: Any) -> None:
     """Grow the vocabulary by one row; the new row is the mean of the existing ones (input and untied output)."""
     V = int(hf.get_input_embeddings().weight.shape[0])
     hf.resize_token_embeddings(V + 1, mean_resizing=False)
