@@ -1,0 +1,235 @@
+"""Bidirectional attention without a dense mask: at γ = 1, without padding or an active sliding window, DiffusionLM
+passes no mask and runs the attention with ``is_causal=False``; the outputs equal the dense-mask path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _hf_tiny import FAMILIES, VOCAB, tiny_model
+
+import unifusion as uf
+import unifusion.adapters as adapters
+from unifusion._families import FAMILIES as REGISTRY
+from unifusion.adapters import adapt_ar_model
+
+L = 8  # network length 9 > the sliding windows of 4 in _hf_tiny
+MASK_ID = 3
+ALL_FAMILIES = list(dict.fromkeys(FAMILIES + sorted(REGISTRY)))
+WINDOWED = {"mistral", "gemma2", "gemma3_text"}  # the tiny configs with sliding_window=4
+DENSE_ONLY = {t for t, f in REGISTRY.items() if not f.is_causal_kwarg}  # falcon, stablelm
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _both_paths(model: uf.DiffusionLM, fn):
+    """``fn()`` on the default path and with the dense mask forced."""
+    model.dense_bidirectional_mask = False
+    fast = fn()
+    model.dense_bidirectional_mask = True
+    try:
+        dense = fn()
+    finally:
+        model.dense_bidirectional_mask = False
+    return fast, dense
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # float32 rounding (exact on CPU today)
+
+
+class SDPASpy:
+    """Records ``(attn_mask, is_causal)`` of every ``F.scaled_dot_product_attention`` call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[torch.Tensor | None, bool]] = []
+        real = F.scaled_dot_product_attention
+
+        def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+            self.calls.append((attn_mask, bool(is_causal)))
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def take(self) -> list[tuple[torch.Tensor | None, bool]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the same outputs on every family
+
+
+@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+@torch.no_grad()
+def test_no_mask_path_equals_dense_mask_path(model_type: str) -> None:
+    model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+    expected = "mask" if model_type in WINDOWED | DENSE_ONLY else "non_causal"
+    assert model.attention_path(L) == expected
+    x, t = _ids(), torch.tensor([0.2, 0.9])
+    fast, dense = _both_paths(model, lambda: model(x, t))
+    _close(fast, dense)
+    h_fast, h_dense = _both_paths(model, lambda: model.hidden_states(x))
+    _close(h_fast, h_dense)
+    # still bidirectional: a change of the last token reaches output L - 2
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1 - 4) % (VOCAB - 4) + 4
+    assert (model(x2)[:, L - 2] - fast[:, L - 2]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma3_text"])
+@torch.no_grad()
+def test_sliding_window_keeps_the_mask_until_it_is_vacuous(model_type: str) -> None:
+    """w = 4 < L + 1 bites: the dense, windowed mask stays. w ≥ L + 1 cannot bite: no mask."""
+    narrow = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+    assert narrow.family.sliding_window(narrow.config) == 4
+    assert narrow.attention_path(L) == "mask"
+    assert narrow.attention_path(3) == "non_causal"  # 4 network positions: |i - j| ≤ 3 < 4
+    x = _ids()
+    _close(*_both_paths(narrow, lambda: narrow(x[:, :3])))
+    wide = adapt_ar_model(tiny_model(model_type, sliding_window=L + 1), mask_token_id=MASK_ID)
+    assert wide.attention_path(L) == "non_causal" and wide.attention_path(L + 1) == "mask"
+    _close(*_both_paths(wide, lambda: wide(x)))
+    longer = _ids(length=L + 1)
+    _close(*_both_paths(wide, lambda: wide(longer)))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gradients_equal_with_and_without_checkpointing(model_type: str) -> None:
+    """Training at γ = 1 (after annealing): same loss gradients on both paths, also when layers are recomputed."""
+    model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID).train()
+    x0 = _ids()
+    kernel = uf.MaskKernel(model.num_states, mask_id=MASK_ID)
+    t = torch.tensor([0.3, 0.8])
+    x_t = kernel.sample(x0, t[:, None], generator=torch.Generator().manual_seed(0))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model.loss(x_t, t, x0, kernel).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        fast, dense = _both_paths(model, grads)
+        assert len(fast) == len(dense) > 0
+        for a, b in zip(fast, dense):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_eager_attention_runs_without_a_mask_too() -> None:
+    sdpa = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    eager = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    eager.base_model.set_attn_implementation("eager")
+    assert eager.config._attn_implementation == "eager" and eager.attention_path(L) == "non_causal"
+    x = _ids()
+    fast, dense = _both_paths(eager, lambda: eager(x))
+    _close(fast, dense)
+    torch.testing.assert_close(fast, sdpa(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what SDPA receives
+
+
+@torch.no_grad()
+def test_sdpa_gets_no_mask_and_is_causal_false_at_gamma_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    layers = model.config.num_hidden_layers
+    spy = SDPASpy(monkeypatch)
+    x = _ids()
+
+    model(x)  # γ = 1: no mask tensor, non-causal kernels
+    assert spy.take() == [(None, False)] * layers
+    model.hidden_states(x)
+    assert spy.take() == [(None, False)] * layers
+    model(x, bidirectional_prob=0.0)  # γ = 0: the model's own causal path
+    assert spy.take() == [(None, True)] * layers
+
+    model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(0))  # annealing: the Bernoulli mask
+    calls = spy.take()
+    assert len(calls) == layers and all(m is not None and m.shape == (2, 1, L + 1, L + 1) for m, _ in calls)
+    assert not any(c for _, c in calls)
+    model(x, attention_mask=torch.ones(2, L))  # padding: a mask
+    assert all(m is not None and m.shape[-1] == L + 1 for m, _ in spy.take())
+    model.dense_bidirectional_mask = True  # forced dense mask
+    model(x)
+    assert all(m is not None and bool(m.all()) for m, _ in spy.take())
+
+
+@pytest.mark.parametrize("model_type", sorted(DENSE_ONLY | {"mistral", "gemma3_text"}))
+@torch.no_grad()
+def test_families_that_need_the_mask_get_one(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+    spy = SDPASpy(monkeypatch)
+    model(_ids())
+    calls = spy.take()
+    assert calls and all(m is not None for m, _ in calls)
+
+
+@torch.no_grad()
+def test_older_transformers_without_the_keyword_keep_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    x = _ids()
+    fast = model(x)
+    monkeypatch.setattr(adapters, "_has_is_causal_kwarg", lambda: False)
+    assert model.attention_path(L) == "mask"
+    spy = SDPASpy(monkeypatch)
+    _close(model(x), fast)
+    assert all(m is not None for m, _ in spy.take())
+
+
+def test_has_is_causal_kwarg_on_the_installed_transformers() -> None:
+    from transformers.utils.generic import TransformersKwargs
+
+    assert adapters._has_is_causal_kwarg() == ("is_causal" in TransformersKwargs.__annotations__)
+
+
+def test_attention_path_reports_and_validates() -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    assert model.attention_path(L, 0.0) == "causal"
+    assert model.attention_path(L, 0.5) == "mask"
+    assert model.attention_path(L, 1.0) == "non_causal"
+    assert model.attention_path(L, 1.0, padded=True) == "mask"
+    assert model.attention_path(L, 0.0, padded=True) == "mask"
+    model.dense_bidirectional_mask = True
+    assert model.attention_path(L) == "mask"
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="length"):
+            model.attention_path(bad)  # type: ignore[arg-type]
+    for bad_gamma in (-0.1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="bidirectional_prob"):
+            model.attention_path(L, bad_gamma)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def test_sampler_runs_on_the_no_mask_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    spy = SDPASpy(monkeypatch)
+    out = model.generate(_ids(1, 3), max_new_tokens=4, num_steps=2, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 7)
+    calls = spy.take()
+    assert len(calls) == 2 * model.config.num_hidden_layers and all(c == (None, False) for c in calls)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.no_grad()
+def test_cuda_no_mask_path_matches_dense_mask() -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).cuda()
+    x = _ids(length=64).cuda()
+    fast, dense = _both_paths(model, lambda: model(x))
+    torch.testing.assert_close(fast, dense, rtol=1e-4, atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fast, dense = _both_paths(model, lambda: model(x))
+    torch.testing.assert_close(fast.float(), dense.float(), rtol=2e-2, atol=2e-2)
