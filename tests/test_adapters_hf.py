@@ -136,7 +136,7 @@ def test_plain_hf_folder_points_to_adapt_ar_model(tmp_path, tokenizer) -> None:
 
 
 def test_missing_or_wrong_folder(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(ValueError, match="no such folder"):
         DiffusionLM.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="save_pretrained"):
         DiffusionLM.from_pretrained(tmp_path)  # empty folder

@@ -662,9 +662,9 @@ class DiffusionLM(nn.Module):
             load_tokenizer: load the tokenizer saved in the folder, if any, as :attr:`tokenizer`.
 
         Raises:
-            FileNotFoundError: ``directory`` does not exist.
-            ValueError: the folder is a plain Hugging Face model folder (load it with transformers and wrap it with
-                :func:`adapt_ar_model`), or not a saved model at all, or its weights do not match its config.
+            ValueError: ``directory`` does not exist, is a plain Hugging Face model folder (load it with
+                transformers and wrap it with :func:`adapt_ar_model`), is not a saved model at all, or its weights do
+                not match its config.
         """
         import transformers
         from safetensors.torch import load_file
@@ -675,7 +675,7 @@ class DiffusionLM(nn.Module):
         path = Path(directory)
         weights_dtype = _parse_dtype(dtype)
         if not path.exists():
-            raise FileNotFoundError(f"directory: no such folder {str(path)!r}")
+            raise ValueError(f"directory: no such folder {str(path)!r}")
         if not path.is_dir():
             raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained, got the file "
                              f"{str(path)!r}")
