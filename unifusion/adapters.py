@@ -27,6 +27,12 @@ row equals the unpadded one on its real positions.
 from query ``i`` only if also ``|i − j| < w`` (symmetrised when bidirectional; with causal attention this is
 exactly the pretrained window, so the γ = 0 wrapper equals the AR model at any length).
 
+**No dense mask at γ = 1.** A fully bidirectional call without padding or an active window (``w ≥ L + 1``) builds no
+mask: it passes transformers' ``is_causal=False`` keyword instead, so SDPA runs with ``attn_mask=None,
+is_causal=False`` (flash kernels stay eligible; flash-attention-2 and flex attention work too) and nothing quadratic
+in ``L`` is allocated outside the attention kernel. The outputs equal the dense-mask path's.
+:meth:`DiffusionLM.attention_path` tells which path a call takes.
+
 Example::
 
     import unifusion as uf
