@@ -60,6 +60,20 @@ def test_round_trip_with_the_adapted_tokenizer(tmp_path, tokenizer) -> None:
     assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
+def test_cli_samples_from_a_saved_checkpoint(tmp_path, tokenizer, capsys) -> None:
+    """`unifusion sample --model DIR` on a folder written by save_pretrained alone (the tokenizer came along)."""
+    from unifusion.cli import main
+
+    adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=tokenizer).save_pretrained(tmp_path / "dm")
+    out = tmp_path / "samples.jsonl"
+    rc = main(["sample", "--model", str(tmp_path / "dm"), "--kernel", "mask", "--steps", "2", "--num-samples", "2",
+               "--seq-len", "5", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and all(len(r["ids"]) == 5 for r in records)
+    assert all(isinstance(r["text"], str) for r in records)  # decoded with the saved tokenizer
+
+
 def test_save_with_an_explicit_tokenizer_overrides_the_stored_one(tmp_path, tokenizer) -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     assert model.tokenizer is None
