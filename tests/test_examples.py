@@ -101,7 +101,8 @@ def test_cosine_lr_warms_up_linearly_then_decays_to_the_floor():
 
 
 def test_every_example_prints_help():
-    scripts = ["train_torchrun", "train_deepspeed", "train_accelerate", "conversion_paths", "objectives"]
+    scripts = ["train_torchrun", "train_deepspeed", "train_accelerate", "conversion_paths", "objectives",
+               "paper_claims"]
     code = (
         "import runpy, sys\n"
         f"for name in {scripts!r}:\n"
@@ -223,3 +224,33 @@ def test_objectives_rate_equivalent_losses_train_identically():
     assert float(rows[("m2s (μ head)", "uniform")][7]) > 1e-2  # a different parameterization trains differently
     assert all(math.isfinite(float(c)) for cells in rows.values() for c in cells[3:])
     assert re.search(r"M2S, mean loss over the first 3 updates: x0 head \S+, μ head \S+", stdout)
+
+
+def test_paper_claims_runs_every_experiment_tiny(tmp_path):
+    """examples/paper_claims.py at tiny size: each experiment writes its JSON with finite, well-formed results."""
+    import json
+
+    script = str(EXAMPLES / "paper_claims.py")
+    common = ["--tiny", "--out", str(tmp_path), "--num-samples", "2"]
+    for argv in (["fig2"], ["adapt"], ["frontier", "--frontier-steps", "2", "4", "--seeds", "1", "2"],
+                 ["zeroshot", "--max-examples", "3", "--num-times", "2", "--tasks",
+                  str(Path(__file__).parent / "data" / "tiny_task.json")],
+                 ["paths", "--eval-blocks", "2", "--sample-steps", "2"]):
+        _run([script, *argv, *common])
+    result = {name: json.loads((tmp_path / f"{name}.json").read_text())
+              for name in ("fig2", "adapt", "frontier", "zeroshot", "paths")}
+    fig2 = result["fig2"]
+    assert set(fig2["curves"]) == {"x0", "mu"} and all(len(c) == 3 for c in fig2["curves"].values())
+    assert fig2["x0_lower_fraction"] == pytest.approx(1 - fig2["early_mean"]["x0"] / fig2["early_mean"]["mu"])
+    assert math.isfinite(result["adapt"]["heldout_elbo"]) and (tmp_path / "adapted" / "tokenizer.json").is_file()
+    rows = result["frontier"]["summary"]
+    assert [r["steps"] for r in rows] == [2, 4] and all(math.isfinite(r["genppl_mean"]) for r in rows)
+    (task,) = result["zeroshot"]["tasks"].values()
+    assert set(task) == {"AR (base)", "adapted, 32 times", "adapted, Fair-PMI"}
+    assert all(0.0 <= v["accuracy"] <= 1.0 and v["n"] == 3 for v in task.values())
+    paths = result["paths"]["paths"]
+    assert set(paths) == {"AR→mask", "AR→uniform", "AR→mask→uniform"}
+    for record in paths.values():
+        assert len(record["loss"]) == 6 and [c["after_step"] for c in record["checkpoints"]] == [3, 6]
+    # the two paths that start with the mask kernel share their first phase exactly
+    assert paths["AR→mask"]["loss"][:3] == paths["AR→mask→uniform"]["loss"][:3]
