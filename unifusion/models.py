@@ -161,15 +161,16 @@ def load_diffusion_model(spec: str, *, kernel: str = "uniform", gguf_file: str |
 
     path = Path(spec)
     if path.is_dir() and (path / CONFIG_NAME).is_file():
-        model = DiffusionLM.from_pretrained(path, device=device)
-        if dtype_from_name(dtype) != next(model.parameters()).dtype:
-            model = model.to(dtype_from_name(dtype))
+        model = DiffusionLM.from_pretrained(path, dtype=dtype_from_name(dtype), device=device,
+                                            load_tokenizer=tokenizer is None)
+        if tokenizer is None and model.tokenizer is not None:  # saved beside the weights by save_pretrained
+            return model, model.tokenizer
         source = tokenizer or str(path)
         try:
             tok = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as err:
-            raise ValueError(f"--tokenizer: no tokenizer found in {source!r} (save one next to the model or pass "
-                             f"--tokenizer PATH): {err}") from None
+            raise ValueError(f"--tokenizer: no tokenizer found in {source!r} (save one next to the model, e.g. "
+                             f"model.save_pretrained(dir, tokenizer=tok), or pass --tokenizer PATH): {err}") from None
         return model, tok
     hf, tok = load_causal_lm(spec, gguf_file=gguf_file, dtype=dtype, device=device)
     if tokenizer is not None:
