@@ -1,0 +1,437 @@
+"""GPU benchmark suite: the fast losses vs cross-entropy, the fused output head vs its alternatives, and sampling vs AR.
+
+    python benchmarks/gpu.py --out results.json            # on a CUDA device (minutes)
+    python benchmarks/gpu.py --dry-run --out /tmp/x.json   # every code path on the CPU at tiny sizes (seconds)
+    python benchmarks/gpu.py --sections loss,fused         # a subset: loss, fused, sampling
+
+Sections (each a table on stdout and a list of rows in the JSON):
+
+* ``loss_vs_cross_entropy`` — ``uf.losses.gidd_loss`` (uniform and mask kernels) forward + backward on bf16 logits
+  ``(N, V)`` against ``F.cross_entropy`` on the same logits, under ``uf.set_backend("eager")`` and ``"compiled"``.
+  Goal: loss / CE time ≤ 1.0×.
+* ``fused_vs_alternatives`` — ``fused_linear_diffusion_loss`` (hidden ``(N, d)``, head ``(V, d)``, bf16) forward +
+  backward against materialised logits ``h @ W.T`` + cross-entropy (and + ``gidd_loss``), Liger-Kernel's fused linear
+  cross-entropy and Apple's Cut Cross-Entropy when installed. Goals: fused time ≤ Liger's, fused peak memory ≤ 1.1×
+  CCE's.
+* ``sampling_vs_ar`` — the paper's App. C.6 table: a randomly initialised GPT-2-small (bf16), batch 1, 512 tokens,
+  ``BayesianSampler`` with the uniform kernel in N steps against Hugging Face ``generate`` with its KV cache (512 new
+  tokens, sampling) from a 1-token prompt; speed-up vs AR and the per-step overhead = (sampler time / N) / (one
+  forward of the model on (1, 512)). Paper: 87.1 ms at 16 steps, 16.97× AR. Goal: ≥ 17× at 16 steps.
+
+Timing on CUDA: warm-up calls (compilation included), then ``--reps`` runs each between CUDA events with a
+synchronize; best and median reported. Peak memory: ``torch.cuda.max_memory_allocated`` during one call, minus what
+was allocated before it (inputs and weights are not counted; gradients are). ``--dry-run`` times with
+``time.perf_counter`` on the CPU and reports no memory (``null``).
+
+Without a CUDA device and without ``--dry-run`` the script exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import unifusion as uf
+from unifusion.losses import fused_linear_diffusion_loss
+
+GOALS = ("goals: fast loss fwd+bwd ≤ 1.0× F.cross_entropy; fused head time ≤ Liger's and peak memory ≤ 1.1× CCE's; "
+         "BayesianSampler at 16 steps ≥ 17× HF generate (paper: 87.1 ms, 16.97×)")
+SECTIONS = ("loss", "fused", "sampling")
+NO_CUDA_MESSAGE = ("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available() is False). Run it on a machine with "
+                   "a GPU, or pass --dry-run to exercise every code path on the CPU at tiny sizes.")
+
+
+# ----------------------------------------------------------------------------------------------------------- timing
+class Timer:
+    """Times a zero-argument callable: CUDA events + synchronize on a GPU, ``time.perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
+        self.device, self.reps, self.warmup = device, reps, warmup
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _once(self, fn: Callable[[], Any]) -> float:
+        """Milliseconds of one call."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.sync()
+            start.record()
+            fn()
+            end.record()
+            self.sync()
+            return float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    def peak_mib(self, fn: Callable[[], Any]) -> float | None:
+        """Peak CUDA memory of one call above what was allocated before it (MiB); ``None`` on the CPU."""
+        if not self.cuda:
+            return None
+        gc.collect()
+        self.sync()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        fn()
+        self.sync()
+        return (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
+
+    def measure(self, fn: Callable[[], Any], memory: bool = True) -> dict[str, float | None]:
+        for _ in range(self.warmup):
+            fn()
+        self.sync()
+        peak = self.peak_mib(fn) if memory else None
+        times = [self._once(fn) for _ in range(self.reps)]
+        return {"best_ms": min(times), "median_ms": statistics.median(times), "peak_mib": peak}
+
+
+def _failed(exc: BaseException) -> dict[str, Any]:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    kind = "OOM" if isinstance(exc, torch.cuda.OutOfMemoryError) else type(exc).__name__
+    return {"best_ms": None, "median_ms": None, "peak_mib": None, "error": f"{kind}: {str(exc).splitlines()[0][:200]}"}
+
+
+def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:{spec}}{suffix}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _print_table(title: str, columns: list[tuple[str, int]], rows: list[list[str]]) -> None:
+    print(f"\n{title}")
+    print("".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w) in enumerate(columns)))
+    for row in rows:
+        print("".join(f"{cell:>{w}}" if i else f"{cell:<{w}}" for i, (cell, (_, w)) in enumerate(zip(row, columns))))
+
+
+# ------------------------------------------------------------------------------------------- (a) loss vs cross-entropy
+def _bench_loss_v(N: int, V: int, backends: list[str], device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+    """Rows of one vocabulary size: cross-entropy, then gidd_loss (uniform, mask) under each backend."""
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(N, V, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    x0 = torch.randint(0, V - 1, (N,), device=device, generator=g)  # never the mask id V - 1
+    t = torch.rand(N, device=device, generator=g) * 0.98 + 0.01
+    kernels = {"uniform": uf.UniformKernel(V), "mask": uf.MaskKernel(V, V - 1)}
+    x_ts = {name: k.sample(x0, t, generator=g) for name, k in kernels.items()}
+
+    def ce() -> None:
+        logits.grad = None
+        F.cross_entropy(logits, x0, reduction="none").sum().backward()
+
+    def make(name: str) -> Callable[[], None]:
+        kernel, x_t = kernels[name], x_ts[name]
+
+        def run() -> None:
+            logits.grad = None
+            uf.losses.gidd_loss(logits, x0, x_t, t, kernel).sum().backward()
+        return run
+
+    rows: list[dict[str, Any]] = []
+    try:
+        base = timer.measure(ce)
+    except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a row, not a crash
+        base = _failed(exc)
+    rows.append({"backend": "-", "loss": "cross_entropy", "N": N, "V": V, **base, "ratio_vs_ce": 1.0})
+    for backend in backends:
+        uf.set_backend(backend)
+        for name in kernels:
+            try:
+                res = timer.measure(make(name))
+            except Exception as exc:  # noqa: BLE001
+                res = _failed(exc)
+            rows.append({"backend": backend, "loss": f"gidd_{name}", "N": N, "V": V, **res,
+                         "ratio_vs_ce": _ratio(res["best_ms"], base["best_ms"])})
+    return rows
+
+
+def bench_loss(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for V in cfg.loss_v:
+        rows += _bench_loss_v(cfg.loss_n, V, cfg.backends, device, timer)
+        gc.collect()
+    _print_table(f"(a) loss forward+backward vs F.cross_entropy, bf16 logits (N, V), best of {timer.reps} "
+                 f"(goal: ratio ≤ 1.00×)",
+                 [("loss", 16), ("backend", 10), ("N", 8), ("V", 9), ("best ms", 10), ("median ms", 11),
+                  ("peak MiB", 10), ("vs CE", 8), ("goal", 6)],
+                 [[r["loss"], r["backend"], str(r["N"]), str(r["V"]), _fmt(r["best_ms"], ".3f"),
+                   _fmt(r["median_ms"], ".3f"), _fmt(r["peak_mib"], ".0f"), _fmt(r["ratio_vs_ce"], ".2f", "x"),
+                   "-" if r["loss"] == "cross_entropy" or r["ratio_vs_ce"] is None
+                   else ("ok" if r["ratio_vs_ce"] <= 1.0 else "MISS")] for r in rows])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- (b) fused vs alternatives
+def _liger(reduction: str) -> Callable[..., torch.Tensor] | str:
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return "not installed"
+    module = LigerFusedLinearCrossEntropyLoss(reduction=reduction)
+
+    def fn(h: torch.Tensor, W: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = module(W, h, y)  # Liger's order: (lin_weight, input, target)
+        return out[0] if isinstance(out, tuple) else out
+    return fn
+
+
+def _cce(reduction: str) -> Callable[..., torch.Tensor] | str:
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        return "not installed"
+
+    def fn(h: torch.Tensor, W: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(h, W, y, reduction=reduction)
+    return fn
+
+
+def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+    N, d, V = cfg.fused_n, cfg.fused_d, cfg.fused_v
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(N, d, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    W = (0.02 * torch.randn(V, d, device=device, generator=g)).to(torch.bfloat16).requires_grad_()
+    x0 = torch.randint(0, V, (N,), device=device, generator=g)
+    t = torch.rand(N, device=device, generator=g) * 0.98 + 0.01
+    kernel = uf.UniformKernel(V)
+    x_t = kernel.sample(x0, t, generator=g)
+
+    def wrap(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            h.grad = None
+            W.grad = None
+            loss_fn().backward()
+        return run
+
+    variants: list[tuple[str, str, Callable[[], None] | str]] = [
+        ("materialised_ce", "-", wrap(lambda: F.cross_entropy(h @ W.T, x0, reduction="sum"))),
+        ("materialised_gidd", cfg.backends[-1],
+         wrap(lambda: uf.losses.gidd_loss(h @ W.T, x0, x_t, t, kernel).sum())),
+    ]
+    for backend in cfg.backends:
+        variants.append(("fused_gidd", backend, wrap(
+            lambda: fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, reduction="sum"))))
+    for name, factory in (("liger_flce", _liger), ("cce", _cce)):
+        fn = factory("sum")
+        if isinstance(fn, str):
+            variants.append((name, "-", fn))
+        elif device.type != "cuda":
+            variants.append((name, "-", "skipped: needs CUDA"))
+        else:
+            variants.append((name, "-", wrap(lambda fn=fn: fn(h, W, x0))))
+    rows: list[dict[str, Any]] = []
+    for name, backend, run in variants:
+        row: dict[str, Any] = {"variant": name, "backend": backend, "N": N, "d": d, "V": V}
+        if isinstance(run, str):
+            row.update({"best_ms": None, "median_ms": None, "peak_mib": None, "status": run})
+        else:
+            if backend != "-":
+                uf.set_backend(backend)
+            try:
+                row.update(timer.measure(run))
+                row["status"] = "ok"
+            except Exception as exc:  # noqa: BLE001
+                row.update(_failed(exc))
+                row["status"] = row["error"]
+        rows.append(row)
+    by = {r["variant"]: r for r in rows}
+    base = by["materialised_ce"]
+    for r in rows:
+        r["time_vs_materialised_ce"] = _ratio(r["best_ms"], base["best_ms"])
+        r["time_vs_liger"] = _ratio(r["best_ms"], by["liger_flce"]["best_ms"])
+        r["memory_vs_cce"] = _ratio(r["peak_mib"], by["cce"]["peak_mib"])
+
+    def goal(r: dict[str, Any]) -> str:
+        if r["variant"] != "fused_gidd":
+            return "-"
+        verdicts = []
+        if r["time_vs_liger"] is not None:
+            verdicts.append("time ok" if r["time_vs_liger"] <= 1.0 else "time MISS")
+        if r["memory_vs_cce"] is not None:
+            verdicts.append("mem ok" if r["memory_vs_cce"] <= 1.1 else "mem MISS")
+        return ", ".join(verdicts) or "no reference"
+
+    _print_table(f"(b) output head + loss forward+backward, bf16, N={N} d={d} V={V}, best of {timer.reps} "
+                 f"(goals: fused time ≤ Liger's, memory ≤ 1.1× CCE's)",
+                 [("variant", 19), ("backend", 10), ("best ms", 10), ("median ms", 11), ("peak MiB", 10),
+                  ("vs CE", 8), ("vs Liger", 10), ("mem/CCE", 9), ("  status / goal", 30)],
+                 [[r["variant"], r["backend"], _fmt(r["best_ms"], ".3f"), _fmt(r["median_ms"], ".3f"),
+                   _fmt(r["peak_mib"], ".0f"), _fmt(r["time_vs_materialised_ce"], ".2f", "x"),
+                   _fmt(r["time_vs_liger"], ".2f", "x"), _fmt(r["memory_vs_cce"], ".2f", "x"),
+                   "  " + (r["status"] if r["status"] != "ok" else goal(r))] for r in rows])
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- (c) sampling vs AR
+def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(**cfg.gpt2_overrides)
+    base = GPT2LMHeadModel(config).to(device=device, dtype=cfg.model_dtype).eval()
+    L = cfg.seq_len
+    bos = torch.tensor([[config.bos_token_id]], device=device)
+    uf.set_backend(cfg.sample_backend)
+    rows: list[dict[str, Any]] = []
+
+    def ar() -> torch.Tensor:
+        return base.generate(bos, attention_mask=torch.ones_like(bos), max_new_tokens=L, min_new_tokens=L,
+                             do_sample=True, use_cache=True, pad_token_id=config.eos_token_id)
+
+    last: dict[str, torch.Tensor] = {}
+
+    def keep(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            last["out"] = fn()
+        return run
+
+    with torch.inference_mode():
+        res = timer.measure(keep(ar), memory=False)
+        if last["out"].shape[1] != L + 1:
+            raise RuntimeError(f"generate produced {last['out'].shape[1] - 1} new tokens, expected {L}")
+        rows.append({"method": "gpt2 AR generate (KV cache)", "steps": None, **res})
+        model = uf.adapt_ar_model(base, add_mask_token=False)
+        kernel = uf.UniformKernel(model.num_states)
+        gx = torch.Generator(device=device).manual_seed(1)
+        x = torch.randint(0, model.num_states, (1, L), device=device, generator=gx)
+        tt = torch.full((1,), 0.5, device=device)
+        with uf.validation(False):
+            fwd = timer.measure(lambda: model(x, tt), memory=False)
+        rows.append({"method": "adapted forward (1, L)", "steps": 1, **fwd})
+        for N in cfg.steps:
+            sampler = uf.BayesianSampler(model, kernel, num_steps=N)
+            g = torch.Generator(device=device).manual_seed(0)
+            res = timer.measure(keep(lambda s=sampler, g=g: s.sample(1, L, generator=g)), memory=False)
+            ids = last["out"]
+            if ids.shape != (1, L) or int(ids.min()) < 0 or int(ids.max()) >= model.num_states:
+                raise RuntimeError(f"sampler returned invalid ids: shape {tuple(ids.shape)}")
+            rows.append({"method": "BayesianSampler (uniform)", "steps": N, **res})
+    ar_ms, fwd_ms = rows[0]["best_ms"], rows[1]["best_ms"]
+    for r in rows:
+        r["speedup_vs_ar"] = _ratio(ar_ms, r["best_ms"])
+        r["per_step_overhead"] = (_ratio(r["best_ms"] / r["steps"], fwd_ms)
+                                  if r["method"].startswith("BayesianSampler") else None)
+    first = next((r for r in rows if r["steps"] == 16 and r["method"].startswith("Bayes")), None)
+    _print_table(f"(c) App. C.6: GPT-2 ({config.n_layer} layers, d={config.n_embd}, V={config.vocab_size}) "
+                 f"{str(cfg.model_dtype).removeprefix('torch.')}, "
+                 f"batch 1, {L} tokens, best of {timer.reps}; sampler backend {cfg.sample_backend} "
+                 f"(paper: 87.1 ms at 16 steps, 16.97x; goal ≥ 17x)",
+                 [("method", 30), ("steps", 6), ("best ms", 11), ("median ms", 11), ("tokens/s", 10),
+                  ("vs AR", 8), ("step/fwd", 9)],
+                 [[r["method"], "-" if r["steps"] is None else str(r["steps"]), _fmt(r["best_ms"], ".1f"),
+                   _fmt(r["median_ms"], ".1f"),
+                   _fmt(L / (r["best_ms"] / 1e3) if r["best_ms"] else None, ".0f"),
+                   _fmt(r["speedup_vs_ar"], ".2f", "x"), _fmt(r["per_step_overhead"], ".2f", "x")] for r in rows])
+    if first is not None:
+        print(f"16 steps: {first['speedup_vs_ar']:.2f}x AR -> goal ≥ 17x "
+              f"{'met' if first['speedup_vs_ar'] >= 17 else 'MISSED'}")
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: check every code path, in seconds")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
+    p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; sampling 5; dry run 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per row (default 2; dry run 0)")
+    p.add_argument("--backends", default="eager,compiled", help="loss backends to compare")
+    p.add_argument("--sample-backend", default=None, help="backend for sampling (default compiled; dry run eager)")
+    p.add_argument("--dry-run-compiled", action="store_true",
+                   help="with --dry-run, also run the compiled backend (compiles on the CPU: tens of seconds)")
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    for s in args.sections:
+        if s not in SECTIONS:
+            p.error(f"--sections: unknown section {s!r} (choose from {', '.join(SECTIONS)})")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in args.backends:
+        if b not in ("eager", "compiled", "auto"):
+            p.error(f"--backends: unknown backend {b!r}")
+    if args.dry_run:
+        if not args.dry_run_compiled:
+            args.backends = [b for b in args.backends if b != "compiled"] or ["eager"]
+        args.reps = args.reps or 1
+        args.warmup = 0 if args.warmup is None else args.warmup
+        args.loss_n, args.loss_v = 64, [1000, 2000]
+        args.fused_n, args.fused_d, args.fused_v = 64, 32, 2000
+        args.gpt2_overrides = dict(n_layer=2, n_embd=64, n_head=2, n_positions=128)
+        args.seq_len, args.steps = 64, [2, 4]
+        args.sample_backend = args.sample_backend or "eager"
+        args.model_dtype = torch.float32  # bf16 matmuls are slow on most CPUs; the GPU run uses bf16
+    else:
+        args.reps = args.reps or 10
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.loss_n, args.loss_v = 16384, [49152, 262144]
+        args.fused_n, args.fused_d, args.fused_v = 16384, 1536, 262144
+        args.gpt2_overrides = {}
+        args.seq_len, args.steps = 512, [16, 32, 64, 128, 256]
+        args.sample_backend = args.sample_backend or "compiled"
+        args.model_dtype = torch.bfloat16
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    info = {"name": name, "type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "unifusion": uf.__version__, "dry_run": bool(args.dry_run), "reps": args.reps, "warmup": args.warmup,
+            "goals": GOALS}
+    print(f"device: {name} | torch {torch.__version__} (CUDA {torch.version.cuda}) | unifusion {uf.__version__}"
+          f"{' | DRY RUN: tiny sizes on the CPU, numbers not meaningful' if args.dry_run else ''}")
+    print(GOALS)
+    if args.dry_run:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    uf.set_validation(False)  # no host syncs from argument checks inside timed regions
+    results: dict[str, Any] = {"device": info, "loss_vs_cross_entropy": [], "fused_vs_alternatives": [],
+                               "sampling_vs_ar": []}
+
+    def save() -> None:
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
+    save()
+    t0 = time.perf_counter()
+    sampling_timer = Timer(device, args.reps if args.dry_run else min(args.reps, 5), args.warmup)
+    timer = Timer(device, args.reps, args.warmup)
+    for section, key, fn, tm in (("loss", "loss_vs_cross_entropy", bench_loss, timer),
+                                 ("fused", "fused_vs_alternatives", bench_fused, timer),
+                                 ("sampling", "sampling_vs_ar", bench_sampling, sampling_timer)):
+        if section in args.sections:
+            results[key] = fn(args, device, tm)
+            save()
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s" + (f"; results in {args.out}" if args.out else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
