@@ -307,3 +307,43 @@ def test_mask_in_the_first_or_last_column(kernel, backend, monkeypatch):
     x0[5:9] = kernel.mask_id
     x_t[7:15] = kernel.mask_id
     _assert_equals_reference(kernel, h, W, b, x0, x_t, t, scale, chunk_size=11)
+
+
+def test_weight_gradient_accumulates_in_fp32_from_bf16_operands_where_the_device_can(monkeypatch):
+    """Where ``addmm(..., out_dtype=float32)`` exists (CUDA), ∂W is accumulated by a GEMM on the bf16 operands
+    (tensor cores) into the float32 accumulator. On the CPU that kernel does not exist: the probe says so and the
+    float32-operand path runs. Emulated here: the same call with float32 arithmetic gives the same ∂W."""
+    assert not fused_linear.accumulates_in_fp32(torch.device("cpu"), torch.bfloat16)
+    kernel = KERNELS["uniform"]
+
+    def grads():
+        h, W, _, x0, x_t, t, _ = _inputs(kernel, dtype=torch.bfloat16)
+        fused_linear_diffusion_loss(h, W, x0, x_t, t.float(), kernel, chunk_size=16).sum().backward()
+        return W.grad.clone(), h.grad.clone()
+
+    W_ref, h_ref = grads()
+    calls = []
+    addmm = torch.addmm
+
+    def fake_addmm(input, a, b, *, out_dtype=None, out=None, **kwargs):
+        if out_dtype is None:
+            return addmm(input, a, b, out=out, **kwargs) if out is not None else addmm(input, a, b, **kwargs)
+        calls.append((a.dtype, b.dtype, out.dtype, out is input))
+        return out.add_(a.float() @ b.float())  # what the CUDA kernel computes: fp32 accumulation of a bf16 GEMM
+
+    monkeypatch.setattr(fused_linear, "accumulates_in_fp32", lambda device, dtype: True)
+    monkeypatch.setattr(torch, "addmm", fake_addmm)
+    W_new, h_new = grads()
+    assert calls and all(c == (torch.bfloat16, torch.bfloat16, torch.float32, True) for c in calls)
+    assert len(calls) == 4  # one per block of 16 of the 50 rows
+    torch.testing.assert_close(W_new, W_ref, rtol=0, atol=0)
+    torch.testing.assert_close(h_new, h_ref, rtol=0, atol=0)
+
+
+def test_default_block_size_comes_from_a_memory_budget():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fused_linear.default_chunk_size(1 << 20, 262_144, cpu) == 128  # 128 MiB of float32 logits, as in 0.1
+    assert fused_linear.default_chunk_size(1 << 20, 262_144, cuda) == 2048  # tensor-core-sized GEMMs
+    assert fused_linear.default_chunk_size(1 << 20, 49_152, cuda) == (1 << 31) // (4 * 49_152)
+    assert fused_linear.default_chunk_size(100, 49_152, cuda) == 100  # never more rows than there are
+    assert fused_linear.default_chunk_size(1 << 20, 1 << 30, cpu) == 16  # never skinnier than 16 rows

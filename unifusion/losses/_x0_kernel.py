@@ -25,8 +25,20 @@ from .._math import bregman_g, expm1_minus_x
 
 __all__ = ["loss_and_grad", "run", "x_minus_log1p"]
 
-# eager backend: elements per block of rows processed at once (a few MB of temporaries; fits the caches)
+# eager backend: elements per block of rows processed at once. On the CPU a few MB of temporaries that fit the caches
+# (each op is a cheap call there). On a GPU every op of a block is a kernel launch (~520 per block for fwd + bwd,
+# counted in tests/test_launch_count.py), so blocks are large: 2²⁷ logits (512 MiB per float32 temporary) make a
+# 16,384 × 49,152 batch 6 blocks (~3k launches) and 16,384 × 262,144 32 blocks (~17k) instead of ~3,300 and 16,384
+# blocks (~1.7M and ~8.5M launches) with the CPU size; the temporaries of one block (about ten float32 (rows, V)
+# tensors) add up to ~5 GiB at the largest block, next to 8 GiB of bf16 logits and their gradient.
 EAGER_BLOCK_ELEMENTS = 1 << 18
+EAGER_ACCELERATOR_BLOCK_ELEMENTS = 1 << 27
+
+
+def eager_block_elements(device: torch.device) -> int:
+    """Logits per block of the eager backend on ``device`` (:data:`EAGER_BLOCK_ELEMENTS` on the CPU,
+    :data:`EAGER_ACCELERATOR_BLOCK_ELEMENTS` elsewhere)."""
+    return EAGER_BLOCK_ELEMENTS if device.type == "cpu" else EAGER_ACCELERATOR_BLOCK_ELEMENTS
 # compiled backend on CPU: elements per call (Inductor's CPU loops store exp(l − max) between passes; a block this
 # size keeps it in the last-level cache)
 COMPILED_CPU_BLOCK_ELEMENTS = 1 << 22
@@ -178,12 +190,16 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
             ratio = X / (1.0 + X) if ratio is None else ratio
             E = torch.where(at_x0, 0.0, torch.where(u_pos.unsqueeze(-1), ratio, 1.0))  # x0's term: pe_x0 below
+    c: torch.Tensor | None
     if stats is not None:
         c = stats[2]
     elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c = (1 − p_x0) + p_x0 e_x0
         c = one_minus_p_x0 + pe_x0
     else:
-        c = (P * E).sum(-1) / s + pe_x0 if need_c else None
+        c = None
+        if need_c:
+            assert E is not None  # set by the uniform-noise branch above
+            c = (P * E).sum(-1) / s + pe_x0
 
     loss = None
     if need_loss:
@@ -199,9 +215,10 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         term = term1 + term2 + rho_term
         exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
         loss = torch.where(possible, w_active * term, exit_theta)
-    out_stats = (mx, s, c) if need_stats else None
+    out_stats = (mx, s, c) if need_stats and c is not None else None  # need_stats implies need_c
     if not need_grad:
         return loss, None, out_stats
+    assert c is not None and grad_out is not None  # need_grad: c is computed or given, and there is a gradient buffer
 
     # ---- ∂L/∂logit_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
     g = grad_scale.to(dtype) if grad_scale is not None else 1.0
@@ -288,8 +305,8 @@ def _run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | No
     return _compile.run(
         loss_and_grad, key,
         lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out),
-        lambda: _blocks(loss_and_grad, EAGER_BLOCK_ELEMENTS, True, logits, rows, mask_id, grad_scale, stats, flags,
-                        grad_out),
+        lambda: _blocks(loss_and_grad, eager_block_elements(logits.device), True, logits, rows, mask_id, grad_scale,
+                        stats, flags, grad_out),
         options=_INDUCTOR_OPTIONS, work=logits.numel(),
         warmup=lambda fn: _warmup(fn, logits, rows, mask_id, grad_scale, stats, flags, grad_out, in_place))
 

@@ -31,7 +31,7 @@ reference implementations are :mod:`unifusion.losses.native`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -99,13 +99,13 @@ class _Rows:
 
     def cast(self, dtype: torch.dtype) -> _Rows:
         """The same rows with every floating field rounded to ``dtype`` (the compute dtype)."""
-        fields = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                  for k, v in vars(self).items()}
+        fields: dict[str, Any] = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                                  for k, v in vars(self).items()}
         fields["dtype"] = dtype
         return _Rows(**fields)
 
     def __getitem__(self, s: slice) -> _Rows:
-        fields = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        fields: dict[str, Any] = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return _Rows(**fields)
 
     def run(self, logits: torch.Tensor, *, need_loss: bool = True, need_stats: bool = False,
@@ -208,7 +208,7 @@ class _X0HeadLossFunction(torch.autograd.Function):
     in (one pass over each row), so nothing of size N×V is allocated before backward and any reduction is exact."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
         loss, _, stats = rows.run(logits, need_stats=ctx.needs_input_grad[0])
         if stats is not None:
             ctx.save_for_backward(logits, *stats)
@@ -221,7 +221,7 @@ class _X0HeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_loss: torch.Tensor):
         logits, *stats = ctx.saved_tensors
         _, grad, _ = ctx.rows.run(logits, need_loss=False, grad_scale=grad_loss, stats=tuple(stats))
         return grad, None

@@ -39,9 +39,44 @@ from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_
 
 __all__ = ["fused_linear_diffusion_loss"]
 
-# elements of one block of logits (128 MiB in float32). At V = 262,144, N = 1024, d = 640: 64 MiB blocks measured
-# 0.26x the memory / 2.0x the time of materialised cross-entropy, 256 MiB blocks 0.38x / 1.48x (larger matmuls)
-_CHUNK_ELEMENTS = 1 << 25
+# Memory budget of one block of logits, counted as float32 (4 bytes per logit; working buffers are about this size
+# again). On the CPU, 2²⁵ logits (128 MiB; at V = 262,144, N = 1024, d = 640: 64 MiB blocks measured 0.26x the
+# memory / 2.0x the time of materialised cross-entropy, 256 MiB blocks 0.38x / 1.48x). On a GPU the budget is
+# larger, so that the block's three matmuls have enough rows for tensor cores (≥ 1024 rows at V = 262,144): the
+# skinny 128-row GEMMs of a CPU-sized block would leave most of an H100 idle.
+BLOCK_BYTES = {"cpu": 1 << 27, "cuda": 1 << 31}
+_MIN_ROWS = 16  # never fewer rows than this (skinny GEMMs), whatever V
+
+
+def default_chunk_size(num_rows: int, num_states: int, device: torch.device) -> int:
+    """Rows per block: :data:`BLOCK_BYTES` of the device type (other accelerators use the CUDA budget; edit the dict
+    or pass ``chunk_size`` to change it) divided by ``4 · V`` bytes per row, at least 16 rows, at most ``num_rows``.
+    V = 262,144: 128 rows on the CPU (as in 0.1), 2,048 rows on CUDA; V = 49,152: 682 and 10,922."""
+    budget = BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"])
+    return max(1, min(num_rows, max(_MIN_ROWS, budget // (4 * num_states))))
+
+
+_FP32_ACCUMULATION: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` with ``dtype`` operands and a float32
+    accumulator works on ``device`` (CUDA builds of recent torch: tensor-core GEMMs on bf16/fp16 operands that
+    accumulate in float32). Probed once per device and dtype on a 2×2 product against float32 arithmetic (one host
+    read, the first time only); CPU builds have no such kernel, so ∂W is then accumulated with float32 operands."""
+    key = (device.type, device.index, dtype)
+    if key not in _FP32_ACCUMULATION:
+        ok = False
+        if device.type != "cpu" and dtype in (torch.bfloat16, torch.float16):
+            try:
+                a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=dtype)
+                acc = torch.full((2, 2), 0.5, device=device, dtype=torch.float32)
+                torch.addmm(acc, a.T, a, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.equal(acc.cpu(), 0.5 + a.T.float().cpu() @ a.float().cpu()))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _FP32_ACCUMULATION[key] = ok
+    return _FP32_ACCUMULATION[key]
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -97,7 +132,11 @@ class _Grads:
         if h_out is not None:
             torch.mm(g, self.weight, out=h_out) if g.dtype == h_out.dtype else h_out.copy_(g @ self.weight)
         if self.w is not None:
-            self.w.addmm_(g.T.to(self.acc), h.to(self.acc))
+            if self.acc != g.dtype and g.dtype == h.dtype and accumulates_in_fp32(g.device, g.dtype):
+                # bf16/fp16 operands, float32 accumulator: tensor cores, no float32 copies of g and h
+                torch.addmm(self.w, g.T, h, out_dtype=self.acc, out=self.w)
+            else:
+                self.w.addmm_(g.T.to(self.acc), h.to(self.acc))
         if self.b is not None:
             self.b.add_(g.sum(0, dtype=self.acc))
 
@@ -111,8 +150,9 @@ class _Grads:
 
     def weight_and_bias(self) -> tuple[torch.Tensor | None, ...]:
         """∂/∂W and ∂/∂b in the parameters' dtypes."""
-        w, b = self.w, self.b
-        return (None if w is None else w.to(self.weight.dtype), None if b is None else b.to(self.bias.dtype))
+        w, b, bias = self.w, self.b, self.bias
+        return (None if w is None else w.to(self.weight.dtype),
+                None if b is None or bias is None else b.to(bias.dtype))
 
 
 def _blocks(N: int, chunk: int):
@@ -127,7 +167,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
     forward keeps the row statistics and backward recomputes every block (four matmuls per block)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: _Rows, chunk: int, scale: float, softcap: float | None, omega: torch.Tensor,
                 precompute: bool, reduced: bool) -> torch.Tensor:
         N = hidden.shape[0]
@@ -158,7 +198,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         hidden, weight, bias, omega, *stats = ctx.saved_tensors
         none = (None,) * 7
         if not ctx.precompute:
@@ -250,8 +290,9 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         lm_head_weight: output embedding ``(S, d)``, S = ``kernel.num_states``.
         x0, x_t, t, kernel, objective, weighting, max_weight: as in :func:`~unifusion.losses.x0_head_loss`.
         lm_head_bias: optional ``(S,)``.  logit_scale: κ.  final_logit_softcap: c (gemma2/3) or ``None``.
-        chunk_size: positions per block (default: 2²⁵ / S, i.e. 128 MiB float32 blocks; smaller saves memory,
-            larger makes the matmuls more efficient).
+        chunk_size: positions per block (default :func:`default_chunk_size`: 128 MiB of float32 logits per block on
+            the CPU, 2 GiB on CUDA so the matmuls have ≥ 1024 rows at S = 262,144; smaller saves memory, larger makes
+            the matmuls more efficient).
         reduction: ``"none"`` (per-position ω_n L_n), ``"sum"`` (Σ_n ω_n L_n) or ``"mean"``
             (Σ_n ω_n L_n / Σ_n ω_n).
         position_weight: ω ``(...)`` (leading shape of ``x_t``; e.g. the padding mask); ones when ``None``.
@@ -316,7 +357,7 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
     rows, shape = _prepare_rows(kernel, tuple(hidden.shape[:-1]), x0, x_t, t, dtype, hidden.device,
                                 weighting, float(max_weight))
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // S)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(flat.shape[0], S, flat.device)
     softcap = None if final_logit_softcap is None else float(final_logit_softcap)
     if position_weight is None:
         omega = torch.ones(flat.shape[0], dtype=dtype, device=hidden.device)

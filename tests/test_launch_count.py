@@ -1,0 +1,63 @@
+"""Launch counts of the eager fallback (taken for the whole process when compiling fails; on a GPU every op is a
+kernel launch): the fast loss's forward + backward over a batch is a handful of blocks, not one block per row.
+
+Counted on the CPU with the dispatch counter (tests/_dispatch_count.py), with the block size the eager backend uses
+on accelerators (``EAGER_ACCELERATOR_BLOCK_ELEMENTS``) and, for comparison, the CPU's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dispatch_count import DispatchCounter
+
+import unifusion as uf
+from unifusion.losses import _x0_kernel
+
+
+def _launches(N: int, V: int, kernel_name: str) -> int:
+    g = torch.Generator().manual_seed(0)
+    kernel = uf.UniformKernel(V) if kernel_name == "uniform" else uf.MaskKernel(V, V - 1)
+    x0 = torch.randint(0, V - 1, (N,), generator=g)
+    t = torch.rand(N, generator=g).clamp(0.05, 0.95)
+    x_t = kernel.sample(x0, t, generator=g)
+    logits = torch.randn(N, V, generator=g).requires_grad_()
+    with uf.validation(False), DispatchCounter() as counter:
+        uf.losses.gidd_loss(logits, x0, x_t, t, kernel).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    return counter.launches
+
+
+@pytest.fixture
+def eager():
+    """Eager backend on one thread: on the CPU the eager blocks are otherwise spread over Python threads, whose ops
+    the (thread-local) dispatch counter does not see; on a GPU they run in the caller's thread."""
+    previous, threads = uf.get_backend(), torch.get_num_threads()
+    uf.set_backend("eager")
+    torch.set_num_threads(1)
+    yield
+    uf.set_backend(previous)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel_name", ["uniform", "mask"])
+def test_accelerator_blocks_keep_launches_flat_in_the_number_of_rows(eager, monkeypatch, kernel_name):
+    V = 1 << 16
+    monkeypatch.setattr(_x0_kernel, "EAGER_BLOCK_ELEMENTS", _x0_kernel.EAGER_ACCELERATOR_BLOCK_ELEMENTS)
+    few, many = _launches(8, V, kernel_name), _launches(256, V, kernel_name)
+    assert many == few  # one block either way: the count does not grow with the rows
+    assert many < 1000
+
+
+def test_cpu_blocks_grow_with_the_rows_which_is_why_accelerators_use_larger_ones(eager):
+    V = 1 << 16  # 4 rows per CPU block (2^18 logits)
+    few, many = _launches(8, V, "uniform"), _launches(64, V, "uniform")
+    assert many > 4 * few  # 2 blocks vs 16: launches scale with blocks
+
+
+def test_the_block_size_follows_the_device():
+    assert _x0_kernel.eager_block_elements(torch.device("cpu")) == _x0_kernel.EAGER_BLOCK_ELEMENTS
+    assert _x0_kernel.eager_block_elements(torch.device("meta")) == _x0_kernel.EAGER_ACCELERATOR_BLOCK_ELEMENTS
+    # at V = 262,144 and 16,384 rows an accelerator runs 32 blocks: rows per block × V ≤ the budget
+    rows_per_block = _x0_kernel.EAGER_ACCELERATOR_BLOCK_ELEMENTS // 262_144
+    assert -(-16_384 // rows_per_block) == 32
