@@ -219,7 +219,7 @@ def run_adapt(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_frontier(args: argparse.Namespace) -> dict[str, Any]:
     """§4.3: GenPPL and unigram entropy vs sampling steps over ``--seeds`` for the checkpoint written by ``adapt``."""
-    path = Path(args.out) / "adapted"
+    path = Path(args.adapted or Path(args.out) / "adapted")
     if not path.is_dir():
         raise SystemExit(f"frontier: run `adapt` first (no checkpoint at {path})")
     model = uf.DiffusionLM.from_pretrained(path)
@@ -239,7 +239,7 @@ def run_frontier(args: argparse.Namespace) -> dict[str, Any]:
 def run_zeroshot(args: argparse.Namespace) -> dict[str, Any]:
     """§4.4: zero-shot multiple choice on BIG-bench task files — the base AR model, the adapted model with the paper's
     32-time protocol, and with Fair-PMI — on the first ``--max-examples`` examples of each task."""
-    path = Path(args.out) / "adapted"
+    path = Path(args.adapted or Path(args.out) / "adapted")
     if not path.is_dir():
         raise SystemExit(f"zeroshot: run `adapt` first (no checkpoint at {path})")
     model = uf.DiffusionLM.from_pretrained(path)
@@ -281,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frontier-steps", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--seeds", type=int, nargs="+", default=[123, 456, 789, 1011, 1213])
     parser.add_argument("--tasks", nargs="*", default=[], help="zeroshot: BIG-bench task.json files")
+    parser.add_argument("--adapted", default=None,
+                        help="frontier/zeroshot: the adapted checkpoint (default OUT/adapted)")
     parser.add_argument("--max-examples", type=int, default=100, help="zeroshot: examples per task")
     parser.add_argument("--num-times", type=int, default=None,
                         help="zeroshot: time-grid size K of both diffusion scores (default: 32, and 128 for Fair-PMI)")
