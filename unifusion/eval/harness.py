@@ -111,10 +111,13 @@ class UnifusionLM(LM):
         max_length: longest context + answer in tokens (contexts are cut from the left); default 512, at most the
             model's ``max_position_embeddings`` − 1.
         num_steps: sampler steps of ``generate_until`` (default 64).
-        temperature, top_p: sampling settings of ``generate_until`` unless the task's ``gen_kwargs`` set them.
+        temperature: sampling temperature of ``generate_until`` unless the task's ``gen_kwargs`` set one.
+        top_p: nucleus mass of ``generate_until`` (``None``: off) unless the task's ``gen_kwargs`` set one.
         seed: seeds the scorers' corruption and the sampler at every call.
         batch_size: rows per forward pass (the harness's ``--batch_size``; ``auto`` means 64).
-        device, dtype: where and in which dtype to run (``"cuda"``, ``"bfloat16"``, ...); default: the model's.
+        max_batch_size: accepted for the harness's ``--max_batch_size`` (unused: the scorers batch by rows).
+        device: where to run (``"cuda"``, ``"cpu"``, ...); default: where the model is.
+        dtype: weights' dtype (``"bfloat16"``, ``torch.float32``, ...); default: the saved one.
     """
 
     def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
