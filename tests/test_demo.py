@@ -31,3 +31,6 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     samples = [json.loads(line) for line in open(out / "demo_samples.jsonl")]
     assert len(samples) == 4 and all(isinstance(s["text"], str) for s in samples)
     assert "AR perplexity" in proc.stdout and "GenPPL" in proc.stdout
+    # compiling is reported and kept out of the training budget (the suite runs eagerly: nothing compiled here)
+    assert set(metrics["compile"]) == {"compiled", "pending", "seconds"} and metrics["compile"]["compiled"] == 0
+    assert metrics["train_seconds_while_compiling"] == 0.0 and "of compiling" in proc.stdout
