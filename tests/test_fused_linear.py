@@ -309,10 +309,12 @@ def test_mask_in_the_first_or_last_column(kernel, backend, monkeypatch):
     _assert_equals_reference(kernel, h, W, b, x0, x_t, t, scale, chunk_size=11)
 
 
-def test_weight_gradient_accumulates_in_fp32_from_bf16_operands_where_the_device_can(monkeypatch):
-    """Where ``addmm(..., out_dtype=float32)`` exists (CUDA), ∂W is accumulated by a GEMM on the bf16 operands
-    (tensor cores) into the float32 accumulator. On the CPU that kernel does not exist: the probe says so and the
-    float32-operand path runs. Emulated here: the same call with float32 arithmetic gives the same ∂W."""
+@pytest.mark.parametrize("mode", fused_linear.FP32_ACCUMULATION_MODES)
+def test_weight_gradient_accumulates_in_fp32_from_bf16_operands_where_the_device_can(mode, monkeypatch):
+    """Where ``addmm``/``mm(..., out_dtype=float32)`` exist (CUDA), ∂W is accumulated by a GEMM on the bf16 operands
+    (tensor cores) into the float32 accumulator. On the CPU those kernels do not exist: the probe says so and the
+    float32-operand path runs. Emulated here: the same calls with float32 arithmetic give the same ∂W and ∂h."""
+    assert fused_linear.fp32_accumulation_mode(torch.device("cpu"), torch.bfloat16) is None
     assert not fused_linear.accumulates_in_fp32(torch.device("cpu"), torch.bfloat16)
     kernel = KERNELS["uniform"]
 
@@ -323,21 +325,68 @@ def test_weight_gradient_accumulates_in_fp32_from_bf16_operands_where_the_device
 
     W_ref, h_ref = grads()
     calls = []
-    addmm = torch.addmm
+    addmm, mm = torch.addmm, torch.mm
 
     def fake_addmm(input, a, b, *, out_dtype=None, out=None, **kwargs):
         if out_dtype is None:
             return addmm(input, a, b, out=out, **kwargs) if out is not None else addmm(input, a, b, **kwargs)
-        calls.append((a.dtype, b.dtype, out.dtype, out is input))
+        calls.append(("addmm", a.dtype, b.dtype, out.dtype, out is input))
         return out.add_(a.float() @ b.float())  # what the CUDA kernel computes: fp32 accumulation of a bf16 GEMM
 
-    monkeypatch.setattr(fused_linear, "accumulates_in_fp32", lambda device, dtype: True)
+    def fake_mm(a, b, *, out_dtype=None, out=None):
+        if out_dtype is None:
+            return mm(a, b, out=out) if out is not None else mm(a, b)
+        calls.append(("mm", a.dtype, b.dtype, out_dtype, False))
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(fused_linear, "fp32_accumulation_mode", lambda device, dtype: mode)
     monkeypatch.setattr(torch, "addmm", fake_addmm)
+    monkeypatch.setattr(torch, "mm", fake_mm)
     W_new, h_new = grads()
-    assert calls and all(c == (torch.bfloat16, torch.bfloat16, torch.float32, True) for c in calls)
-    assert len(calls) == 4  # one per block of 16 of the 50 rows
+    assert calls == [(mode, torch.bfloat16, torch.bfloat16, torch.float32, mode == "addmm")] * 4  # 4 blocks of 16
     torch.testing.assert_close(W_new, W_ref, rtol=0, atol=0)
     torch.testing.assert_close(h_new, h_ref, rtol=0, atol=0)
+
+
+def test_fp32_accumulation_of_bf16_products_matches_float64():
+    """The accumulation itself: Σ_blocks g_bᵀ h_b of bf16 blocks into float32, against float64 of the same bf16
+    values (the products of bf16 numbers are exact in float32; only the sums round)."""
+    g = torch.Generator().manual_seed(0)
+    acc = torch.zeros(300, 64)
+    ref = torch.zeros(300, 64, dtype=torch.float64)
+    for _ in range(8):
+        gb = torch.randn(128, 300, generator=g).to(torch.bfloat16)
+        hb = torch.randn(128, 64, generator=g).to(torch.bfloat16)
+        fused_linear._accumulate(fused_linear.fp32_accumulation_mode(gb.device, gb.dtype), acc, gb.T, hb)
+        ref += gb.double().T @ hb.double()
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("addmm_fails", ["raises", "wrong", "no"])
+def test_probe_picks_the_first_mode_that_computes_the_right_numbers(addmm_fails, monkeypatch):
+    """The probe tries ``addmm`` then ``mm`` and keeps the first that runs and gives 0.5 + aᵀa exactly; a missing
+    kernel, a dtype check (older CUDA builds want ``self`` in the operands' dtype) or wrong numbers fall through.
+    The CPU and full-precision operands are never probed; answers are cached per device and dtype."""
+    tried = []
+
+    def fake(mode, acc, a, b):
+        tried.append(mode)
+        if mode == "addmm" and addmm_fails == "raises":
+            raise RuntimeError("self and mat2 must have the same dtype")
+        acc.add_(a.float() @ b.float() + (1.0 if mode == "addmm" and addmm_fails == "wrong" else 0.0))
+
+    monkeypatch.setattr(fused_linear, "_accumulate", fake)
+    expected = "addmm" if addmm_fails == "no" else "mm"
+    assert fused_linear._probe_fp32_accumulation(torch.device("cpu"), torch.bfloat16) == expected
+    assert tried == list(fused_linear.FP32_ACCUMULATION_MODES[: 1 if expected == "addmm" else 2])
+    monkeypatch.setattr(fused_linear, "_FP32_ACCUMULATION", {})
+    tried.clear()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert fused_linear.fp32_accumulation_mode(torch.device("cpu"), dtype) is None
+    assert fused_linear.fp32_accumulation_mode(torch.device("meta"), torch.float32) is None
+    assert tried == []  # nothing probed
+    assert set(fused_linear._FP32_ACCUMULATION.values()) == {None}
 
 
 def test_default_block_size_comes_from_a_memory_budget():

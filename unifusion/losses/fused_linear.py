@@ -56,27 +56,61 @@ def default_chunk_size(num_rows: int, num_states: int, device: torch.device) -> 
     return max(1, min(num_rows, max(_MIN_ROWS, budget // (4 * num_states))))
 
 
-_FP32_ACCUMULATION: dict[tuple[str, int | None, torch.dtype], bool] = {}
+FP32_ACCUMULATION_MODES = ("addmm", "mm")
+_FP32_ACCUMULATION: dict[tuple[str, int | None, torch.dtype], str | None] = {}
+
+
+def fp32_accumulation_mode(device: torch.device, dtype: torch.dtype) -> str | None:
+    """How ∂W ``(V, d)`` float32 is accumulated from ``dtype`` operands on ``device``, probed once per device and
+    dtype on a 2×2 product against float32 arithmetic (one host read, the first time only):
+
+    * ``"addmm"``: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` — a tensor-core GEMM on the bf16/fp16
+      operands that accumulates into the float32 ∂W in place (CUDA builds whose ``addmm.dtype_out`` takes a float32
+      ``self`` with bf16/fp16 matrices, torch 2.14's among them);
+    * ``"mm"``: ``acc.add_(torch.mm(a, b, out_dtype=torch.float32))`` — the same GEMM into a float32 temporary of
+      ∂W's size, then one add (CUDA builds whose ``addmm.dtype_out`` wants ``self`` in the operands' dtype);
+    * ``None``: neither exists (CPU builds, float32/float64 operands, older torch): the operands are cast to float32
+      and ``acc.addmm_`` runs on them (on a GPU without tensor cores unless TF32 is on).
+    """
+    key = (device.type, device.index, dtype)
+    if key not in _FP32_ACCUMULATION:
+        probe = device.type != "cpu" and dtype in (torch.bfloat16, torch.float16)
+        _FP32_ACCUMULATION[key] = _probe_fp32_accumulation(device, dtype) if probe else None
+    return _FP32_ACCUMULATION[key]
+
+
+def _probe_fp32_accumulation(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The first of :data:`FP32_ACCUMULATION_MODES` that runs on ``device`` and gives 0.5 + aᵀa exactly for a 2×2
+    ``a`` in ``dtype`` (small integers: exact in every dtype involved), or ``None``."""
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=dtype)
+    want = 0.5 + a.T.float().cpu() @ a.float().cpu()
+    for mode in FP32_ACCUMULATION_MODES:
+        acc = torch.full((2, 2), 0.5, device=device, dtype=torch.float32)
+        try:
+            _accumulate(mode, acc, a.T, a)
+            if acc.dtype == torch.float32 and torch.equal(acc.cpu(), want):
+                return mode
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+    return None
 
 
 def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` with ``dtype`` operands and a float32
-    accumulator works on ``device`` (CUDA builds of recent torch: tensor-core GEMMs on bf16/fp16 operands that
-    accumulate in float32). Probed once per device and dtype on a 2×2 product against float32 arithmetic (one host
-    read, the first time only); CPU builds have no such kernel, so ∂W is then accumulated with float32 operands."""
-    key = (device.type, device.index, dtype)
-    if key not in _FP32_ACCUMULATION:
-        ok = False
-        if device.type != "cpu" and dtype in (torch.bfloat16, torch.float16):
-            try:
-                a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=dtype)
-                acc = torch.full((2, 2), 0.5, device=device, dtype=torch.float32)
-                torch.addmm(acc, a.T, a, out_dtype=torch.float32, out=acc)
-                ok = bool(torch.equal(acc.cpu(), 0.5 + a.T.float().cpu() @ a.float().cpu()))
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _FP32_ACCUMULATION[key] = ok
-    return _FP32_ACCUMULATION[key]
+    """Whether ∂W is accumulated in float32 straight from ``dtype`` operands on ``device`` (a GEMM with float32
+    output on bf16/fp16 operands: tensor cores, no float32 copies of the operands); see
+    :func:`fp32_accumulation_mode`."""
+    return fp32_accumulation_mode(device, dtype) is not None
+
+
+def _accumulate(mode: str | None, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` ``(m, n)`` float32 and ``a`` ``(m, k)``, ``b`` ``(k, n)`` in ``mode``
+    (:func:`fp32_accumulation_mode`)."""
+    if mode == "addmm":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif mode == "mm":
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -132,11 +166,10 @@ class _Grads:
         if h_out is not None:
             torch.mm(g, self.weight, out=h_out) if g.dtype == h_out.dtype else h_out.copy_(g @ self.weight)
         if self.w is not None:
-            if self.acc != g.dtype and g.dtype == h.dtype and accumulates_in_fp32(g.device, g.dtype):
-                # bf16/fp16 operands, float32 accumulator: tensor cores, no float32 copies of g and h
-                torch.addmm(self.w, g.T, h, out_dtype=self.acc, out=self.w)
-            else:
-                self.w.addmm_(g.T.to(self.acc), h.to(self.acc))
+            # bf16/fp16 operands into the float32 accumulator where the device can (tensor cores, no float32
+            # copies of g and h); float32 operands otherwise
+            mixed = self.acc != g.dtype and g.dtype == h.dtype
+            _accumulate(fp32_accumulation_mode(g.device, g.dtype) if mixed else None, self.w, g.T, h)
         if self.b is not None:
             self.b.add_(g.sum(0, dtype=self.acc))
 
