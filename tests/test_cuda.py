@@ -4,7 +4,10 @@
     python -m pytest -m cuda                        # the same, by marker
 
 Covered: the fast x0-head losses (``gidd_loss``, ``mdlm_loss``) in float32 and bf16 on uniform, mask and hybrid
-kernels (values and gradients); ``fused_linear_diffusion_loss`` forward and backward (bf16 and float32);
+kernels (values and gradients); ``x0_head_loss`` for every objective and weighting; the reference losses of the
+other heads (``sedd_loss``, ``m2s_loss``, ``ctmc_loss``, ``bregman_rate_loss``); a batch of more than 2³¹ logits
+(64-bit indexing); ``fused_linear_diffusion_loss`` forward and backward (bf16 and float32), its float32
+accumulation of ∂W from bf16 operands and its default block size;
 ``diffusion_loss`` through a tiny adapted Hugging Face model, CUDA against CPU; the x0 conversions
 (``ReverseRate.from_x0``, ``from_x0_logits``, ``convert_x0_to``); one Bayesian posterior step's distribution and the
 sampler end to end; the compiled backend against eager. TF32 is switched off so float32 matmuls are float32.
@@ -127,6 +130,99 @@ def test_fast_loss_bf16_matches_float64_of_the_rounded_logits(loss, name, S, bac
     assert _rel_err(grad, g_ref) < 5e-3
 
 
+@pytest.mark.parametrize("weighting", ["elbo", "clip", "dynamic"])
+@pytest.mark.parametrize("objective", ["gidd", "mdlm", "sedd", "m2s", "ctmc"])
+@pytest.mark.parametrize("name", ["uniform", "mask", "hybrid"])
+def test_x0_head_loss_every_objective_and_weighting(name, objective, weighting, backend):
+    """x0_head_loss on the device against the float64 reference: every objective of an x0 head is D_t (ELBO), and
+    the clip/dynamic weights replace w alike for every objective, so the reference is native.gidd_loss with the
+    same weighting."""
+    if objective == "mdlm" and name != "mask":
+        pytest.skip("objective='mdlm' needs the mask kernel")
+    kernel = _kernel(name, 1000)
+    logits64, x0, x_t, t, scale = _batch(kernel, n=128, seed=7)
+    logits32 = logits64.float()
+    L = logits32.double().requires_grad_()
+    ref = native.gidd_loss(L, x0, x_t, t, kernel, weighting, 1.5)
+    (g_ref,) = torch.autograd.grad((ref * scale).sum(), L)
+    Ld = logits32.to(DEV).requires_grad_()
+    out = uf.losses.x0_head_loss(Ld, x0.to(DEV), x_t.to(DEV), t.float().to(DEV), kernel, objective=objective,
+                                 weighting=weighting, max_weight=1.5)
+    (out * scale.to(DEV, out.dtype)).sum().backward()
+    assert out.device.type == "cuda" and Ld.grad is not None
+    ref = ref.detach()
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    torch.testing.assert_close(Ld.grad.cpu().double(), g_ref, rtol=1e-5, atol=1e-5 * float(g_ref.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["uniform", "mask", "hybrid"])
+def test_reference_losses_of_the_other_heads_on_cuda(name):
+    """sedd_loss, m2s_loss, ctmc_loss and bregman_rate_loss (O(S) per position, plain tensor ops) in float32 on the
+    device against float64 on the CPU, fed the heads an x0 prediction converts into (Theorem 3.5): each equals the
+    x0 head's GIDD loss there (Corollary 3.4), which is checked too."""
+    S, n = 400, 96
+    kernel = _kernel(name, S)
+    logits64, x0, x_t, t, _ = _batch(kernel, n=n, seed=8)
+    if kernel.mask_id is not None:
+        logits64[:, kernel.mask_id] = -torch.inf
+    p64 = torch.softmax(logits64, -1)
+    gidd_ref = native.gidd_loss(logits64, x0, x_t, t, kernel)
+
+    def losses(p: torch.Tensor, ids0: torch.Tensor, ids_t: torch.Tensor, tt: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"sedd": native.sedd_loss(torch.log(uf.convert_x0_to("sedd", p, kernel, ids_t, tt)), ids0, ids_t, tt,
+                                        kernel),
+               "bregman": uf.losses.bregman_rate_loss(uf.ReverseRate.from_x0(kernel, torch.nn.functional.one_hot(
+                   ids0, S).to(p.dtype), ids_t, tt), uf.ReverseRate.from_x0(kernel, p, ids_t, tt))}
+        exit_rate, jump = uf.convert_x0_to("ctmc", p, kernel, ids_t, tt)
+        out["ctmc"] = native.ctmc_loss(torch.log(exit_rate), torch.log(jump), ids0, ids_t, tt, kernel)
+        if name == "uniform":  # M2S needs every x_t reachable from every clean state
+            mu = uf.convert_x0_to("m2s", p, kernel, ids_t, tt)
+            out["m2s"] = native.m2s_loss(torch.log(mu), ids0, ids_t, tt, kernel)
+        return out
+
+    ref = losses(p64, x0, x_t, t)
+    dev = losses(p64.float().to(DEV), x0.to(DEV), x_t.to(DEV), t.float().to(DEV))
+    for key, value in dev.items():
+        assert value.device.type == "cuda", key
+        r = ref[key]
+        torch.testing.assert_close(r, gidd_ref, rtol=1e-8, atol=1e-10 * float(gidd_ref.abs().max()), msg=key)
+        torch.testing.assert_close(value.cpu().double(), r, rtol=2e-4, atol=1e-5 * float(r.abs().max()), msg=key)
+
+
+@pytest.mark.parametrize("name", ["uniform", "mask"])
+def test_more_than_2_to_the_31_logits(name):
+    """A bf16 batch of 8,200 × 262,144 = 2.15·10⁹ logits (> 2³¹ − 1), compiled: Inductor's Triton kernels index it
+    with 64-bit integers (they use 32 bits only behind a guard that every size fits). The rows past the 2³¹-th
+    logit — where 32-bit offsets would wrap — agree with the same rows computed on their own. About 17 GiB."""
+    previous = uf.get_backend()
+    uf.set_backend("compiled")
+    try:
+        V, N = 262_144, 8_200
+        assert N * V > 2**31
+        kernel = _kernel(name, V)
+        g = torch.Generator(DEV).manual_seed(0)
+        x0 = torch.randint(0, V - 1, (N,), device=DEV, generator=g)
+        t = torch.rand(N, device=DEV, generator=g) * 0.98 + 0.01
+        x_t = kernel.sample(x0, t, generator=g)
+        logits = torch.randn(N, V, device=DEV, generator=g).to(torch.bfloat16).requires_grad_()
+        with uf.validation(False):
+            loss = uf.losses.gidd_loss(logits, x0, x_t, t, kernel)
+            loss.sum().backward()
+        tail = slice(N - 16, N)  # starts at row 8184: logit 8184 · 2^18 > 2^31
+        assert (N - 16) * V > 2**31
+        part = logits.detach()[tail].clone().requires_grad_()
+        with uf.validation(False):
+            loss_part = uf.losses.gidd_loss(part, x0[tail], x_t[tail], t[tail], kernel)
+            loss_part.sum().backward()
+        torch.testing.assert_close(loss[tail].detach(), loss_part.detach(), rtol=1e-5,
+                                   atol=1e-6 * float(loss_part.abs().max()))
+        torch.testing.assert_close(logits.grad[tail].float(), part.grad.float(), rtol=1e-2, atol=1e-6)
+        assert torch.isfinite(loss).all() and torch.isfinite(logits.grad[-1].float()).all()
+    finally:
+        uf.set_backend(previous)
+        torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------- fused output head
 def _head_inputs(kernel: uf.Kernel, N: int, d: int, seed: int = 0):
     S = kernel.num_states
@@ -182,6 +278,44 @@ def test_fused_linear_float32_matches_float64_materialised(name, reduction, back
     torch.testing.assert_close(hh.grad.cpu().double(), gh_ref, rtol=1e-4, atol=1e-5 * float(gh_ref.abs().max()))
     torch.testing.assert_close(WW.grad.cpu().double(), gw_ref, rtol=1e-4, atol=1e-5 * float(gw_ref.abs().max()))
     assert float(hh.grad[::7].abs().max()) == 0.0  # no gradient at padding
+
+
+def test_fused_weight_gradient_uses_bf16_tensor_core_gemms_on_cuda():
+    """On CUDA the probe finds a float32-output GEMM on bf16 operands, and ∂W accumulated that way over blocks matches
+    the float64 accumulation of the same bf16 blocks."""
+    from unifusion.losses import fused_linear
+
+    assert fused_linear.fp32_accumulation_mode(torch.device(DEV), torch.bfloat16) in ("addmm", "mm")
+    assert fused_linear.fp32_accumulation_mode(torch.device(DEV), torch.float16) in ("addmm", "mm")
+    g = torch.Generator().manual_seed(0)
+    acc = torch.zeros(3000, 256, device=DEV)
+    ref = torch.zeros(3000, 256, dtype=torch.float64)
+    mode = fused_linear.fp32_accumulation_mode(torch.device(DEV), torch.bfloat16)
+    for _ in range(6):
+        gb = torch.randn(512, 3000, generator=g).to(torch.bfloat16)
+        hb = torch.randn(512, 256, generator=g).to(torch.bfloat16)
+        fused_linear._accumulate(mode, acc, gb.to(DEV).T, hb.to(DEV))
+        ref += gb.double().T @ hb.double()
+    torch.testing.assert_close(acc.cpu().double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_fused_default_block_at_a_large_vocabulary(backend):
+    """V = 262,144, bf16, the default block size (2,048 rows on CUDA: one block here), against float64 materialised
+    logits of the same bf16 inputs."""
+    from unifusion.losses import fused_linear
+
+    V, N, d = 262_144, 64, 128
+    assert fused_linear.default_chunk_size(N, V, torch.device(DEV)) == N
+    kernel = _kernel("uniform", V)
+    h, W, x0, x_t, t, scale = _head_inputs(kernel, N=N, d=d, seed=5)
+    h16, W16 = h.to(torch.bfloat16), (W * 0.3).to(torch.bfloat16)
+    ref, gh_ref, gw_ref = _head_reference(h16, W16, x0, x_t, t, kernel, scale)
+    hh, WW = h16.to(DEV).requires_grad_(), W16.to(DEV).requires_grad_()
+    out = fused_linear_diffusion_loss(hh, WW, x0.to(DEV), x_t.to(DEV), t.float().to(DEV), kernel)
+    (out * scale.to(DEV, torch.float32)).sum().backward()
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=1e-2)
+    assert _rel_err(hh.grad.cpu(), gh_ref) < 2e-2
+    assert _rel_err(WW.grad.cpu(), gw_ref) < 2e-2
 
 
 # ------------------------------------------------------------------------------------- diffusion_loss, model
