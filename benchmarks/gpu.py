@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import unifusion as uf
-from unifusion.losses import fused_linear_diffusion_loss
+from unifusion.losses import fused_linear, fused_linear_diffusion_loss
 
 GOALS = ("goals: fast loss fwd+bwd ≤ 1.0× F.cross_entropy; fused head time ≤ Liger's and peak memory ≤ 1.1× CCE's; "
          "BayesianSampler at 16 steps ≥ 17× HF generate (paper: 87.1 ms, 16.97×)")
@@ -403,10 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     info = {"name": name, "type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
             "unifusion": uf.__version__, "dry_run": bool(args.dry_run), "reps": args.reps, "warmup": args.warmup,
-            "goals": GOALS}
+            "goals": GOALS,
+            # how the fused loss accumulates ∂W from bf16 operands here: "addmm"/"mm" (float32-output GEMM on the
+            # bf16 operands: tensor cores) or null (float32 operands)
+            "fused_fp32_accumulation": fused_linear.fp32_accumulation_mode(device, torch.bfloat16)}
     print(f"device: {name} | torch {torch.__version__} (CUDA {torch.version.cuda}) | unifusion {uf.__version__}"
           f"{' | DRY RUN: tiny sizes on the CPU, numbers not meaningful' if args.dry_run else ''}")
     print(GOALS)
+    print(f"fused loss: dW accumulated from bf16 operands by {info['fused_fp32_accumulation'] or 'float32 GEMMs'}; "
+          f"default block at V={args.fused_v}: "
+          f"{fused_linear.default_chunk_size(args.fused_n, args.fused_v, device)} rows")
     if args.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     uf.set_validation(False)  # no host syncs from argument checks inside timed regions

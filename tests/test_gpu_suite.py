@@ -60,6 +60,7 @@ def test_dry_run_json_sections(dry_run: tuple[subprocess.CompletedProcess[str], 
     _, data = dry_run
     assert set(data) >= {"device", *ROW_KEYS}
     assert data["device"]["dry_run"] is True and data["device"]["torch"] == torch.__version__
+    assert data["device"]["fused_fp32_accumulation"] is None  # CPU builds: float32-operand GEMMs
     for section, keys in ROW_KEYS.items():
         rows = data[section]
         assert isinstance(rows, list) and rows, section

@@ -26,11 +26,12 @@ from .._math import bregman_g, expm1_minus_x
 __all__ = ["loss_and_grad", "run", "x_minus_log1p"]
 
 # eager backend: elements per block of rows processed at once. On the CPU a few MB of temporaries that fit the caches
-# (each op is a cheap call there). On a GPU every op of a block is a kernel launch (~520 per block for fwd + bwd,
-# counted in tests/test_launch_count.py), so blocks are large: 2²⁷ logits (512 MiB per float32 temporary) make a
-# 16,384 × 49,152 batch 6 blocks (~3k launches) and 16,384 × 262,144 32 blocks (~17k) instead of ~3,300 and 16,384
-# blocks (~1.7M and ~8.5M launches) with the CPU size; the temporaries of one block (about ten float32 (rows, V)
-# tensors) add up to ~5 GiB at the largest block, next to 8 GiB of bf16 logits and their gradient.
+# (each op is a cheap call there). On a GPU every op of a block is a kernel launch (~460-520 per block for fwd + bwd,
+# whatever its rows; counted at these shapes on the meta device in tests/test_launch_count.py), so blocks are large:
+# 2²⁷ logits (512 MiB per float32 temporary) make a 16,384 × 49,152 batch 6 blocks (~3.7k launches) and
+# 16,384 × 262,144 32 blocks (~17k) instead of ~3,300 and 16,384 blocks (~1.7M and ~8.5M launches) with the CPU
+# size; the temporaries of one block (about ten float32 (rows, V) tensors) add up to ~5 GiB at the largest block,
+# next to 8 GiB of bf16 logits and their gradient.
 EAGER_BLOCK_ELEMENTS = 1 << 18
 EAGER_ACCELERATOR_BLOCK_ELEMENTS = 1 << 27
 
