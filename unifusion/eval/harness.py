@@ -13,10 +13,14 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
   Fair-PMI score (:func:`~unifusion.eval.fair_pmi_scores`, ``method="fair_pmi"``, K = 128, null context
   ``"Answer:"``). Both are *per-token* scores, lower is better, so the harness's ``acc`` (argmax of the returned
   value) picks exactly the answer :func:`~unifusion.eval.run_multiple_choice` picks; ``acc_norm`` (divided by the
-  answer's length in bytes) has no counterpart in the paper. Consecutive requests that share a context (the choices
-  of one multiple-choice question, in the harness's order) are scored together with shared randomness, as
-  ``run_multiple_choice`` does; the corruption generator is seeded with ``seed`` at the start of every call, so a
-  task scored alone gives the numbers ``run_multiple_choice(..., seed=seed)`` gives. ``is_greedy`` is True when every
+  answer's length in bytes) has no counterpart in the paper. The requests of one question (consecutive requests
+  with the same ``task_name`` and ``doc_id``, as the harness emits them) are scored together with shared randomness,
+  as ``run_multiple_choice`` does; options with their own contexts (WinoGrande) are scored from the same generator
+  state. Fair-PMI therefore always sees all choices of a question; a request on its own (a ``loglikelihood`` task
+  such as LAMBADA) is a question with one choice. The corruption generator is seeded with ``seed`` at the start of
+  every call, so a task scored alone gives the numbers ``run_multiple_choice(..., seed=seed)`` gives. Because the
+  value is a per-token mean, metrics that sum or exponentiate log-likelihoods over documents (LAMBADA's
+  ``perplexity``) are per-token-normalised, not sequence log-likelihoods. ``is_greedy`` is True when every
   answer token is the argmax of the model's x0 prediction with the whole answer span replaced by noise at
   t = 1 − 10⁻³ (one extra forward pass per request).
 * ``loglikelihood_rolling(text)`` returns −(Proposition 3.2's upper bound on −log p_θ(text)) in nats: a lower bound
@@ -104,7 +108,10 @@ class UnifusionLM(LM):
         tokenizer: a tokenizer object, or a folder to load one from.
         kernel: ``"mask"`` or ``"uniform"``, or a :class:`~unifusion.Kernel`; default: mask when the model has a mask
             token, else uniform.
-        method: ``"score"`` (K = 32, the paper's protocol) or ``"fair_pmi"`` (K = 128) for ``loglikelihood``.
+        method: ``"score"`` (K = 32, the paper's protocol; the default) or ``"fair_pmi"`` (K = 128) for
+            ``loglikelihood``.
+        fair_pmi: ``True`` is ``method="fair_pmi"``, ``False`` is ``method="score"`` (strings ``"True"``/``"false"``
+            from the command line work too).
         num_times: K of ``method`` (default: 32 for score, 128 for fair_pmi).
         null_context: Fair-PMI's answer-only context.
         nll_times: stratified times of ``loglikelihood_rolling``'s bound (default 128).
@@ -117,11 +124,12 @@ class UnifusionLM(LM):
         batch_size: rows per forward pass (the harness's ``--batch_size``; ``auto`` means 64).
         max_batch_size: accepted for the harness's ``--max_batch_size`` (unused: the scorers batch by rows).
         device: where to run (``"cuda"``, ``"cpu"``, ...); default: where the model is.
-        dtype: weights' dtype (``"bfloat16"``, ``torch.float32``, ...); default: the saved one.
+        dtype: weights' dtype (``"bfloat16"``, ``torch.float32``, ...); default (or ``"auto"``): the saved one.
     """
 
     def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
-                 kernel: str | Kernel | None = None, method: str = "score", num_times: Any = None,
+                 kernel: str | Kernel | None = None, method: str | None = None, fair_pmi: Any = None,
+                 num_times: Any = None,
                  null_context: str = "Answer:", nll_times: Any = 128, max_length: Any = 512, num_steps: Any = 64,
                  temperature: Any = 1.0, top_p: Any = None, seed: Any = 0, batch_size: Any = 64,
                  max_batch_size: Any = None, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -136,6 +144,10 @@ class UnifusionLM(LM):
         if (pretrained is None) == (model is None):
             raise ValueError("pretrained: give exactly one of pretrained=DIR (a saved DiffusionLM) and model= (a live "
                              "DiffusionLM)")
+        if dtype == "auto":  # the harness's hf-model habit: keep the saved dtype
+            dtype = None
+        if dtype is not None and not isinstance(dtype, (str, torch.dtype)):
+            raise TypeError(f"dtype: expected a name such as 'bfloat16' or a torch.dtype, got {type(dtype).__name__}")
         torch_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r} but CUDA is not available here; pass device=cpu (--device cpu)")
@@ -151,11 +163,16 @@ class UnifusionLM(LM):
         self.model: DiffusionLM = model
         self.tokenizer = self._tokenizer(tokenizer, pretrained)
         self.kernel = self._kernel(kernel)
-        if method not in METHODS:
+        if method is not None and method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-        self.method = method
+        if fair_pmi is not None:
+            wanted = "fair_pmi" if _as_bool("fair_pmi", fair_pmi) else "score"
+            if method is not None and method != wanted:
+                raise ValueError(f"fair_pmi: {fair_pmi!r} contradicts method={method!r}; give one of the two")
+            method = wanted
+        self.method: str = method if method is not None else "score"
         self.num_times = _as_int("num_times", num_times if num_times is not None else
-                                 (32 if method == "score" else 128))
+                                 (32 if self.method == "score" else 128))
         self.null_context = str(null_context)
         self.nll_times = _as_int("nll_times", nll_times)
         limit = getattr(getattr(model.base_model, "config", None), "max_position_embeddings", None)
@@ -210,19 +227,40 @@ class UnifusionLM(LM):
 
     # ------------------------------------------------------------------------------------------------ requests
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """``(−score, is_greedy)`` per ``(context, continuation)`` request (module docstring)."""
+        """``(−score, is_greedy)`` per ``(context, continuation)`` request (module docstring).
+
+        Requests are grouped as the harness emits them: consecutive requests of one document (same ``task_name`` and
+        ``doc_id``; requests without a ``doc_id`` group by equal context) form one question. Within a question, the
+        continuations that share a context are scored together by one scorer call (shared corruption draws, as in
+        ``run_multiple_choice``); when the question's requests have different contexts (WinoGrande's partial
+        scoring: one context per option, the same continuation), every context is scored from the same generator
+        state, so all options see the same times, selected positions and noise tokens.
+        """
         pairs = [(str(r.args[0]), str(r.args[1])) for r in requests]
+        keys = [(getattr(r, "task_name", None), getattr(r, "doc_id", None)) for r in requests]
         generator = self._generator()
         greedy_generator = torch.Generator().manual_seed(self.seed + 1)  # keeps the scorers' stream untouched
-        out: list[tuple[float, bool]] = []
+        out: list[tuple[float, bool] | None] = [None] * len(pairs)
         start = 0
-        while start < len(pairs):  # one group: consecutive requests with the same context (one question's choices)
+        while start < len(pairs):
             end = start + 1
-            while end < len(pairs) and pairs[end][0] == pairs[start][0]:
-                end += 1
-            out += self._score_group(pairs[start][0], [c for _, c in pairs[start:end]], generator, greedy_generator)
+            if keys[start][1] is None:  # no document id: one question = consecutive requests with one context
+                while end < len(pairs) and keys[end][1] is None and pairs[end][0] == pairs[start][0]:
+                    end += 1
+            else:
+                while end < len(pairs) and keys[end] == keys[start]:
+                    end += 1
+            by_context: dict[str, list[int]] = {}
+            for i in range(start, end):
+                by_context.setdefault(pairs[i][0], []).append(i)
+            state = generator.get_state()
+            for context_text, members in by_context.items():
+                generator.set_state(state)  # common random numbers across the question's contexts
+                scored = self._score_group(context_text, [pairs[i][1] for i in members], generator, greedy_generator)
+                for i, value in zip(members, scored):
+                    out[i] = value
             start = end
-        return out
+        return [value for value in out if value is not None]
 
     def _score_group(self, context_text: str, continuations: Sequence[str], generator: torch.Generator,
                      greedy_generator: torch.Generator) -> list[tuple[float, bool]]:
