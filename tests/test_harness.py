@@ -212,6 +212,22 @@ def test_contexts_of_one_question_share_the_random_draws(model, tokenizer):
     assert expected[0] != expected[1]
 
 
+def test_requests_run_in_eval_mode_and_restore_the_training_mode(tokenizer):
+    dm = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), tokenizer=tokenizer)
+    dm.train()
+    frozen = next(m for m in dm.modules() if m is not dm)
+    frozen.eval()  # a submodule the training script keeps in eval mode stays there
+    seen = []
+    forward = dm.forward
+    dm.forward = lambda *a, **k: seen.append((dm.training, torch.is_grad_enabled())) or forward(*a, **k)
+    lm = UnifusionLM(model=dm, tokenizer=tokenizer, num_times=2, nll_times=2, num_steps=2)
+    lm.loglikelihood([_request("the cat", " sat")])
+    lm.loglikelihood_rolling([_request("the cat sat")])
+    lm.generate_until([_request("the cat", {"until": ["."], "max_gen_toks": 2})])
+    assert seen and set(seen) == {(False, False)}
+    assert dm.training and not frozen.training
+
+
 def test_is_greedy_reflects_the_models_argmax(tokenizer):
     dm = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=0), tokenizer=tokenizer)
     with torch.no_grad():  # a zero output head: all logits tie and argmax is token 0 at every position

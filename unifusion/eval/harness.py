@@ -33,10 +33,11 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -55,6 +56,7 @@ from .quality import _logits_of
 __all__ = ["UnifusionLM", "cli_main"]
 
 METHODS = ("score", "fair_pmi")
+_F = TypeVar("_F", bound=Callable[..., Any])
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
@@ -95,6 +97,24 @@ def _as_batch_size(value: Any) -> int:
     if value is None or str(value).startswith("auto"):  # the harness's "auto[:N]": our scorers batch by rows
         return 64
     return _as_int("batch_size", value)
+
+
+def _evaluating(method: _F) -> _F:
+    """Run a request method with the model in eval mode and without autograd, then restore every module's mode (a
+    live model in the middle of training goes back to training)."""
+
+    @functools.wraps(method)
+    def wrapper(self: UnifusionLM, *args: Any, **kwargs: Any) -> Any:
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return method(self, *args, **kwargs)
+        finally:
+            for module, training in modes:
+                module.training = training
+
+    return cast(_F, wrapper)
 
 
 @register_model("unifusion")
@@ -226,6 +246,7 @@ class UnifusionLM(LM):
         return torch.Generator().manual_seed(self.seed)
 
     # ------------------------------------------------------------------------------------------------ requests
+    @_evaluating
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``(−score, is_greedy)`` per ``(context, continuation)`` request (module docstring).
 
@@ -293,7 +314,7 @@ class UnifusionLM(LM):
             logits[..., self.model.mask_token_id] = float("-inf")
         return bool((logits.argmax(-1).cpu() == span).all())
 
-    @torch.no_grad()
+    @_evaluating
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """−(upper bound on −log p_θ(text)) in nats per request (module docstring)."""
         generator = self._generator()
@@ -312,6 +333,7 @@ class UnifusionLM(LM):
             out.append(-total)
         return out
 
+    @_evaluating
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Bayesian-sampler continuations of each context, cut at the first stop string (module docstring)."""
         out = []
