@@ -175,7 +175,8 @@ def test_generate_until_runs_in_the_harness(model, tokenizer, task_manager):
 
 
 def test_generate_until_truncates_at_the_first_stop_string(model, tokenizer):
-    lm = UnifusionLM(model=model, tokenizer=tokenizer, num_steps=4, kernel="uniform", seed=11)
+    # batch_size=1: every request is sampled on its own from the seed, so the same request gives the same sample
+    lm = UnifusionLM(model=model, tokenizer=tokenizer, num_steps=4, kernel="uniform", seed=11, batch_size=1)
     context = "the animal is cat . what is"
     (full,) = lm.generate_until([_request(context, {"until": [], "max_gen_toks": 12})])
     words = full.split()
@@ -190,6 +191,27 @@ def test_generate_until_truncates_at_the_first_stop_string(model, tokenizer):
     # greedy requests (do_sample false / temperature 0) run at T = 1e-4 and still stop at the stop string
     (greedy,) = lm.generate_until([_request(context, {"until": [stop], "max_gen_toks": 12, "do_sample": False})])
     assert isinstance(greedy, str) and stop not in greedy
+
+
+def test_generate_until_batches_equal_prompts(model, tokenizer):
+    lm = UnifusionLM(model=model, tokenizer=tokenizer, num_steps=3, kernel="uniform", seed=4, batch_size=2)
+    contexts = ["the animal is cat .", "the animal is dog .", "a fish"]  # two of one length, one shorter
+    texts = lm.generate_until([_request(c, {"until": [], "max_gen_toks": 5}) for c in contexts])
+    enc = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in contexts]
+    assert len(enc[0]) == len(enc[1]) != len(enc[2])
+    kernel = uf.UniformKernel(model.num_states)
+    pair = model.generate(torch.tensor(enc[:2]), max_new_tokens=5, num_steps=3, kernel=kernel,
+                          generator=torch.Generator().manual_seed(4))
+    single = model.generate(torch.tensor(enc[2:]), max_new_tokens=5, num_steps=3, kernel=kernel,
+                            generator=torch.Generator().manual_seed(4))
+    rows = [pair[0, len(enc[0]):], pair[1, len(enc[1]):], single[0, len(enc[2]):]]
+    eos = tokenizer.eos_token_id
+    expected = []
+    for row in rows:
+        ids = row.tolist()
+        ids = ids[: ids.index(eos)] if eos in ids else ids
+        expected.append(tokenizer.decode(ids, skip_special_tokens=True))
+    assert texts == expected
 
 
 def test_contexts_of_one_question_share_the_random_draws(model, tokenizer):

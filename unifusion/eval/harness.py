@@ -28,7 +28,9 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
   windows of ``max_length`` tokens (each window scored without the previous one as context).
 * ``generate_until(context, gen_kwargs)``: :meth:`~unifusion.DiffusionLM.generate` (the Bayesian sampler, Algorithm 2)
   with the context as a fixed prefix, ``max_gen_toks`` new tokens, ``num_steps`` steps, ``temperature``/``top_p``
-  (from ``gen_kwargs`` when the task sets them, else the model arguments), truncated at the first ``until`` string.
+  (from ``gen_kwargs`` when the task sets them, else the model arguments), ended at the tokenizer's EOS token and
+  truncated at the first ``until`` string. Requests with equal prompt length and settings are sampled
+  ``batch_size`` at a time from one generator seeded with ``seed``.
 """
 
 from __future__ import annotations
@@ -335,33 +337,55 @@ class UnifusionLM(LM):
 
     @_evaluating
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Bayesian-sampler continuations of each context, cut at the first stop string (module docstring)."""
-        out = []
-        for request in requests:
-            context, gen_kwargs = str(request.args[0]), dict(request.args[1] or {})
-            until = gen_kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = _as_int("max_gen_toks", gen_kwargs.get("max_gen_toks", 256))
-            max_new = min(max_new, self.max_length - 1)
-            temperature = _as_float("temperature", gen_kwargs.get("temperature", self.temperature))
-            if temperature <= 0.0 or not _as_bool("do_sample", gen_kwargs.get("do_sample", True)):
-                temperature = 1e-4  # greedy requests: the sampler needs T > 0; 1e-4 is argmax to float precision
-            top_p = gen_kwargs.get("top_p", self.top_p)
-            prompt = self._encode(context)[-(self.max_length - max_new):]
-            generator = torch.Generator(device=self.model.device).manual_seed(self.seed)
-            ids = self.model.generate(torch.tensor(prompt, dtype=torch.long, device=self.model.device),
-                                      max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
-                                      temperature=temperature, top_p=None if top_p is None else float(top_p),
-                                      generator=generator)
-            new = ids[0, len(prompt):].tolist()
-            if self.model.mask_token_id is not None:
-                new = [i for i in new if i != self.model.mask_token_id]
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-            for stop in until:
-                if stop and stop in text:
-                    text = text[: text.index(stop)]
-            out.append(text)
+        """Bayesian-sampler continuations of each context, cut at the first stop string (module docstring).
+
+        Requests with the same prompt length and sampling settings are sampled together, ``batch_size`` rows at a
+        time, with a generator seeded with ``seed`` per batch: a request's text depends on its batch companions
+        (``batch_size=1`` makes every request reproducible on its own). A continuation ends at the tokenizer's EOS
+        token, if it has one, then at the earliest of the ``until`` strings.
+        """
+        settings = [self._generation_settings(request) for request in requests]
+        groups: dict[tuple[int, int, float, float | None], list[int]] = {}
+        for i, (prompt, max_new, temperature, top_p, _) in enumerate(settings):
+            groups.setdefault((len(prompt), max_new, temperature, top_p), []).append(i)
+        out = [""] * len(requests)
+        device = self.model.device
+        for (P, max_new, temperature, top_p), members in groups.items():
+            for lo in range(0, len(members), self.batch_size_per_forward):
+                chunk = members[lo: lo + self.batch_size_per_forward]
+                prompts = torch.tensor([settings[i][0] for i in chunk], dtype=torch.long).reshape(len(chunk), P)
+                generator = torch.Generator(device=device).manual_seed(self.seed)
+                ids = self.model.generate(prompts.to(device), max_new_tokens=max_new, num_steps=self.num_steps,
+                                          kernel=self.kernel, temperature=temperature, top_p=top_p,
+                                          generator=generator)  # (B, P + max_new)
+                for i, row in zip(chunk, ids[:, P:].tolist()):
+                    out[i] = self._finish(row, settings[i][4])
         return out
+
+    def _generation_settings(self, request: Any) -> tuple[list[int], int, float, float | None, list[str]]:
+        """``(prompt ids, max_new_tokens, temperature, top_p, stop strings)`` of one ``generate_until`` request."""
+        context, gen_kwargs = str(request.args[0]), dict(request.args[1] or {})
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else [str(u) for u in until]
+        max_new = min(_as_int("max_gen_toks", gen_kwargs.get("max_gen_toks", 256)), self.max_length - 1)
+        temperature = _as_float("temperature", gen_kwargs.get("temperature", self.temperature))
+        if temperature <= 0.0 or not _as_bool("do_sample", gen_kwargs.get("do_sample", True)):
+            temperature = 1e-4  # greedy requests: the sampler needs T > 0; 1e-4 is argmax to float precision
+        top_p = gen_kwargs.get("top_p", self.top_p)
+        top_p = None if top_p is None else _as_float("top_p", top_p)
+        prompt = self._encode(context)[-(self.max_length - max_new):]
+        return prompt, max_new, temperature, top_p, until
+
+    def _finish(self, new_ids: list[int], until: Sequence[str]) -> str:
+        """Generated ids → text: mask ids dropped, cut at the first EOS id, decoded, cut at the earliest stop."""
+        if self.model.mask_token_id is not None:
+            new_ids = [i for i in new_ids if i != self.model.mask_token_id]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and eos in new_ids:
+            new_ids = new_ids[: new_ids.index(eos)]
+        text = str(self.tokenizer.decode(new_ids, skip_special_tokens=True))
+        cuts = [text.index(stop) for stop in until if stop and stop in text]
+        return text[: min(cuts)] if cuts else text
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
