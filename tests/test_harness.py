@@ -276,6 +276,13 @@ def test_command_line_writes_results(checkpoint, tmp_path):
     assert result["n-samples"]["unifusion_tiny_mc"]["effective"] == 3
 
 
+def test_command_line_help_and_bad_options(capsys):
+    assert cli_main(["--help"]) == 0
+    assert "--model_args" in capsys.readouterr().out  # the options of a run, not the list of subcommands
+    assert cli_main(["--tasks", "x", "--no_such_option", "1"]) == 2
+    assert "--no_such_option" in capsys.readouterr().err
+
+
 def test_unifusion_harness_hands_its_arguments_to_cli_main(monkeypatch):
     import unifusion.eval.harness as harness
     from unifusion.cli import main

@@ -143,10 +143,12 @@ class UnifusionLM(LM):
         temperature: sampling temperature of ``generate_until`` unless the task's ``gen_kwargs`` set one.
         top_p: nucleus mass of ``generate_until`` (``None``: off) unless the task's ``gen_kwargs`` set one.
         seed: seeds the scorers' corruption and the sampler at every call.
-        batch_size: rows per forward pass (the harness's ``--batch_size``; ``auto`` means 64).
+        batch_size: rows per forward pass of the scorers and prompts per sampler batch (the harness's
+            ``--batch_size``; ``auto`` means 64).
         max_batch_size: accepted for the harness's ``--max_batch_size`` (unused: the scorers batch by rows).
-        device: where to run (``"cuda"``, ``"cpu"``, ...); default: where the model is.
-        dtype: weights' dtype (``"bfloat16"``, ``torch.float32``, ...); default (or ``"auto"``): the saved one.
+        device: where to run (``"cuda"``, ``"cpu"``, ...); default: where the model is (a live model is moved).
+        dtype: weights' dtype (``"bfloat16"``, ``torch.float32``, ...); default (or ``"auto"``): the saved one (a
+            live model is converted in place, so leave it unset for a model that is still training).
     """
 
     def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
@@ -389,15 +391,24 @@ class UnifusionLM(LM):
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """The harness's own command line (``lm-eval run ...``) with the ``unifusion`` model registered and the default
-    ``--model``; ``unifusion harness ARGS`` calls this. Returns the exit status."""
+    """The harness's own command line (``lm-eval run ...``) with the ``unifusion`` model registered.
+
+    ``unifusion harness ARGS`` calls this. ``argv`` (default ``sys.argv[1:]``) are the harness's arguments, with or
+    without the ``run`` subcommand (``ls``/``validate`` pass through); ``--model`` defaults to ``unifusion`` and
+    ``--device`` to ``cuda`` when available, else ``cpu``; no arguments or ``--help`` print the options of a run.
+
+    Returns:
+        the exit status (0 on success; the harness's own status when it exits, e.g. 2 for a bad option).
+    """
     try:
         from lm_eval._cli import HarnessCLI
     except ImportError as err:  # pragma: no cover - lm-eval < 0.4.10 has no HarnessCLI
         raise ImportError(f"unifusion harness needs lm-eval >= 0.4.10 ({err})") from None
     args = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "ls", "validate")
-    if args and args[0] not in commands and args[0] not in ("-h", "--help"):
+    if not args or args[0] in ("-h", "--help"):
+        args = ["run", "--help"]  # the options of a run (--model_args, --tasks, ...), not the command list
+    elif args[0] not in commands:
         args = ["run", *args]
     if args[:1] == ["run"] and not any(a in ("--model", "-M") or a.startswith("--model=") for a in args):
         args += ["--model", "unifusion"]
