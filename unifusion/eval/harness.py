@@ -402,8 +402,13 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         from lm_eval._cli import HarnessCLI
-    except ImportError as err:  # pragma: no cover - lm-eval < 0.4.10 has no HarnessCLI
-        raise ImportError(f"unifusion harness needs lm-eval >= 0.4.10 ({err})") from None
+    except ImportError as err:  # pragma: no cover - older lm-eval releases have a different command line
+        raise ImportError("unifusion harness needs an lm-eval with the lm_eval._cli command line (tested with "
+                          f"0.4.13): pip install -U \"unifusion[eval]\" ({err})") from None
+    try:
+        from lm_eval.utils import setup_logging
+    except ImportError:  # pragma: no cover
+        setup_logging = None
     args = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "ls", "validate")
     if not args or args[0] in ("-h", "--help"):
@@ -417,6 +422,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     saved = sys.argv
     sys.argv = ["unifusion harness", *args]
     try:
+        if setup_logging is not None:
+            setup_logging()  # as lm-eval's own entry point does: the harness's INFO lines on stderr
         cli = HarnessCLI()
         cli.execute(cli.parse_args())
     except SystemExit as exit_:
