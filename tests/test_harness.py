@@ -4,10 +4,12 @@ command line — and the harness's numbers equal ``run_multiple_choice``'s and `
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -16,7 +18,9 @@ from types import SimpleNamespace
 # the datasets library reads these when it is imported: offline, and a private cache
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="unifusion-datasets-"))
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="unifusion-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 import lm_eval  # noqa: E402
 import pytest  # noqa: E402
