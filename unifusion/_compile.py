@@ -106,7 +106,7 @@ def compile_stats() -> dict[str, Any]:
         entries = list(_auto.values())
     return {"compiled": sum(a.ready is not None for a in entries),
             "pending": sum(a.thread is not None and a.thread.is_alive() for a in entries),
-            "seconds": round(sum(a.seconds for a in entries), 3)}
+            "seconds": sum(a.seconds for a in entries)}
 
 
 # Inductor options of every compiled hot path. With dynamic shapes one compiled kernel serves every size, but its C++
