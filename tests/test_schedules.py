@@ -138,3 +138,31 @@ def test_peer_schedules_drive_kernels_to_finite_losses(schedule: uf.Schedule) ->
         torch.testing.assert_close(fast, uf.losses.reference_gidd_loss(logits, x0, x_t, t, kernel), rtol=1e-10,
                                    atol=1e-300)
         assert bool(torch.isfinite(fast).all())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=repr)
+def test_every_method_takes_a_float_a_0d_tensor_and_any_shape(schedule: uf.Schedule) -> None:
+    """One convention for every schedule and method: a Python float gives a 0-d float64 tensor equal to the float64
+    tensor call; a 0-d or n-d tensor keeps its shape and dtype; no other type is accepted."""
+    methods = ["alpha", "alpha_prime", "one_minus_alpha", "log_alpha", "hazard"]
+    if isinstance(schedule, uf.GeometricSchedule):
+        methods.append("sigma")
+    grid = torch.tensor([[0.1, 0.37], [0.5, 0.93]], dtype=DT)
+    for name in methods:
+        fn = getattr(schedule, name)
+        full = fn(grid)
+        assert full.shape == (2, 2) and full.dtype == DT, name
+        for i, value in enumerate([0.1, 0.37, 0.5, 0.93]):
+            from_float = fn(value)
+            assert isinstance(from_float, torch.Tensor) and from_float.shape == () and from_float.dtype == DT, name
+            from_0d = fn(torch.tensor(value, dtype=torch.float32))
+            assert from_0d.shape == () and from_0d.dtype == torch.float32, name
+            # elementwise: the value at that point of the grid (to an ulp: vectorised and scalar kernels may differ)
+            assert math.isclose(float(from_float), float(full.reshape(-1)[i]), rel_tol=1e-14, abs_tol=1e-300), name
+            assert math.isclose(float(from_0d), float(from_float), rel_tol=1e-5, abs_tol=1e-6), name
+        with pytest.raises(TypeError, match="t: expected a float or a floating-point tensor"):
+            fn(torch.tensor([1, 2]))
+        with pytest.raises(TypeError, match="t: expected a float or a floating-point tensor.*str"):
+            fn("0.5")
+        with pytest.raises(TypeError, match="t: .*bool"):
+            fn(True)
