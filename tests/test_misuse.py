@@ -178,3 +178,15 @@ def test_step_on_a_model_that_cannot_anneal_warns():
 
     with pytest.warns(UserWarning, match="cannot anneal"):
         uf.diffusion_loss(Plain(), torch.randint(0, 10, (2, 3)), uf.UniformKernel(10), step=5)
+
+
+def test_step_and_bidirectional_prob_together_is_an_error_naming_both(model):
+    """Both set γ: one would be silently ignored, so giving both is a ValueError naming both."""
+    kernel = uf.UniformKernel(model.num_states)
+    x0 = _x0(model)
+    with pytest.raises(ValueError, match=r"step, bidirectional_prob: give one of them, got step=5 and "
+                                         r"bidirectional_prob=0.5"):
+        uf.diffusion_loss(model, x0, kernel, step=5, bidirectional_prob=0.5)
+    # either alone is fine, and step anneals γ = step / anneal_steps
+    assert uf.diffusion_loss(model, x0, kernel, step=5, anneal_steps=10).bidirectional_prob == 0.5
+    assert uf.diffusion_loss(model, x0, kernel, bidirectional_prob=0.25).bidirectional_prob == 0.25

@@ -166,7 +166,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         weighting: GIDD weighting ``"elbo"``, ``"clip"`` or ``"dynamic"`` (objective ``"gidd"`` only).
         max_weight: upper clip of the GIDD weights.
         t_min: smallest sampled time.
-        bidirectional_prob: override γ directly (takes precedence over ``step``).
+        bidirectional_prob: set γ directly instead of annealing it by ``step``; giving both ``step`` and
+            ``bidirectional_prob`` is a ``ValueError`` (one of them would be silently ignored).
         fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
             (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
             for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
@@ -190,6 +191,10 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         raise TypeError(f"kernel: objective='mdlm' needs a MaskKernel, got {type(kernel).__name__}")
     if weighting != "elbo" and objective != "gidd":
         raise ValueError(f"weighting: only objective='gidd' supports {weighting!r}; the others are ELBO-weighted")
+    if step is not None and bidirectional_prob is not None:
+        raise ValueError(f"step, bidirectional_prob: give one of them, got step={step!r} and bidirectional_prob="
+                         f"{bidirectional_prob!r} (step anneals γ = min(1, step/anneal_steps); bidirectional_prob "
+                         "sets γ directly)")
     kernel = _check_kernel(kernel)
     generator = V.check_generator(generator)
     V.check_model_kernel(model, kernel)
