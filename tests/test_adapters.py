@@ -7,9 +7,11 @@ import warnings
 
 import pytest
 import torch
+from _dispatch_count import count_syncs
 from _hf_tiny import BOS, FAMILIES, VOCAB, tiny_config, tiny_model
 from torch import nn
 
+import unifusion as uf
 from unifusion._families import FAMILIES as REGISTRY
 from unifusion._families import family_for
 from unifusion._validation import validation
@@ -348,6 +350,25 @@ def test_bad_inputs_name_the_argument() -> None:
     tc = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, time_conditioning=True)
     with pytest.raises(ValueError, match="t: this model was adapted with time_conditioning=True"):
         tc(x)
+
+
+def test_diffusion_loss_checks_the_padding_rule_in_its_one_sync() -> None:
+    """diffusion_loss runs the model with validation off (no per-step syncs), so it checks the model's padding rule
+    (contiguous pads) itself, inside its one batched read-back; with validation off nothing is checked."""
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    x0 = _ids()
+    holes = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 0, 0]])
+    for fused in (False, True):
+        with pytest.raises(ValueError, match=r"attention_mask: expected contiguous padding .* holes: \[1\]"):
+            uf.diffusion_loss(model, x0, kernel, attention_mask=holes, fused=fused)
+    for good in ([[1] * 8, [1] * 5 + [0] * 3], [[1] * 8, [0] * 3 + [1] * 5], [[0] * 7 + [1], [1] + [0] * 7]):
+        out, counter = count_syncs(uf.diffusion_loss, model, x0, kernel, attention_mask=torch.tensor(good),
+                                   generator=torch.Generator().manual_seed(0))
+        assert counter.syncs <= 1, counter.sync_ops
+        assert out.num_tokens == int(torch.tensor(good).sum())
+    with validation(False):
+        uf.diffusion_loss(model, x0, kernel, attention_mask=holes)  # the switch covers this check too
 
 
 def test_value_checks_follow_the_validation_switch() -> None:

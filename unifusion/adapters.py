@@ -132,6 +132,20 @@ def annealed_attention_mask(
     return A
 
 
+def _check_padding(name: str, attention_mask: torch.Tensor) -> None:
+    """Queue the padding rule's value check (no host sync of its own): every row of the ``(B, L)`` bool mask is
+    contiguous — all pads on the right or all on the left (``1 1 0 0`` / ``0 0 1 1``), no holes. Joins the enclosing
+    :func:`unifusion._validation.batched_checks` block (one sync for the whole call); nothing runs with validation
+    off. :meth:`DiffusionLM.forward` and :func:`~unifusion.diffusion_loss` (which runs the model unchecked) call it.
+    """
+    if not validation_enabled() or attention_mask.numel() == 0:
+        return
+    changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one change
+    V.fail_if((changes > 1).any(), lambda: (
+        f"{name}: expected contiguous padding (all pads on the right or all on the left of each row), got rows with "
+        f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # time conditioning
 
@@ -321,11 +335,7 @@ class DiffusionLM(nn.Module):
                     raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
                                      f"got {tuple(attention_mask.shape)}")
                 attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
-                if validation_enabled():
-                    changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one
-                    V.fail_if((changes > 1).any(), lambda: (
-                        "attention_mask: expected contiguous padding (all pads on the right or all on the left of "
-                        "each row), got a row with holes"))
+                _check_padding("attention_mask", attention_mask)
         return x_t, t, gamma, attention_mask
 
     def _mask_style(self) -> str:
