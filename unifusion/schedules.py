@@ -15,8 +15,6 @@ import math
 
 import torch
 
-TimeLike = torch.Tensor | float
-
 __all__ = ["Schedule", "LinearSchedule", "CosineSchedule", "LogLinearSchedule", "GeometricSchedule",
            "MDLMCosineSchedule", "DUOCosineSchedule"]
 
@@ -39,25 +37,25 @@ class Schedule:
     derived methods) also take a Python float, which gives a 0-d float64 tensor.
     """
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:  # pragma: no cover - abstract
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:  # pragma: no cover - abstract
         """α_t, the probability that a token is untouched at time ``t``; shape of ``t``."""
         raise NotImplementedError  # abstractmethod
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:  # pragma: no cover - abstract
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:  # pragma: no cover - abstract
         """dα_t/dt (≤ 0); shape of ``t``."""
         raise NotImplementedError  # abstractmethod
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         """β_t = 1 − α_t, computed without cancellation near t = 0 where the subclass can."""
         t = _as_time(t)
         return 1.0 - self.alpha(t)
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         """log α_t."""
         t = _as_time(t)
         return torch.log(self.alpha(t))
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         """−α_t'/α_t ≥ 0, the rate at which a clean token gets corrupted at time ``t``."""
         t = _as_time(t)
         return -self.alpha_prime(t) / self.alpha(t)
@@ -75,23 +73,23 @@ class Schedule:
 class LinearSchedule(Schedule):
     """α_t = 1 − t (the paper's schedule, §3.2); α_t' = −1."""
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return 1.0 - t
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.full_like(t, -1.0)
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return t.clone()
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.log1p(-t)
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return 1.0 / (1.0 - t)
 
@@ -103,24 +101,24 @@ class CosineSchedule(Schedule):
     1 − α_t = 2 sin²(π t / 4) and log α_t = log1p(−2 sin²(π t / 4)), so no branch cancels in float32.
     """
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.where(t < 0.5, torch.cos(0.5 * math.pi * t), torch.sin(0.5 * math.pi * (1.0 - t)))
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return -0.5 * math.pi * torch.where(t < 0.5, torch.sin(0.5 * math.pi * t),
                                             torch.cos(0.5 * math.pi * (1.0 - t)))
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return 2.0 * torch.sin(0.25 * math.pi * t) ** 2
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.where(t < 0.5, torch.log1p(-self.one_minus_alpha(t)), torch.log(self.alpha(t)))
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         # (π/2) tan(π t / 2) = (π/2) / tan(π (1 − t) / 2)
         return 0.5 * math.pi * torch.where(t < 0.5, torch.tan(0.5 * math.pi * t),
@@ -136,24 +134,24 @@ class LogLinearSchedule(Schedule):
     def __init__(self, eps: float = 1e-3) -> None:
         self.eps = _check_eps(eps)
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         # eps + (1 − eps)(1 − t): no cancellation near t = 1
         return self.eps + (1.0 - self.eps) * (1.0 - t)
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.full_like(t, -(1.0 - self.eps))
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return (1.0 - self.eps) * t
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.where(t < 0.5, torch.log1p(-(1.0 - self.eps) * t), torch.log(self.alpha(t)))
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return (1.0 - self.eps) / self.alpha(t)
 
@@ -190,28 +188,28 @@ class GeometricSchedule(Schedule):
         self.sigma_min = float(sigma_min)
         self.sigma_max = float(sigma_max)
 
-    def sigma(self, t: TimeLike) -> torch.Tensor:
+    def sigma(self, t: torch.Tensor | float) -> torch.Tensor:
         """Total noise σ(t) = σ_min (σ_max/σ_min)^t (relative error ~ t log(σ_max/σ_min) ulp)."""
         t = _as_time(t)
         return self.sigma_min * torch.exp(t * math.log(self.sigma_max / self.sigma_min))
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.exp(-self.sigma(t))
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return -self.hazard(t) * self.alpha(t)
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return -torch.expm1(-self.sigma(t))
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return -self.sigma(t)
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return self.sigma(t) * math.log(self.sigma_max / self.sigma_min)
 
@@ -233,24 +231,24 @@ class MDLMCosineSchedule(Schedule):
     def _cos(self, t: torch.Tensor) -> torch.Tensor:  # cos(π t / 2), accurate near t = 1
         return torch.where(t < 0.5, torch.cos(0.5 * math.pi * t), torch.sin(0.5 * math.pi * (1.0 - t)))
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return self.eps + (1.0 - self.eps) * self._cos(t)
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         sin = torch.where(t < 0.5, torch.sin(0.5 * math.pi * t), torch.cos(0.5 * math.pi * (1.0 - t)))
         return -0.5 * math.pi * (1.0 - self.eps) * sin
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return 2.0 * (1.0 - self.eps) * torch.sin(0.25 * math.pi * t) ** 2
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.where(t < 0.5, torch.log1p(-self.one_minus_alpha(t)), torch.log(self.alpha(t)))
 
-    def hazard(self, t: TimeLike) -> torch.Tensor:
+    def hazard(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return -self.alpha_prime(t) / self.alpha(t)
 
@@ -278,22 +276,22 @@ class DUOCosineSchedule(Schedule):
     def _one_minus_tp(self, t: torch.Tensor) -> torch.Tensor:  # 1 − t' without cancellation
         return self.eps + (1.0 - self.eps) * (1.0 - t)
 
-    def alpha(self, t: TimeLike) -> torch.Tensor:
+    def alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         tp = (1.0 - self.eps) * t
         return torch.where(tp < 0.5, 1.0 - torch.sin(0.5 * math.pi * tp),
                            2.0 * torch.sin(0.25 * math.pi * self._one_minus_tp(t)) ** 2)
 
-    def alpha_prime(self, t: TimeLike) -> torch.Tensor:
+    def alpha_prime(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         d = -0.5 * math.pi * torch.sin(0.5 * math.pi * self._one_minus_tp(t))  # dα/dt' = −(π/2) cos(π t'/2)
         return d * (1.0 - self.eps) if self.chain_factor else d
 
-    def one_minus_alpha(self, t: TimeLike) -> torch.Tensor:
+    def one_minus_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         return torch.sin(0.5 * math.pi * (1.0 - self.eps) * t)
 
-    def log_alpha(self, t: TimeLike) -> torch.Tensor:
+    def log_alpha(self, t: torch.Tensor | float) -> torch.Tensor:
         t = _as_time(t)
         tp = (1.0 - self.eps) * t
         return torch.where(tp < 0.5, torch.log1p(-self.one_minus_alpha(t)), torch.log(self.alpha(t)))
