@@ -1,8 +1,9 @@
-"""One rule for the shape of ``t`` in every public function (``unifusion._validation.TIME_RULE``).
+"""One rule for the shape of ``t`` in every public function (``unifusion._validation.TIME_RULE``, docs/concepts.md).
 
 A float, a 0-d tensor, ``(B,)`` and ``(B, 1)`` mean the same thing for tokens of shape ``(B, L)``: ``(B,)`` is one time
 per row, also when B == L (where plain broadcasting would silently spread it along the positions). A 1-D ``t`` of
-another length is a ``ValueError`` that states the rule.
+another length is a ``ValueError`` that states the rule. Checked by value: the ``(B,)`` result equals the ``(B, L)``
+one, and row b equals the call with row b's time as a float.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import torch
 from _hf_tiny import tiny_model
 
 import unifusion as uf
+from unifusion.samplers.euler import clean_distribution_from_head, reverse_rate_from_head
 
 B = L = 4  # the ambiguous case: broadcasting a (B,) t against (B, L) tokens would pair t_j with position j
 S = 9
+T_ROW = torch.tensor([0.1, 0.4, 0.6, 0.9])
 
 
 def _times():
-    t_row = torch.tensor([0.1, 0.4, 0.6, 0.9])
-    return t_row, {"(B,)": t_row, "(B, 1)": t_row[:, None], "(B, L)": t_row[:, None].expand(B, L).clone()}
+    return T_ROW, {"(B,)": T_ROW, "(B, 1)": T_ROW[:, None], "(B, L)": T_ROW[:, None].expand(B, L).clone()}
 
 
 def _tokens(S_: int = S):
@@ -27,11 +29,23 @@ def _tokens(S_: int = S):
     return torch.randint(0, S_ - 1, (B, L), generator=g), torch.randint(0, S_ - 1, (B, L), generator=g)
 
 
-KERNELS = {"uniform": uf.UniformKernel(S), "mask": uf.MaskKernel(S, S - 1), "hybrid": uf.HybridKernel(S, S - 1, 0.2)}
+def _generator_kernel() -> uf.GeneratorKernel:
+    R = torch.rand(S, S, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    R = R - torch.diag(torch.diagonal(R))
+    return uf.GeneratorKernel(R - torch.diag(R.sum(-1)))
+
+
+KERNELS = {"uniform": uf.UniformKernel(S), "mask": uf.MaskKernel(S, S - 1), "hybrid": uf.HybridKernel(S, S - 1, 0.2),
+           "generator": _generator_kernel()}
+STRUCTURED = (uf.UniformKernel, uf.MaskKernel, uf.HybridKernel)
+
+
+def _half(t):
+    return t / 2
 
 
 def _entry_points(kernel):
-    """Every public function taking tokens (B, L) and a time: name → fn(t) → tensor."""
+    """Every public function taking tokens (B, L) and a time: name → fn(t) → tensor with leading dims (B, L)."""
     x0, x_t = _tokens()
     x_t = torch.where(torch.rand(B, L, generator=torch.Generator().manual_seed(1)) < 0.5, x0, x_t)
     if kernel.mask_id is not None:
@@ -39,27 +53,57 @@ def _entry_points(kernel):
     logits = torch.randn(B, L, S, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     probs = torch.softmax(torch.where(torch.arange(S) == (kernel.mask_id if kernel.mask_id is not None else -1),
                                       -torch.inf, logits), -1)
-    score = torch.rand(B, L, S, dtype=torch.float64) + 0.1
-    return {
+    score = torch.rand(B, L, S, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 0.1
+    log_exit = torch.randn(B, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def ctmc(t):
+        exit_rate, jump = uf.convert_x0_to("ctmc", probs, kernel, x_t, t)
+        return torch.cat([exit_rate.unsqueeze(-1), jump], -1)
+
+    points = {
         "marginal(ids)": lambda t: kernel.marginal(x0, t),
         "marginal(probs)": lambda t: kernel.marginal(probs, t),
         "rate_into": lambda t: kernel.rate_into(x_t, t),
-        "transition_into": lambda t: kernel.transition_into(x_t, t / 2 if isinstance(t, torch.Tensor) else t / 2, t),
-        "posterior": lambda t: kernel.posterior(probs, x_t, t / 2, t),
+        "transition_into": lambda t: kernel.transition_into(x_t, _half(t), t),
+        "posterior": lambda t: kernel.posterior(probs, x_t, _half(t), t),
         "sample": lambda t: kernel.sample(x0, t, generator=torch.Generator().manual_seed(3)),
+        "sample_prior": lambda t: kernel.sample_prior((B, L), t=t, generator=torch.Generator().manual_seed(3)),
         "ReverseRate.from_x0": lambda t: uf.ReverseRate.from_x0(kernel, probs, x_t, t).rates,
         "ReverseRate.from_x0_logits": lambda t: uf.ReverseRate.from_x0_logits(kernel, logits, x_t, t).rates,
         "ReverseRate.from_score": lambda t: uf.ReverseRate.from_score(kernel, score, x_t, t).rates,
+        "ReverseRate.from_posterior_mean": lambda t: uf.ReverseRate.from_posterior_mean(kernel, probs, x_t, t).rates,
         "ReverseRate.true_conditional": lambda t: uf.ReverseRate.true_conditional(kernel, x0, x_t, t).rates,
+        "convert_x0_to(rate)": lambda t: uf.convert_x0_to("rate", probs, kernel, x_t, t).rates,
         "convert_x0_to(sedd)": lambda t: uf.convert_x0_to("sedd", probs, kernel, x_t, t),
+        "convert_x0_to(m2s)": lambda t: uf.convert_x0_to("m2s", probs, kernel, x_t, t, strict=False),
+        "convert_x0_to(ctmc)": ctmc,
         "gidd_loss": lambda t: uf.losses.gidd_loss(logits, x0, x_t, t, kernel),
         "reference_gidd_loss": lambda t: uf.losses.reference_gidd_loss(logits, x0, x_t, t, kernel),
         "x0_head_loss": lambda t: uf.losses.x0_head_loss(logits, x0, x_t, t, kernel),
         "sedd_loss": lambda t: uf.losses.sedd_loss(torch.log(score), x0, x_t, t, kernel),
         "m2s_loss": lambda t: uf.losses.m2s_loss(logits, x0, x_t, t, kernel),
-        "fused_linear_diffusion_loss": lambda t: uf.losses.fused_linear_diffusion_loss(
-            logits, torch.eye(S, dtype=torch.float64), x0, x_t, t, kernel),
+        "ctmc_loss": lambda t: uf.losses.ctmc_loss(log_exit, logits, x0, x_t, t, kernel),
+        "reverse_rate_from_head(x0)": lambda t: reverse_rate_from_head("x0", logits, kernel, x_t, t).rates,
+        "reverse_rate_from_head(sedd)": lambda t: reverse_rate_from_head("sedd", torch.log(score), kernel, x_t,
+                                                                         t).rates,
+        "reverse_rate_from_head(m2s)": lambda t: reverse_rate_from_head("m2s", logits, kernel, x_t, t).rates,
     }
+    for p in ("x0", "sedd", "m2s"):
+        head = torch.log(score) if p == "sedd" else logits
+        points[f"clean_distribution_from_head({p})"] = (
+            lambda t, p=p, head=head: clean_distribution_from_head(p, head, kernel, x_t, t, torch.float64))
+    points["clean_distribution_from_head(ctmc)"] = lambda t: clean_distribution_from_head(
+        "ctmc", (log_exit, logits), kernel, x_t, t, torch.float64)
+    if isinstance(kernel, STRUCTURED):
+        points["fused_linear_diffusion_loss"] = lambda t: uf.losses.fused_linear_diffusion_loss(
+            logits, torch.eye(S, dtype=torch.float64), x0, x_t, t, kernel)
+    if isinstance(kernel, uf.MaskKernel):
+        points["mdlm_loss"] = lambda t: uf.losses.mdlm_loss(logits, x0, x_t, t, kernel)
+        points["reference_mdlm_loss"] = lambda t: uf.losses.reference_mdlm_loss(logits, x0, x_t, t, kernel)
+    return points
+
+
+RANDOM = ("sample", "sample_prior")  # draws: equal across forms for one generator seed, not row by row
 
 
 @pytest.mark.parametrize("kernel_name", list(KERNELS))
@@ -68,33 +112,37 @@ def test_every_entry_point_reads_a_1d_t_as_one_time_per_row(kernel_name):
     t_row, forms = _times()
     for name, fn in _entry_points(kernel).items():
         expected = fn(forms["(B, L)"])
+        assert expected.shape[:2] == (B, L), name
         for form in ("(B,)", "(B, 1)"):
             torch.testing.assert_close(fn(forms[form]), expected, msg=f"{name} with t of shape {form}")
-        # a row of its own: each row equals the same call with that row's time as a float
-        if name not in ("sample",):
-            for b in (0, 3):
-                row = fn(float(t_row[b]))
-                torch.testing.assert_close(expected[b].to(row.dtype), row[b], rtol=1e-5, atol=1e-6,
-                                           msg=f"{name}: row {b}")
+        # a row of its own: each row equals the same call with that row's time as a float (and as a 0-d tensor)
+        if name not in RANDOM:
+            for b in range(B):
+                for scalar in (float(t_row[b]), t_row[b].clone()):
+                    row = fn(scalar)
+                    torch.testing.assert_close(expected[b].to(row.dtype), row[b], rtol=1e-5, atol=1e-6,
+                                               msg=f"{name}: row {b}")
 
 
 @pytest.mark.parametrize("kernel_name", list(KERNELS))
 def test_a_1d_t_of_another_length_is_an_error_that_states_the_rule(kernel_name):
     kernel = KERNELS[kernel_name]
     bad = torch.full((L + 1,), 0.5)
-    for _name, fn in _entry_points(kernel).items():
+    for name, fn in _entry_points(kernel).items():
         with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
             fn(bad)
+            pytest.fail(name)
     with pytest.raises(ValueError, match="tokens' number of dims"):
         KERNELS["uniform"].marginal(torch.zeros(2, 3, 4, dtype=torch.long), torch.full((2, 3), 0.5))
 
 
-def test_floats_and_0d_tensors_everywhere():
-    kernel = KERNELS["mask"]
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+def test_floats_and_0d_tensors_everywhere(kernel_name):
+    kernel = KERNELS[kernel_name]
     for name, fn in _entry_points(kernel).items():
         a, b = fn(0.5), fn(torch.tensor(0.5))
-        if name != "sample":
-            torch.testing.assert_close(a.to(b.dtype), b, msg=name)
+        assert a.shape[:2] == (B, L), name
+        torch.testing.assert_close(a.to(b.dtype), b, msg=name)  # draws too: the same generator seed
 
 
 def test_a_grid_of_times_over_the_tokens_still_broadcasts():
@@ -103,30 +151,196 @@ def test_a_grid_of_times_over_the_tokens_still_broadcasts():
     assert q.shape == (2, 3, S)
 
 
-def test_diffusion_loss_and_the_model_take_every_form():
-    model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False)
-    kernel = uf.UniformKernel(model.num_states)
-    x0 = torch.randint(0, model.num_states, (B, L), generator=torch.Generator().manual_seed(0))
-    t_row, forms = _times()
-    model.eval()
-    ref = uf.diffusion_loss(model, x0, kernel, t=t_row, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(ref.t, t_row)
-    for form in ("(B, 1)",):
-        out = uf.diffusion_loss(model, x0, kernel, t=forms[form], generator=torch.Generator().manual_seed(5))
-        torch.testing.assert_close(out.loss, ref.loss)
-    out = uf.diffusion_loss(model, x0, kernel, t=0.5, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(out.t, torch.full((B,), 0.5))
-    with pytest.raises(ValueError, match="one time per sequence"):
-        uf.diffusion_loss(model, x0, kernel, t=forms["(B, L)"])
+# ------------------------------------------------------------------------------------------------ no tokens: prior
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+def test_prior_takes_every_form(kernel_name):
+    """``prior(t)`` has no tokens: ``(S,)`` for a float or 0-d tensor, ``(*t.shape, S)`` for a tensor; row b is
+    π_{t_b}."""
+    kernel = KERNELS[kernel_name]
+    t_row, _ = _times()
+    rows = kernel.prior(t_row, dtype=torch.float64)
+    assert rows.shape == (B, S) and kernel.prior(t_row[:, None]).shape == (B, 1, S)
+    for b in range(B):
+        single = kernel.prior(float(t_row[b]), dtype=torch.float64)
+        assert single.shape == (S,)
+        torch.testing.assert_close(rows[b], single)
+        torch.testing.assert_close(kernel.prior(t_row[b].double(), dtype=torch.float64), single)
+
+
+def test_sample_prior_reads_a_1d_t_per_row_by_value():
+    """GIDD's hybrid prior depends strongly on t (p_u = 0.99, γ = 2: π_t(mask) = 1/(1 + 396 (1 − t))): with one time
+    per row, rows at t ≈ 1 are all mask and rows at t = 0.01 almost never are — read along the positions instead, the
+    *columns* would be."""
+    kernel = uf.HybridKernel(S, S - 1, 0.99, gamma=2.0)
+    t = torch.tensor([0.01, 1 - 1e-6, 0.01, 1 - 1e-6])
+    for form in (t, t[:, None]):
+        draws = kernel.sample_prior((B, B), t=form, generator=torch.Generator().manual_seed(0))
+        is_mask = draws == kernel.mask_id
+        assert is_mask[1].all() and is_mask[3].all()
+        assert not is_mask[0].any() and not is_mask[2].any()
     with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
-        uf.diffusion_loss(model, x0, kernel, t=torch.full((B + 1,), 0.5))
-    logits = model(x0, t_row)
-    torch.testing.assert_close(model(x0, t_row[:, None]), logits)
-    torch.testing.assert_close(model(x0, 0.5), model(x0, torch.full((B,), 0.5)))
+        kernel.sample_prior((B, B + 1), t=torch.full((B + 1,), 0.5))
+    with pytest.raises(TypeError, match="t: expected None, a float or a float tensor"):
+        kernel.sample_prior((B, B), t="0.5")  # type: ignore[arg-type]
+
+
+def test_schedules_are_elementwise_in_every_form():
+    """Schedules take no tokens: a float gives a 0-d float64 tensor, a tensor keeps its shape (``(B,)``, ``(B, 1)``)."""
+    t_row, forms = _times()
+    for schedule in (uf.LinearSchedule(), uf.CosineSchedule(), uf.GeometricSchedule()):
+        full = schedule.alpha(forms["(B, L)"])
+        torch.testing.assert_close(schedule.alpha(forms["(B,)"]), full[:, 0])
+        torch.testing.assert_close(schedule.alpha(forms["(B, 1)"]), full[:, :1])
+        for b in range(B):
+            assert schedule.alpha(float(t_row[b])).dtype == torch.float64
+            torch.testing.assert_close(schedule.alpha(float(t_row[b])).float(), full[b, 0])
+            torch.testing.assert_close(schedule.alpha(t_row[b]), full[b, 0])
+
+
+# ------------------------------------------------------------------------------------------------ models
+class _TimeModel:
+    """An x0 model whose logits depend on x_t and on t per row: A[x_t] + t_b · C[x_t]; records the t it was given."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.A, self.C = torch.randn(S, S, generator=g), torch.randn(S, S, generator=g)
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(self, x_t, t, **_):
+        self.seen.append(t)
+        assert t.shape == (x_t.shape[0],)  # models are always called with one time per sequence
+        return self.A[x_t] + t[:, None, None] * self.C[x_t]
+
+
+@pytest.mark.parametrize("parameterization", ["x0", "sedd", "m2s", "ctmc"])
+@pytest.mark.parametrize("kernel_name", ["uniform", "mask"])
+def test_x0_model_as_takes_every_form_one_time_per_row(parameterization, kernel_name):
+    kernel = KERNELS[kernel_name]
+    model = _TimeModel()
+    wrapped = uf.samplers.x0_model_as(model, kernel, parameterization, dtype=torch.float64)
+    x_t = _tokens()[1]
+    if kernel.mask_id is not None:
+        x_t[:, :2] = kernel.mask_id
+
+    def head(t):
+        out = wrapped(x_t, t)
+        return torch.cat([out[0].unsqueeze(-1), out[1]], -1) if parameterization == "ctmc" else out
+
+    t_row, forms = _times()
+    expected = head(forms["(B,)"])
+    assert expected.shape == (B, L, S + (parameterization == "ctmc"))
+    torch.testing.assert_close(head(forms["(B, 1)"]), expected)
+    for b in range(B):
+        for scalar in (float(t_row[b]), t_row[b].clone()):
+            torch.testing.assert_close(head(scalar)[b], expected[b])
+    assert all(t.shape == (B,) for t in model.seen)
     with pytest.raises(ValueError, match="one time per sequence"):
-        model(x0, forms["(B, L)"])
+        wrapped(x_t, forms["(B, L)"])
+    with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
+        wrapped(x_t, torch.full((B + 1,), 0.5))
 
 
-def test_nll_bound_and_sample_times_are_unchanged_in_shape():
+@pytest.fixture(scope="module")
+def tc_model():
+    """A DiffusionLM whose output depends on t (time conditioning with a non-zero output layer)."""
+    model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False, time_conditioning=True)
+    torch.nn.init.normal_(model.time_embedding.proj_out.weight, std=0.5)
+    return model.eval()
+
+
+def _check_model_call(call, t_row, forms, what):
+    expected = call(forms["(B,)"])
+    torch.testing.assert_close(call(forms["(B, 1)"]), expected, msg=what)
+    for b in range(B):
+        for scalar in (float(t_row[b]), t_row[b].clone()):
+            torch.testing.assert_close(call(scalar)[b], expected[b], rtol=1e-5, atol=1e-5, msg=f"{what}: row {b}")
+    assert not torch.allclose(expected[0], expected[-1])  # t matters: the check above is not vacuous
+    with pytest.raises(ValueError, match="one time per sequence"):
+        call(forms["(B, L)"])
+    with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
+        call(torch.full((B + 1,), 0.5))
+
+
+@torch.no_grad()
+def test_diffusion_lm_forward_hidden_states_and_loss_take_every_form(tc_model):
+    x0 = torch.randint(0, tc_model.num_states, (B, L), generator=torch.Generator().manual_seed(0))
+    x_t = torch.randint(0, tc_model.num_states, (B, L), generator=torch.Generator().manual_seed(1))
+    kernel = uf.UniformKernel(tc_model.num_states)
+    t_row, forms = _times()
+    _check_model_call(lambda t: tc_model(x_t, t), t_row, forms, "forward")
+    _check_model_call(lambda t: tc_model.hidden_states(x_t, t), t_row, forms, "hidden_states")
+    _check_model_call(lambda t: tc_model.loss(x_t, t, x0, kernel), t_row, forms, "loss")
+
+
+def test_diffusion_loss_takes_every_form(tc_model):
+    kernel = uf.UniformKernel(tc_model.num_states)
+    x0 = torch.randint(0, tc_model.num_states, (B, L), generator=torch.Generator().manual_seed(0))
+    t_row, forms = _times()
+
+    def loss(t):
+        return uf.diffusion_loss(tc_model, x0, kernel, t=t, generator=torch.Generator().manual_seed(5))
+
+    ref = loss(t_row)
+    assert torch.equal(ref.t, t_row)
+    torch.testing.assert_close(loss(forms["(B, 1)"]).loss, ref.loss)
+    for scalar in (0.5, torch.tensor(0.5)):
+        out = loss(scalar)
+        assert torch.equal(out.t, torch.full((B,), 0.5))
+        torch.testing.assert_close(out.loss, loss(torch.full((B,), 0.5)).loss)
+    # row by row: the loss of row b with its own time, from the same corruption (x_t given back to the loss)
+    with torch.no_grad():
+        logits = tc_model(ref.x_t, t_row)
+        per_row = uf.losses.gidd_loss(logits, x0, ref.x_t, t_row, kernel)
+        torch.testing.assert_close(ref.loss.detach(), per_row, rtol=1e-5, atol=1e-6)
+        for b in range(B):
+            own = uf.losses.gidd_loss(logits[b], x0[b], ref.x_t[b], float(t_row[b]), kernel)
+            torch.testing.assert_close(per_row[b], own, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one time per sequence"):
+        loss(forms["(B, L)"])
+    with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
+        loss(torch.full((B + 1,), 0.5))
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def test_nll_bound_passes_one_time_per_row_to_the_model_and_the_loss():
+    """B == L: the model gets ``(B,)`` times and the bound's integrand uses row b's time for every position of row b
+    (recomputed here from what the model saw, with per-position times)."""
+    kernel = KERNELS["uniform"]
+    model = _TimeModel()
+    seen_x_t: list[torch.Tensor] = []
+
+    def recording(x_t, t):
+        seen_x_t.append(x_t.clone())
+        return model(x_t, t)
+
+    x0 = _tokens()[0]
+    num_times = 3
+    out = uf.eval.nll_bound(recording, x0, kernel, num_times=num_times, generator=torch.Generator().manual_seed(0),
+                            per_token=False)
+    assert out.shape == (B,) and len(model.seen) == num_times
+    expected = torch.zeros(B, dtype=torch.float64)
+    for t, x_t in zip(model.seen, seen_x_t):
+        assert t.shape == (B,)
+        logits = model.A[x_t] + t[:, None, None] * model.C[x_t]
+        t_pos = t.double()[:, None].expand(B, L)  # row b's time at every position of row b
+        expected += uf.losses.reference_gidd_loss(logits, x0, x_t, t_pos, kernel).double().sum(-1)
+    torch.testing.assert_close(out, expected / num_times, rtol=1e-5, atol=1e-6)
+
+
+def test_the_evaluators_call_the_model_with_one_time_per_row():
+    kernel = KERNELS["uniform"]
+    model = _TimeModel()
+    uf.eval.score_choices(model, kernel, [1, 2, 3], [[4, 5], [6, 7]], num_times=3,
+                          generator=torch.Generator().manual_seed(0))
+    uf.eval.fair_pmi_scores(model, kernel, [1, 2, 3], [[4, 5], [6, 7]], [1], num_times=3,
+                            generator=torch.Generator().manual_seed(0))
+    assert model.seen and all(t.dim() == 1 for t in model.seen)
+    model.seen.clear()
+    for sampler in (uf.BayesianSampler(model, kernel, 3), uf.EulerSampler(model, kernel, 3)):
+        sampler.sample(B, L, generator=torch.Generator().manual_seed(0))
+    assert len(model.seen) == 6 and all(t.shape == (B,) for t in model.seen)
+
+
+def test_sample_times_is_one_time_per_row():
     t = uf.sample_times(B)
-    assert t.shape == (B,)
+    assert t.shape == (B,) and ((t > 0) & (t < 1)).all()

@@ -55,8 +55,11 @@ def validation(enabled: bool) -> Iterator[None]:
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
+    """A ``torch.Tensor`` with data: a meta tensor (no values) is a ``ValueError`` naming ``name`` (the device type is
+    host metadata: no sync)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    check_not_meta(name, value)
     return value
 
 
@@ -115,6 +118,8 @@ def check_token_ids(name: str, value: object, num_states: int) -> torch.Tensor:
 
 TIME_RULE = ("t is a float, a 0-d tensor, a 1-D tensor of one time per row (length B, the leading dim of the tokens), "
              "or a tensor with at least the tokens' number of dims that broadcasts with their shape")
+"""The one rule for the shape of ``t`` in every public function that takes times and tokens (docs/concepts.md,
+"Times"). A 1-D ``t`` of length B always means one time per row, also when B equals the sequence length."""
 
 
 def check_time(name: str, value: object, *, device: torch.device | None = None,
@@ -152,6 +157,24 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
             f"{name}: expected times in {interval}, got values in [{float(t.detach().min())}, "
             f"{float(t.detach().max())}]"))
     return t
+
+
+def check_sequence_times(name: str, value: object, shape: tuple[int, ...] | torch.Size, *,
+                         device: torch.device | None = None, dtype: torch.dtype | None = None,
+                         who: str = "the model") -> torch.Tensor:
+    """Times of a model call on tokens ``(B, L)``: one per sequence, returned as ``(B,)``.
+
+    :data:`TIME_RULE` with per-position times excluded: a float or 0-d tensor (the same time for every row), ``(B,)``
+    or ``(B, 1)``. Anything else (``(B, L)``, a 1-D t of another length) is a ``ValueError`` naming ``name``.
+    Values are checked as :func:`check_time` does (queued under :func:`batched_checks`; none with validation off).
+    """
+    shape = tuple(shape)
+    B = shape[0]
+    t = check_time(name, value, device=device, dtype=dtype, shape=shape)
+    if t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1) or t.numel() not in (1, B):
+        raise ValueError(f"{name}: {who} takes one time per sequence: a float, shape ({B},) or ({B}, 1), got shape "
+                         f"{tuple(t.shape)}")
+    return t.reshape(-1).expand(B) if t.numel() == 1 else t.reshape(B)
 
 
 def _times_for(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -301,15 +324,16 @@ def model_device(model: Any) -> torch.device | None:
         return None
 
 
-def check_model_device(model: Any, name: str, tensor: torch.Tensor) -> None:
-    """``ValueError`` when the model is on the meta device or ``tensor`` (argument ``name``) is on another device than
-    the model's parameters (host metadata only: no sync)."""
+def check_model_device(model: Any, name: str, tensor: torch.Tensor | torch.device) -> None:
+    """``ValueError`` when the model is on the meta device or ``tensor`` (argument ``name``; a tensor or a device) is
+    on another device than the model's parameters (host metadata only: no sync)."""
     device = model_device(model)
     if device is None:
         return
     if device.type == "meta":
         raise ValueError("model: its parameters are on the meta device (no data); materialise it first, e.g. "
                          "model.to_empty(device=...) and load the weights")
-    if tensor.device != device and not (tensor.device.type == device.type and device.index is None):
-        raise ValueError(f"{name}: is on {tensor.device} but the model's parameters are on {device}; move it with "
+    where = tensor if isinstance(tensor, torch.device) else tensor.device
+    if where != device and not (where.type == device.type and (device.index is None or where.index is None)):
+        raise ValueError(f"{name}: is on {where} but the model's parameters are on {device}; move it with "
                          f".to({str(device)!r})")

@@ -14,7 +14,10 @@ diagonal, R_t(i, j) = v_t(j) for i ≠ j with v_t = m_t' − (α_t'/α_t) m_t, a
 w = m_t − (α_t/α_s) m_s. Everything is O(S) per position: no S×S matrix is ever built for them.
 :class:`GeneratorKernel` handles any CTMC in generator form with a dense ``(S, S)`` matrix (small S only).
 
-Shapes: token ids are int64 ``(...)``; times broadcast to ``(...)``; rows over states are ``(..., S)`` (last dim).
+Shapes: token ids are int64 ``(...)``; rows over states are ``(..., S)`` (last dim). Times follow the package's one
+rule (``docs/concepts.md``, "Times"): a float or 0-d tensor is one time for every token; a 1-D tensor of length B is
+one time per row of tokens ``(B, ...)`` (also when B equals the sequence length); ``(B, 1)`` is the same; a tensor
+with as many dims as the tokens broadcasts with them as usual. A 1-D ``t`` of another length is a ``ValueError``.
 Computation is float64 when any floating input is float64, otherwise float32 (bf16 inputs are upcast).
 """
 
@@ -137,26 +140,39 @@ class Kernel:
 
     def prior(self, t: torch.Tensor | float | None = None, *, dtype: torch.dtype = torch.float32,
               device: torch.device | str | None = None) -> torch.Tensor:
-        """The noise distribution π_t ``(S,)`` (``(..., S)`` for tensor ``t``) that Algorithm 2 starts from; ``t=None``
-        is the terminal prior p_prior (uniform for the uniform kernel, e_mask for mask and GIDD's hybrid)."""
+        """The noise distribution π_t that Algorithm 2 starts from: ``(S,)`` for a float or 0-d ``t``, ``(*t.shape,
+        S)`` for a tensor ``t`` (so a ``(B,)`` t gives one row per time, ``(B, 1)`` gives ``(B, 1, S)``); ``t=None``
+        is the terminal prior p_prior (uniform for the uniform kernel, e_mask for mask and GIDD's hybrid).
+        A float ``t`` is computed in ``dtype``; a tensor ``t`` in ``dtype`` too (and moved to ``device`` if given)."""
         if t is None:
             return self._prior(None, dtype, torch.device(device) if device is not None else torch.device("cpu"))
         t_ = V.check_time("t", t, device=torch.device(device) if device is not None else None, dtype=dtype)
         return self._prior(t_, t_.dtype, t_.device)
 
-    def sample_prior(self, shape: Sequence[int] | torch.Size, *, t: float | None = None,
+    def sample_prior(self, shape: Sequence[int] | torch.Size, *, t: torch.Tensor | float | None = None,
                      generator: torch.Generator | None = None,
                      device: torch.device | str | None = None) -> torch.Tensor:
-        """Draw int64 tokens of ``shape`` i.i.d. from :meth:`prior` (at time ``t`` when given)."""
+        """Draw int64 tokens of ``shape`` from :meth:`prior`, independently per position (at time ``t`` when given).
+
+        ``t`` follows the package's time rule against ``shape``: a float or 0-d tensor is one time for every
+        position; a 1-D tensor is one time per row (length ``shape[0]``, also when it equals ``shape[-1]``);
+        a tensor with as many dims as ``shape`` broadcasts with it (``(B, 1)``, ``(B, L)``).
+        """
         generator = V.check_generator(generator)
         dev = torch.device(device) if device is not None else (
             generator.device if generator is not None else torch.device("cpu"))
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
-            raise TypeError(f"t: expected None or a float, got {type(t).__name__}")
-        pi = self.prior(t, dtype=torch.float32, device=dev).reshape(1, self.num_states)
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float, torch.Tensor))):
+            raise TypeError(f"t: expected None, a float or a float tensor, got {type(t).__name__}")
+        shape = tuple(shape)
         n = int(math.prod(shape))
-        draws = torch.multinomial(pi, n, replacement=True, generator=generator)
-        return draws.reshape(tuple(shape))
+        if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0:  # one distribution for every position
+            pi = self.prior(t, dtype=torch.float32, device=dev).reshape(1, self.num_states)
+            draws = torch.multinomial(pi, n, replacement=True, generator=generator)
+            return draws.reshape(shape)
+        t_ = V.check_time("t", t, device=dev, dtype=V.compute_dtype(t), shape=shape)
+        pi = torch.broadcast_to(self._prior(t_, t_.dtype, dev), (*shape, self.num_states))  # (*shape, S)
+        draws = torch.multinomial(pi.reshape(-1, self.num_states), 1, generator=generator)
+        return draws.reshape(shape)
 
     # ------------------------------------------------------------------ helpers shared by subclasses
     def _one_hot(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._validation import check_model_kernel, check_token_ids
+from .._validation import check_generator, check_model_kernel, check_token_ids
 from ..kernels import InterpolatingKernel, Kernel
 from ..rates import x0_log_probs
 from .quality import _check_positive_int, _logits_of, _model_device, _progress
@@ -204,6 +204,7 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
     kernel = _check_kernel(kernel)
     num_times = _check_positive_int("num_times", num_times)
     batch_size = _check_positive_int("batch_size", batch_size)
+    generator = check_generator(generator)
     S = _num_states(model, kernel)
     context = _as_ids("context_ids", context_ids, S, allow_empty=True)
     choices = _as_choices(choices_ids, S)
@@ -244,6 +245,7 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
     batch_size = _check_positive_int("batch_size", batch_size)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
+    generator = check_generator(generator)
     S = _num_states(model, kernel)
     context = _as_ids("context_ids", context_ids, S, allow_empty=True)
     null = _as_ids("null_context_ids", null_context_ids, S, allow_empty=True)
@@ -394,6 +396,7 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
         bos = getattr(tokenizer, "bos_token_id", None)
     else:
         kernel_ = _check_kernel(kernel)
+        check_model_kernel(model, kernel_)  # before the first example: mask token and number of states agree
         num_times_ = _check_positive_int("num_times", num_times if num_times is not None else
                                          (32 if method == "score" else 128))
         null_ids = _encode(tokenizer, null_context)

@@ -7,7 +7,8 @@ For a sequence x0 of L tokens and an x0 model whose per-position predictions ind
 
 where D_t^i is Definition 3.1's rate divergence at position i; :func:`~unifusion.losses.x0_head_loss` (GIDD's form
 with ``weighting="elbo"``) computes it exactly at the cost of a cross-entropy — the same values as the reference
-:func:`~unifusion.losses.reference_gidd_loss` to float32 rounding (float64 logits: to float64 rounding).
+:func:`~unifusion.losses.reference_gidd_loss` to float32 rounding (float64 logits: to float64 rounding), which
+``nll_bound(..., reference=True)`` uses instead (the same times and corruptions for the same generator state).
 C_ELBO is 0 when the chain forgets the data at t = 1 (α_1 = 0: the uniform and mask kernels with the linear schedule,
 GIDD's hybrid); it is positive e.g. for ``LogLinearSchedule(eps > 0)``.
 
@@ -30,6 +31,7 @@ from .. import _validation as V
 from .._validation import check_token_ids
 from ..kernels import InterpolatingKernel, Kernel
 from ..losses.fast import x0_head_loss
+from ..losses.native import gidd_loss as reference_gidd_loss
 from .quality import _check_positive_int, _logits_of
 
 __all__ = ["nll_bound", "prior_kl"]
@@ -59,7 +61,7 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
               generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-              t_min: float = 0.0, per_token: bool = True) -> torch.Tensor:
+              t_min: float = 0.0, per_token: bool = True, reference: bool = False) -> torch.Tensor:
     """Proposition 3.2's upper bound on −log p_θ(x0), per sequence, float64 ``(B,)``.
 
     bound = ∫_0^1 E[Σ_i D_t^i] dt + C_ELBO, estimated with ``num_times`` stratified times (module docstring).
@@ -75,6 +77,10 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         t_min: lower end of the time integral, in [0, 1).
         per_token: divide by the number of (real) tokens (nats per token; exponentiate for a perplexity bound).
             ``False`` returns the bound on the sequence's −log p_θ(x0).
+        reference: evaluate D_t with the straightforward reference loss
+            :func:`~unifusion.losses.reference_gidd_loss` instead of the fast
+            :func:`~unifusion.losses.x0_head_loss` (slower; the same values to float32 rounding, float64 rounding
+            for float64 logits, and the same draws for the same generator state). For checking the fast path.
 
     Returns:
         float64 ``(B,)``.
@@ -84,9 +90,15 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
     num_times = _check_positive_int("num_times", num_times)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
+    if not isinstance(reference, bool):
+        raise TypeError(f"reference: expected a bool, got {type(reference).__name__}")
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
         raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
                          f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
+    if x0.shape[0] == 0 or x0.shape[1] == 0:
+        raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got "
+                         f"{tuple(x0.shape)}")
+    V.check_not_meta("x0", x0)
     V.check_model_kernel(model, kernel)
     generator = V.check_generator(generator)
     V.check_model_device(model, "x0", x0)
@@ -109,7 +121,8 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             x_t = kernel.sample(x_0, t[:, None], generator=generator)  # (B, L)
             x_t = torch.where(valid, x_t, x_0)
             logits = _logits_of(model(x_t, t.float(), **extra))  # (B, L, S)
-            D_t = x0_head_loss(logits, x_0, x_t, t[:, None], kernel)  # (B, L), = D_t exactly
+            loss = reference_gidd_loss if reference else x0_head_loss
+            D_t = loss(logits, x_0, x_t, t[:, None], kernel)  # (B, L), = D_t exactly: one time per row
         total += torch.where(valid, D_t.double(), torch.zeros_like(D_t, dtype=torch.float64)).sum(-1)
     integral = total * (1.0 - t_min) / num_times
     c_elbo = torch.where(valid, prior_kl(kernel, x_0), torch.zeros((), dtype=torch.float64)).sum(-1)

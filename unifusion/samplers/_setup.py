@@ -103,31 +103,39 @@ def check_sampling_options(temperature: object, top_k: object, top_p: object, nu
 
 
 def resolve_device(model: object, prompt: object, generator: torch.Generator | None,
-                   device: torch.device | str | None) -> torch.device:
-    """``device`` if given, else the prompt's, the generator's, the model's parameters', else CPU."""
+                   device: torch.device | str | None) -> tuple[torch.device, str]:
+    """Where sampling runs and which argument said so: ``device`` if given, else the prompt's, the generator's, the
+    model's parameters', else the CPU. Returns ``(device, source)`` with ``source`` the argument's name
+    (``"device"``, ``"prompt"``, ``"generator"`` or ``"model"``), for error messages."""
     if device is not None:
-        return torch.device(device)
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device: expected None, a str or a torch.device, got {type(device).__name__}")
+        return torch.device(device), "device"
     if isinstance(prompt, torch.Tensor):
-        return prompt.device
+        return prompt.device, "prompt"
     if isinstance(prompt, (tuple, list)) and prompt and isinstance(prompt[0], torch.Tensor):
-        return prompt[0].device
+        return prompt[0].device, "prompt"
     if generator is not None:
-        return generator.device
+        return generator.device, "generator"
     parameters = getattr(model, "parameters", None)
     if callable(parameters):
         try:
-            return next(iter(parameters())).device
+            return next(iter(parameters())).device, "model"
         except (StopIteration, TypeError):
             pass
-    return torch.device("cpu")
+    return torch.device("cpu"), "model"
 
 
-def check_devices(model: object, generator: torch.Generator | None, device: torch.device) -> None:
-    """The model's parameters and the generator live where sampling runs (host metadata only: no sync)."""
-    V.check_model_device(model, "device", torch.empty(0, device=device))
+def check_devices(model: object, generator: torch.Generator | None, device: torch.device, source: str) -> None:
+    """The model's parameters and the generator live where sampling runs, which is not the meta device (host metadata
+    only: no sync). ``source`` names the argument the device came from (:func:`resolve_device`)."""
+    if device.type == "meta" and source != "model":  # a meta model: check_model_device says so
+        raise ValueError(f"{source}: is on the meta device (no data), so there is nothing to sample on; build it on a "
+                         "real device")
+    V.check_model_device(model, source, device)
     if generator is not None and generator.device.type != device.type:
-        raise ValueError(f"generator: is on {generator.device} but sampling runs on {device}; create it there, e.g. "
-                         f"torch.Generator(device={str(device)!r})")
+        raise ValueError(f"generator: is on {generator.device} but sampling runs on {device} (from {source}); create "
+                         f"it there, e.g. torch.Generator(device={str(device)!r})")
 
 
 def time_grid(num_steps: int, eps: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -168,6 +176,8 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
     else:
         raise TypeError("prompt: expected a (B, L) tensor with -1 at generated positions or a pair (ids, keep_mask), "
                         f"got {type(prompt).__name__}")
+    V.check_not_meta("prompt", ids)
+    V.check_not_meta("prompt", keep)
     if ids.dim() == 1:
         ids, keep = ids[None], keep[None]
     if ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch_size):
@@ -212,8 +222,8 @@ def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object,
     generator = V.check_generator(generator)
     kernel, N, eps = sampler.kernel, sampler.num_steps, sampler.eps
     V.check_model_kernel(sampler.model, kernel)
-    dev = resolve_device(sampler.model, prompt, generator, device)
-    check_devices(sampler.model, generator, dev)
+    dev, source = resolve_device(sampler.model, prompt, generator, device)
+    check_devices(sampler.model, generator, dev, source)
     with V.batched_checks():  # the run's value checks, read back once (steps then run with validation off)
         kept = resolve_prompt(prompt, B, L, kernel, dev)
     ts = time_grid(N, eps, sampler.dtype, dev)
@@ -244,6 +254,8 @@ def check_head_shape(name: str, head: object, batch_size: int, seq_len: int, num
                         f"got {type(head).__name__}")
     if not head.dtype.is_floating_point:
         raise TypeError(f"{name}: expected floating-point {what}, got dtype {head.dtype}")
+    if head.device.type == "meta":
+        raise ValueError(f"{name}: returned {what} on the meta device (no data); the model must run on a real device")
     if tuple(head.shape) != (batch_size, seq_len, num_states):
         raise ValueError(f"{name}: expected the model to return {what} of shape (B, L, num_states) = "
                          f"({batch_size}, {seq_len}, {num_states}), got {tuple(head.shape)}")

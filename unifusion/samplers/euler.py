@@ -90,22 +90,24 @@ def _masked_softmax(logits: torch.Tensor, exclude: torch.Tensor | None) -> torch
 
 
 def reverse_rate_from_head(parameterization: str, head: Any, kernel: Kernel, x_t: torch.Tensor,
-                           t: torch.Tensor) -> ReverseRate:
+                           t: torch.Tensor | float) -> ReverseRate:
     """The reverse-rate rows R̂_t(x_t, ·) ``(B, L, S)`` a head induces (table in the module docstring).
 
-    ``t`` broadcasts against ``x_t``; the computation dtype is float64 when ``t`` or the head is float64.
+    ``t`` follows the package's time rule against ``x_t`` (a float, 0-d, ``(B,)`` = one time per row, ``(B, 1)``,
+    ``(B, L)``); the computation dtype is float64 when ``t`` or the head is float64.
     """
     parameterization = _check_parameterization(parameterization)
+    t_dtype = t if isinstance(t, torch.Tensor) else None  # a float t does not raise the computation dtype
     if parameterization == "x0":
         return ReverseRate.from_x0_logits(kernel, head, x_t, t)
     if parameterization == "sedd":
         return ReverseRate.from_score(kernel, torch.exp(head), x_t, t)
     if parameterization == "m2s":
-        dtype = V.compute_dtype(head, t)
+        dtype = V.compute_dtype(head, t_dtype)
         mu = torch.softmax(x0_log_probs(kernel, head.to(dtype)), -1)
         return ReverseRate.from_posterior_mean(kernel, mu, x_t, t)
     log_exit_rate, jump_logits = head
-    dtype = V.compute_dtype(jump_logits, t)
+    dtype = V.compute_dtype(jump_logits, t_dtype)
     jump = _masked_softmax(jump_logits.to(dtype), x_t)
     return ReverseRate.from_exit_jump(torch.exp(log_exit_rate.to(dtype)), jump, x_t)
 
@@ -130,8 +132,8 @@ def _clean_from_marginal(kernel: Kernel, q: torch.Tensor, t: torch.Tensor) -> to
         m_t = kernel._noise_vector(a, b)  # (..., S); α_t + Σ m_t = 1 so Σ p_0 = Σ q
         p0 = (q - m_t * q.sum(-1, keepdim=True)) / alpha.unsqueeze(-1)
     elif isinstance(kernel, GeneratorKernel):
-        P = kernel._P(kernel._sigma(t)).to(q.dtype)  # (S, S)
-        p0 = torch.linalg.solve(P, q, left=False)
+        P = kernel._P(kernel._sigma(t)).to(q.dtype)  # (S, S), or (..., S, S) for times per row / position
+        p0 = torch.linalg.solve(P, q.unsqueeze(-2), left=False).squeeze(-2)  # p0 P = q for each position
     else:  # pragma: no cover - only the two kernel families exist
         raise TypeError(f"kernel: cannot invert the marginal of {type(kernel).__name__}")
     p0 = p0.clamp_min(0.0)
@@ -141,9 +143,15 @@ def _clean_from_marginal(kernel: Kernel, q: torch.Tensor, t: torch.Tensor) -> to
 
 
 def clean_distribution_from_head(parameterization: str, head: Any, kernel: Kernel, x_t: torch.Tensor,
-                                 t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unnormalised p_0 ``(B, L, S)`` that a head implies at x_t and 0-d time ``t`` (module docstring, final step)."""
+                                 t: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unnormalised p_0 ``(B, L, S)`` that a head implies at x_t and time ``t`` (module docstring, final step).
+
+    ``t`` follows the package's time rule against ``x_t`` (a float, 0-d, ``(B,)`` = one time per row, ``(B, 1)``,
+    ``(B, L)``); the arithmetic runs in ``dtype``.
+    """
     parameterization = _check_parameterization(parameterization)
+    x_t = V.check_token_ids("x_t", x_t, kernel.num_states)
+    t = V.check_time("t", t, device=x_t.device, dtype=dtype, shape=x_t.shape)
     if parameterization == "x0":
         return torch.exp(x0_log_probs(kernel, head.to(dtype)))
     if parameterization == "m2s":
@@ -181,22 +189,33 @@ def x0_model_as(model: ModelFn, kernel: Kernel, parameterization: str, *,
                 dtype: torch.dtype = torch.float32) -> ModelFn:
     """Wrap an x0 model so it returns the head of another parameterization, by :func:`unifusion.convert_x0_to`.
 
-    The result maps ``(x_t (B, L), t (B,))`` to ``"sedd"``: log score ``(B, L, S)``; ``"m2s"``: log μ ``(B, L, S)``
+    The result maps ``(x_t (B, L), t)`` to ``"sedd"``: log score ``(B, L, S)``; ``"m2s"``: log μ ``(B, L, S)``
     (μ = e_{x_t} where x_t is unreachable from some clean state, ``strict=False``); ``"ctmc"``: ``(log λ (B, L),
-    log r (B, L, S))``; ``"x0"``: the logits unchanged. Conversions run in ``dtype``. Their induced reverse rates equal
-    the x0 head's (Theorem 3.5), so :class:`EulerSampler` gives the same samples for all four.
+    log r (B, L, S))``; ``"x0"``: the logits unchanged. ``t`` is one time per sequence by the package's time rule: a
+    float, a 0-d tensor, ``(B,)`` or ``(B, 1)`` (a 1-D ``t`` is one time per row also when B == L); the wrapped model
+    is called with ``t`` as ``(B,)``. Conversions run in ``dtype``. Their induced reverse rates equal the x0 head's
+    (Theorem 3.5), so :class:`EulerSampler` gives the same samples for all four.
+
+    The kernel must fit the model: for a :class:`~unifusion.DiffusionLM`, the same number of states and, for mask and
+    hybrid kernels, its mask token (a ``ValueError`` naming both ids otherwise), checked here once.
     """
     model = check_model(model)
     kernel = check_kernel(kernel)
     parameterization = _check_parameterization(parameterization)
     dtype = check_dtype(dtype)
+    V.check_model_kernel(model, kernel)
 
-    def converted(x_t: torch.Tensor, t: torch.Tensor) -> Any:
-        logits = model(x_t, t)
+    def converted(x_t: torch.Tensor, t: torch.Tensor | float) -> Any:
+        x_t = V.check_tensor("x_t", x_t)
+        if x_t.dim() != 2:
+            raise ValueError(f"x_t: expected token ids of shape (B, L), got {tuple(x_t.shape)}")
+        with V.batched_checks():
+            t_row = V.check_sequence_times("t", t, x_t.shape, device=x_t.device)  # (B,), the caller's float dtype
+        logits = model(x_t, t_row)
         if parameterization == "x0":
             return logits
         p = torch.exp(x0_log_probs(kernel, logits.to(dtype)))  # x_θ, 0 on the mask state
-        t_ = t.to(dtype)[:, None]  # (B, 1) against x_t (B, L)
+        t_ = t_row.to(dtype)[:, None]  # (B, 1) against x_t (B, L): one time per row
         if parameterization == "sedd":
             return safe_log(convert_x0_to("sedd", p, kernel, x_t, t_))
         if parameterization == "m2s":
