@@ -7,6 +7,9 @@ parameterizations must match what a DiffusionLM outputs; ``top_k`` fits the voca
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from _hf_tiny import tiny_model
@@ -28,9 +31,11 @@ def _x0(model, B=2, L=6):
     return torch.randint(0, model.num_states - 1, (B, L), generator=torch.Generator().manual_seed(0))
 
 
-def _tokenizer():
-    from pathlib import Path
+TASK = Path(__file__).parent / "data" / "tiny_task.json"
+OUT = Path(__file__).parent / "data" / "never_written"  # every call fails its kernel check before writing
 
+
+def _tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "tiny_tokenizer")
@@ -45,21 +50,49 @@ def _wrong_mask_calls(model, kernel):
         "EulerSampler": lambda: uf.EulerSampler(model, kernel, 2).sample(1, 4),
         "nll_bound": lambda: uf.eval.nll_bound(model, x0, kernel, num_times=2),
         "score_choices": lambda: uf.eval.score_choices(model, kernel, x0[0, :3], [x0[0, 3:]]),
+        "fair_pmi_scores": lambda: uf.eval.fair_pmi_scores(model, kernel, x0[0, :3], [x0[0, 3:]], x0[0, :1]),
+        "run_multiple_choice": lambda: uf.eval.run_multiple_choice(TASK, model, kernel, _tokenizer(), progress=False),
+        "x0_model_as": lambda: uf.samplers.x0_model_as(model, kernel, "sedd"),
+        "EulerSampler(x0_model_as)": lambda: uf.EulerSampler(uf.samplers.x0_model_as(model, kernel, "ctmc"), kernel,
+                                                              2, parameterization="ctmc").sample(1, 4),
+        "frontier(euler)": lambda: uf.eval.frontier(model, kernel, steps=(2,), seeds=(0,), num_samples=1, seq_len=4,
+                                                    judge_model=model, judge_tokenizer=None, tokenizer=None,
+                                                    out_dir=OUT, sampler="euler", plot=False, progress=False),
     }
 
 
 def test_a_mask_kernel_with_another_mask_id_is_an_error_everywhere(model):
-    kernel = uf.MaskKernel(model.num_states, 5)
-    for _name, call in _wrong_mask_calls(model, kernel).items():
-        with pytest.raises(ValueError, match=rf"mask_id=5 but the model's mask token is {model.mask_token_id}"):
-            call()
+    for kernel in (uf.MaskKernel(model.num_states, 5), uf.HybridKernel(model.num_states, 5, 0.1)):
+        for name, call in _wrong_mask_calls(model, kernel).items():
+            with pytest.raises(ValueError, match=rf"mask_id=5 but the model's mask token is {model.mask_token_id}"):
+                call()
+                pytest.fail(name)
+    assert not OUT.exists()
 
 
 def test_a_mask_kernel_on_a_model_without_a_mask_token_is_an_error_everywhere(no_mask_model):
     kernel = uf.MaskKernel(no_mask_model.num_states, 0)
-    for _name, call in _wrong_mask_calls(no_mask_model, kernel).items():
+    for name, call in _wrong_mask_calls(no_mask_model, kernel).items():
         with pytest.raises(ValueError, match="add_mask_token=False"):
             call()
+            pytest.fail(name)
+
+
+def test_a_kernel_with_another_number_of_states_is_an_error_everywhere(model):
+    kernel = uf.UniformKernel(model.num_states + 3)
+    for name, call in _wrong_mask_calls(model, kernel).items():
+        with pytest.raises(ValueError, match=rf"kernel: has {model.num_states + 3} states but the model predicts "
+                                             rf"{model.num_states}"):
+            call()
+            pytest.fail(name)
+
+
+def test_the_matching_kernel_passes_the_same_calls(model):
+    """The checks are not over-eager: the model's own mask token works for x0_model_as and the Euler sampler."""
+    kernel = uf.MaskKernel(model.num_states, model.mask_token_id)
+    sedd = uf.samplers.x0_model_as(model, kernel, "sedd")
+    out = uf.EulerSampler(sedd, kernel, 2, parameterization="sedd").sample(1, 4, generator=torch.Generator())
+    assert out.shape == (1, 4) and not (out == model.mask_token_id).any()
 
 
 def test_the_frontier_checks_the_kernel(model, tmp_path):
@@ -80,6 +113,9 @@ def test_an_int_generator_is_a_type_error_with_a_hint(model):
         "nll_bound": lambda: uf.eval.nll_bound(model, x0, kernel, num_times=2, generator=0),
         "BayesianSampler.sample": lambda: uf.BayesianSampler(model, kernel, 2).sample(1, 4, generator=0),
         "EulerSampler.sample": lambda: uf.EulerSampler(model, kernel, 2).sample(1, 4, generator=0),
+        "score_choices": lambda: uf.eval.score_choices(model, kernel, x0[0, :3], [x0[0, 3:]], generator=0),
+        "fair_pmi_scores": lambda: uf.eval.fair_pmi_scores(model, kernel, x0[0, :3], [x0[0, 3:]], x0[0, :1],
+                                                           generator=0),
     }
     for _name, call in calls.items():
         with pytest.raises(TypeError, match=r"generator: expected a torch.Generator or None, got int; use "
@@ -121,6 +157,117 @@ def test_inputs_on_another_device_than_the_model(model):
         V.check_model_device(OnCuda(), "x0", x0)
     V.check_model_device(model, "x0", x0)  # the same device: fine
     V.check_model_device(lambda x_t, t: x_t, "x0", x0)  # a callable without parameters: nothing to compare
+
+
+class _OnCuda(torch.nn.Module):
+    """A model whose parameters report cuda:0 (device metadata is all the checks read), so a model/input device
+    mismatch is exercised through the public entry points on a CPU-only machine. Calling it is a test failure."""
+
+    num_states = 10
+
+    def parameters(self, recurse=True):
+        class Parameter:
+            device = torch.device("cuda", 0)
+
+        yield Parameter()
+
+    def forward(self, x_t, t=None, **_):
+        raise AssertionError("the device check must fail before the model is called")
+
+
+def test_a_model_input_device_mismatch_names_the_argument_at_every_entry_point():
+    model, kernel = _OnCuda(), uf.UniformKernel(_OnCuda.num_states)
+    x0 = torch.zeros(2, 3, dtype=torch.long)
+    moved = r"is on cpu but the model's parameters are on cuda:0; move it with \.to\('cuda:0'\)"
+    with pytest.raises(ValueError, match="x0: " + moved):
+        uf.diffusion_loss(model, x0, kernel)
+    with pytest.raises(ValueError, match="x0: " + moved):
+        uf.eval.nll_bound(model, x0, kernel, num_times=2)
+    for sampler in (uf.BayesianSampler(model, kernel, 2), uf.EulerSampler(model, kernel, 2)):
+        with pytest.raises(ValueError, match="prompt: " + moved):
+            sampler.sample(2, 3, prompt=torch.full((2, 3), -1))
+        with pytest.raises(ValueError, match="generator: " + moved):
+            sampler.sample(2, 3, generator=torch.Generator())
+        with pytest.raises(ValueError, match="device: " + moved):
+            sampler.sample(2, 3, device="cpu")
+
+
+def test_meta_inputs_name_the_argument_at_every_entry_point(model):
+    """Meta tensors have no values: each entry point says which argument is on the meta device (no deep torch error);
+    the other side (the model, here on the CPU) is fine."""
+    kernel = uf.UniformKernel(model.num_states)
+    meta_x0 = _x0(model).to("meta")
+    with pytest.raises(ValueError, match="x0: is on the meta device"):
+        uf.diffusion_loss(model, meta_x0, kernel)
+    with pytest.raises(ValueError, match="x0: is on the meta device"):
+        uf.eval.nll_bound(model, meta_x0, kernel, num_times=2)
+    for sampler in (uf.BayesianSampler(model, kernel, 2), uf.EulerSampler(model, kernel, 2)):
+        with pytest.raises(ValueError, match="prompt: is on the meta device"):
+            sampler.sample(1, 4, prompt=torch.full((1, 4), -1, device="meta"))
+        with pytest.raises(ValueError, match="device: is on the meta device"):
+            sampler.sample(1, 4, device="meta")
+    meta_out = uf.EulerSampler(lambda x_t, t: torch.zeros(*x_t.shape, 7, device="meta"), uf.UniformKernel(7), 2)
+    with pytest.raises(ValueError, match="model: returned x0 logits on the meta device"):
+        meta_out.sample(1, 4)
+
+
+def test_a_meta_model_is_an_error_at_every_entry_point():
+    with torch.device("meta"):
+        meta_model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    kernel = uf.UniformKernel(meta_model.num_states)
+    x0 = _x0(meta_model)
+    message = "model: its parameters are on the meta device"
+    with pytest.raises(ValueError, match=message):
+        uf.eval.nll_bound(meta_model, x0, kernel, num_times=2)
+    with pytest.raises(ValueError, match=message):
+        uf.EulerSampler(meta_model, kernel, 2).sample(1, 4)
+    with pytest.raises(ValueError, match=message):
+        uf.BayesianSampler(meta_model, kernel, 2).sample(1, 4, prompt=torch.full((1, 4), -1))
+
+
+def _loss_calls(S=7):
+    """Every loss and rate constructor: name → (fn, argument), fn's only keyword (default: a real tensor) being the
+    argument to put on the meta device."""
+    kernel, mask = uf.UniformKernel(S), uf.MaskKernel(S, S - 1)
+    g = torch.Generator().manual_seed(0)
+    x0, x_t = torch.randint(0, S - 1, (2, 3), generator=g), torch.randint(0, S, (2, 3), generator=g)
+    logits, log_exit = torch.randn(2, 3, S, generator=g), torch.randn(2, 3, generator=g)
+    probs, times = logits.softmax(-1), torch.full((2,), 0.5)
+    L_ = uf.losses
+    return {
+        "gidd_loss": (lambda x0_logits=logits: L_.gidd_loss(x0_logits, x0, x_t, 0.5, kernel), "x0_logits"),
+        "x0_head_loss": (lambda x0_logits=logits: L_.x0_head_loss(x0_logits, x0, x_t, 0.5, kernel), "x0_logits"),
+        "mdlm_loss": (lambda x0_logits=logits: L_.mdlm_loss(x0_logits, x0, x_t, 0.5, mask), "x0_logits"),
+        "reference_gidd_loss": (lambda x0_logits=logits: L_.reference_gidd_loss(x0_logits, x0, x_t, 0.5, kernel),
+                                "x0_logits"),
+        "reference_mdlm_loss": (lambda x0_logits=logits: L_.reference_mdlm_loss(x0_logits, x0, x_t, 0.5, mask),
+                                "x0_logits"),
+        "sedd_loss": (lambda log_score=logits: L_.sedd_loss(log_score, x0, x_t, 0.5, kernel), "log_score"),
+        "m2s_loss": (lambda mu_logits=logits: L_.m2s_loss(mu_logits, x0, x_t, 0.5, kernel), "mu_logits"),
+        "ctmc_loss(log_exit_rate)": (lambda log_exit_rate=log_exit: L_.ctmc_loss(log_exit_rate, logits, x0, x_t, 0.5,
+                                                                                 kernel), "log_exit_rate"),
+        "ctmc_loss(jump_logits)": (lambda jump_logits=logits: L_.ctmc_loss(log_exit, jump_logits, x0, x_t, 0.5,
+                                                                           kernel), "jump_logits"),
+        "fused_linear_diffusion_loss": (lambda hidden=logits: L_.fused_linear_diffusion_loss(
+            hidden, torch.eye(S), x0, x_t, 0.5, kernel), "hidden"),
+        "ReverseRate.from_x0_logits": (lambda x0_logits=logits: uf.ReverseRate.from_x0_logits(kernel, x0_logits, x_t,
+                                                                                               0.5), "x0_logits"),
+        "ReverseRate.from_score": (lambda score=probs: uf.ReverseRate.from_score(kernel, score, x_t, 0.5), "score"),
+        "ReverseRate.from_posterior_mean": (lambda mu=probs: uf.ReverseRate.from_posterior_mean(kernel, mu, x_t, 0.5),
+                                            "mu"),
+        "convert_x0_to": (lambda x0_probs=probs: uf.convert_x0_to("sedd", x0_probs, kernel, x_t, 0.5), "x0_probs"),
+        "losses(x_t)": (lambda x_t=x_t: L_.gidd_loss(logits, x0, x_t, 0.5, kernel), "x_t"),
+        "losses(t)": (lambda t=times: L_.gidd_loss(logits, x0, x_t, t, kernel), "t"),
+    }
+
+
+def test_meta_heads_and_inputs_in_every_loss_name_the_argument():
+    for name, (call, argument) in _loss_calls().items():
+        call()  # on real tensors: fine
+        value = call.__defaults__[0]
+        with pytest.raises(ValueError, match=rf"^{argument}: is on the meta device"):
+            call(value.to("meta"))
+            pytest.fail(name)
 
 
 # ---------------------------------------------------------------------------------------------------- samplers
@@ -165,6 +312,10 @@ def test_an_empty_batch_names_what_was_passed(model):
         model(torch.zeros(0, 6, dtype=torch.long))
     with pytest.raises(ValueError, match="batch_size"):
         uf.BayesianSampler(model, kernel, 2).sample(0, 4)
+    for shape in ((0, 6), (2, 0)):
+        with pytest.raises(ValueError, match=r"x0: expected a non-empty batch of clean tokens.*got "
+                                             + re.escape(str(shape))):
+            uf.eval.nll_bound(model, torch.zeros(shape, dtype=torch.long), kernel, num_times=2)
 
 
 def test_step_on_a_model_that_cannot_anneal_warns():
