@@ -215,3 +215,42 @@ def test_bad_input() -> None:
         nll_bound(model, x0, kernel, t_min=1.0)
     with pytest.raises(TypeError, match="kernel"):
         nll_bound(model, x0, "uniform")
+
+
+class _Float32(TableModel):
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor, **_: object) -> torch.Tensor:
+        return super().__call__(x_t, t).float()
+
+
+@pytest.mark.parametrize("kind", ["uniform", "mask", "hybrid"])
+def test_the_fast_loss_gives_the_reference_bound(kind: str) -> None:
+    """nll_bound runs D_t through the fast x0-head loss; ``reference=True`` runs the same times and corruptions (same
+    generator state) through ``reference_gidd_loss``: the same bound to float64 rounding for float64 logits and to
+    float32 rounding for float32 logits, per sequence and per token, with and without padding."""
+    kernel = _kernel(kind)
+    x0 = torch.randint(0, 3, (64, L), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(64, L, dtype=torch.long)
+    mask[::3, 1] = 0
+    # float32: a few float32 ulps of the sum (measured ≤ 1e-6 relative); float64: ~1e-15 (measured)
+    for model, rtol, atol in ((TableModel(kernel.num_states, seed=4), 1e-12, 1e-12),
+                              (_Float32(kernel.num_states, seed=4), 5e-6, 1e-6)):
+        for kwargs in ({"per_token": False}, {"attention_mask": mask}):
+            fast, ref = (nll_bound(model, x0, kernel, num_times=4, generator=torch.Generator().manual_seed(0),
+                                   reference=reference, **kwargs) for reference in (False, True))
+            assert fast.dtype == ref.dtype == torch.float64 and bool((ref >= 0).all()) and bool((ref > 0).any())
+            torch.testing.assert_close(fast, ref, rtol=rtol, atol=atol)
+    with pytest.raises(TypeError, match="reference: expected a bool"):
+        nll_bound(TableModel(kernel.num_states), x0, kernel, num_times=1, reference=1)  # type: ignore[arg-type]
+
+
+def test_reference_is_the_swap_the_benchmark_makes(monkeypatch) -> None:
+    """``reference=True`` is what benchmarks/nll_bound.py does by swapping the module's loss: the same numbers."""
+    from unifusion.eval import likelihood
+
+    kernel = _kernel("mask")
+    model = TableModel(kernel.num_states, seed=5)
+    x0 = torch.randint(0, 3, (16, L), generator=torch.Generator().manual_seed(2))
+    ref = nll_bound(model, x0, kernel, num_times=3, generator=torch.Generator().manual_seed(0), reference=True)
+    monkeypatch.setattr(likelihood, "x0_head_loss", uf.losses.reference_gidd_loss)
+    swapped = nll_bound(model, x0, kernel, num_times=3, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(swapped, ref, rtol=0, atol=0)
