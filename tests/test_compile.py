@@ -145,3 +145,75 @@ def test_auto_on_the_real_loss_switches_to_compiled_with_the_same_values(auto):
     torch.testing.assert_close(value, eager[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, eager[0][1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(eager[1][0], eager[0][0], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ the real default
+_RECORD_COMPILES = """
+import torch
+compiles = []
+_compile_fn = torch.compile
+def _recording_compile(*args, **kwargs):
+    compiles.append(getattr(args[0], "__name__", repr(args[0])) if args else "?")
+    return _compile_fn(*args, **kwargs)
+torch.compile = _recording_compile
+"""
+
+_CHECK_NOTHING_COMPILED = """
+import json
+import unifusion
+from unifusion import _compile
+print("RESULT " + json.dumps({"backend": unifusion.get_backend(), "stats": unifusion.compile_stats(),
+                              "compiles": compiles, "cache": len(_compile._cache)}))
+"""
+
+
+def _run_fresh(code: str, tmp_path) -> dict:
+    """Run ``code`` in a fresh interpreter with the library's own default backend (UNIFUSION_BACKEND unset, unlike
+    this test session) and return the RESULT line it printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UNIFUSION_BACKEND"}
+    script = tmp_path / "fresh.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def test_auto_is_the_real_default_and_importing_compiles_nothing(tmp_path):
+    out = _run_fresh(_RECORD_COMPILES + "import unifusion as uf\n" + _CHECK_NOTHING_COMPILED, tmp_path)
+    assert out["backend"] == "auto"
+    assert out["stats"] == {"compiled": 0, "pending": 0, "seconds": 0.0}
+    assert out["compiles"] == [] and out["cache"] == 0
+
+
+def _readme_usage_block() -> str:
+    """The first ```python block under '## Usage' in README.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    usage = text.split("\n## Usage\n", 1)[1].split("\n## ", 1)[0]
+    return usage.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_usage_block_runs_as_is_with_the_default_backend_and_compiles_nothing(tmp_path):
+    """The README's first example, verbatim, in a fresh process on the default backend: it runs in seconds (no
+    compiler stall) and triggers no compilation, neither in the caller's thread nor in the background."""
+    import time
+
+    block = _readme_usage_block()
+    assert "uf." in block and "backward()" in block  # the block we mean: the Usage example
+    start = time.perf_counter()
+    out = _run_fresh(_RECORD_COMPILES + block + "\nassert uf.wait_for_compilation(60)\n" + _CHECK_NOTHING_COMPILED,
+                     tmp_path)
+    seconds = time.perf_counter() - start
+    assert out["backend"] == "auto"
+    assert out["stats"]["compiled"] == 0 and out["stats"]["pending"] == 0
+    assert out["compiles"] == [] and out["cache"] == 0
+    assert seconds < 120  # interpreter start + import torch dominate (seconds); a compile would add a minute
