@@ -1,16 +1,22 @@
-"""The Quickstart's main job, end to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes)."""
+"""The Quickstart's main job, end to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); and its
+training budget, which leaves out the steps taken while the fused loss compiles in the background (a tiny model, a
+fake clock and a fake background compilation: seconds)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
+import torch
+from _hf_tiny import tiny_model
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     pytest.importorskip("gguf")
     import importlib.util
@@ -34,3 +40,65 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     # compiling is reported and kept out of the training budget (the suite runs eagerly: nothing compiled here)
     assert set(metrics["compile"]) == {"compiled", "pending", "seconds"} and metrics["compile"]["compiled"] == 0
     assert metrics["train_seconds_while_compiling"] == 0.0 and "of compiling" in proc.stdout
+
+
+class _Clock:
+    """Fake wall clock of the demo: advances one second per training forward pass of the model."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def hook(self, module, args, output) -> None:
+        if module.training and torch.is_grad_enabled():  # training steps only (not the no-grad AR perplexity)
+            self.now += 1.0
+
+
+def test_steps_taken_while_compiling_are_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
+    """run_demo with a 5 s budget on a tiny model, each training step taking 1 s of a fake clock, and a background
+    compilation pending for the first 3.5 s: the 3 steps that end while it is pending still train but are not
+    counted, so training stops after 8 steps (8 s, 5 s of them counted); metrics.json and the report say so."""
+    from transformers import PreTrainedTokenizerFast
+
+    import unifusion as uf
+    from unifusion import demo, models
+    from unifusion import eval as uf_eval
+
+    clock = _Clock()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(Path(__file__).parent / "data" / "tiny_tokenizer")
+
+    def load_causal_lm(name, device="cpu", **_):
+        model = tiny_model("llama")
+        model.register_forward_hook(clock.hook)
+        return model, tokenizer
+
+    def compile_stats():
+        pending = clock.now < 3.5
+        return {"compiled": 0 if pending else 1, "pending": int(pending), "seconds": 0.0 if pending else 3.2}
+
+    def frontier(model, kernel, *, steps, seeds, out_dir, label, **_):
+        path = Path(out_dir) / f"{label}_samples.jsonl"
+        path.write_text("".join(json.dumps({"steps": n, "text": "sample"}) + "\n" for n in steps))
+        summary = [{"steps": n, "genppl_mean": 10.0, "entropy_mean": 3.0} for n in steps]
+        return types.SimpleNamespace(summary=summary, paths={"samples": str(path)}, table=lambda: "(table)")
+
+    monkeypatch.setattr(models, "load_causal_lm", load_causal_lm)
+    monkeypatch.setattr(uf_eval, "frontier", frontier)
+    monkeypatch.setattr(uf, "compile_stats", compile_stats)
+    monkeypatch.setattr(demo, "time", types.SimpleNamespace(time=clock.time))
+    parser = demo.add_demo_arguments(argparse.ArgumentParser())
+    out = tmp_path / "demo"
+    args = parser.parse_args(["--train-seconds", "5", "--steps", "2", "--num-samples", "1", "--seq-len", "8",
+                              "--batch-size", "2", "--no-bf16", "--device", "cpu", "--out", str(out)])
+    metrics = demo.run_demo(args)
+
+    assert metrics["train_steps"] == 8  # 3 while compiling + 5 counted
+    assert metrics["train_seconds"] == 8.0 and metrics["train_seconds_while_compiling"] == 3.0
+    assert metrics["train_seconds"] - metrics["train_seconds_while_compiling"] == 5.0  # the budget, exactly
+    assert metrics["compile"] == {"compiled": 1, "pending": 0, "seconds": 3.2}
+    assert json.loads((out / "metrics.json").read_text())["train_seconds_while_compiling"] == 3.0
+    report = capsys.readouterr().out
+    assert ("8 steps" in report and "8 s of training, 3 s of it while the fused loss compiled in the background "
+            "(1 configuration(s), 3 s of compiling; not counted in the 5 s budget)" in report), report
