@@ -160,3 +160,30 @@ def test_check_model_kernel_names_both_mask_ids():
     with pytest.raises(ValueError, match="mask token is"):
         check_model_kernel(wrapped, uf.MaskKernel(S, 0))
     check_model_kernel(lambda x_t, t: None, uf.MaskKernel(S, 0))  # a plain callable knows no mask token
+
+
+def test_sequence_times_and_meta_tensors():
+    """The shared helpers behind the time rule for model calls and the meta-tensor errors."""
+    from unifusion import _validation as V
+
+    shape = (4, 4)  # B == L
+    row = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    for t in (row, row[:, None]):
+        assert torch.equal(V.check_sequence_times("t", t, shape), row)
+    for t in (0.5, torch.tensor(0.5), torch.tensor([0.5])):
+        assert torch.equal(V.check_sequence_times("t", t, shape), torch.full((4,), 0.5))
+    with pytest.raises(ValueError, match=r"t: the model takes one time per sequence: a float, shape \(4,\) or "
+                                         r"\(4, 1\), got shape \(4, 4\)"):
+        V.check_sequence_times("t", row[:, None].expand(4, 4), shape)
+    with pytest.raises(ValueError, match="a 1-D t holds one time per row"):
+        V.check_sequence_times("t", torch.full((5,), 0.5), shape)
+    with pytest.raises(ValueError, match="open interval"):
+        V.check_sequence_times("t", 1.5, shape)
+    with pytest.raises(ValueError, match="x0_logits: is on the meta device"):
+        V.check_head("x0_logits", torch.empty(2, S, device="meta"), S)
+    with pytest.raises(ValueError, match="hidden: is on the meta device"):
+        V.check_tensor("hidden", torch.empty(2, device="meta"))
+    # a device (not only a tensor) is compared with the model's parameters, by host metadata
+    V.check_model_device(torch.nn.Linear(2, 2), "device", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"device: is on meta but the model's parameters are on cpu"):
+        V.check_model_device(torch.nn.Linear(2, 2), "device", torch.device("meta"))
