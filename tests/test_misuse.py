@@ -52,6 +52,7 @@ def _wrong_mask_calls(model, kernel):
         "score_choices": lambda: uf.eval.score_choices(model, kernel, x0[0, :3], [x0[0, 3:]]),
         "fair_pmi_scores": lambda: uf.eval.fair_pmi_scores(model, kernel, x0[0, :3], [x0[0, 3:]], x0[0, :1]),
         "run_multiple_choice": lambda: uf.eval.run_multiple_choice(TASK, model, kernel, _tokenizer(), progress=False),
+        "DiffusionLM.generate": lambda: model.generate(x0[:1, :3], max_new_tokens=2, num_steps=2, kernel=kernel),
         "x0_model_as": lambda: uf.samplers.x0_model_as(model, kernel, "sedd"),
         "EulerSampler(x0_model_as)": lambda: uf.EulerSampler(uf.samplers.x0_model_as(model, kernel, "ctmc"), kernel,
                                                               2, parameterization="ctmc").sample(1, 4),
