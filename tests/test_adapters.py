@@ -371,6 +371,53 @@ def test_diffusion_loss_checks_the_padding_rule_in_its_one_sync() -> None:
         uf.diffusion_loss(model, x0, kernel, attention_mask=holes)  # the switch covers this check too
 
 
+def test_generator_must_be_a_generator_at_every_entry() -> None:
+    """An int seed (a common slip) is a TypeError naming generator, with the fix; before, 0 < γ < 1 reached
+    torch.rand(generator=0) and raised torch's own TypeError, and γ ∈ {0, 1} ignored it silently."""
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    x, t = _ids(), torch.tensor([0.3, 0.7])
+    calls = [lambda g, gamma: model(x, bidirectional_prob=gamma, generator=g),
+             lambda g, gamma: model.hidden_states(x, bidirectional_prob=gamma, generator=g),
+             lambda g, gamma: model.loss(x, t, x, kernel, bidirectional_prob=gamma, generator=g),
+             lambda g, gamma: model(x, t, x0=x, kernel=kernel, bidirectional_prob=gamma, generator=g)]
+    for call in calls:
+        for gamma in (0.0, 0.5, 1.0):
+            with pytest.raises(TypeError, match=r"generator: expected a torch.Generator or None, got int; use "
+                                                r"torch.Generator\(\).manual_seed\(0\)"):
+                call(0, gamma)
+        with pytest.raises(TypeError, match="generator: expected a torch.Generator or None, got str"):
+            call("0", 0.5)
+        a, b = (call(torch.Generator().manual_seed(3), 0.5) for _ in range(2))
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same seed, same Bernoulli mask
+
+
+def test_fused_loss_checks_the_kernel_against_the_model() -> None:
+    """model.loss / forward(x0=, kernel=) check the kernel like diffusion_loss does (host metadata, no sync)."""
+    added = adapt_ar_model(tiny_model("llama"))  # mask token added: id 128, 129 states
+    assert added.mask_token_id == VOCAB and added.num_states == VOCAB + 1
+    x, t = _ids(), torch.tensor([0.3, 0.7])
+    wrong_id = uf.MaskKernel(added.num_states, mask_id=5)
+    wrong_size = uf.UniformKernel(VOCAB)
+    for call in (lambda k: added.loss(x, t, x, k), lambda k: added(x, t, x0=x, kernel=k)):
+        with pytest.raises(ValueError, match=r"kernel: mask_id=5 but the model's mask token is 128; build the "
+                                             r"kernel with mask_id=model.mask_token_id"):
+            call(wrong_id)
+        with pytest.raises(ValueError, match="kernel: has 128 states but the model predicts 129"):
+            call(wrong_size)
+        with pytest.raises(TypeError, match="kernel"):
+            call("mask")
+    uniform_only = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    with pytest.raises(ValueError, match="kernel: MaskKernel absorbs into mask id 5, but the model has no mask token"):
+        uniform_only.loss(x, t, x, uf.MaskKernel(VOCAB, mask_id=5))
+    right = uf.MaskKernel(added.num_states, mask_id=added.mask_token_id)
+    with validation(False):  # the kernel check runs whatever the switch says, and reads no tensor value
+        with pytest.raises(ValueError, match="kernel: mask_id=5"):
+            added.loss(x, t, x, wrong_id)
+        _, counter = count_syncs(added.loss, x, t, x, right)
+    assert counter.syncs == 0, counter.sync_ops
+
+
 def test_value_checks_follow_the_validation_switch() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     with validation(False), torch.no_grad():

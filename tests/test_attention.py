@@ -233,3 +233,139 @@ def test_cuda_no_mask_path_matches_dense_mask() -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fast, dense = _both_paths(model, lambda: model(x))
     torch.testing.assert_close(fast.float(), dense.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flex attention: annealing, padding and sliding windows through a BlockMask; flash attention: the decision logic
+
+
+class AttentionSpy:
+    """Replaces one attention implementation in transformers' registry; records ``(attention_mask, is_causal)`` of
+    every call and runs ``run`` (the real kernel by default)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, impl: str, run=None) -> None:
+        from transformers.modeling_utils import AttentionInterface
+
+        self.calls: list[tuple[object, object]] = []
+        real = run or AttentionInterface._global_mapping[impl]
+
+        def spy(module, query, key, value, attention_mask, **kwargs):
+            self.calls.append((attention_mask, kwargs.get("is_causal")))
+            return real(module, query, key, value, attention_mask, **kwargs)
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, impl, spy)
+
+    def take(self) -> list[tuple[object, object]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _flex_pair(model_type: str) -> tuple[uf.DiffusionLM, uf.DiffusionLM]:
+    """The same random weights adapted twice: SDPA and flex attention."""
+    sdpa = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+    base = tiny_model(model_type)
+    base.set_attn_implementation("flex_attention")
+    flex = adapt_ar_model(base, mask_token_id=MASK_ID)
+    assert flex.config._attn_implementation == "flex_attention" and sdpa.config._attn_implementation == "sdpa"
+    return sdpa, flex
+
+
+def _dense_pattern(block_mask, B: int, n: int) -> torch.Tensor:
+    """Element-level pattern of a BlockMask: its mask_mod on every (b, q, kv), restricted to the blocks it keeps."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    blocks = block_mask.to_dense()[:, 0].bool()  # (B, q blocks, kv blocks): partial or full
+    size = block_mask.BLOCK_SIZE
+    keep = blocks.repeat_interleave(size[0], 1).repeat_interleave(size[1], 2)[:, :n, :n]
+    return create_mask(block_mask.mask_mod, B, 1, n, n, device="cpu")[:, 0] & keep
+
+
+# Inductor compiles flex attention on the CPU (transformers wraps it in torch.compile): ~10-20 s per family cold.
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])  # plain; per-layer-type sliding windows (a dict)
+@torch.no_grad()
+def test_flex_attention_uses_a_block_mask_with_the_dense_paths_outputs(model_type: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    sdpa, flex = _flex_pair(model_type)
+    layers = flex.config.num_hidden_layers
+    windowed = model_type in WINDOWED
+    x = _ids()
+    n = L + 1
+    spy = AttentionSpy(monkeypatch, "flex_attention")
+    gammas = (0.5, 1.0) if windowed else (0.0, 0.5, 1.0)
+    for gamma in gammas:
+        expected = {0.0: "causal", 0.5: "block_mask", 1.0: "block_mask" if windowed else "non_causal"}[gamma]
+        assert flex.attention_path(L, gamma) == expected
+        assert sdpa.attention_path(L, gamma) == expected.replace("block_mask", "mask")
+        out = flex(x, bidirectional_prob=gamma, generator=torch.Generator().manual_seed(7))
+        ref = sdpa(x, bidirectional_prob=gamma, generator=torch.Generator().manual_seed(7))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # flex vs SDPA kernels: float32 rounding
+        calls = spy.take()
+        assert len(calls) == layers and all(isinstance(m, BlockMask) for m, _ in calls)
+        if expected == "block_mask":  # ours: exactly the Bernoulli pattern of the dense path, from the same draws
+            A = adapters.annealed_attention_mask(2, n, gamma, generator=torch.Generator().manual_seed(7))[:, 0]
+            band = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs() < 4
+            kinds = flex.config.layer_types if windowed else ["full_attention"] * layers
+            for (mask, _), kind in zip(calls, kinds):
+                want = A & band if kind == "sliding_attention" else A
+                assert torch.equal(_dense_pattern(mask, 2, n), want)
+        if expected == "non_causal":  # no mask from us (is_causal=False); transformers' own all-visible block mask
+            kwargs = flex._net_inputs(x, None, 1.0, None, None)
+            assert "attention_mask" not in kwargs and kwargs["is_causal"] is False
+            assert all(bool(_dense_pattern(m, 2, n).all()) for m, _ in calls)
+    # padding (left and right): a block mask too, real positions equal to the SDPA path's
+    pad = torch.tensor([[1] * L, [0, 0] + [1] * (L - 2)])
+    out = flex(x, attention_mask=pad)
+    torch.testing.assert_close(out[pad.bool()], sdpa(x, attention_mask=pad)[pad.bool()], rtol=1e-5, atol=1e-5)
+    assert all(isinstance(m, BlockMask) for m, _ in spy.take())
+
+
+def _fake_flash(module, query, key, value, attention_mask, **kwargs):
+    """Stands in for transformers' flash_attention_forward (not installable without CUDA): the same reading of
+    ``is_causal`` (the keyword if given, else the module's flag), computed with SDPA; refuses a 4D mask as flash
+    attention cannot take one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert attention_mask is None, "flash attention takes no 4D mask"
+    is_causal = kwargs.pop("is_causal", None)
+    is_causal = module.is_causal if is_causal is None else is_causal
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=is_causal, **kwargs)
+
+
+@torch.no_grad()
+def test_flash_attention_runs_the_maskless_calls_and_refuses_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    sdpa = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    flash = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    flash.config._attn_implementation = "flash_attention_2"  # decision logic only: the kernel is faked
+    spy = AttentionSpy(monkeypatch, "flash_attention_2", run=_fake_flash)
+    layers = flash.config.num_hidden_layers
+    x = _ids()
+    assert flash.attention_path(L, 1.0) == "non_causal" and flash.attention_path(L, 0.0) == "causal"
+    torch.testing.assert_close(flash(x), sdpa(x), rtol=1e-6, atol=1e-6)
+    assert spy.take() == [(None, False)] * layers  # γ = 1: no mask, is_causal=False
+    torch.testing.assert_close(flash(x, bidirectional_prob=0.0), sdpa(x, bidirectional_prob=0.0), rtol=1e-6,
+                               atol=1e-6)
+    assert spy.take() == [(None, None)] * layers  # γ = 0: the module's own causal flag
+    refusals = [
+        (dict(bidirectional_prob=0.5, generator=torch.Generator().manual_seed(0)), "annealing"),
+        (dict(attention_mask=torch.ones(2, L)), "padding"),
+    ]
+    for kwargs, reason in refusals:
+        for call in (flash, flash.hidden_states):
+            with pytest.raises(ValueError, match=rf"attn_implementation='flash_attention_2' .*\({reason}.*"
+                                                 r"attn_implementation='sdpa', 'eager' or 'flex_attention'"):
+                call(x, **kwargs)
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' .*annealing"):
+        flash.attention_path(L, 0.5)
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' .*padding"):
+        flash.attention_path(L, 1.0, padded=True)
+    flash.dense_bidirectional_mask = True
+    with pytest.raises(ValueError, match="dense_bidirectional_mask=True"):
+        flash(x)
+    assert spy.take() == []  # refused before any attention ran
+    windowed = adapt_ar_model(tiny_model("mistral"), mask_token_id=MASK_ID)  # window 4 < L + 1 bites at γ = 1
+    windowed.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"a sliding window of 4 < 9 positions"):
+        windowed(x)
+    assert windowed.attention_path(3) == "non_causal"  # 4 positions: the window cannot bite

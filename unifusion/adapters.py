@@ -33,6 +33,11 @@ is_causal=False`` (flash kernels stay eligible; flash-attention-2 and flex atten
 in ``L`` is allocated outside the attention kernel. The outputs equal the dense-mask path's.
 :meth:`DiffusionLM.attention_path` tells which path a call takes.
 
+**Attention implementations.** SDPA gets the mask as booleans, eager attention in additive form, flex attention
+(``attn_implementation="flex_attention"``) as a ``BlockMask`` of the same pattern (same draws, same outputs).
+Flash attention takes no mask: it runs the causal and the mask-free bidirectional calls, and a call that needs a mask
+(annealing, padding, an active window) is a ``ValueError`` naming ``attn_implementation`` and the fix.
+
 Example::
 
     import unifusion as uf
@@ -144,6 +149,27 @@ def _check_padding(name: str, attention_mask: torch.Tensor) -> None:
     V.fail_if((changes > 1).any(), lambda: (
         f"{name}: expected contiguous padding (all pads on the right or all on the left of each row), got rows with "
         f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
+
+
+def _block_mask(A: torch.Tensor) -> Any:
+    """flex attention's ``BlockMask`` of a boolean ``(B, 1, n, n)`` pattern (True = attend): its ``mask_mod`` reads
+    ``A[b, 0, q, kv]``, so flex attention sees exactly the pattern SDPA gets as a dense mask. Blocks that are all True
+    are marked full (no ``mask_mod`` evaluation inside them), all-False blocks are skipped. Built without compiling
+    (the pattern exists already; the ``(B, 1, n, n)`` bool copy it evaluates is the size of ``A``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pattern = A[:, 0].contiguous()  # (B, n, n); an expanded (stride-0) pattern trips Inductor's CPU template
+    if pattern.device.type == "cpu":
+        # Inductor's CPU flex-attention template fails to build (C++ "cur_kvSplitSize5 was not declared", torch 2.15)
+        # when this captured tensor is traced with symbolic sizes, which automatic dynamic shapes pick on the
+        # recompile after another mask (e.g. the causal one): keep it static there.
+        torch._dynamo.mark_static(pattern)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return pattern[b, q_idx, kv_idx]
+
+    n = int(pattern.shape[-1])
+    return create_block_mask(mask_mod, int(pattern.shape[0]), None, n, n, device=pattern.device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -338,15 +364,41 @@ class DiffusionLM(nn.Module):
                 _check_padding("attention_mask", attention_mask)
         return x_t, t, gamma, attention_mask
 
-    def _mask_style(self) -> str:
-        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+    def _attn_implementation(self) -> str:
+        """The wrapped model's attention implementation (``config._attn_implementation``; ``"eager"`` when unset)."""
+        return str(getattr(self.config, "_attn_implementation", None) or "eager")
+
+    def _mask_style(self, reason: str = "annealing, padding or a sliding window") -> str:
+        """How this model takes the annealed mask: ``"additive"`` (eager), ``"bool"`` (SDPA, or the family's own style),
+        ``"block"`` (flex attention: a ``BlockMask``); flash attention and other kernels cannot take one (``reason``
+        says why this call needs it)."""
+        impl = self._attn_implementation()
         if impl == "eager":
             return "additive"
         if impl == "sdpa":
             return self.family.mask_style
-        raise ValueError(f"model: attention implementation {impl!r} cannot take the annealed 4D mask (needed for "
-                         "0 < bidirectional_prob < 1, padding or sliding windows); load the model with "
-                         "attn_implementation='sdpa' or 'eager'")
+        if impl == "flex_attention":
+            return "block"
+        raise ValueError(
+            f"model: attn_implementation={impl!r} cannot take the attention mask this call needs ({reason}); with it "
+            "only the causal call (bidirectional_prob=0, no padding) and the mask-free bidirectional call "
+            "(bidirectional_prob=1, no padding, no sliding window shorter than the sequence) run. Load the model "
+            "with attn_implementation='sdpa', 'eager' or 'flex_attention' (or switch it in place: "
+            "model.base_model.set_attn_implementation('sdpa')) for annealing, padding and sliding windows")
+
+    def _mask_reason(self, n: int, gamma: float, padded: bool, window: int | None) -> str:
+        """Why a call on ``n`` network positions needs a mask (for the flash-attention error)."""
+        if padded:
+            return "padding: attention_mask"
+        if 0.0 < gamma < 1.0:
+            return f"annealing: 0 < bidirectional_prob={gamma} < 1"
+        if window is not None and window < n:
+            return f"a sliding window of {window} < {n} positions"
+        if self.dense_bidirectional_mask:
+            return "dense_bidirectional_mask=True"
+        if not _has_is_causal_kwarg():
+            return "the installed transformers has no is_causal keyword"
+        return f"the {self.family.model_type} family does not run bidirectionally without a mask"
 
     def _maskless(self, n: int, window: int | None) -> bool:
         """Whether full attention over ``n`` network positions can run with no mask (``is_causal=False``).
@@ -359,32 +411,40 @@ class DiffusionLM(nn.Module):
                 and (window is None or window >= n))
 
     def attention_path(self, length: int, bidirectional_prob: float = 1.0, *, padded: bool = False) -> str:
-        """How a call on ``length`` tokens attends: ``"causal"``, ``"non_causal"`` or ``"mask"``.
+        """How a call on ``length`` tokens attends: ``"causal"``, ``"non_causal"``, ``"mask"`` or ``"block_mask"``.
 
         * ``"causal"``: γ = 0 without padding; the model's own causal (and windowed) attention, no mask from us.
         * ``"non_causal"``: γ = 1 without padding or an active sliding window, on a family that honours
-          ``is_causal=False``; no mask tensor at all (SDPA ``is_causal=False``; flash-attention and flex attention
-          work too).
-        * ``"mask"``: everything else; the dense boolean/additive ``(B, 1, L + 1, L + 1)`` mask of
-          :func:`annealed_attention_mask`.
+          ``is_causal=False``; no mask tensor from us (SDPA ``attn_mask=None, is_causal=False``; flash-attention
+          ``causal=False``; flex attention gets transformers' own all-visible block mask, which has no partial
+          blocks).
+        * ``"mask"``: everything else with SDPA or eager attention; the dense boolean/additive ``(B, 1, L + 1, L + 1)``
+          mask of :func:`annealed_attention_mask`.
+        * ``"block_mask"``: everything else with flex attention (``attn_implementation="flex_attention"``): the same
+          pattern as a ``torch.nn.attention.flex_attention.BlockMask`` (one per layer type with sliding windows).
 
         Args:
             length: ``L``, the number of tokens in ``x_t`` (the network runs ``L + 1`` positions).
             bidirectional_prob: ``γ`` in ``[0, 1]``.
             padded: whether an ``attention_mask`` is passed.
+
+        Raises:
+            ValueError: where the call itself would: the model runs flash attention (or another kernel that takes no
+                mask) and the call needs a mask (annealing, padding, an active sliding window).
         """
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length: expected a positive int, got {length!r}")
         if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)) \
                 or not 0.0 <= bidirectional_prob <= 1.0:
             raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob!r}")
-        if padded:
-            return "mask"
-        if bidirectional_prob == 0.0:
-            return "causal"
-        if bidirectional_prob == 1.0 and self._maskless(length + 1, self.family.sliding_window(self.config)):
-            return "non_causal"
-        return "mask"
+        window = self.family.sliding_window(self.config)
+        if not padded:
+            if bidirectional_prob == 0.0:
+                return "causal"
+            if bidirectional_prob == 1.0 and self._maskless(length + 1, window):
+                return "non_causal"
+        style = self._mask_style(self._mask_reason(length + 1, float(bidirectional_prob), padded, window))
+        return "block_mask" if style == "block" else "mask"
 
     def _net_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float,
                     attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
@@ -423,7 +483,10 @@ class DiffusionLM(nn.Module):
             # kernels stay eligible and nothing quadratic in L is allocated)
             kwargs["is_causal"] = False
             return kwargs
-        style = self._mask_style()
+        style = self._mask_style(self._mask_reason(L + 1, gamma, key_valid is not None, window))
+        if generator is not None and 0.0 < gamma < 1.0 and generator.device.type != device.type:
+            raise ValueError(f"generator: is on {generator.device} but x_t is on {device}; the annealed mask is drawn "
+                             f"on x_t's device, so pass torch.Generator(device={str(device)!r})")
         A = annealed_attention_mask(B, L + 1, gamma, key_valid=key_valid, generator=generator, device=device)
         masks = {"full_attention": A}
         if window is not None:  # windowed layers: A ∧ |i − j| < w (the diagonal stays, so no row is empty)
@@ -434,6 +497,8 @@ class DiffusionLM(nn.Module):
             blocked = torch.finfo(dtype).min
             masks = {k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, blocked)
                      for k, m in masks.items()}
+        elif style == "block":  # flex attention: the same pattern as a BlockMask (its mask_mod reads it)
+            masks = {k: _block_mask(m) for k, m in masks.items()}
         if window is None:
             kwargs["attention_mask"] = masks["full_attention"]
         elif self.family.window == "all_layers":
@@ -473,11 +538,14 @@ class DiffusionLM(nn.Module):
             :func:`unifusion.losses.fused_linear_diffusion_loss`, computed from the hidden states without ever
             holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
         """
+        generator = V.check_generator(generator)
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
             from .losses.fused_linear import fused_linear_diffusion_loss
+            from .rates import _check_kernel
 
+            V.check_model_kernel(self, _check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
             h = self._hidden(x_t, t, gamma, attention_mask, generator)
@@ -498,6 +566,7 @@ class DiffusionLM(nn.Module):
 
         ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state).
         """
+        generator = V.check_generator(generator)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._hidden(x_t, t, gamma, attention_mask, generator)
 
