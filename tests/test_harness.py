@@ -238,6 +238,56 @@ def test_contexts_of_one_question_share_the_random_draws(model, tokenizer):
     assert expected[0] != expected[1]
 
 
+class _FakeGenerator:
+    """Stands in for a torch.Generator on a device this machine lacks (the meta device plays the GPU)."""
+
+    def __init__(self, seed, device):
+        self.seed, self.device = seed, torch.device(device)
+
+    def get_state(self):
+        return self.seed
+
+    def set_state(self, state):
+        self.seed = state
+
+
+def test_each_generator_is_on_the_device_of_its_draws(tokenizer, monkeypatch):
+    """The GPU bug (#16): loglikelihood_rolling put its windows on the model's device and handed nll_bound a CPU
+    generator ("Expected a 'cuda' device type for generator"). A model on the meta device stands in for the GPU (the
+    scorers and the sampler are spies, so it never runs); every generator must be on the device its draws are made
+    on: nll_bound's and the sampler's on the model's, the multiple-choice scorers' on the CPU (they draw there and
+    move the rows, which keeps run_multiple_choice's numbers)."""
+    import unifusion.eval.harness as harness
+
+    dm = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), tokenizer=tokenizer).to("meta")
+    monkeypatch.setattr(harness, "_seeded_generator", _FakeGenerator)
+    seen = []
+
+    def fake_nll_bound(model, x0, kernel, *, generator, **kwargs):
+        seen.append(("nll_bound", x0.device, generator.device))
+        return torch.zeros(x0.shape[0], dtype=torch.float64)
+
+    def fake_score_choices(model, kernel, context, choices, *, generator, **kwargs):
+        seen.append(("score_choices", torch.device("cpu"), generator.device))
+        return torch.zeros(len(choices), dtype=torch.float64)
+
+    def fake_generate(prompt_ids, *, max_new_tokens, generator, **kwargs):
+        seen.append(("generate", prompt_ids.device, generator.device))
+        return torch.zeros(prompt_ids.shape[0], prompt_ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+    monkeypatch.setattr(harness, "nll_bound", fake_nll_bound)
+    monkeypatch.setattr(harness, "score_choices", fake_score_choices)
+    monkeypatch.setattr(dm, "generate", fake_generate)
+    lm = UnifusionLM(model=dm, tokenizer=tokenizer, max_length=4)
+    monkeypatch.setattr(lm, "_is_greedy", lambda *args: False)  # a forward pass: cannot run on meta
+    assert lm.loglikelihood_rolling([_request("the cat sat on the mat")]) == [0.0]
+    assert lm.loglikelihood([_request("the cat", " sat")]) == [(0.0, False)]
+    assert lm.generate_until([_request("the cat", {"until": ["."], "max_gen_toks": 2})]) == [""]
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    assert [s[0] for s in seen] == ["nll_bound", "nll_bound", "score_choices", "generate"]  # 2 windows of 4 tokens
+    assert [s[1:] for s in seen] == [(meta, meta), (meta, meta), (cpu, cpu), (meta, meta)]
+
+
 def test_requests_run_in_eval_mode_and_restore_the_training_mode(tokenizer):
     dm = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), tokenizer=tokenizer)
     dm.train()

@@ -25,7 +25,9 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
   t = 1 − 10⁻³ (one extra forward pass per request).
 * ``loglikelihood_rolling(text)`` returns −(Proposition 3.2's upper bound on −log p_θ(text)) in nats: a lower bound
   on the log-likelihood, from :func:`~unifusion.eval.nll_bound` with ``nll_times`` stratified times, over disjoint
-  windows of ``max_length`` tokens (each window scored without the previous one as context).
+  windows of ``max_length`` tokens (each window scored without the previous one as context). Its generator lives on
+  the model's device, where ``nll_bound`` draws (the CPU numbers are ``nll_bound``'s with a CPU generator seeded
+  with ``seed``; on a GPU the same estimator with the device's random stream).
 * ``generate_until(context, gen_kwargs)``: :meth:`~unifusion.DiffusionLM.generate` (the Bayesian sampler, Algorithm 2)
   with the context as a fixed prefix, ``max_gen_toks`` new tokens, ``num_steps`` steps, ``temperature``/``top_p``
   (from ``gen_kwargs`` when the task sets them, else the model arguments), ended at the tokenizer's EOS token and
@@ -246,8 +248,10 @@ class UnifusionLM(LM):
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def _generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with ``seed`` on ``device``: where the draws it feeds are made (torch refuses a CPU
+        generator for draws on an accelerator)."""
+        return _seeded_generator(self.seed, device)
 
     # ------------------------------------------------------------------------------------------------ requests
     @_evaluating
@@ -263,8 +267,10 @@ class UnifusionLM(LM):
         """
         pairs = [(str(r.args[0]), str(r.args[1])) for r in requests]
         keys = [(getattr(r, "task_name", None), getattr(r, "doc_id", None)) for r in requests]
+        # CPU generators on every device: the scorers draw the corruption where their generator lives and move the
+        # rows to the model, so a task gives run_multiple_choice(..., seed=seed)'s numbers on any device
         generator = self._generator()
-        greedy_generator = torch.Generator().manual_seed(self.seed + 1)  # keeps the scorers' stream untouched
+        greedy_generator = _seeded_generator(self.seed + 1, "cpu")  # keeps the scorers' stream untouched
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         start = 0
         while start < len(pairs):
@@ -320,8 +326,14 @@ class UnifusionLM(LM):
 
     @_evaluating
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """−(upper bound on −log p_θ(text)) in nats per request (module docstring)."""
-        generator = self._generator()
+        """−(upper bound on −log p_θ(text)) in nats per request (module docstring).
+
+        ``nll_bound`` draws its times and corruption on the windows' device, the model's, so the generator lives
+        there too (seeded with ``seed``): on the CPU the numbers are ``nll_bound``'s with
+        ``torch.Generator().manual_seed(seed)``; on an accelerator the same estimator with that device's stream.
+        """
+        device = self.model.device
+        generator = self._generator(device)
         out = []
         for request in requests:
             ids = self._encode(str(request.args[0]))
@@ -330,7 +342,7 @@ class UnifusionLM(LM):
                 continue
             total = 0.0
             for lo in range(0, len(ids), self.max_length):
-                window = torch.tensor(ids[lo: lo + self.max_length], device=self.model.device).unsqueeze(0)
+                window = torch.tensor(ids[lo: lo + self.max_length], device=device).unsqueeze(0)
                 bound = nll_bound(self.model, window, self.kernel, num_times=self.nll_times, generator=generator,
                                   per_token=False)
                 total += float(bound.sum())
@@ -356,7 +368,7 @@ class UnifusionLM(LM):
             for lo in range(0, len(members), self.batch_size_per_forward):
                 chunk = members[lo: lo + self.batch_size_per_forward]
                 prompts = torch.tensor([settings[i][0] for i in chunk], dtype=torch.long).reshape(len(chunk), P)
-                generator = torch.Generator(device=device).manual_seed(self.seed)
+                generator = self._generator(device)  # the sampler draws on the model's device
                 ids = self.model.generate(prompts.to(device), max_new_tokens=max_new, num_steps=self.num_steps,
                                           kernel=self.kernel, temperature=temperature, top_p=top_p,
                                           generator=generator)  # (B, P + max_new)
@@ -388,6 +400,10 @@ class UnifusionLM(LM):
         text = str(self.tokenizer.decode(new_ids, skip_special_tokens=True))
         cuts = [text.index(stop) for stop in until if stop and stop in text]
         return text[: min(cuts)] if cuts else text
+
+
+def _seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
