@@ -16,7 +16,10 @@ Backends (:func:`set_backend`, or the environment variable ``UNIFUSION_BACKEND``
 * ``"eager"``: never compile (no compiler needed).
 
 If compiling fails (no C++ compiler, no Triton, an unsupported device), the call is served eagerly, one
-``RuntimeWarning`` says so, and the process stays eager. Inside a caller's own ``torch.compile`` region the
+``RuntimeWarning`` says so, and the process stays eager. Running out of device memory is not a compiler failure:
+``torch.OutOfMemoryError`` (also when Dynamo/Inductor wrap it) propagates from the call as it would eagerly, and
+the backend stays as it is; a background warm-up that runs out of memory leaves its configuration eager and tries
+again after :data:`AUTO_MIN_CALLS` further uses. Inside a caller's own ``torch.compile`` region the
 functions are traced inline. :func:`compile_stats` reports how many configurations compiled and how long that took.
 """
 
@@ -137,6 +140,19 @@ def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) ->
     return out
 
 
+def _is_oom(err: BaseException) -> bool:
+    """Whether ``err`` is, or was raised from, a ``torch.OutOfMemoryError`` (a ``RuntimeError`` subclass, so
+    :data:`_COMPILER_ERRORS` would take it for a compiler failure; Dynamo/Inductor may wrap it in their own error)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _fail(err: BaseException) -> None:
     warnings.warn(f"unifusion: torch.compile failed ({type(err).__name__}: {err}); running eagerly from now on "
                   "(unifusion.set_backend('eager') skips compiling)", RuntimeWarning, stacklevel=4)
@@ -190,6 +206,10 @@ def _compile_in_background(entry: _Auto, fn: Callable, key: tuple, options: dict
         with GLOBAL_STATE_LOCK, torch.no_grad():
             warmup(compiled_fn)
     except _COMPILER_ERRORS as err:  # reported by the next call (warnings from this thread may go unseen)
+        if _is_oom(err):  # the device was full, not the compiler broken: stay eager for now, try again later
+            with _lock:
+                entry.thread, entry.calls = None, 0
+            return
         _failed.append(err)
         return
     finally:
@@ -201,14 +221,17 @@ def run(fn: Callable, key: tuple, compiled_call: Callable[[Callable], Any], eage
         options: dict[str, Any] | None = None, *, work: int = 0,
         warmup: Callable[[Callable], Any] | None = None) -> Any:
     """``compiled_call(compiled fn)`` when :func:`ready` says so, else ``eager_call()``. A compilation failure in
-    the caller's thread reruns eagerly, warns once and switches the process to eager. (Callers trace ``fn`` inline
-    themselves when ``torch.compiler.is_compiling()``.)"""
+    the caller's thread reruns eagerly, warns once and switches the process to eager; an out-of-memory error
+    propagates and changes nothing (it is the batch, not the compiler). (Callers trace ``fn`` inline themselves when
+    ``torch.compiler.is_compiling()``.)"""
     fn_c = ready(fn, key, work=work, warmup=warmup, options=options)
     if fn_c is None:
         return eager_call()
     try:
         return compiled_call(fn_c)
     except _COMPILER_ERRORS as err:
+        if _is_oom(err):
+            raise
         out = eager_call()  # bad inputs raise here too, and the backend stays as it is
         _fail(err)
         return out
