@@ -4,8 +4,11 @@ A GPU is rarely lent to this project, so the properties that decide speed on one
 
 * **host syncs** — operations that make the host wait for the device: ``.item()``/``int()``/``float()``/``bool()`` of
   a tensor (``aten._local_scalar_dense``), ``nonzero``, ``equal``, ops whose output shape depends on values
-  (``masked_select``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without ``output_size``), and
-  ``.tolist()`` / ``.numpy()`` (which on the CPU read memory without dispatching, so they are counted by patching);
+  (``masked_select``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without ``output_size``, ``bincount``),
+  ``histc`` without a range (``min == max``: it reads the data's range first), blocking copies from another device
+  to the CPU (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(device_tensor)``; on CPU-only runs a tensor on the
+  ``meta`` device stands in for one on a GPU), and ``.tolist()`` / ``.numpy()`` (which on the CPU read memory without
+  dispatching, so they are counted by patching);
 * **launches** — every non-view ATen op that reaches the dispatcher (a kernel launch on a GPU in eager mode).
 
 Code inside a ``torch.compile``d function runs generated kernels that bypass the dispatcher: its launches are not
@@ -40,6 +43,7 @@ _SYNC_PACKETS = (
     aten.unique_dim,
     aten.unique_consecutive,
     aten.argwhere,
+    aten.bincount,  # output length max(x) + 1: read back from the device
 )
 
 
@@ -56,7 +60,23 @@ def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if packet is aten.histc:  # min == max (the default 0, 0): the range is read from the data first
+        lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return bool(lo == hi)
+    if packet is aten._to_copy:  # .cpu() / .to("cpu") of a tensor on another device, unless non_blocking
+        device = kwargs.get("device")
+        return (device is not None and torch.device(device).type == "cpu" and _off_cpu(args[0])
+                and not kwargs.get("non_blocking", False))
+    if packet is aten.copy_:  # cpu_tensor.copy_(device_tensor), unless non_blocking
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return (isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" and _off_cpu(args[1])
+                and not non_blocking)
     return False
+
+
+def _off_cpu(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 class DispatchCounter(TorchDispatchMode):

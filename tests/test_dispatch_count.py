@@ -18,6 +18,8 @@ from _dispatch_count import DispatchCounter, count_syncs
     ("numpy", lambda x: x.numpy()),
     ("repeat_interleave", lambda x: torch.repeat_interleave(torch.tensor([1, 2]))),
     ("equal", lambda x: torch.equal(x, x)),
+    ("bincount", lambda x: torch.bincount((x > 0).long())),
+    ("histc without a range", lambda x: torch.histc(x, bins=4)),
 ])
 def test_counts_each_kind_of_sync(name, fn):
     x = torch.randn(8)
@@ -44,3 +46,48 @@ def test_patches_are_undone():
     with DispatchCounter():
         pass
     assert torch.Tensor.tolist is original
+
+
+def test_histc_with_a_range_and_bincount_free_ops_do_not_count():
+    x = torch.randn(8)
+    _, c = count_syncs(lambda: torch.histc(x, bins=4, min=-3.0, max=3.0))
+    assert c.syncs == 0, c.sync_ops
+    _, c = count_syncs(lambda: torch.zeros(5).scatter_add_(0, (x > 0).long(), torch.ones(8)))  # bincount, fixed size
+    assert c.syncs == 0, c.sync_ops
+
+
+def _attempt(fn):
+    """Run ``fn``; a copy out of the meta device has no data to copy and raises after the counter has seen it."""
+    try:
+        fn()
+    except (NotImplementedError, RuntimeError):
+        pass
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("cpu()", lambda m, c: m.cpu()),
+    ('to("cpu")', lambda m, c: m.to("cpu")),
+    ("to(device=cpu, dtype=)", lambda m, c: m.to(device="cpu", dtype=torch.float64)),
+    ("copy_ into a CPU tensor", lambda m, c: c.copy_(m)),
+])
+def test_device_to_host_copies_count(name, fn):
+    """A tensor on the meta device stands in for one on a GPU: copying it to the CPU is a device→host read."""
+    meta, cpu = torch.empty(8, device="meta"), torch.empty(8)
+    with DispatchCounter() as c:
+        _attempt(lambda: fn(meta, cpu))
+    assert c.syncs == 1, (name, c.ops)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("CPU to CPU", lambda m, c: c.to("cpu", dtype=torch.float64)),
+    ("CPU tensor .cpu()", lambda m, c: c.cpu()),
+    ("host to device", lambda m, c: c.to("meta")),
+    ("non_blocking", lambda m, c: m.to("cpu", non_blocking=True)),
+    ("non_blocking copy_", lambda m, c: c.copy_(m, non_blocking=True)),
+    ("device to device", lambda m, c: m.clone()),
+])
+def test_other_copies_do_not_count(name, fn):
+    meta, cpu = torch.empty(8, device="meta"), torch.empty(8)
+    with DispatchCounter() as c:
+        _attempt(lambda: fn(meta, cpu))
+    assert c.syncs == 0, (name, c.sync_ops)
