@@ -3,6 +3,13 @@
     python benchmarks/gpu.py --out results.json            # on a CUDA device (minutes)
     python benchmarks/gpu.py --dry-run --out /tmp/x.json   # every code path on the CPU at tiny sizes (seconds)
     python benchmarks/gpu.py --sections loss,fused         # a subset: loss, fused, sampling
+    python benchmarks/gpu.py --quick --time-budget 540 --out q.json   # one pass under a 10-minute cap
+
+Under a per-command time cap (a lent GPU: 10 minutes), run one section per command with its own ``--out``
+(``--sections loss --out loss.json``, then ``fused``, then ``sampling``), or ``--quick`` (fewer sizes, steps and
+repetitions); ``--time-budget SECONDS`` skips the rows that would start after the budget (recorded as skipped). The
+JSON file is rewritten after every row and each row is printed as it finishes, so a run that is killed still leaves
+every finished row.
 
 Sections (each a table on stdout and a list of rows in the JSON):
 
@@ -19,9 +26,18 @@ Sections (each a table on stdout and a list of rows in the JSON):
   forward of the model on (1, 512)). Paper: 87.1 ms at 16 steps, 16.97× AR. Goal: ≥ 17× at 16 steps.
 
 Timing on CUDA: warm-up calls (compilation included), then ``--reps`` runs each between CUDA events with a
-synchronize; best and median reported. Peak memory: ``torch.cuda.max_memory_allocated`` during one call, minus what
-was allocated before it (inputs and weights are not counted; gradients are). ``--dry-run`` times with
-``time.perf_counter`` on the CPU and reports no memory (``null``).
+synchronize; best and median reported. Before every call (timed or not) the previous call's gradients are released,
+outside the timed region. Peak memory, the same for every row: ``torch.cuda.max_memory_allocated`` during one call
+minus what was allocated just before it, with the previous gradients already released — inputs and weights are not
+counted; the call's temporaries and the gradients it produces are. The sampling rows run under
+``torch.inference_mode`` and report no memory. ``--dry-run`` times with ``time.perf_counter`` on the CPU and reports no
+memory (``null``).
+
+Every timed row records the backend it asked for (``backend``), the backend in force after it ran
+(``backend_after``: a compiler failure inside a compiled call serves it eagerly and switches the whole process to
+eager, so a "compiled" row whose ``backend_after`` is ``"eager"`` was not compiled), ``compile_stats`` (the
+background compilations of ``"auto"``) and the warnings it raised. A row that raises (an OOM, a missing kernel) is
+recorded with its ``error`` and the section goes on.
 
 Without a CUDA device and without ``--dry-run`` the script exits with status 2.
 """
@@ -36,6 +52,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +71,11 @@ NO_CUDA_MESSAGE = ("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available()
 
 # ----------------------------------------------------------------------------------------------------------- timing
 class Timer:
-    """Times a zero-argument callable: CUDA events + synchronize on a GPU, ``time.perf_counter`` on the CPU."""
+    """Times a zero-argument callable: CUDA events + synchronize on a GPU, ``time.perf_counter`` on the CPU.
+
+    ``reset`` (if given) runs before every call, outside the timed region: it releases the previous call's gradients,
+    so every call, and the memory measurement, starts from the same state.
+    """
 
     def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
         self.device, self.reps, self.warmup = device, reps, warmup
@@ -64,8 +85,10 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _once(self, fn: Callable[[], Any]) -> float:
+    def _once(self, fn: Callable[[], Any], reset: Callable[[], None] | None) -> float:
         """Milliseconds of one call."""
+        if reset is not None:
+            reset()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.sync()
@@ -78,10 +101,13 @@ class Timer:
         fn()
         return 1e3 * (time.perf_counter() - t0)
 
-    def peak_mib(self, fn: Callable[[], Any]) -> float | None:
-        """Peak CUDA memory of one call above what was allocated before it (MiB); ``None`` on the CPU."""
+    def peak_mib(self, fn: Callable[[], Any], reset: Callable[[], None] | None = None) -> float | None:
+        """Peak CUDA memory of one call above what was allocated just before it, after ``reset`` (MiB); ``None`` on
+        the CPU."""
         if not self.cuda:
             return None
+        if reset is not None:
+            reset()  # the previous call's gradients are released before "before" is read, so this call's count
         gc.collect()
         self.sync()
         torch.cuda.empty_cache()
@@ -91,20 +117,77 @@ class Timer:
         self.sync()
         return (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
 
-    def measure(self, fn: Callable[[], Any], memory: bool = True) -> dict[str, float | None]:
-        for _ in range(self.warmup):
-            fn()
-        self.sync()
-        peak = self.peak_mib(fn) if memory else None
-        times = [self._once(fn) for _ in range(self.reps)]
-        return {"best_ms": min(times), "median_ms": statistics.median(times), "peak_mib": peak}
+    def measure(self, fn: Callable[[], Any], memory: bool = True,
+                reset: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Warm-up calls, one memory call, ``reps`` timed calls; the backend in force afterwards, the ``"auto"``
+        compile stats and the warnings raised (e.g. a compiler failure that turned the process eager)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(self.warmup):
+                if reset is not None:
+                    reset()
+                fn()
+            self.sync()
+            peak = self.peak_mib(fn, reset) if memory else None
+            times = [self._once(fn, reset) for _ in range(self.reps)]
+        if reset is not None:
+            reset()
+        return {"best_ms": min(times), "median_ms": statistics.median(times), "peak_mib": peak,
+                **_backend_state(), "warnings": sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught})}
+
+
+def _backend_state() -> dict[str, Any]:
+    """What actually ran: ``uf.get_backend()`` now, and ``uf.compile_stats()``."""
+    return {"backend_after": uf.get_backend(), "compile_stats": uf.compile_stats()}
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:
+    """A row's fields for a call that raised (the OOM, or the error's type and first line)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    kind = "OOM" if isinstance(exc, torch.cuda.OutOfMemoryError) else type(exc).__name__
-    return {"best_ms": None, "median_ms": None, "peak_mib": None, "error": f"{kind}: {str(exc).splitlines()[0][:200]}"}
+    kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+    lines = str(exc).strip().splitlines()
+    message = lines[0][:200] if lines else repr(exc)[:200]
+    return {"best_ms": None, "median_ms": None, "peak_mib": None, **_backend_state(), "warnings": [],
+            "error": f"{kind}: {message}"}
+
+
+class Recorder:
+    """Collects a section's rows: each row is printed as it finishes and the whole JSON rewritten, so a run killed
+    by a time limit keeps every finished row; rows that would start after the deadline are recorded as skipped."""
+
+    def __init__(self, results: dict[str, Any], save: Callable[[], None], deadline: float | None) -> None:
+        self.results, self.save, self.deadline = results, save, deadline
+        self.key = ""
+
+    def section(self, key: str) -> list[dict[str, Any]]:
+        self.key = key
+        self.results[key] = []
+        return self.results[key]
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def row(self, fields: dict[str, Any], run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``fields`` updated by ``run()`` (its measurement), by ``_failed`` if it raises, or skipped past the
+        deadline; appended, printed and saved."""
+        row = dict(fields)
+        start = time.perf_counter()
+        if self.out_of_time():
+            row.update({"best_ms": None, "median_ms": None, "peak_mib": None, "skipped": "time budget"})
+        else:
+            try:
+                row.update(run())
+            except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a row, not a crash
+                row.update(_failed(exc))
+        row["seconds"] = round(time.perf_counter() - start, 3)
+        self.results[self.key].append(row)
+        label = " ".join(f"{k}={row[k]}" for k in fields)
+        status = row.get("error") or row.get("skipped") or (f"best {_fmt(row['best_ms'], '.3f')} ms, "
+                                                             f"backend_after {row.get('backend_after')}")
+        print(f"  [{self.key}] {label}: {status} ({row['seconds']:.1f} s)", flush=True)
+        self.save()
+        return row
 
 
 def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
@@ -127,59 +210,64 @@ def _print_table(title: str, columns: list[tuple[str, int]], rows: list[list[str
 
 
 # ------------------------------------------------------------------------------------------- (a) loss vs cross-entropy
-def _bench_loss_v(N: int, V: int, backends: list[str], device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+def _bench_loss_v(N: int, V: int, backends: list[str], kernel_names: list[str], device: torch.device, timer: Timer,
+                  rec: Recorder) -> None:
     """Rows of one vocabulary size: cross-entropy, then gidd_loss (uniform, mask) under each backend."""
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(N, V, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     x0 = torch.randint(0, V - 1, (N,), device=device, generator=g)  # never the mask id V - 1
     t = torch.rand(N, device=device, generator=g) * 0.98 + 0.01
-    kernels = {"uniform": uf.UniformKernel(V), "mask": uf.MaskKernel(V, V - 1)}
+    every = {"uniform": uf.UniformKernel(V), "mask": uf.MaskKernel(V, V - 1)}
+    kernels = {name: every[name] for name in kernel_names}
     x_ts = {name: k.sample(x0, t, generator=g) for name, k in kernels.items()}
 
-    def ce() -> None:
+    def reset() -> None:
         logits.grad = None
+
+    def ce() -> None:
         F.cross_entropy(logits, x0, reduction="none").sum().backward()
 
     def make(name: str) -> Callable[[], None]:
         kernel, x_t = kernels[name], x_ts[name]
 
         def run() -> None:
-            logits.grad = None
             uf.losses.gidd_loss(logits, x0, x_t, t, kernel).sum().backward()
         return run
 
-    rows: list[dict[str, Any]] = []
-    try:
-        base = timer.measure(ce)
-    except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a row, not a crash
-        base = _failed(exc)
-    rows.append({"backend": "-", "loss": "cross_entropy", "N": N, "V": V, **base, "ratio_vs_ce": 1.0})
+    base = rec.row({"backend": "-", "loss": "cross_entropy", "N": N, "V": V},
+                   lambda: timer.measure(ce, reset=reset))
+    base["ratio_vs_ce"] = 1.0 if base["best_ms"] is not None else None
     for backend in backends:
-        uf.set_backend(backend)
         for name in kernels:
-            try:
-                res = timer.measure(make(name))
-            except Exception as exc:  # noqa: BLE001
-                res = _failed(exc)
-            rows.append({"backend": backend, "loss": f"gidd_{name}", "N": N, "V": V, **res,
-                         "ratio_vs_ce": _ratio(res["best_ms"], base["best_ms"])})
-    return rows
+            def run(backend: str = backend, name: str = name) -> dict[str, Any]:
+                uf.set_backend(backend)
+                return timer.measure(make(name), reset=reset)
+
+            row = rec.row({"backend": backend, "loss": f"gidd_{name}", "N": N, "V": V}, run)
+            row["ratio_vs_ce"] = _ratio(row["best_ms"], base["best_ms"])
+    rec.save()
 
 
-def bench_loss(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def bench_loss(cfg: argparse.Namespace, device: torch.device, timer: Timer, rec: Recorder) -> None:
+    rows = rec.section("loss_vs_cross_entropy")
     for V in cfg.loss_v:
-        rows += _bench_loss_v(cfg.loss_n, V, cfg.backends, device, timer)
+        try:
+            _bench_loss_v(cfg.loss_n, V, cfg.backends, cfg.loss_kernels, device, timer, rec)
+        except Exception as exc:  # noqa: BLE001 - the inputs themselves did not fit: a row, and the next size
+            rec.row({"backend": "-", "loss": "inputs", "N": cfg.loss_n, "V": V}, lambda exc=exc: _failed(exc))
         gc.collect()
+    for r in rows:
+        r.setdefault("ratio_vs_ce", None)
+    rec.save()
     _print_table(f"(a) loss forward+backward vs F.cross_entropy, bf16 logits (N, V), best of {timer.reps} "
                  f"(goal: ratio ≤ 1.00×)",
-                 [("loss", 16), ("backend", 10), ("N", 8), ("V", 9), ("best ms", 10), ("median ms", 11),
-                  ("peak MiB", 10), ("vs CE", 8), ("goal", 6)],
-                 [[r["loss"], r["backend"], str(r["N"]), str(r["V"]), _fmt(r["best_ms"], ".3f"),
-                   _fmt(r["median_ms"], ".3f"), _fmt(r["peak_mib"], ".0f"), _fmt(r["ratio_vs_ce"], ".2f", "x"),
-                   "-" if r["loss"] == "cross_entropy" or r["ratio_vs_ce"] is None
+                 [("loss", 16), ("backend", 10), ("ran", 9), ("N", 8), ("V", 9), ("best ms", 10),
+                  ("median ms", 11), ("peak MiB", 10), ("vs CE", 8), ("goal", 6)],
+                 [[r["loss"], r["backend"], str(r.get("backend_after", "-")), str(r["N"]), str(r["V"]),
+                   _fmt(r["best_ms"], ".3f"), _fmt(r["median_ms"], ".3f"), _fmt(r["peak_mib"], ".0f"),
+                   _fmt(r.get("ratio_vs_ce"), ".2f", "x"),
+                   "-" if r["loss"] == "cross_entropy" or r.get("ratio_vs_ce") is None
                    else ("ok" if r["ratio_vs_ce"] <= 1.0 else "MISS")] for r in rows])
-    return rows
 
 
 # ---------------------------------------------------------------------------------------- (b) fused vs alternatives
@@ -207,8 +295,9 @@ def _cce(reduction: str) -> Callable[..., torch.Tensor] | str:
     return fn
 
 
-def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer, rec: Recorder) -> None:
     N, d, V = cfg.fused_n, cfg.fused_d, cfg.fused_v
+    rows = rec.section("fused_vs_alternatives")
     g = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(N, d, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     W = (0.02 * torch.randn(V, d, device=device, generator=g)).to(torch.bfloat16).requires_grad_()
@@ -217,10 +306,12 @@ def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> 
     kernel = uf.UniformKernel(V)
     x_t = kernel.sample(x0, t, generator=g)
 
+    def reset() -> None:
+        h.grad = None
+        W.grad = None
+
     def wrap(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
-            h.grad = None
-            W.grad = None
             loss_fn().backward()
         return run
 
@@ -240,27 +331,27 @@ def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> 
             variants.append((name, "-", "skipped: needs CUDA"))
         else:
             variants.append((name, "-", wrap(lambda fn=fn: fn(h, W, x0))))
-    rows: list[dict[str, Any]] = []
     for name, backend, run in variants:
-        row: dict[str, Any] = {"variant": name, "backend": backend, "N": N, "d": d, "V": V}
+        fields: dict[str, Any] = {"variant": name, "backend": backend, "N": N, "d": d, "V": V}
         if isinstance(run, str):
-            row.update({"best_ms": None, "median_ms": None, "peak_mib": None, "status": run})
-        else:
+            row = rec.row(fields, lambda: {"best_ms": None, "median_ms": None, "peak_mib": None})
+            row["status"] = run
+            continue
+
+        def measure(run: Callable[[], None] = run, backend: str = backend) -> dict[str, Any]:
             if backend != "-":
                 uf.set_backend(backend)
-            try:
-                row.update(timer.measure(run))
-                row["status"] = "ok"
-            except Exception as exc:  # noqa: BLE001
-                row.update(_failed(exc))
-                row["status"] = row["error"]
-        rows.append(row)
+            return timer.measure(run, reset=reset)
+
+        row = rec.row(fields, measure)
+        row["status"] = row.get("error") or row.get("skipped") or "ok"
     by = {r["variant"]: r for r in rows}
     base = by["materialised_ce"]
     for r in rows:
         r["time_vs_materialised_ce"] = _ratio(r["best_ms"], base["best_ms"])
         r["time_vs_liger"] = _ratio(r["best_ms"], by["liger_flce"]["best_ms"])
         r["memory_vs_cce"] = _ratio(r["peak_mib"], by["cce"]["peak_mib"])
+    rec.save()
 
     def goal(r: dict[str, Any]) -> str:
         if r["variant"] != "fused_gidd":
@@ -274,26 +365,26 @@ def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> 
 
     _print_table(f"(b) output head + loss forward+backward, bf16, N={N} d={d} V={V}, best of {timer.reps} "
                  f"(goals: fused time ≤ Liger's, memory ≤ 1.1× CCE's)",
-                 [("variant", 19), ("backend", 10), ("best ms", 10), ("median ms", 11), ("peak MiB", 10),
-                  ("vs CE", 8), ("vs Liger", 10), ("mem/CCE", 9), ("  status / goal", 30)],
-                 [[r["variant"], r["backend"], _fmt(r["best_ms"], ".3f"), _fmt(r["median_ms"], ".3f"),
-                   _fmt(r["peak_mib"], ".0f"), _fmt(r["time_vs_materialised_ce"], ".2f", "x"),
-                   _fmt(r["time_vs_liger"], ".2f", "x"), _fmt(r["memory_vs_cce"], ".2f", "x"),
+                 [("variant", 19), ("backend", 10), ("ran", 9), ("best ms", 10), ("median ms", 11),
+                  ("peak MiB", 10), ("vs CE", 8), ("vs Liger", 10), ("mem/CCE", 9), ("  status / goal", 30)],
+                 [[r["variant"], r["backend"], str(r.get("backend_after", "-")), _fmt(r["best_ms"], ".3f"),
+                   _fmt(r["median_ms"], ".3f"), _fmt(r["peak_mib"], ".0f"),
+                   _fmt(r["time_vs_materialised_ce"], ".2f", "x"), _fmt(r["time_vs_liger"], ".2f", "x"),
+                   _fmt(r["memory_vs_cce"], ".2f", "x"),
                    "  " + (r["status"] if r["status"] != "ok" else goal(r))] for r in rows])
-    return rows
 
 
 # -------------------------------------------------------------------------------------------- (c) sampling vs AR
-def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict[str, Any]]:
+def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer, rec: Recorder) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    rows = rec.section("sampling_vs_ar")
     torch.manual_seed(0)
     config = GPT2Config(**cfg.gpt2_overrides)
     base = GPT2LMHeadModel(config).to(device=device, dtype=cfg.model_dtype).eval()
     L = cfg.seq_len
     bos = torch.tensor([[config.bos_token_id]], device=device)
     uf.set_backend(cfg.sample_backend)
-    rows: list[dict[str, Any]] = []
 
     def ar() -> torch.Tensor:
         return base.generate(bos, attention_mask=torch.ones_like(bos), max_new_tokens=L, min_new_tokens=L,
@@ -306,47 +397,66 @@ def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer) 
             last["out"] = fn()
         return run
 
+    def checked(fn: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], None]) -> Callable[[], dict[str, Any]]:
+        """Measure ``fn``, then check its last output (a wrong output makes the row an error, not a number)."""
+        def run() -> dict[str, Any]:
+            last.pop("out", None)
+            res = timer.measure(keep(fn), memory=False)
+            check(last["out"])
+            return res
+        return run
+
+    def ar_check(out: torch.Tensor) -> None:
+        if out.shape[1] != L + 1:
+            raise RuntimeError(f"generate produced {out.shape[1] - 1} new tokens, expected {L}")
+
     with torch.inference_mode():
-        res = timer.measure(keep(ar), memory=False)
-        if last["out"].shape[1] != L + 1:
-            raise RuntimeError(f"generate produced {last['out'].shape[1] - 1} new tokens, expected {L}")
-        rows.append({"method": "gpt2 AR generate (KV cache)", "steps": None, **res})
+        ar_row = rec.row({"method": "gpt2 AR generate (KV cache)", "steps": None}, checked(ar, ar_check))
         model = uf.adapt_ar_model(base, add_mask_token=False)
         kernel = uf.UniformKernel(model.num_states)
         gx = torch.Generator(device=device).manual_seed(1)
         x = torch.randint(0, model.num_states, (1, L), device=device, generator=gx)
         tt = torch.full((1,), 0.5, device=device)
-        with uf.validation(False):
-            fwd = timer.measure(lambda: model(x, tt), memory=False)
-        rows.append({"method": "adapted forward (1, L)", "steps": 1, **fwd})
-        for N in cfg.steps:
-            sampler = uf.BayesianSampler(model, kernel, num_steps=N)
-            g = torch.Generator(device=device).manual_seed(0)
-            res = timer.measure(keep(lambda s=sampler, g=g: s.sample(1, L, generator=g)), memory=False)
-            ids = last["out"]
+
+        def forward() -> dict[str, Any]:
+            with uf.validation(False):
+                return timer.measure(lambda: model(x, tt), memory=False)
+
+        fwd_row = rec.row({"method": "adapted forward (1, L)", "steps": 1}, forward)
+
+        def ids_check(ids: torch.Tensor) -> None:
             if ids.shape != (1, L) or int(ids.min()) < 0 or int(ids.max()) >= model.num_states:
                 raise RuntimeError(f"sampler returned invalid ids: shape {tuple(ids.shape)}")
-            rows.append({"method": "BayesianSampler (uniform)", "steps": N, **res})
-    ar_ms, fwd_ms = rows[0]["best_ms"], rows[1]["best_ms"]
+
+        for N in cfg.steps:
+            def sample(N: int = N) -> dict[str, Any]:  # everything of the row inside it: a failure is the row's
+                sampler = uf.BayesianSampler(model, kernel, num_steps=N)
+                g = torch.Generator(device=device).manual_seed(0)
+                return checked(lambda: sampler.sample(1, L, generator=g), ids_check)()
+
+            rec.row({"method": "BayesianSampler (uniform)", "steps": N}, sample)
+    ar_ms, fwd_ms = ar_row["best_ms"], fwd_row["best_ms"]
     for r in rows:
         r["speedup_vs_ar"] = _ratio(ar_ms, r["best_ms"])
         r["per_step_overhead"] = (_ratio(r["best_ms"] / r["steps"], fwd_ms)
-                                  if r["method"].startswith("BayesianSampler") else None)
+                                  if r["method"].startswith("BayesianSampler") and r["best_ms"] is not None
+                                  else None)
+    rec.save()
     first = next((r for r in rows if r["steps"] == 16 and r["method"].startswith("Bayes")), None)
     _print_table(f"(c) App. C.6: GPT-2 ({config.n_layer} layers, d={config.n_embd}, V={config.vocab_size}) "
                  f"{str(cfg.model_dtype).removeprefix('torch.')}, "
                  f"batch 1, {L} tokens, best of {timer.reps}; sampler backend {cfg.sample_backend} "
                  f"(paper: 87.1 ms at 16 steps, 16.97x; goal ≥ 17x)",
-                 [("method", 30), ("steps", 6), ("best ms", 11), ("median ms", 11), ("tokens/s", 10),
-                  ("vs AR", 8), ("step/fwd", 9)],
-                 [[r["method"], "-" if r["steps"] is None else str(r["steps"]), _fmt(r["best_ms"], ".1f"),
-                   _fmt(r["median_ms"], ".1f"),
+                 [("method", 30), ("steps", 6), ("ran", 9), ("best ms", 11), ("median ms", 11), ("tokens/s", 10),
+                  ("vs AR", 8), ("step/fwd", 9), ("  status", 10)],
+                 [[r["method"], "-" if r["steps"] is None else str(r["steps"]), str(r.get("backend_after", "-")),
+                   _fmt(r["best_ms"], ".1f"), _fmt(r["median_ms"], ".1f"),
                    _fmt(L / (r["best_ms"] / 1e3) if r["best_ms"] else None, ".0f"),
-                   _fmt(r["speedup_vs_ar"], ".2f", "x"), _fmt(r["per_step_overhead"], ".2f", "x")] for r in rows])
-    if first is not None:
+                   _fmt(r["speedup_vs_ar"], ".2f", "x"), _fmt(r["per_step_overhead"], ".2f", "x"),
+                   "  " + (r.get("error") or r.get("skipped") or "ok")] for r in rows])
+    if first is not None and first["speedup_vs_ar"] is not None:
         print(f"16 steps: {first['speedup_vs_ar']:.2f}x AR -> goal ≥ 17x "
               f"{'met' if first['speedup_vs_ar'] >= 17 else 'MISSED'}")
-    return rows
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -358,15 +468,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; sampling 5; dry run 1)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per row (default 2; dry run 0)")
     p.add_argument("--backends", default="eager,compiled", help="loss backends to compare")
+    p.add_argument("--loss-kernels", default="uniform,mask", help="kernels of the loss section: uniform, mask")
     p.add_argument("--sample-backend", default=None, help="backend for sampling (default compiled; dry run eager)")
     p.add_argument("--dry-run-compiled", action="store_true",
                    help="with --dry-run, also run the compiled backend (compiles on the CPU: tens of seconds)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes, steps and repetitions (V=262,144 only, 16 and 64 steps, 3 reps): one pass of "
+                        "every section that fits a 10-minute limit with room for compilation")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="rows that would start after this many seconds are recorded as skipped (the run then ends "
+                        "cleanly, e.g. below a per-command time limit)")
     args = p.parse_args(argv)
+    if args.time_budget is not None and args.time_budget <= 0:
+        p.error(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     for s in args.sections:
         if s not in SECTIONS:
             p.error(f"--sections: unknown section {s!r} (choose from {', '.join(SECTIONS)})")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.loss_kernels = [k.strip() for k in args.loss_kernels.split(",") if k.strip()]
+    for k in args.loss_kernels:
+        if k not in ("uniform", "mask"):
+            p.error(f"--loss-kernels: unknown kernel {k!r} (choose from uniform, mask)")
     for b in args.backends:
         if b not in ("eager", "compiled", "auto"):
             p.error(f"--backends: unknown backend {b!r}")
@@ -382,12 +505,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sample_backend = args.sample_backend or "eager"
         args.model_dtype = torch.float32  # bf16 matmuls are slow on most CPUs; the GPU run uses bf16
     else:
-        args.reps = args.reps or 10
-        args.warmup = 2 if args.warmup is None else args.warmup
-        args.loss_n, args.loss_v = 16384, [49152, 262144]
+        args.reps = args.reps or (3 if args.quick else 10)
+        args.warmup = (1 if args.quick else 2) if args.warmup is None else args.warmup
+        args.loss_n, args.loss_v = 16384, ([262144] if args.quick else [49152, 262144])
         args.fused_n, args.fused_d, args.fused_v = 16384, 1536, 262144
         args.gpt2_overrides = {}
-        args.seq_len, args.steps = 512, [16, 32, 64, 128, 256]
+        args.seq_len, args.steps = 512, ([16, 64] if args.quick else [16, 32, 64, 128, 256])
         args.sample_backend = args.sample_backend or "compiled"
         args.model_dtype = torch.bfloat16
     return args
@@ -399,11 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.dry_run:
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         return 2
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # piped to a file under a time limit: every line lands
     device = torch.device("cpu") if args.dry_run else torch.device("cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     info = {"name": name, "type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "unifusion": uf.__version__, "dry_run": bool(args.dry_run), "reps": args.reps, "warmup": args.warmup,
-            "goals": GOALS,
+            "unifusion": uf.__version__, "dry_run": bool(args.dry_run), "quick": bool(args.quick),
+            "sections": args.sections, "backends": args.backends, "sample_backend": args.sample_backend,
+            "reps": args.reps, "warmup": args.warmup, "time_budget_s": args.time_budget,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "goals": GOALS,
             # how the fused loss accumulates ∂W from bf16 operands here: "addmm"/"mm" (float32-output GEMM on the
             # bf16 operands: tensor cores) or null (float32 operands)
             "fused_fp32_accumulation": fused_linear.fp32_accumulation_mode(device, torch.bfloat16)}
@@ -422,19 +549,34 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
+            tmp = f"{args.out}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(results, f, indent=2)
+            os.replace(tmp, args.out)  # a kill mid-write leaves the previous complete file
 
     save()
     t0 = time.perf_counter()
+    deadline = None if args.time_budget is None else t0 + args.time_budget
     sampling_timer = Timer(device, args.reps if args.dry_run else min(args.reps, 5), args.warmup)
     timer = Timer(device, args.reps, args.warmup)
+    rec = Recorder(results, save, deadline)
     for section, key, fn, tm in (("loss", "loss_vs_cross_entropy", bench_loss, timer),
                                  ("fused", "fused_vs_alternatives", bench_fused, timer),
                                  ("sampling", "sampling_vs_ar", bench_sampling, sampling_timer)):
-        if section in args.sections:
-            results[key] = fn(args, device, tm)
-            save()
+        if section not in args.sections:
+            continue
+        print(f"\n== {section} ({time.perf_counter() - t0:.0f} s elapsed)")
+        try:
+            fn(args, device, tm, rec)
+        except Exception as exc:  # noqa: BLE001 - setting a section up failed (inputs, the model): record, go on
+            rec.key = key
+            rec.results.setdefault(key, [])
+            rec.row({"section": section, "setup": "failed"}, lambda exc=exc: _failed(exc))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["device"]["seconds"] = round(time.perf_counter() - t0, 1)
+    save()
     print(f"\ntotal {time.perf_counter() - t0:.1f} s" + (f"; results in {args.out}" if args.out else ""))
     return 0
 

@@ -10,12 +10,17 @@ other heads (``sedd_loss``, ``m2s_loss``, ``ctmc_loss``, ``bregman_rate_loss``);
 accumulation of ∂W from bf16 operands and its default block size;
 ``diffusion_loss`` through a tiny adapted Hugging Face model, CUDA against CPU; the x0 conversions
 (``ReverseRate.from_x0``, ``from_x0_logits``, ``convert_x0_to``); one Bayesian posterior step's distribution and the
-sampler end to end; the compiled backend against eager. TF32 is switched off so float32 matmuls are float32.
+sampler end to end (Bayesian and Euler); the LM-vocabulary draw straight from bf16 logits
+(``bayesian_step_from_logits``) against the float64 posterior; ``nll_bound`` against a float64 CPU recomputation of
+the same draws; ``score_choices`` / ``fair_pmi_scores`` against a float64 CPU model; the lm-eval harness's three
+request types on the device (the rolling bound's generator on the device: #16); the compiled backend against eager.
+TF32 is switched off so float32 matmuls are float32.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import warnings
@@ -24,8 +29,9 @@ import pytest
 import torch
 
 import unifusion as uf
+from unifusion.eval import fair_pmi_scores, nll_bound, prior_kl, score_choices
 from unifusion.losses import fast, fused_linear_diffusion_loss, native
-from unifusion.samplers._step import bayesian_step
+from unifusion.samplers._step import bayesian_step, bayesian_step_from_logits
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _hf_tiny import tiny_model  # noqa: E402
@@ -427,6 +433,164 @@ def test_sampler_on_cuda_gives_valid_reproducible_ids(kernel_kind, vocab, backen
     prompt[:5] = torch.arange(10, 15, device=DEV)
     out = sampler.sample(2, 24, prompt=prompt, generator=torch.Generator(DEV).manual_seed(6))
     assert torch.equal(out[:, :5], prompt[:5].expand(2, 5))
+
+
+@pytest.mark.parametrize("kernel_kind", ["uniform", "mask"])
+@pytest.mark.parametrize("parameterization", ["x0", "sedd"])
+def test_euler_sampler_on_cuda_gives_valid_reproducible_ids(kernel_kind, parameterization):
+    model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=kernel_kind == "mask").to(DEV)
+    S = model.num_states
+    kernel = uf.UniformKernel(S) if kernel_kind == "uniform" else uf.MaskKernel(S, model.mask_token_id)
+    head = model if parameterization == "x0" else uf.samplers.x0_model_as(model, kernel, parameterization)
+    sampler = uf.EulerSampler(head, kernel, num_steps=6, parameterization=parameterization)
+    runs = [sampler.sample(2, 24, generator=torch.Generator(DEV).manual_seed(5)) for _ in range(2)]
+    ids = runs[0]
+    assert ids.shape == (2, 24) and ids.dtype == torch.int64 and ids.device.type == DEV
+    assert int(ids.min()) >= 0 and int(ids.max()) < S
+    if kernel.mask_id is not None:
+        assert not bool((ids == kernel.mask_id).any())  # the final step lands on clean tokens
+    assert torch.equal(runs[0], runs[1])
+    prompt = torch.full((24,), -1, device=DEV)
+    prompt[:5] = torch.arange(10, 15, device=DEV)
+    out = sampler.sample(2, 24, prompt=prompt, generator=torch.Generator(DEV).manual_seed(6))
+    assert torch.equal(out[:, :5], prompt[:5].expand(2, 5))
+
+
+@pytest.mark.parametrize("name", ["uniform", "mask"])
+def test_bayesian_step_from_bf16_logits_at_lm_vocabulary_size_draws_the_float64_posterior(name, backend):
+    """The LM path (S ≥ COMPILE_MIN_STATES: block masses, compiled under "compiled"): 100,000 draws per x_t (5 calls of
+    20,000 rows: ~2 GB of bf16 logits each) at S = 50,257, T = 0.8, against kernel.posterior in float64 of
+    softmax(rounded logits / T). The heavy states sit in different 256-state blocks (and the last, short one); the
+    rest of the vocabulary is one bucket."""
+    S, n, reps, T = 50_257, 20_000, 5, 0.8
+    kernel = _kernel(name, S)
+    g = torch.Generator().manual_seed(7)
+    logits64 = torch.randn(S, generator=g, dtype=torch.float64) - 4.0  # a long tail with ~25 % of the mass
+    heavy = torch.tensor([5, 255, 256, 20_000, 50_100, S - 2])  # block edges and the short last block
+    logits64[heavy] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5], dtype=torch.float64)
+    rounded = logits64.to(torch.bfloat16)
+    p = torch.softmax(rounded.double() / T, -1)
+    if kernel.mask_id is not None:
+        p[kernel.mask_id] = 0.0
+        p = p / p.sum()
+    buckets = torch.unique(torch.cat([heavy, torch.tensor([0, 17, S - 1])]))  # + the x_t values and the mask id
+    gd = torch.Generator(DEV).manual_seed(0)
+    t, s = torch.tensor(0.7, device=DEV), torch.tensor(0.4, device=DEV)
+    logits = rounded.to(DEV).expand(n, 1, S).contiguous()  # (n, 1, S) bf16, as a model returns them
+    for b in (0, 17, int(heavy[0]), S - 1):  # S - 1 is the mask id of the mask kernel
+        x_t = torch.full((n, 1), b, device=DEV)
+        outs = [bayesian_step_from_logits(logits, x_t, kernel, t, s, gd, temperature=T) for _ in range(reps)]
+        assert all(o.shape == (n, 1) and o.device.type == DEV and o.dtype == torch.int64 for o in outs)
+        draws = torch.cat(outs).flatten().cpu()
+        ref = kernel.posterior(p, torch.tensor(b), 0.4, torch.tensor(0.7, dtype=torch.float64))  # (S,)
+        in_bucket = (draws[:, None] == buckets[None, :])
+        freq = torch.cat([in_bucket.double().mean(0), 1 - in_bucket.any(1).double().mean(0, keepdim=True)])
+        expected = torch.cat([ref[buckets], (1 - ref[buckets].sum()).reshape(1)])
+        assert float((freq - expected).abs().sum()) / 2 < 0.01, (b, freq, expected)
+        if kernel.mask_id is not None and b != kernel.mask_id:
+            assert bool((draws == b).all())  # the mask kernel never leaves a clean token
+        keep = expected > 0  # buckets the posterior can reach (others must stay empty)
+        assert bool((freq[~keep] == 0).all()), (b, freq, expected)
+        chi2 = float(((freq[keep] - expected[keep]) ** 2 / expected[keep]).sum() * n * reps)
+        assert chi2 < 40.0, (b, chi2)  # ≤ 9 degrees of freedom: P(χ² > 40) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def _tiny_pair(kind: str = "mask"):
+    cpu_model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=kind == "mask")
+    gpu_model = copy.deepcopy(cpu_model).to(DEV)
+    S = cpu_model.num_states
+    kernel = uf.UniformKernel(S) if kind == "uniform" else uf.MaskKernel(S, cpu_model.mask_token_id)
+    return cpu_model, gpu_model, kernel
+
+
+@pytest.mark.parametrize("kind", ["uniform", "mask"])
+def test_nll_bound_on_cuda_matches_a_float64_cpu_recomputation_of_its_draws(kind):
+    cpu_model, gpu_model, kernel = _tiny_pair(kind)
+    x0 = torch.randint(3, 120, (3, 12), generator=torch.Generator().manual_seed(0))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording(x_t, t, **kwargs):  # the draws the device made, kept for the CPU reference
+        seen.append((x_t.cpu(), t.cpu()))
+        return gpu_model(x_t, t, **kwargs)
+
+    K = 6
+    bound = nll_bound(recording, x0.to(DEV), kernel, num_times=K, generator=torch.Generator(DEV).manual_seed(1),
+                      per_token=False)
+    assert bound.device.type == DEV and bound.dtype == torch.float64 and len(seen) == K
+    model64 = copy.deepcopy(cpu_model).double()
+    with torch.no_grad():
+        total = sum(native.gidd_loss(model64(x_t, t.double()), x0, x_t, t.double()[:, None].expand_as(x0),
+                                     kernel).sum(-1) for x_t, t in seen)
+    ref = total / K + prior_kl(kernel, x0).sum(-1)
+    torch.testing.assert_close(bound.cpu(), ref, rtol=1e-4, atol=1e-6)
+    again = nll_bound(gpu_model, x0.to(DEV), kernel, num_times=K, generator=torch.Generator(DEV).manual_seed(1),
+                      per_token=False)
+    torch.testing.assert_close(again, bound, rtol=0, atol=0)  # the device stream is reproducible
+
+
+def test_score_choices_and_fair_pmi_on_cuda_match_a_float64_cpu_model():
+    cpu_model, gpu_model, kernel = _tiny_pair("mask")
+    model64 = copy.deepcopy(cpu_model).double()
+    context, choices, null = [5, 9, 14, 3], [[20, 21], [30], [40, 41, 42]], [7, 8]
+    for fn, extra in ((score_choices, {}), (fair_pmi_scores, {"null_context_ids": null})):
+        args = (kernel, context, choices) + tuple(extra.values())
+        # a CPU generator: the corruption is drawn on the CPU and the rows moved to the model, so the draws are equal
+        dev = fn(gpu_model, *args, num_times=8, generator=torch.Generator().manual_seed(3), batch_size=5)
+        ref = fn(model64, *args, num_times=8, generator=torch.Generator().manual_seed(3), batch_size=5)
+        assert dev.dtype == torch.float64 and dev.shape == (3,)
+        torch.testing.assert_close(dev, ref, rtol=1e-4, atol=1e-5)
+        # a generator on the device works too (draws there), reproducibly
+        a, b = (fn(gpu_model, *args, num_times=8, generator=torch.Generator(DEV).manual_seed(3)) for _ in range(2))
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_the_harness_runs_its_three_request_types_on_cuda():
+    """#16: loglikelihood_rolling on a GPU handed nll_bound a CPU generator ("Expected a 'cuda' device type for
+    generator"). All three request types on the device, against the CPU harness and the library calls."""
+    pytest.importorskip("lm_eval")  # the [eval] extra
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from unifusion.eval.harness import UnifusionLM
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer"))
+    cpu_model = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer)
+    gpu_model = copy.deepcopy(cpu_model).to(DEV)
+    kernel = uf.MaskKernel(cpu_model.num_states, cpu_model.mask_token_id)
+
+    def request(*args, doc_id=None):
+        return SimpleNamespace(args=args, doc_id=doc_id, task_name="t")
+
+    options = dict(tokenizer=tokenizer, num_times=4, nll_times=4, num_steps=3, seed=5, max_length=6)
+    lm_gpu, lm_cpu = UnifusionLM(model=gpu_model, **options), UnifusionLM(model=cpu_model, **options)
+    mc = [request("the cat sat on the", " mat", doc_id=0), request("the cat sat on the", " dog", doc_id=0)]
+    got, want = lm_gpu.loglikelihood(mc), lm_cpu.loglikelihood(mc)  # CPU draws on both: the same corruption
+    assert [g for _, g in got] == [w for _, w in want]
+    assert [v for v, _ in got] == pytest.approx([v for v, _ in want], rel=1e-4)
+    text = "the cat sat on the mat . the big dog ran to the river ."
+    (rolling,) = lm_gpu.loglikelihood_rolling([request(text)])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    g = torch.Generator(DEV).manual_seed(5)
+    expected = sum(-float(nll_bound(gpu_model, torch.tensor([ids[lo: lo + 6]], device=DEV), kernel, num_times=4,
+                                    generator=g, per_token=False)) for lo in range(0, len(ids), 6))
+    assert math.isfinite(rolling) and rolling == pytest.approx(expected, rel=1e-10)
+    gen = [request("the animal is cat .", {"until": ["."], "max_gen_toks": 4})]
+    modes = [m.training for m in gpu_model.modules()]
+    first, second = lm_gpu.generate_until(gen), lm_gpu.generate_until(gen)
+    assert first == second and isinstance(first[0], str)  # seeded on the device: reproducible
+    prompt = torch.tensor([lm_gpu._generation_settings(gen[0])[0]], device=DEV)  # the context cut to max_length
+    with torch.no_grad():
+        gpu_model.eval()
+        ids = gpu_model.generate(prompt, max_new_tokens=4, num_steps=3, kernel=kernel,
+                                 generator=torch.Generator(DEV).manual_seed(5))[0, prompt.shape[1]:].tolist()
+    for module, training in zip(gpu_model.modules(), modes):
+        module.training = training
+    ids = ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    ids = [i for i in ids if i != gpu_model.mask_token_id]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert first == [text[: text.index(".")] if "." in text else text]  # DiffusionLM.generate, cut at the stop
 
 
 # ----------------------------------------------------------------------------------------- compiled vs eager

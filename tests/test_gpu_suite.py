@@ -22,6 +22,7 @@ ROW_KEYS = {
                               "time_vs_materialised_ce", "time_vs_liger", "memory_vs_cce"},
     "sampling_vs_ar": {"method", "steps", "best_ms", "median_ms", "peak_mib", "speedup_vs_ar", "per_step_overhead"},
 }
+MEASURED_KEYS = {"backend_after", "compile_stats", "warnings", "seconds"}  # every row that ran
 
 
 def _env() -> dict[str, str]:
@@ -66,6 +67,11 @@ def test_dry_run_json_sections(dry_run: tuple[subprocess.CompletedProcess[str], 
         assert isinstance(rows, list) and rows, section
         for row in rows:
             assert keys <= set(row), (section, keys - set(row))
+            if row["best_ms"] is not None:
+                assert MEASURED_KEYS <= set(row), (section, MEASURED_KEYS - set(row))
+                assert row["backend_after"] == "eager" and row["warnings"] == [], row  # the eager dry run
+                assert set(row["compile_stats"]) == {"compiled", "pending", "seconds"}
+    assert data["device"]["seconds"] > 0 and data["device"]["sections"] == ["loss", "fused", "sampling"]
 
 
 def test_dry_run_loss_rows(dry_run: tuple[subprocess.CompletedProcess[str], dict]) -> None:
@@ -123,3 +129,95 @@ def test_without_cuda_exits_2(tmp_path: Path) -> None:
 def test_unknown_section_is_an_error() -> None:
     proc = _run("--dry-run", "--sections", "nope", timeout=120)
     assert proc.returncode == 2 and "unknown section" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the compiled backend once, at the smallest size: one loss configuration (measured on the project's 2-core machine:
+# ~30 s with Inductor's on-disk cache cold, ~50 s with its precompiled header cold too; the whole compiled dry run of
+# every section is ~140 s cold, so it is not run here)
+
+
+def test_dry_run_compiled_rows_ran_compiled(tmp_path: Path) -> None:
+    out = tmp_path / "compiled.json"
+    proc = _run("--dry-run", "--dry-run-compiled", "--backends", "compiled", "--sections", "loss",
+                "--loss-kernels", "mask", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["loss_vs_cross_entropy"]
+    compiled = [r for r in rows if r["backend"] == "compiled"]
+    assert [r["V"] for r in compiled] == [1000, 2000] and all(r["loss"] == "gidd_mask" for r in compiled)
+    for r in compiled:
+        assert "error" not in r and _finite_positive(r["best_ms"]), r
+        assert r["backend_after"] == "compiled", r  # no compiler failure turned the process eager
+        assert not any("torch.compile failed" in w for w in r["warnings"]), r
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the script's machinery, in process
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_failed_rows_name_the_error_even_without_a_message(gpu) -> None:
+    assert gpu._failed(RuntimeError(""))["error"] == "RuntimeError: RuntimeError('')"
+    assert gpu._failed(ValueError("\n\nsecond line"))["error"] == "ValueError: second line"
+    assert gpu._failed(torch.OutOfMemoryError("CUDA out of memory. Tried"))["error"].startswith("OOM: CUDA out")
+    row = gpu._failed(KeyError("x"))
+    assert row["best_ms"] is None and row["backend_after"] == gpu.uf.get_backend()
+
+
+def test_recorder_keeps_going_saves_every_row_and_honours_the_deadline(gpu, tmp_path: Path) -> None:
+    results: dict = {}
+    saved: list[int] = []
+    rec = gpu.Recorder(results, lambda: saved.append(len(results.get("s", []))), deadline=None)
+    rows = rec.section("s")
+
+    def boom() -> dict:
+        raise RuntimeError("")
+
+    rec.row({"step": 1}, boom)
+    rec.row({"step": 2}, lambda: {"best_ms": 1.0, "median_ms": 1.0, "peak_mib": None})
+    assert rows[0]["error"] == "RuntimeError: RuntimeError('')" and rows[1]["best_ms"] == 1.0
+    assert saved == [1, 2]  # written after each row
+    rec.deadline = 0.0  # in the past
+    rec.row({"step": 3}, lambda: pytest.fail("a row past the deadline must not run"))
+    assert rows[2]["skipped"] == "time budget" and rows[2]["best_ms"] is None
+
+
+def test_timer_releases_gradients_before_every_call_and_reports_the_backend(gpu) -> None:
+    events: list[str] = []
+    timer = gpu.Timer(torch.device("cpu"), reps=3, warmup=2)
+    res = timer.measure(lambda: events.append("call"), reset=lambda: events.append("reset"))
+    assert events == ["reset", "call"] * 5 + ["reset"]  # warm-up and timed calls each start released
+    assert res["backend_after"] == gpu.uf.get_backend() and res["warnings"] == []
+
+
+def test_a_failing_sampling_row_does_not_end_the_section(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = gpu.parse_args(["--dry-run"])
+    cfg.gpt2_overrides = dict(n_layer=1, n_embd=32, n_head=2, n_positions=32, vocab_size=96, bos_token_id=1,
+                              eos_token_id=2)
+    cfg.seq_len, cfg.steps = 8, [2, 3, 4]
+    real = gpu.uf.BayesianSampler
+
+    def sampler(model, kernel, num_steps, **kwargs):
+        if num_steps == 3:
+            raise RuntimeError("")  # e.g. an OOM inside one configuration
+        return real(model, kernel, num_steps=num_steps, **kwargs)
+
+    monkeypatch.setattr(gpu.uf, "BayesianSampler", sampler)
+    results: dict = {}
+    rec = gpu.Recorder(results, lambda: None, deadline=None)
+    gpu.bench_sampling(cfg, torch.device("cpu"), gpu.Timer(torch.device("cpu"), 1, 0), rec)
+    rows = results["sampling_vs_ar"]
+    steps = {r["steps"]: r for r in rows if r["method"].startswith("BayesianSampler")}
+    assert steps[3]["error"] == "RuntimeError: RuntimeError('')" and steps[3]["speedup_vs_ar"] is None
+    for n in (2, 4):
+        assert _finite_positive(steps[n]["best_ms"]) and _finite_positive(steps[n]["per_step_overhead"])
