@@ -183,8 +183,12 @@ class Recorder:
         row["seconds"] = round(time.perf_counter() - start, 3)
         self.results[self.key].append(row)
         label = " ".join(f"{k}={row[k]}" for k in fields)
-        status = row.get("error") or row.get("skipped") or (f"best {_fmt(row['best_ms'], '.3f')} ms, "
-                                                             f"backend_after {row.get('backend_after')}")
+        if row.get("error") or row.get("skipped"):
+            status = row.get("error") or row["skipped"]
+        elif row.get("best_ms") is None:
+            status = str(row.get("status", "not measured"))
+        else:
+            status = f"best {_fmt(row['best_ms'], '.3f')} ms, backend_after {row.get('backend_after')}"
         print(f"  [{self.key}] {label}: {status} ({row['seconds']:.1f} s)", flush=True)
         self.save()
         return row
@@ -334,8 +338,7 @@ def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer, rec
     for name, backend, run in variants:
         fields: dict[str, Any] = {"variant": name, "backend": backend, "N": N, "d": d, "V": V}
         if isinstance(run, str):
-            row = rec.row(fields, lambda: {"best_ms": None, "median_ms": None, "peak_mib": None})
-            row["status"] = run
+            rec.row(fields, lambda run=run: {"best_ms": None, "median_ms": None, "peak_mib": None, "status": run})
             continue
 
         def measure(run: Callable[[], None] = run, backend: str = backend) -> dict[str, Any]:

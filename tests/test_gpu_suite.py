@@ -221,3 +221,14 @@ def test_a_failing_sampling_row_does_not_end_the_section(gpu, monkeypatch: pytes
     assert steps[3]["error"] == "RuntimeError: RuntimeError('')" and steps[3]["speedup_vs_ar"] is None
     for n in (2, 4):
         assert _finite_positive(steps[n]["best_ms"]) and _finite_positive(steps[n]["per_step_overhead"])
+
+
+def test_quick_mode_and_time_budget_options(gpu) -> None:
+    quick = gpu.parse_args(["--quick", "--time-budget", "500"])
+    full = gpu.parse_args([])
+    assert quick.loss_v == [262144] and set(quick.loss_v) < set(full.loss_v)  # the documented quick pass
+    assert quick.steps == [16, 64] and set(quick.steps) < set(full.steps) and quick.reps == 3 < full.reps
+    assert quick.time_budget == 500.0 and full.time_budget is None
+    for bad in (["--time-budget", "0"], ["--loss-kernels", "hybrid"]):
+        with pytest.raises(SystemExit):
+            gpu.parse_args(bad)

@@ -159,7 +159,7 @@ def _block_mask(A: torch.Tensor) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     pattern = A[:, 0].contiguous()  # (B, n, n); an expanded (stride-0) pattern trips Inductor's CPU template
-    if pattern.device.type == "cpu":
+    if pattern.device.type == "cpu" and not torch.compiler.is_compiling():
         # Inductor's CPU flex-attention template fails to build (C++ "cur_kvSplitSize5 was not declared", torch 2.15)
         # when this captured tensor is traced with symbolic sizes, which automatic dynamic shapes pick on the
         # recompile after another mask (e.g. the causal one): keep it static there.
