@@ -3,6 +3,7 @@
 * :func:`bregman_rate_loss` — Definition 3.1's D_t on two :class:`~unifusion.ReverseRate` rows.
 * :func:`sedd_loss`, :func:`mdlm_loss`, :func:`gidd_loss`, :func:`m2s_loss`, :func:`ctmc_loss` — App. A, each equal
   to D_t between the true conditional rates and the rates its head induces (Theorem 3.3).
+* :func:`gidd_loss_weight` — the per-position weight of :func:`gidd_loss` (ELBO, clipped or GIDD's dynamic one).
 * :func:`x0_head_loss` — D_t of an x0 head (GIDD / MDLM / the x0-head SEDD, M2S, CTMC losses) at the cost of a
   cross-entropy; :func:`gidd_loss` and :func:`mdlm_loss` here are its fast paths (same values as the references).
 * :func:`fused_linear_diffusion_loss` — output head + x0-head loss without materialising the logits.
@@ -15,7 +16,7 @@ The straightforward O(S)-per-position implementations stay importable as ``unifu
 from .bregman import bregman_divergence, bregman_rate_loss
 from .fast import X0_HEAD_OBJECTIVES, gidd_loss, mdlm_loss, x0_head_loss
 from .fused_linear import fused_linear_diffusion_loss
-from .native import GIDD_WEIGHTINGS, ctmc_loss, m2s_loss, sedd_loss
+from .native import GIDD_WEIGHTINGS, ctmc_loss, gidd_loss_weight, m2s_loss, sedd_loss
 from .native import gidd_loss as reference_gidd_loss
 from .native import mdlm_loss as reference_mdlm_loss
 
@@ -27,6 +28,7 @@ __all__ = [
     "ctmc_loss",
     "fused_linear_diffusion_loss",
     "gidd_loss",
+    "gidd_loss_weight",
     "m2s_loss",
     "mdlm_loss",
     "reference_gidd_loss",

@@ -3,10 +3,10 @@
 :func:`loss_and_grad` maps a block of logits ``(n, S)`` and the logit-free per-row quantities ``(n,)`` to the loss
 ``(n,)`` and, optionally, ∂(Σ_n g_n L_n)/∂logits ``(n, S)`` (equations in :mod:`unifusion.losses.fast`). It is written
 with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Inductor turns it into a few loops per row
-(max, Σ exp, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps exp(l − max) between those loops,
-so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to stay in cache; a gradient pass
-from saved statistics (one loop per row) and everything on GPUs run on all rows at once. That is what puts the loss
-at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs on smaller blocks.
+(max, Σ exp with Σ exp off the max, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps exp(l − max)
+between those loops, so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to stay in cache; a
+gradient pass from saved statistics (one loop per row) and everything on GPUs run on all rows at once. That is what puts
+the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs on smaller blocks.
 
 Backends: :func:`unifusion.set_backend` (``"auto"`` by default: eager first, compiled in the background once a
 configuration repeats with enough work; ``"compiled"``; ``"eager"``; see :mod:`unifusion._compile`).
@@ -50,6 +50,15 @@ _INDUCTOR_OPTIONS = {"realize_reads_threshold": 1000, "realize_opcount_threshold
 ROW_FIELDS = ("x0", "x_t", "alpha", "log_alpha", "u", "alpha_over_u", "m_x0", "m_xt", "log_m_x0", "log_m_xt",
               "safe_log_m_xt",
               "same", "possible", "u_pos", "x0_is_mask", "xt_is_mask", "w_active", "v_active", "A")
+# row statistics a loss pass hands to a later gradient pass (see loss_and_grad and stats_buffers)
+NUM_STATS = 6
+
+
+def stats_buffers(num_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Empty ``(num_rows,)`` buffers for the :data:`NUM_STATS` row statistics of :func:`loss_and_grad`: the row
+    maximum l_j, s, s', c', T in ``dtype`` and the column j of the maximum (int64)."""
+    return tuple(torch.empty(num_rows, dtype=torch.int64 if i == NUM_STATS - 1 else dtype, device=device)
+                 for i in range(NUM_STATS))
 
 
 # ---------------------------------------------------------------------------------------------------- math
@@ -111,14 +120,24 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                   ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                              tuple[torch.Tensor, ...] | None]:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``,
-    into ``grad_out``) and, if ``need_stats``, the row statistics (max_y l_y, s = Σ_y exp(l_y − max),
-    c = Σ_y p_y e_y), each ``(n,)``.
+    into ``grad_out``) and, if ``need_stats``, the :data:`NUM_STATS` row statistics ``(n,)`` (:func:`stats_buffers`):
+    the row maximum l_j of the logits and its column j, s = Σ_y e^{l_y − l_j}, s' = Σ_{y≠j} e^{l_y − l_j},
+    c' = Σ_{y≠x0} p_y e_y and T = Σ_{y≠x0} e_y (1 − e^{l_y − l_j}).
+
+    **The token holding most of the probability.** Where p_j ≈ 1 (a confident model), 1 − p_j and the gradient at j
+    are far below the terms a direct formula subtracts: log p_x0 = l_x0 − l_j − log s carries an absolute error of one
+    ulp of 1 (float32: 6e-8), all of log p_x0 ≈ −(1 − p_x0) once that is smaller, and ∂L/∂l_j = p_j [A (e_j − c) − H]
+    + δ_{j,x_t} H is a difference of O(A) terms whose true value is O(A (1 − p_j)). So 1 − p_j = s'/s is summed from
+    the other tokens (one more accumulator in the same pass), and the gradient at j is written without subtractions
+    of such terms: e_j − c = Σ_{y≠j} p_y (e_j − e_y) with, off x0, e_j − e_y = k (1 − P_y) / ((1 + k)(1 + k P_y))
+    (x = k P, P_j = 1), i.e. T / ((1 + k) s), and at x0 p_x0 (e_j − e_x0) = p_x0 k / (1 + k) − p_x0 e_x0 (both ≥ 0);
+    at j = x0 it is p_x0 e_x0 (1 − p_x0) − p_x0 c' (both ≤ 0).
 
     ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
     same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). The gradient needs
-    ``grad_out`` (logits' shape and dtype): it is written there except at the columns x0 and x_t of each row, and
-    ``(index, value)``, each ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes
+    ``grad_out`` (logits' shape and dtype): it is written there except at the columns x0, x_t and j of each row,
+    and ``(index, value)``, each ``(n, 3)``, is returned in its place: ``_put(grad_out, index, value)`` completes
     it (:func:`run` does; inside a compiled function that scatter would cost a copy of the block).
     """
     (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
@@ -126,6 +145,8 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     S = logits.shape[-1]
     neg_inf = torch.full_like(alpha, -math.inf)
     zero = torch.zeros_like(alpha)
+    # 0-d constants for torch.where: a Python number there becomes a new scalar tensor (an op) at every call
+    zero0, one0 = torch.zeros((), dtype=dtype, device=logits.device), torch.ones((), dtype=dtype, device=logits.device)
     # column ids as floats where exact (below 2^24 states): Inductor's CPU loops compare those in one instruction,
     # int64 ids in several
     id_dtype = dtype if S < 2**24 else torch.int64
@@ -133,36 +154,45 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     l = logits.to(dtype)
     if mask_id is not None:  # MDLM's SUBS: the mask entry of the head is ignored
         l = torch.where(col == mask_id, -math.inf, l)
-    # ---- softmax over clean states, unnormalised: P = exp(l − max), s = Σ P
-    mx = l.amax(-1) if stats is None else stats[0]
-    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated
+    # ---- softmax over clean states, unnormalised: P = exp(l − max), s = Σ P, j = the (first) column of the max
+    if stats is None:
+        mx, j_max = l.max(-1)
+    else:
+        mx, j_max = stats[0], stats[5]
+    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at j (P_j = 1)
     P = torch.exp(d)
     s = P.sum(-1) if stats is None else stats[1]
+    at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
+    # s' = Σ_{y≠j} P_y: 1 − p_j = s'/s to rounding even where p_j rounds to 1 (a confident model)
+    s_off = torch.where(col == j_max.to(id_dtype).unsqueeze(-1), zero0, P).sum(-1) if stats is None else stats[2]
     shift = mx + torch.log(s)
+    j_is_x0 = j_max == x0  # never at a mask x0: its column is −inf (or sliced off, its id out of range)
     # a mask id may lie outside the columns (run() slices the mask column off): gather at 0 there, flagged anyway
     l_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1)
     l_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1)
-    log_p_x0 = torch.where(x0_is_mask, neg_inf, l_x0 - shift)
+    one_minus_p_j = s_off / s
+    near_one = j_is_x0 & (one_minus_p_j < 0.5)  # log p_x0 = log1p(−(1 − p_x0)) there, l_x0 − max − log s elsewhere
+    log_p_x0 = torch.where(x0_is_mask, neg_inf,
+                           torch.where(near_one, torch.log1p(-one_minus_p_j), l_x0 - shift))  # 1 − p_j > 0
     log_p_xt = torch.where(xt_is_mask, neg_inf, l_xt - shift)
-
     p_x0, p_xt = torch.exp(log_p_x0), torch.exp(log_p_xt)
-    one_minus_p_x0 = -torch.expm1(log_p_x0)
+    one_minus_p_x0 = torch.where(j_is_x0, one_minus_p_j, -torch.expm1(log_p_x0))  # p_x0 ≤ 1/2 if x0 is not j
     # qθ = α p + m in linear space, a few ulp (its log from logaddexp of logs of size 10–30 would carry ~30 ulp);
     # from logs only where it underflows: a confidently wrong model under the mask kernel (m = 0, p = e^{−10⁴})
     tiny = torch.finfo(dtype).tiny * 2.0**24
     q_theta_x0, q_theta_xt = alpha * p_x0 + m_x0, alpha * p_xt + m_xt
     lin_x0, lin_xt = q_theta_x0 > tiny, q_theta_xt > tiny
-    log_q_theta_x0 = torch.where(lin_x0, torch.log(torch.where(lin_x0, q_theta_x0, 1.0)),
+    log_q_theta_x0 = torch.where(lin_x0, torch.log(torch.where(lin_x0, q_theta_x0, one0)),
                                  torch.logaddexp(log_alpha + log_p_x0, log_m_x0))
-    log_q_theta_xt = torch.where(lin_xt, torch.log(torch.where(lin_xt, q_theta_xt, 1.0)),
+    log_q_theta_xt = torch.where(lin_xt, torch.log(torch.where(lin_xt, q_theta_xt, one0)),
                                  torch.logaddexp(log_alpha + log_p_xt, log_m_xt))
     # at x0: q0/qθ = 1 + r with r = α (1 − p_x0) / qθ(x0) ≥ 0, ℓ = log1p(r); where qθ(x0) underflows, ℓ from logs
     # (finite: 10⁴ for a model wrong by 10⁴ nats, where r and 1/qθ are not)
-    r_x0 = alpha * one_minus_p_x0 / torch.where(lin_x0, q_theta_x0, 1.0)
+    r_x0 = alpha * one_minus_p_x0 / torch.where(lin_x0, q_theta_x0, one0)
     l_at_x0 = torch.where(lin_x0, torch.log1p(r_x0),
                           _softplus(log_alpha + torch.log(one_minus_p_x0) - log_q_theta_x0))
     # off x0: ρ = m(x_t) / qθ(x_t) = 1 / (1 + y), y = α p_xt / m(x_t)
-    y_xt = alpha * p_xt / torch.where(m_xt > 0, m_xt, 1.0)
+    y_xt = alpha * p_xt / torch.where(m_xt > 0, m_xt, one0)
     # ρ enters only rows with a non-zero weight (at a clean token of the mask kernel ρ = 1/p_θ(x0) may overflow)
     used = possible & (w_active != 0)
     log_rho = torch.where(used, torch.where(same, l_at_x0, -torch.log1p(y_xt)), zero)
@@ -172,14 +202,13 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     one_minus_rho = torch.where(at_x0_lin, -r_x0, torch.where(same, -torch.expm1(log_rho), y_xt / (1.0 + y_xt)))
     one_minus_rho = torch.where(used, one_minus_rho, zero)
     # p_x0 e_x0 with e_y = 1 − q0_y/qθ_y: −(1 − p_x0) α p_x0 / qθ(x0) ∈ [−1, 0] (e_x0 alone is −1/p_x0 at worst)
-    pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * p_x0 / torch.where(lin_x0, q_theta_x0, 1.0),
+    pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * p_x0 / torch.where(lin_x0, q_theta_x0, one0),
                                           torch.exp(log_alpha + log_p_x0 - log_q_theta_x0))
-    at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
     X = E = f_X = ratio = None
     need_c = need_stats or (need_grad and stats is None)
     if uniform_noise:
         k = alpha_over_u / s  # x_y = α p_y / u = k P_y  (off x0)
-        X = torch.where(at_x0, 0.0, P * k.unsqueeze(-1))
+        X = torch.where(at_x0, zero0, P * k.unsqueeze(-1))
         if need_loss:
             log_X = None
             if dtype != torch.float64:  # log x_y = d_y + log k, log k as float32 hi + lo (from float64)
@@ -190,17 +219,21 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
             f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
         if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
             ratio = X / (1.0 + X) if ratio is None else ratio
-            E = torch.where(at_x0, 0.0, torch.where(u_pos.unsqueeze(-1), ratio, 1.0))  # x0's term: pe_x0 below
-    c: torch.Tensor | None
+            E = torch.where(at_x0, zero0, torch.where(u_pos.unsqueeze(-1), ratio, one0))  # x0's term: pe_x0 below
+    # c = Σ_y p_y e_y = c' + p_x0 e_x0 with c' = Σ_{y≠x0} p_y e_y (kept apart: the gradient at x0 needs c' alone),
+    # T = Σ_{y≠x0} e_y (1 − P_y) (the gradient at j; see the docstring)
+    c_rest: torch.Tensor | None
+    T = zero
     if stats is not None:
-        c = stats[2]
-    elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c = (1 − p_x0) + p_x0 e_x0
-        c = one_minus_p_x0 + pe_x0
+        c_rest, T = stats[3], stats[4]
+    elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c' = 1 − p_x0 (T is not used)
+        c_rest = one_minus_p_x0
     else:
-        c = None
+        c_rest = None
         if need_c:
             assert E is not None  # set by the uniform-noise branch above
-            c = (P * E).sum(-1) / s + pe_x0
+            c_rest = (P * E).sum(-1) / s
+            T = (E * (1.0 - P)).sum(-1)
 
     loss = None
     if need_loss:
@@ -216,31 +249,43 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         term = term1 + term2 + rho_term
         exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
         loss = torch.where(possible, w_active * term, exit_theta)
-    out_stats = (mx, s, c) if need_stats and c is not None else None  # need_stats implies need_c
+    # need_stats implies need_c
+    out_stats = (mx, s, s_off, c_rest, T, j_max) if need_stats and c_rest is not None else None
     if not need_grad:
         return loss, None, out_stats
-    assert c is not None and grad_out is not None  # need_grad: c is computed or given, and there is a gradient buffer
+    assert c_rest is not None and grad_out is not None  # need_grad: c' is computed or given, and a gradient buffer
+    c = c_rest + pe_x0
 
     # ---- ∂L/∂logit_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
     g = grad_scale.to(dtype) if grad_scale is not None else 1.0
     A_g = A * g
-    p_xt_over_q_xt = torch.where(lin_xt, p_xt / torch.where(lin_xt, q_theta_xt, 1.0),
+    p_xt_over_q_xt = torch.where(lin_xt, p_xt / torch.where(lin_xt, q_theta_xt, one0),
                                  torch.exp(log_p_xt - log_q_theta_xt))
     exit_scale = torch.exp(torch.where(v_active > 0, -log_q_theta_xt, zero))  # 1/qθ(x_t) where the loss is an exit
     Hp = torch.where(possible, A_g * one_minus_rho * p_xt_over_q_xt,
                      -alpha * v_active * p_xt_over_q_xt * exit_scale * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
     k_or_none = k if uniform_noise else None
-    # every column as if it were neither x0 nor x_t (no per-element index test), then those two columns per row
+    # every column as if it were neither x0, x_t nor j (no per-element index test), then those three per row
     grad = (P * (a_row.unsqueeze(-1) * _e_off_x0(P, k_or_none, u_pos) - b_row.unsqueeze(-1))).to(logits.dtype)
-    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
-    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
+    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, j_max, x_t), x0)  # a real column (its value recomputed)
+    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t), j_max), -1)  # (n, 3)
     P_j = torch.exp(l.gather(-1, j) - mx.unsqueeze(-1))
-    # P_z a e_z at z = x0 is a s p_x0 e_x0 = A g pe_x0 (e_x0 itself may overflow)
-    aPE_j = torch.where((j == x0.unsqueeze(-1)) & ~x0_is_mask.unsqueeze(-1), (A_g * pe_x0).unsqueeze(-1),
-                        P_j * a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos))
     H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
-    value_j = aPE_j - P_j * b_row.unsqueeze(-1) + H_j
+    value_j = P_j * (a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos) - b_row.unsqueeze(-1)) + H_j
+    # at z = j ≠ x0: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in the docstring (no
+    # cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at j = x_t (never a mask x_t)
+    if uniform_noise:
+        one_plus_k = 1.0 + k
+        e_j_minus_c = T / (one_plus_k * s) + p_x0 * (k / one_plus_k) - pe_x0
+    else:
+        e_j_minus_c = p_x0 - pe_x0
+    g_j = (A_g * e_j_minus_c + Hp * torch.where(j_max == x_t, s_off, -1.0)) / s
+    value_j = torch.where(j == j_max.unsqueeze(-1), g_j.unsqueeze(-1), value_j)
+    # at z = x0: A g (p_x0 e_x0 (1 − p_x0) − p_x0 c') + H ([x0 = x_t] − p_x0) (both A-terms ≤ 0; e_x0 itself may
+    # overflow; 0 at a mask x0, where p_x0 = p_x0 e_x0 = 0)
+    g_x0 = A_g * (pe_x0 * one_minus_p_x0 - p_x0 * c_rest) + Hp * torch.where(same, one_minus_p_x0, -p_x0)
+    value_j = torch.where(j == x0.unsqueeze(-1), g_x0.unsqueeze(-1), value_j)
     grad_out.copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
 
@@ -256,7 +301,7 @@ def _e_off_x0(P: torch.Tensor, k: torch.Tensor | None, u_pos: torch.Tensor) -> t
     if k is None:
         return 1.0
     X = P * k.unsqueeze(-1)
-    return torch.where(u_pos.unsqueeze(-1), X / (1.0 + X), 1.0)
+    return torch.where(u_pos.unsqueeze(-1), X / (1.0 + X), torch.ones((), dtype=X.dtype, device=X.device))
 
 
 # ---------------------------------------------------------------------------------------------------- running it
@@ -353,7 +398,7 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
     grad = grad_out
-    out_stats = tuple(torch.empty(N, dtype=dtype, device=logits.device) for _ in range(3)) if need_stats else None
+    out_stats = stats_buffers(N, dtype, logits.device) if need_stats else None
 
     def cut(x, lo: int, hi: int):
         if isinstance(x, tuple):

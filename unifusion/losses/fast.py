@@ -19,13 +19,14 @@ and the gradient is O(V) per row: with e_y = 1 − q0_y/qθ_y (= x_y/(1+x_y) off
 
     ∂L/∂logit_z = w α p_z [e_z − Σ_y p_y e_y + (δ_{z,x_t} − p(x_t)) h].
 
-:func:`x0_head_loss`'s forward pass computes the loss and three row statistics (max and Σ exp of the logits, and
-c = Σ p e) and keeps the logits; its backward pass computes the gradient with the incoming per-position gradient
-folded in. The arithmetic is one pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses
-into a few cache-resident passes per row, so nothing of size N×V exists besides the logits and their gradient (the
-eager backend runs the same function on blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64
-for float64 logits); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. The
-reference implementations are :mod:`unifusion.losses.native`.
+:func:`x0_head_loss`'s forward pass computes the loss and a few row statistics (max and Σ exp of the logits, Σ p e, and
+the sums without the most likely token that keep 1 − p and the gradient there exact for a confident model) and keeps the
+logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The arithmetic is one
+pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses into a few cache-resident passes per
+row, so nothing of size N×V exists besides the logits and their gradient (the eager backend runs the same function on
+blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64 for float64 logits); x − log1p x uses a series
+below a cut-off, since its terms are ~x²/2 where x is small. The reference implementations are
+:mod:`unifusion.losses.native`.
 """
 
 from __future__ import annotations
@@ -203,9 +204,10 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
 
 # ---------------------------------------------------------------------------------------------------- autograd
 class _X0HeadLossFunction(torch.autograd.Function):
-    """Per-position loss of logits ``(N, V)``. Forward computes the loss and three row statistics (max, Σ exp,
-    c = Σ p e) and keeps the logits; backward computes the gradient with the incoming per-position gradient folded
-    in (one pass over each row), so nothing of size N×V is allocated before backward and any reduction is exact."""
+    """Per-position loss of logits ``(N, V)``. Forward computes the loss and the row statistics of
+    :func:`~unifusion.losses._x0_kernel.loss_and_grad` (max, Σ exp, Σ p e, …) and keeps the logits; backward computes
+    the gradient with the incoming per-position gradient folded in (one pass over each row), so nothing of size N×V is
+    allocated before backward and any reduction is exact."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:

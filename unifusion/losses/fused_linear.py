@@ -20,7 +20,7 @@ loss (``reduction="sum"/"mean"``) knows g_n = c ω_n ahead. Memory beyond the in
 block and the ``(V, d)`` gradient of W (float32 for low-precision weights), held from forward to backward.
 
 Inside a caller's ``torch.compile`` region, or when no gradient is needed, the forward pass computes only the losses
-and three row statistics, and backward recomputes each block's logits with g folded in (four matmuls per block).
+and the row statistics, and backward recomputes each block's logits with g folded in (four matmuls per block).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as V
 from ..kernels import Kernel
 from ..rates import _check_kernel
+from . import _x0_kernel
 from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows
 
 __all__ = ["fused_linear_diffusion_loss"]
@@ -208,7 +209,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         grads = _Grads(hidden, weight, bias, needs) if precompute and any(needs) else None
         need_stats = not (precompute and reduced) and any(needs)  # for recomputing some or all blocks
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
-        stats = tuple(torch.empty(N, dtype=rows.dtype, device=hidden.device) for _ in range(3)) if need_stats else ()
+        stats = _x0_kernel.stats_buffers(N, rows.dtype, hidden.device) if need_stats else ()
         buffer = _logits_buffer(hidden, weight, chunk)
         for lo, hi in _blocks(N, chunk):
             logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)

@@ -14,14 +14,15 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
 from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
 from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
-from ..rates import ReverseRate, _b_operator, _check_kernel, x0_log_probs
+from ..rates import ReverseRate, _b_operator, _check_kernel
 from .bregman import bregman_rate_loss
 
-__all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
+__all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
 
 GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
 
@@ -78,15 +79,20 @@ def _input_precision(loss_fn):
     exponentials) ~1e-4. These are the slow, straightforward paths; the fast ones (:mod:`unifusion.losses.fast`)
     compute only their per-row constants in float64."""
     import functools
+    import inspect
+
+    signature = inspect.signature(loss_fn)
 
     @functools.wraps(loss_fn)
     def wrapper(*args, **kwargs):
-        heads = [a for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dim() > 0]
+        # the heads set the dtype, not t (a float64 t with float32 heads still computes in float64, returns float32)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        heads = [a for name, a in bound.items()
+                 if name != "t" and isinstance(a, torch.Tensor) and a.dtype.is_floating_point]
         want = V.compute_dtype(*heads)
         if want != torch.float64 and not any(h.device.type == "mps" for h in heads):
-            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
-                         for a in args)
-            return loss_fn(*args, **kwargs).to(want)
+            up = (lambda a: a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a)
+            return loss_fn(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(want)
         return loss_fn(*args, **kwargs)
 
     return wrapper
@@ -94,6 +100,62 @@ def _input_precision(loss_fn):
 
 def _gather(row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return row.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """log-softmax over the last dim whose gradient is exact at the most likely entry j as well.
+
+    Autograd's ∂/∂l_z = g_z − p_z Σ_y g_y is, at z = j with p_j ≈ 1, a difference of two nearly equal numbers (its
+    true value is O(1 − p_j)); since the entries of each row sum to zero (the output is invariant to adding a constant
+    to the logits), the entry at j is computed as −Σ_{z≠j} instead. Entries at −inf (a mask state) get gradient 0.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        out = torch.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        grad = grad_out - out.exp() * grad_out.sum(-1, keepdim=True)
+        grad = torch.where(torch.isneginf(out), torch.zeros_like(grad), grad)
+        j = out.argmax(-1, keepdim=True)
+        return grad.scatter(-1, j, -grad.scatter(-1, j, 0.0).sum(-1, keepdim=True))
+
+
+def _log_softmax(logits: torch.Tensor, exclude: torch.Tensor | int | None = None) -> torch.Tensor:
+    """log-softmax over the last dim with the ids ``exclude`` (an int, or ids ``(...)`` one per row) at −inf
+    (probability 0, no gradient), exact gradient at the most likely entry (:class:`_LogSoftmax`)."""
+    if isinstance(exclude, int):
+        logits = logits.index_fill(-1, torch.tensor([exclude], device=logits.device), float("-inf"))
+    elif exclude is not None:
+        logits = logits.scatter(-1, exclude.unsqueeze(-1), float("-inf"))
+    return _LogSoftmax.apply(logits)
+
+
+def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
+    """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS), as
+    :func:`unifusion.rates.x0_log_probs`, with the exact gradient of :class:`_LogSoftmax`."""
+    return _log_softmax(logits, kernel.mask_id)
+
+
+def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log x_θ ``(..., S)``, δ = 1 − x_θ(x0) ``(...)``) from logits, exact for a confident model.
+
+    δ is summed from the other entries, and where δ < 1/2 the entry at ``x0`` is log1p(−δ). The log-softmax
+    (:func:`~unifusion.rates.x0_log_probs`) gives l_x0 − logsumexp(l), whose absolute error of one ulp is all of
+    log x_θ(x0) ≈ −δ once δ is below it (float64: δ < 1e-16, logit gaps of ~40 nats), and the losses of such rows are
+    O(δ) and need δ to full relative precision.
+    """
+    log_x = x0_log_probs(kernel, logits)
+    idx = x0.unsqueeze(-1)
+    delta = log_x.scatter(-1, idx, float("-inf")).exp().sum(-1)
+    near = delta < 0.5
+    at_x0 = torch.where(near, torch.log1p(-torch.where(near, delta, torch.zeros_like(delta))), _gather(log_x, x0))
+    return log_x.scatter(-1, idx, at_x0.unsqueeze(-1)), delta
 
 
 def _log_ratio_to_xt(log_q: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
@@ -202,7 +264,7 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     if not isinstance(kernel, MaskKernel):
         raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
     _, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
-    log_x = x0_log_probs(kernel, h["x0_logits"])
+    log_x, _ = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     weight = -kernel.schedule.alpha_prime(t) / kernel.schedule.one_minus_alpha(t)
     nll = -_gather(log_x, x0)
     masked = x_t.eq(kernel.mask_id)
@@ -243,6 +305,58 @@ def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torc
     return torch.where(x_t == x0, clean, noisy.to(t.dtype))
 
 
+def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float, kernel: Kernel,
+                     weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0) -> torch.Tensor:
+    """The per-position weight λ that :func:`gidd_loss` (and every x0-head loss) multiplies its bracket with,
+    ``(...)`` float64 (x0, x_t int64 ``(...)``, t broadcasting to them):
+
+    * ``"elbo"``: w_t(x_t, x0) = R_t(·, x_t) / q_{t|0}(x_t | x0), the forward rate into x_t (the same from every
+      source) over the marginal (GIDD's ELBO weight; 0 where x_t is impossible under x0, whose loss is the model's
+      exit rate instead);
+    * ``"clip"``: that clipped to [0, ``max_weight``] (GIDD's ``loss_weighting: clip``, max 2);
+    * ``"dynamic"``: GIDD's dynamic weight (current code, github.com/dvruette/gidd ``GiddLoss`` at f67acc9) clipped
+      to [0, ``max_weight``]: 2 at the mask, 1 at a uniform-noise token, (B/S)·exp((γ/2)·sigmoid(−t)) at a clean
+      token (B = 2^γ p_u/(1 − p_u), S counts the mask; see :func:`_dynamic_weight` for the uniform and mask kernels).
+      ``max_weight=math.inf`` gives the raw (unclipped) weight.
+
+    Interpolating kernels only (uniform, mask, hybrid). Computed in float64 whatever ``t``'s dtype.
+
+    Example::
+
+        w = uf.losses.gidd_loss_weight(x0, x_t, t, uf.HybridKernel(S, S - 1, 0.1), "dynamic")   # (B, L)
+    """
+    if weighting not in GIDD_WEIGHTINGS:
+        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
+    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
+        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    kernel = _check_kernel(kernel)
+    if not isinstance(kernel, InterpolatingKernel):
+        raise TypeError(f"kernel: the GIDD weights are defined for interpolating kernels (uniform, mask, hybrid), "
+                        f"got {type(kernel).__name__}")
+    with V.batched_checks():
+        x0 = V.check_token_ids("x0", x0, kernel.num_states)
+        x_t = V.check_token_ids("x_t", x_t, kernel.num_states)
+        try:
+            shape = tuple(torch.broadcast_shapes(x0.shape, x_t.shape))
+        except RuntimeError:
+            raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
+        t_ = V.check_time("t", t, device=x_t.device, dtype=torch.float64, shape=shape)
+    try:
+        t_ = torch.broadcast_to(t_.to(torch.float64), shape)
+    except RuntimeError:
+        raise ValueError(f"t: shape {tuple(t_.shape)} does not broadcast to x_t's shape {shape}") from None
+    x0, x_t = x0.expand(shape), x_t.expand(shape)
+    if weighting == "dynamic":
+        return _dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
+    alpha, a, b = kernel._coefficients(t_)
+    v_mask, v_unif = kernel._rate_coefficients(t_)
+    v = torch.where(kernel._is_mask(x_t), v_mask,
+                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + kernel._noise_at(x_t, a, b)
+    w = torch.where(q0_xt > 0, v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt)), torch.zeros_like(v))
+    return w.clamp(0.0, max_weight) if weighting == "clip" else w
+
+
 @_input_precision
 def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
@@ -264,7 +378,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
         raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
-    log_x = x0_log_probs(kernel, h["x0_logits"])
+    log_x, delta = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     if not isinstance(kernel, InterpolatingKernel):
         if weighting != "elbo":
             raise ValueError(f"weighting: only 'elbo' is defined for {type(kernel).__name__}, got {weighting!r}")
@@ -279,6 +393,14 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     log_q0, log_q_theta = ip.log_q(log_d, lqm_0), ip.log_q(log_x, lqm_theta)
     # ℓ_y = log q0(y) − log qθ(y): a difference of two small log(q/m) where m > 0 (no cancellation near t → 1)
     l = torch.where(ip.has_m, lqm_0 - lqm_theta, log_d - log_x)
+    # at x0: ℓ = log1p(α δ / qθ(x0)) with δ = 1 − x_θ(x0) summed from the other entries (the difference above loses
+    # its relative precision when the model is confidently right: ℓ ≈ α δ / qθ is then far below the two logs)
+    has_delta = delta > 0
+    z_x0 = (ip.log_alpha + torch.log(torch.where(has_delta, delta, torch.ones_like(delta)))
+            - _gather(log_q_theta, x0))
+    l_x0 = torch.where(has_delta & ~kernel._is_mask(x0),
+                       _softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
+    l = l.scatter(-1, x0.unsqueeze(-1), l_x0.unsqueeze(-1))
     # Σ_y f(q0, qθ) = KL since both sum to 1; r = q0 passed in log space, so a confidently wrong model (qθ(x0)
     # underflowing, ℓ = 10⁴) still gives q0 (ℓ − 1) + qθ instead of 0 · ∞
     kl = bregman_from_log_ratio(log_q_theta, l, log_r=log_q0).sum(-1)
@@ -326,35 +448,52 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
 
 def _m2s_interp(kernel: InterpolatingKernel, log_mu: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
                 t: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
-    """M2S on an interpolating kernel, in log space. With m_x = m(x_t), ε = α/m_x and A_y = m(y)/m_x, for y ≠ x_t
+    """M2S on an interpolating kernel, through d = s − r. With b = x_t, ε = α/m(b), A_y = m(y)/m(b) and
+    δ_z = 1 − μ(z) summed from the other entries, for y ≠ b
 
-    (B μ)_y = A_y [1 − μ(x_t) ε/(1 + ε)] + α μ(y)/m_x,   r_y = A_y (q0(y)/m(y)) / (q0(x_t)/m_x),
+        s_y = (B μ)_y = A_y (1 + ε δ_b)/(1 + ε) + ε μ(y),
+        b = x0:  r_y = A_y/(1 + ε),                d_y = A_y ε δ_b/(1 + ε) + ε μ(y)              (≥ 0),
+        b ≠ x0:  r_y = A_y + ε [y = x0],            d_y = −A_y μ(b) ε/(1 + ε) + ε μ(y)  (y ≠ x0),
+                                                    d_x0 = −A_x0 μ(b) ε/(1 + ε) − ε δ_x0            (≤ 0),
 
-    so ℓ_y = log r_y − log s_y never subtracts two nearly equal logs. Rows with R(·, x_t) ≡ 0 contribute 0.
+    and ℓ_y = log(r_y/s_y) = −log1p(d_y/r_y) (log r_y − log s_y where s_y < r_y/2). Near the optimum (μ close to
+    the true posterior mean, e.g. a confidently right x0 head converted) the loss is O(d²) and a difference of the
+    logs of s and r would lose all of it. Rows with R(·, x_t) ≡ 0 contribute 0.
     """
     ip = _Interp(kernel, t, x_t.shape)
-    m_x, log_m_x = _gather(ip.m, x_t).unsqueeze(-1), _gather(ip.log_m, x_t).unsqueeze(-1)
-    has_mx = m_x > 0
-    log_eps = ip.log_alpha.unsqueeze(-1) - log_m_x
-    mu_x = _gather(log_mu, x_t).exp().unsqueeze(-1)
-    # inside = −μ_x ε/(1+ε) + α μ(y)/m(y) > −1 (where m(y) > 0)
-    ratio_y = torch.exp(torch.where(ip.has_m, ip.log_alpha.unsqueeze(-1) + log_mu - ip.log_m,
-                                    torch.full_like(log_mu, float("-inf"))))
-    inside = -mu_x * torch.sigmoid(log_eps) + ratio_y
-    log_m_ratio = torch.where(ip.m == m_x, torch.zeros_like(ip.m), ip.log_m - log_m_x)
-    log_s = torch.where(ip.has_m, log_m_ratio + torch.log1p(inside),
-                        ip.log_alpha.unsqueeze(-1) + log_mu - log_m_x)
-    log_d = _one_hot_log(x0, log_mu)
-    lqm = ip.log_q_over_m(log_d)
-    l_acc = lqm - _gather(lqm, x_t).unsqueeze(-1) - torch.log1p(inside)
-    log_r = _interp_log_r(ip, x0, x_t)
-    l = torch.where(ip.has_m & has_mx, l_acc, log_r - log_s)
-    l = torch.where(torch.isneginf(log_r), log_r, l)
+    m_b = _gather(ip.m, x_t)
+    has_mb = m_b > 0
+    safe_mb = torch.where(has_mb, m_b, torch.ones_like(m_b))
+    eps = torch.exp(ip.log_alpha) / safe_mb
+    A = ip.m / safe_mb.unsqueeze(-1)
+    mu = log_mu.exp()
+    delta_b = mu.scatter(-1, x_t.unsqueeze(-1), 0.0).sum(-1)
+    delta_x0 = mu.scatter(-1, x0.unsqueeze(-1), 0.0).sum(-1)
+    mu_b = _gather(mu, x_t)
+    k = (eps / (1.0 + eps)).unsqueeze(-1)
+    eps_ = eps.unsqueeze(-1)
+    at_x0 = torch.zeros_like(mu, dtype=torch.bool).scatter(-1, x0.unsqueeze(-1), True)
+    same = (x_t == x0).unsqueeze(-1)
+    r = torch.where(same, A / (1.0 + eps_), A + eps_ * at_x0)
+    d = torch.where(same, A * k * delta_b.unsqueeze(-1) + eps_ * mu,
+                    torch.where(at_x0, -A * mu_b.unsqueeze(-1) * k - (eps * delta_x0).unsqueeze(-1),
+                                -A * mu_b.unsqueeze(-1) * k + eps_ * mu))
+    log_A = safe_log(A)
+    log_s = torch.logaddexp(log_A + (torch.log1p(eps * delta_b) - torch.log1p(eps)).unsqueeze(-1),
+                            torch.log(eps_) + log_mu)
+    log_r = safe_log(r)
+    r_pos = r > 0
+    near = r_pos & (d > -0.5 * r)  # s ≥ r/2: ℓ = −log1p(d/r) without cancellation
+    ratio = torch.where(near, d / torch.where(r_pos, r, torch.ones_like(r)), torch.zeros_like(d))
+    far = torch.where(r_pos & ~near, log_r, torch.zeros_like(log_r)) - torch.where(r_pos & ~near, log_s,
+                                                                                    torch.zeros_like(log_s))
+    l = torch.where(near, -torch.log1p(ratio), far)
+    l = torch.where(r_pos, l, torch.full_like(l, float("-inf")))  # r = 0: f(0, s) = s
     # entries with no rate (R = 0: x_t itself, unmasked tokens under the mask kernel) get (r, s) = (1, 1), so nothing
     # overflowing there reaches the gradient; r is passed as log r (s may underflow where ℓ = log r/s is 10⁴)
-    used = R > 0
+    used = (R > 0) & has_mb.unsqueeze(-1)
     l = torch.where(used, l, 0.0)
-    log_s = torch.where(used & has_mx, log_s, 0.0)
+    log_s = torch.where(used, log_s, 0.0)
     log_r = torch.where(used, log_r, 0.0)
     return _weighted_sum(R, bregman_from_log_ratio(log_s, l, log_r=log_r), x_t)
 
@@ -376,7 +515,7 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     log_lam_hat = torch.logsumexp(log_true, dim=-1)
     log_lam = h["log_exit_rate"]
     poisson = bregman_from_logs(log_lam_hat, log_lam)
-    log_r_theta = torch.log_softmax(h["jump_logits"].scatter(-1, x_t.unsqueeze(-1), float("-inf")), dim=-1)
+    log_r_theta = _log_softmax(h["jump_logits"], x_t)
     has_jump = ~torch.isneginf(log_lam_hat)
     log_r_hat = log_true - torch.where(has_jump, log_lam_hat, torch.zeros_like(log_lam_hat)).unsqueeze(-1)
     log_r_hat = torch.where(has_jump.unsqueeze(-1), log_r_hat, torch.full_like(log_r_hat, float("-inf")))
