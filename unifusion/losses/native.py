@@ -120,8 +120,10 @@ class _LogSoftmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
         (out,) = ctx.saved_tensors
+        excluded = torch.isneginf(out)
+        grad_out = torch.where(excluded, torch.zeros_like(grad_out), grad_out)
         grad = grad_out - out.exp() * grad_out.sum(-1, keepdim=True)
-        grad = torch.where(torch.isneginf(out), torch.zeros_like(grad), grad)
+        grad = torch.where(excluded, torch.zeros_like(grad), grad)
         j = out.argmax(-1, keepdim=True)
         return grad.scatter(-1, j, -grad.scatter(-1, j, 0.0).sum(-1, keepdim=True))
 
