@@ -32,9 +32,9 @@ What float32 cannot do, and the allowances that come from it (each measured on t
   its absolute error is amplified by up to α/m; the largest use is 0.05 of it: a gradient of 1.6e-27 that float32
   gets to 1.3e-5, from p_x0 ≈ 1e-40).
 * **bf16 gradients** are returned in bf16: each entry carries its rounding, 2^{−8} of itself, on top.
-Nothing else: a confidently right model's loss (1e-17 at gap 20 and t = 1e-6, 1e-48 at gap 60) is exact to the
-tolerance above, because 1 − p(x0) is summed from the other tokens rather than taken from p(x0) ≈ 1, and so is the
-gradient at the most likely token.
+Nothing else: a confidently right model's loss (e.g. 1e-17 at gap 20 and t = 1e-6, where a float32 cross-entropy
+returns 0) is exact to the relative tolerance above, because 1 − p(x0) is summed from the other tokens rather than
+taken from p(x0) ≈ 1, and so is the gradient at the most likely token.
 """
 
 from __future__ import annotations

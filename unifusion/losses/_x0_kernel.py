@@ -197,8 +197,6 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     used = possible & (w_active != 0)
     log_rho = torch.where(used, torch.where(same, l_at_x0, -torch.log1p(y_xt)), zero)
     at_x0_lin = same & lin_x0 & used
-    # ρ − 1 − log ρ: r − log1p(r) at x0 (accurate for every r ≥ 0), e^{log ρ} − 1 − log ρ elsewhere (log ρ ≤ 0)
-    rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero)), expm1_minus_x(log_rho))
     one_minus_rho = torch.where(at_x0_lin, -r_x0, torch.where(same, -torch.expm1(log_rho), y_xt / (1.0 + y_xt)))
     one_minus_rho = torch.where(used, one_minus_rho, zero)
     # p_x0 e_x0 with e_y = 1 − q0_y/qθ_y: −(1 − p_x0) α p_x0 / qθ(x0) ∈ [−1, 0] (e_x0 alone is −1/p_x0 at worst)
@@ -246,6 +244,8 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         term2 = alpha * one_minus_p_x0
         if f_X is not None:
             term2 = torch.where(u_pos, u * f_X.sum(-1), term2)
+        # ρ − 1 − log ρ: r − log1p(r) at x0 (accurate for every r ≥ 0), e^{log ρ} − 1 − log ρ elsewhere (log ρ ≤ 0)
+        rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero)), expm1_minus_x(log_rho))
         term = term1 + term2 + rho_term
         exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
         loss = torch.where(possible, w_active * term, exit_theta)
