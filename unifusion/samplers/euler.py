@@ -25,7 +25,10 @@ at x_t and draws from the exact posterior p(x_0 = a | x_t) ∝ q_{t|0}(x_t | a) 
 ``"x0"`` p_0 = x_θ (MDLM/GIDD's final step); for ``"sedd"`` p_0 = (q_t − m_t Σq_t)/α_t with q_t ∝ s_θ, i.e. the
 forward marginal inverted (SEDD's Tweedie denoiser, ``staggered_score × transition``); for ``"ctmc"`` the score is
 read off the rates, s(i) = λ r(i)/R_t(i, x_t), then as SEDD; for ``"m2s"`` p_0 ∝ μ/q_{t|0}(x_t|·) on the states that
-reach x_t. ``final_step="argmax"`` takes the most likely token of that posterior instead of a draw.
+reach x_t. ``final_step="argmax"`` takes the most likely token of that posterior instead of a draw. The step is the
+kernel's posterior from t to s = 0, so it is the clean-token posterior above exactly when α_0 = 1; with a schedule
+whose α_0 < 1 (:class:`~unifusion.GeometricSchedule`: α_0 = e^{−σ_min}) it draws the time-0 state of the forward
+process, which keeps that residual noise (SEDD's own denoiser removes it by going to σ = 0; see "Coming from a peer").
 
 Example::
 
