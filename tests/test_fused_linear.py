@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -396,3 +400,40 @@ def test_default_block_size_comes_from_a_memory_budget():
     assert fused_linear.default_chunk_size(1 << 20, 49_152, cuda) == (1 << 31) // (4 * 49_152)
     assert fused_linear.default_chunk_size(100, 49_152, cuda) == 100  # never more rows than there are
     assert fused_linear.default_chunk_size(1 << 20, 1 << 30, cpu) == 16  # never skinnier than 16 rows
+
+
+_CACHE_CHILD = r"""
+import sys, torch
+import unifusion as uf
+uf.set_validation(False)
+S, D, n = 50_000, 8, int(sys.argv[1])
+kernel = uf.MaskKernel(S, S - 1)
+g = torch.Generator().manual_seed(0)
+h = torch.randn(n, D, generator=g).requires_grad_()
+W = torch.randn(S, D, generator=g).requires_grad_()
+x0 = torch.randint(0, S - 1, (n,), generator=g)
+t = torch.rand(n, generator=g) * 0.98 + 0.01
+x_t = kernel.sample(x0, t, generator=g)
+out = uf.losses.fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
+out.sum().backward()
+z = (h.detach().double() @ W.detach().double().T)
+ref = uf.losses.native.gidd_loss(z, x0, x_t, t.double(), kernel)
+print(uf.get_backend(), float((out.double() - ref).abs().max() / ref.abs().max()))
+"""
+
+
+def test_compiled_blocks_written_in_place_survive_inductors_cache_across_processes(tmp_path):
+    """Regression: the gradient is written over each block of logits, a view of the pass's logits buffer. Given that
+    block and its gradient as two aliasing arguments, the compiled loss got an AOTAutograd "synthetic base", and
+    Inductor's on-disk cache handed a later process the graph of another view/base relation: a first process whose
+    blocks were the whole buffer (80 rows at V = 50,000: one CPU block) and a second one whose first block was part
+    of it (200 rows: blocks of ~67) crashed with ``AssertionError: expected size 200==83``. Now the block is passed
+    once. Two fresh processes share an empty Inductor cache; each loss equals the float64 reference."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), UNIFUSION_BACKEND="compiled",
+               OMP_NUM_THREADS="2")
+    for n in (80, 200):
+        proc = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(n)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"n = {n}:\n{proc.stderr[-3000:]}"
+        backend, error = proc.stdout.split()[-2:]
+        assert backend == "compiled" and float(error) < 1e-6, (n, proc.stdout)

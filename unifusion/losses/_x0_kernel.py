@@ -136,9 +136,13 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
     same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). The gradient needs
-    ``grad_out`` (logits' shape and dtype): it is written there except at the columns x0, x_t and j of each row,
-    and ``(index, value)``, each ``(n, 3)``, is returned in its place: ``_put(grad_out, index, value)`` completes
-    it (:func:`run` does; inside a compiled function that scatter would cost a copy of the block).
+    ``grad_out`` (logits' shape and dtype), or ``grad_out=None`` to write it over ``logits`` (after every read of
+    them): it is written there except at the columns x0, x_t and j of each row, and ``(index, value)``, each
+    ``(n, 3)``, is returned in its place: ``_put(grad_out, index, value)`` completes it (:func:`run` does; inside a
+    compiled function that scatter would cost a copy of the block). The in-place case takes the logits once rather
+    than as two arguments that alias: a compiled function given aliasing inputs gets a "synthetic base" from
+    AOTAutograd, and Inductor's on-disk cache then hands a later process a graph for another view/base relation
+    (an ``AssertionError: expected size ...`` on its first call; torch 2.15).
     """
     (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
      u_pos, x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
@@ -253,7 +257,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     out_stats = (mx, s, s_off, c_rest, T, j_max) if need_stats and c_rest is not None else None
     if not need_grad:
         return loss, None, out_stats
-    assert c_rest is not None and grad_out is not None  # need_grad: c' is computed or given, and a gradient buffer
+    assert c_rest is not None  # need_grad: c' is computed or given
     c = c_rest + pe_x0
 
     # ---- ∂L/∂logit_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
@@ -286,7 +290,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     # overflow; 0 at a mask x0, where p_x0 = p_x0 e_x0 = 0)
     g_x0 = A_g * (pe_x0 * one_minus_p_x0 - p_x0 * c_rest) + Hp * torch.where(same, one_minus_p_x0, -p_x0)
     value_j = torch.where(j == x0.unsqueeze(-1), g_x0.unsqueeze(-1), value_j)
-    grad_out.copy_(grad)
+    (logits if grad_out is None else grad_out).copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
 
 
@@ -366,10 +370,10 @@ def _warmup(fn: Callable, logits: torch.Tensor, rows: tuple[torch.Tensor, ...], 
     n = min(logits.shape[0], 2)
     warm = torch.empty_strided((n, logits.shape[1]), logits.stride(), dtype=logits.dtype, device=logits.device)
     warm.copy_(logits[:n]).requires_grad_(logits.requires_grad)  # Dynamo guards on requires_grad too
-    grad = None
-    if grad_out is not None:
-        grad = warm if in_place else torch.empty_strided((n, grad_out.shape[1]), grad_out.stride(),
-                                                         dtype=grad_out.dtype, device=grad_out.device)
+    grad = None  # in place: the gradient goes over ``warm``, as over the logits in the real call
+    if grad_out is not None and not in_place:
+        grad = torch.empty_strided((n, grad_out.shape[1]), grad_out.stride(), dtype=grad_out.dtype,
+                                   device=grad_out.device)
     cut = (lambda x: None if x is None else tuple(v[:n].clone() for v in x))
     fn(warm, cut(rows), mask_id, None if grad_scale is None else grad_scale[:n].clone(), cut(stats), grad, *flags)
 
@@ -384,17 +388,22 @@ def _put(grad: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
 def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: torch.Tensor,
             rows: tuple[torch.Tensor, ...], mask_id: int | None, grad_scale: torch.Tensor | None,
             stats: tuple[torch.Tensor, ...] | None, flags: tuple, grad_out: torch.Tensor | None = None):
-    """``fn`` over blocks of about ``block_elements`` logits (all rows at once when ``None``), writing into
-    full-size outputs (the gradient into ``grad_out``, which may be ``logits`` itself). ``threaded``: on CPU split
-    the blocks over ``torch.get_num_threads()`` Python threads that run single-threaded ops (the eager backend:
-    thousands of small OpenMP regions stall on a busy machine)."""
+    """``fn`` over blocks of at most ``block_elements`` logits (all rows at once when ``None``), writing into
+    full-size outputs (the gradient into ``grad_out``, which may be ``logits`` itself). The rows are split evenly
+    (256 rows at 85 per block: four of 64, not 85 + 85 + 85 + 1): a one-row remainder would make a compiled ``fn``
+    recompile for size 1 (Dynamo specialises sizes 0 and 1), a multi-second stall in the middle of a run.
+    ``threaded``: on CPU split the blocks over ``torch.get_num_threads()`` Python threads that run single-threaded
+    ops (the eager backend: thousands of small OpenMP regions stall on a busy machine)."""
     N, S = logits.shape
+    in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()  # fn gets the logits once then
     R = N if block_elements is None else max(1, min(N, block_elements // max(S, 1)))
     if R >= N:
-        loss, fix, out_stats = fn(logits, rows, mask_id, grad_scale, stats, grad_out, *flags)
+        loss, fix, out_stats = fn(logits, rows, mask_id, grad_scale, stats, None if in_place else grad_out, *flags)
         if grad_out is not None:
             _put(grad_out, *fix)
         return loss, grad_out, out_stats
+    num_blocks = -(-N // R)
+    edges = [N * i // num_blocks for i in range(num_blocks + 1)]  # block sizes ⌊N/n⌋ or ⌈N/n⌉ ≤ R
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
     grad = grad_out
@@ -406,11 +415,10 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
         return None if x is None else x[lo:hi]
 
     @torch.no_grad()  # grad mode is per thread: the callers' no_grad does not reach the pool's threads
-    def work(lo: int, hi: int) -> None:
-        for a in range(lo, hi, R):
-            b = min(a + R, hi)
+    def work(first: int, last: int) -> None:  # blocks first … last − 1
+        for a, b in zip(edges[first:last], edges[first + 1:last + 1]):
             blk_loss, fix, blk_stats = fn(logits[a:b], cut(rows, a, b), mask_id, cut(grad_scale, a, b),
-                                          cut(stats, a, b), cut(grad, a, b), *flags)
+                                          cut(stats, a, b), None if in_place else cut(grad, a, b), *flags)
             if grad is not None:
                 _put(grad[a:b], *fix)
             if loss is not None:
@@ -420,13 +428,13 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
                     dst[a:b] = src
 
     workers = torch.get_num_threads() if threaded and logits.device.type == "cpu" else 1
-    workers = max(1, min(workers, N // (2 * R)))
+    workers = max(1, min(workers, num_blocks // 2))
     # the thread pool sets the process's thread count to 1 for its duration: not while a background compilation
     # traces (it would record that count in its guards), so then run the blocks in this thread instead
     if workers == 1 or not _compile.GLOBAL_STATE_LOCK.acquire(blocking=False):
-        work(0, N)
+        work(0, num_blocks)
         return loss, grad, out_stats
-    bounds = [N * i // workers for i in range(workers + 1)]
+    bounds = [num_blocks * i // workers for i in range(workers + 1)]
     try:
         previous = torch.get_num_threads()
         torch.set_num_threads(1)

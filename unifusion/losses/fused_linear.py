@@ -190,7 +190,10 @@ class _Grads:
 
 
 def _blocks(N: int, chunk: int):
-    return ((lo, min(lo + chunk, N)) for lo in range(0, N, chunk))
+    """``(lo, hi)`` of ⌈N / chunk⌉ blocks of rows, split evenly (each ≤ ``chunk``): no one-row remainder, for which
+    the compiled loss would recompile (Dynamo specialises size 1)."""
+    n = -(-N // chunk)
+    return ((N * i // n, N * (i + 1) // n) for i in range(n))
 
 
 class _FusedLinearX0Loss(torch.autograd.Function):
