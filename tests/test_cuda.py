@@ -516,7 +516,7 @@ def test_nll_bound_on_cuda_matches_a_float64_cpu_recomputation_of_its_draws(kind
 
     K = 6
     bound = nll_bound(recording, x0.to(DEV), kernel, num_times=K, generator=torch.Generator(DEV).manual_seed(1),
-                      per_token=False)
+                      per_token=False, batch_size=3)  # one time per call: each recorded call is one time of x0
     assert bound.device.type == DEV and bound.dtype == torch.float64 and len(seen) == K
     model64 = copy.deepcopy(cpu_model).double()
     with torch.no_grad():
@@ -525,7 +525,7 @@ def test_nll_bound_on_cuda_matches_a_float64_cpu_recomputation_of_its_draws(kind
     ref = total / K + prior_kl(kernel, x0).sum(-1)
     torch.testing.assert_close(bound.cpu(), ref, rtol=1e-4, atol=1e-6)
     again = nll_bound(gpu_model, x0.to(DEV), kernel, num_times=K, generator=torch.Generator(DEV).manual_seed(1),
-                      per_token=False)
+                      per_token=False, batch_size=3)
     torch.testing.assert_close(again, bound, rtol=0, atol=0)  # the device stream is reproducible
 
 

@@ -187,7 +187,7 @@ def test_attention_mask_excludes_padding_and_is_passed_to_the_model() -> None:
 
     class Recorder(TableModel):
         def __call__(self, x_t, t, attention_mask=None):
-            seen["mask"] = attention_mask
+            seen.setdefault("masks", []).append(attention_mask)
             return super().__call__(x_t, t)
 
     model = Recorder(3, seed=2)
@@ -195,8 +195,40 @@ def test_attention_mask_excludes_padding_and_is_passed_to_the_model() -> None:
     mask = torch.tensor([[1, 1], [1, 0]])
     g = torch.Generator().manual_seed(0)
     out = nll_bound(model, x0, kernel, num_times=4, generator=g, attention_mask=mask, per_token=False)
-    assert seen["mask"] is mask
+    assert len(seen["masks"]) == 1 and torch.equal(seen["masks"][0], mask.repeat(4, 1))  # the 4 times in one call
     assert torch.isfinite(out).all() and (out > 0).all()
+    seen.clear()
+    nll_bound(model, x0, kernel, num_times=4, attention_mask=mask, batch_size=2)  # one time (2 rows) per call
+    assert len(seen["masks"]) == 4 and all(torch.equal(m, mask) for m in seen["masks"])
+
+
+def test_times_per_call_do_not_change_the_estimator() -> None:
+    """Several times per model call (the default) or one: the same estimator — its mean over many sequences agrees
+    within the Monte Carlo error, and every call gets one time per row."""
+    kernel = uf.UniformKernel(4)
+    model = TableModel(4, seed=3)
+    x0 = torch.tensor([[1, 3]]).expand(2000, 2).clone()
+    calls = []
+
+    class Counting(TableModel):
+        def __call__(self, x_t, t):
+            calls.append(tuple(x_t.shape))
+            assert t.shape == (x_t.shape[0],)
+            return model(x_t, t)
+
+    est = {}
+    for batch_size in (None, 2000, 6000):
+        calls.clear()
+        est[batch_size] = nll_bound(Counting(4), x0, kernel, num_times=6, batch_size=batch_size,
+                                    generator=torch.Generator().manual_seed(7), per_token=False)
+        expected_calls = {None: 1, 2000: 6, 6000: 2}[batch_size]
+        assert len(calls) == expected_calls and sum(c[0] for c in calls) == 6 * 2000
+    for a in (2000, 6000):
+        diff = (est[None].mean() - est[a].mean()).abs()
+        sem = (est[None].var() / 2000 + est[a].var() / 2000).sqrt()
+        assert diff < 5 * sem, (a, float(diff), float(sem))
+    with pytest.raises(ValueError, match="batch_size"):
+        nll_bound(model, x0, kernel, num_times=2, batch_size=0)
 
 
 def test_bad_input() -> None:
@@ -236,7 +268,7 @@ def test_the_fast_loss_gives_the_reference_bound(kind: str) -> None:
                               (_Float32(kernel.num_states, seed=4), 5e-6, 1e-6)):
         for kwargs in ({"per_token": False}, {"attention_mask": mask}):
             fast, ref = (nll_bound(model, x0, kernel, num_times=4, generator=torch.Generator().manual_seed(0),
-                                   reference=reference, **kwargs) for reference in (False, True))
+                                   reference=reference, batch_size=128, **kwargs) for reference in (False, True))
             assert fast.dtype == ref.dtype == torch.float64 and bool((ref >= 0).all()) and bool((ref > 0).any())
             torch.testing.assert_close(fast, ref, rtol=rtol, atol=atol)
     with pytest.raises(TypeError, match="reference: expected a bool"):
@@ -244,7 +276,8 @@ def test_the_fast_loss_gives_the_reference_bound(kind: str) -> None:
 
 
 def test_reference_is_the_swap_the_benchmark_makes(monkeypatch) -> None:
-    """``reference=True`` is what benchmarks/nll_bound.py does by swapping the module's loss: the same numbers."""
+    """``reference=True`` is the module's loss swapped for ``reference_gidd_loss`` at one time per model call (0.1's
+    schedule; the baseline benchmarks/nll_bound.py times): the same numbers as that swap with ``batch_size=B``."""
     from unifusion.eval import likelihood
 
     kernel = _kernel("mask")
@@ -252,5 +285,5 @@ def test_reference_is_the_swap_the_benchmark_makes(monkeypatch) -> None:
     x0 = torch.randint(0, 3, (16, L), generator=torch.Generator().manual_seed(2))
     ref = nll_bound(model, x0, kernel, num_times=3, generator=torch.Generator().manual_seed(0), reference=True)
     monkeypatch.setattr(likelihood, "x0_head_loss", uf.losses.reference_gidd_loss)
-    swapped = nll_bound(model, x0, kernel, num_times=3, generator=torch.Generator().manual_seed(0))
+    swapped = nll_bound(model, x0, kernel, num_times=3, generator=torch.Generator().manual_seed(0), batch_size=16)
     torch.testing.assert_close(swapped, ref, rtol=0, atol=0)

@@ -305,9 +305,11 @@ def test_diffusion_loss_takes_every_form(tc_model):
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-def test_nll_bound_passes_one_time_per_row_to_the_model_and_the_loss():
-    """B == L: the model gets ``(B,)`` times and the bound's integrand uses row b's time for every position of row b
-    (recomputed here from what the model saw, with per-position times)."""
+@pytest.mark.parametrize("batch_size", [None, B])
+def test_nll_bound_passes_one_time_per_row_to_the_model_and_the_loss(batch_size):
+    """B == L: the model gets one time per row — its rows are the B sequences, once per time in the call (all 3
+    times in one call by default, one per call with ``batch_size=B``) — and the bound's integrand uses row r's time
+    for every position of row r (recomputed here from what the model saw, with per-position times)."""
     kernel = KERNELS["uniform"]
     model = _TimeModel()
     seen_x_t: list[torch.Tensor] = []
@@ -319,14 +321,17 @@ def test_nll_bound_passes_one_time_per_row_to_the_model_and_the_loss():
     x0 = _tokens()[0]
     num_times = 3
     out = uf.eval.nll_bound(recording, x0, kernel, num_times=num_times, generator=torch.Generator().manual_seed(0),
-                            per_token=False)
-    assert out.shape == (B,) and len(model.seen) == num_times
+                            per_token=False, batch_size=batch_size)
+    assert out.shape == (B,) and len(model.seen) == (1 if batch_size is None else num_times)
     expected = torch.zeros(B, dtype=torch.float64)
     for t, x_t in zip(model.seen, seen_x_t):
-        assert t.shape == (B,)
+        rows = x_t.shape[0]
+        assert t.shape == (rows,) and rows % B == 0
         logits = model.A[x_t] + t[:, None, None] * model.C[x_t]
-        t_pos = t.double()[:, None].expand(B, L)  # row b's time at every position of row b
-        expected += uf.losses.reference_gidd_loss(logits, x0, x_t, t_pos, kernel).double().sum(-1)
+        t_pos = t.double()[:, None].expand(rows, L)  # row r's time at every position of row r
+        x0_rows = x0.repeat(rows // B, 1)  # row r is sequence r mod B
+        D = uf.losses.reference_gidd_loss(logits, x0_rows, x_t, t_pos, kernel).double().sum(-1)
+        expected += D.view(rows // B, B).sum(0)
     torch.testing.assert_close(out, expected / num_times, rtol=1e-5, atol=1e-6)
 
 

@@ -8,7 +8,8 @@ For a sequence x0 of L tokens and an x0 model whose per-position predictions ind
 where D_t^i is Definition 3.1's rate divergence at position i; :func:`~unifusion.losses.x0_head_loss` (GIDD's form
 with ``weighting="elbo"``) computes it exactly at the cost of a cross-entropy — the same values as the reference
 :func:`~unifusion.losses.reference_gidd_loss` to float32 rounding (float64 logits: to float64 rounding), which
-``nll_bound(..., reference=True)`` uses instead (the same times and corruptions for the same generator state).
+``nll_bound(..., reference=True)`` uses instead (the same times and corruptions for the same generator state and
+``batch_size``).
 C_ELBO is 0 when the chain forgets the data at t = 1 (α_1 = 0: the uniform and mask kernels with the linear schedule,
 GIDD's hybrid); it is positive e.g. for ``LogLinearSchedule(eps > 0)``.
 
@@ -19,6 +20,10 @@ u ~ U(0, 1) per sequence (independent across the batch), and one x_t ~ q_{t_k|0}
 
 The estimate is unbiased for the integral over (t_min, 1); with the default ``t_min = 0`` it is unbiased for the
 bound itself (the integrand is bounded near t = 0 for the kernels of this library).
+
+Cost: K model evaluations of the batch. Several times go into one model call (``batch_size`` rows: the sequences
+repeated once per time), because a forward of a few short sequences is dominated by per-call overhead and skinny
+matrix products (SmolLM2-135M on 2 CPU cores: 57 ms per 17-token row at 2 rows per call, 30 ms at 16 or more).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from .quality import _check_positive_int, _logits_of
 __all__ = ["nll_bound", "prior_kl"]
 
 _T_CLAMP = 1.0 - 1e-6
+LOGITS_PER_CALL = 1 << 26
+"""Default budget of one model call of :func:`nll_bound`: logits (rows × L × S) it may produce (256 MiB in float32)."""
 
 
 def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
@@ -61,7 +68,8 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
               generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-              t_min: float = 0.0, per_token: bool = True, reference: bool = False) -> torch.Tensor:
+              t_min: float = 0.0, per_token: bool = True, reference: bool = False,
+              batch_size: int | None = None) -> torch.Tensor:
     """Proposition 3.2's upper bound on −log p_θ(x0), per sequence, float64 ``(B,)``.
 
     bound = ∫_0^1 E[Σ_i D_t^i] dt + C_ELBO, estimated with ``num_times`` stratified times (module docstring).
@@ -71,7 +79,7 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             one is given (a :class:`~unifusion.DiffusionLM` accepts it).
         x0: clean token ids ``(B, L)``.
         kernel: the forward kernel the model was trained with.
-        num_times: K ≥ 1 stratified times (one forward pass of B rows each).
+        num_times: K ≥ 1 stratified times (K evaluations of the B sequences, several per model call).
         generator: randomness for u and x_t (on x0's device).
         attention_mask: optional ``(B, L)``, 1 = real token; padding is excluded from the sums and the token count.
         t_min: lower end of the time integral, in [0, 1).
@@ -80,7 +88,12 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         reference: evaluate D_t with the straightforward reference loss
             :func:`~unifusion.losses.reference_gidd_loss` instead of the fast
             :func:`~unifusion.losses.x0_head_loss` (slower; the same values to float32 rounding, float64 rounding
-            for float64 logits, and the same draws for the same generator state). For checking the fast path.
+            for float64 logits, and the same draws for the same generator state and ``batch_size``). For checking
+            the fast path.
+        batch_size: rows per model call, each row one sequence at one time: ``max(1, batch_size // B)`` times go
+            into a call (at least one: a batch is never split). Default: as many as keep a call's logits within
+            :data:`LOGITS_PER_CALL` elements (one time per call with ``reference=True``). The draws depend on it
+            (the same generator state, another order).
 
     Returns:
         float64 ``(B,)``.
@@ -92,6 +105,8 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
     if not isinstance(reference, bool):
         raise TypeError(f"reference: expected a bool, got {type(reference).__name__}")
+    if batch_size is not None:
+        batch_size = _check_positive_int("batch_size", batch_size)
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
         raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
                          f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
@@ -110,20 +125,30 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != x_0.shape:
             raise ValueError(f"attention_mask: expected a tensor of shape {tuple(x_0.shape)} like x0")
         valid = attention_mask.to(device=x_0.device, dtype=torch.bool)
-    extra = {} if attention_mask is None else {"attention_mask": attention_mask}
 
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
     u = torch.rand(B, generator=generator, dtype=torch.float64, device=x_0.device)  # (B,)
     times = (t_min + (1.0 - t_min) * (k[:, None] - u[None, :]) / num_times).clamp(1e-12, _T_CLAMP)  # (K, B)
+    if batch_size is not None:
+        rows = batch_size
+    else:  # the reference loss holds ~100 float32 copies of its logits: one time per call, as 0.1 did
+        rows = B if reference else LOGITS_PER_CALL // max(1, L * kernel.num_states)
+    per_call = max(1, min(num_times, rows // B))  # times per model call
+    loss = reference_gidd_loss if reference else x0_head_loss
     total = torch.zeros(B, dtype=torch.float64, device=x_0.device)
-    for t in times:  # ids were checked above and the times are made here: no per-time host syncs
+    for first in range(0, num_times, per_call):  # ids were checked above and the times are made here: no host syncs
+        t = times[first:first + per_call].reshape(-1)  # (n B,): row r is sequence r mod B
+        n = t.shape[0] // B
+        x_0n, valid_n = x_0.repeat(n, 1), valid.repeat(n, 1)  # (n B, L)
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask.repeat(n, 1)}
         with V.validation(False):
-            x_t = kernel.sample(x_0, t[:, None], generator=generator)  # (B, L)
-            x_t = torch.where(valid, x_t, x_0)
-            logits = _logits_of(model(x_t, t.float(), **extra))  # (B, L, S)
-            loss = reference_gidd_loss if reference else x0_head_loss
-            D_t = loss(logits, x_0, x_t, t[:, None], kernel)  # (B, L), = D_t exactly: one time per row
-        total += torch.where(valid, D_t.double(), torch.zeros_like(D_t, dtype=torch.float64)).sum(-1)
+            x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
+            x_t = torch.where(valid_n, x_t, x_0n)
+            logits = _logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
+            D_t = loss(logits, x_0n, x_t, t[:, None], kernel)  # (n B, L), = D_t exactly: one time per row
+        del logits
+        D_t = torch.where(valid_n, D_t.double(), torch.zeros((), dtype=torch.float64, device=x_0.device))
+        total += D_t.sum(-1).view(n, B).sum(0)
     integral = total * (1.0 - t_min) / num_times
     c_elbo = torch.where(valid, prior_kl(kernel, x_0), torch.zeros((), dtype=torch.float64)).sum(-1)
     bound = integral + c_elbo
