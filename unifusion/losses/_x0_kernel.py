@@ -51,14 +51,13 @@ ROW_FIELDS = ("x0", "x_t", "alpha", "log_alpha", "u", "alpha_over_u", "m_x0", "m
               "safe_log_m_xt",
               "same", "possible", "u_pos", "x0_is_mask", "xt_is_mask", "w_active", "v_active", "A")
 # row statistics a loss pass hands to a later gradient pass (see loss_and_grad and stats_buffers)
-NUM_STATS = 6
+NUM_STATS = 5
 
 
 def stats_buffers(num_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Empty ``(num_rows,)`` buffers for the :data:`NUM_STATS` row statistics of :func:`loss_and_grad`: the row
-    maximum l_j, s, s', c', T in ``dtype`` and the column j of the maximum (int64)."""
-    return tuple(torch.empty(num_rows, dtype=torch.int64 if i == NUM_STATS - 1 else dtype, device=device)
-                 for i in range(NUM_STATS))
+    """Empty ``(num_rows,)`` buffers in ``dtype`` for the :data:`NUM_STATS` row statistics of
+    :func:`loss_and_grad`: the row maximum M, s, s', c' and T."""
+    return tuple(torch.empty(num_rows, dtype=dtype, device=device) for _ in range(NUM_STATS))
 
 
 # ---------------------------------------------------------------------------------------------------- math
@@ -121,24 +120,26 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                              tuple[torch.Tensor, ...] | None]:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``,
     into ``grad_out``) and, if ``need_stats``, the :data:`NUM_STATS` row statistics ``(n,)`` (:func:`stats_buffers`):
-    the row maximum l_j of the logits and its column j, s = Σ_y e^{l_y − l_j}, s' = Σ_{y≠j} e^{l_y − l_j},
-    c' = Σ_{y≠x0} p_y e_y and T = Σ_{y≠x0} e_y (1 − e^{l_y − l_j}).
+    the row maximum M = max_y l_y of the logits, s = Σ_y P_y with P_y = e^{l_y − M}, s' = s − 1 summed as
+    Σ_{P_y < 1} P_y + (#{P_y = 1} − 1), c' = Σ_{y≠x0} p_y e_y and T = Σ_{y≠x0} e_y (1 − P_y).
 
-    **The token holding most of the probability.** Where p_j ≈ 1 (a confident model), 1 − p_j and the gradient at j
-    are far below the terms a direct formula subtracts: log p_x0 = l_x0 − l_j − log s carries an absolute error of one
-    ulp of 1 (float32: 6e-8), all of log p_x0 ≈ −(1 − p_x0) once that is smaller, and ∂L/∂l_j = p_j [A (e_j − c) − H]
-    + δ_{j,x_t} H is a difference of O(A) terms whose true value is O(A (1 − p_j)). So 1 − p_j = s'/s is summed from
-    the other tokens (one more accumulator in the same pass), and the gradient at j is written without subtractions
-    of such terms: e_j − c = Σ_{y≠j} p_y (e_j − e_y) with, off x0, e_j − e_y = k (1 − P_y) / ((1 + k)(1 + k P_y))
-    (x = k P, P_j = 1), i.e. T / ((1 + k) s), and at x0 p_x0 (e_j − e_x0) = p_x0 k / (1 + k) − p_x0 e_x0 (both ≥ 0);
-    at j = x0 it is p_x0 e_x0 (1 − p_x0) − p_x0 c' (both ≤ 0).
+    **The token holding most of the probability.** Where a column j at the maximum (P_j = 1) has p_j ≈ 1 (a confident
+    model), 1 − p_j and the gradient at j are far below the terms a direct formula subtracts: log p_x0 = l_x0 − M −
+    log s carries an absolute error of one ulp of 1 (float32: 6e-8), all of log p_x0 ≈ −(1 − p_x0) once that is
+    smaller, and ∂L/∂l_j = p_j [A (e_j − c) − H] + δ_{j,x_t} H is a difference of O(A) terms whose true value is
+    O(A (1 − p_j)). So 1 − p_j = s'/s is summed from the other tokens (two more accumulators in the pass that sums
+    s: the entries below the maximum and the count of those at it, so no argmax and no column index is needed), and
+    the gradient at every column with P = 1 is written without subtractions of such terms: e_j − c = Σ_y p_y (e_j −
+    e_y) with, off x0, e_j − e_y = k (1 − P_y) / ((1 + k)(1 + k P_y)) (x = k P, P_j = 1), i.e. T / ((1 + k) s), and at
+    x0 p_x0 (e_j − e_x0) = p_x0 k / (1 + k) − p_x0 e_x0 (both ≥ 0); at j = x0 it is p_x0 e_x0 (1 − p_x0) − p_x0 c'
+    (both ≤ 0). With ties at the maximum p_j ≤ 1/2 and the direct formulas are accurate too.
 
     ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
     ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
     same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). The gradient needs
     ``grad_out`` (logits' shape and dtype), or ``grad_out=None`` to write it over ``logits`` (after every read of
-    them): it is written there except at the columns x0, x_t and j of each row, and ``(index, value)``, each
-    ``(n, 3)``, is returned in its place: ``_put(grad_out, index, value)`` completes it (:func:`run` does; inside a
+    them): it is written there except at the columns x0 and x_t of each row, and ``(index, value)``, each
+    ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes it (:func:`run` does; inside a
     compiled function that scatter would cost a copy of the block). The in-place case takes the logits once rather
     than as two arguments that alias: a compiled function given aliasing inputs gets a "synthetic base" from
     AOTAutograd, and Inductor's on-disk cache then hands a later process a graph for another view/base relation
@@ -158,22 +159,23 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     l = logits.to(dtype)
     if mask_id is not None:  # MDLM's SUBS: the mask entry of the head is ignored
         l = torch.where(col == mask_id, -math.inf, l)
-    # ---- softmax over clean states, unnormalised: P = exp(l − max), s = Σ P, j = the (first) column of the max
-    if stats is None:
-        mx, j_max = l.max(-1)
-    else:
-        mx, j_max = stats[0], stats[5]
-    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at j (P_j = 1)
+    # ---- softmax over clean states, unnormalised: P = exp(l − M), s = Σ P; P = 1 exactly at the maximum
+    mx = l.amax(-1) if stats is None else stats[0]
+    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at the maximum
     P = torch.exp(d)
-    s = P.sum(-1) if stats is None else stats[1]
+    below = d < 0
+    if stats is None:
+        s = P.sum(-1)
+        # s' = s − 1 = Σ_{P<1} P + (#{P = 1} − 1): 1 − p_j = s'/s to rounding even where p_j rounds to 1
+        s_off = torch.where(below, P, zero0).sum(-1) + (torch.where(below, zero0, one0).sum(-1) - 1.0)
+    else:
+        s, s_off = stats[1], stats[2]
     at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
-    # s' = Σ_{y≠j} P_y: 1 − p_j = s'/s to rounding even where p_j rounds to 1 (a confident model)
-    s_off = torch.where(col == j_max.to(id_dtype).unsqueeze(-1), zero0, P).sum(-1) if stats is None else stats[2]
     shift = mx + torch.log(s)
-    j_is_x0 = j_max == x0  # never at a mask x0: its column is −inf (or sliced off, its id out of range)
     # a mask id may lie outside the columns (run() slices the mask column off): gather at 0 there, flagged anyway
     l_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1)
     l_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1)
+    j_is_x0 = (l_x0 == mx) & ~x0_is_mask  # x0 at the maximum (P_x0 = 1): 1 − p_x0 = s'/s
     one_minus_p_j = s_off / s
     near_one = j_is_x0 & (one_minus_p_j < 0.5)  # log p_x0 = log1p(−(1 − p_x0)) there, l_x0 − max − log s elsewhere
     log_p_x0 = torch.where(x0_is_mask, neg_inf,
@@ -254,7 +256,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
         loss = torch.where(possible, w_active * term, exit_theta)
     # need_stats implies need_c
-    out_stats = (mx, s, s_off, c_rest, T, j_max) if need_stats and c_rest is not None else None
+    out_stats = (mx, s, s_off, c_rest, T) if need_stats and c_rest is not None else None
     if not need_grad:
         return loss, None, out_stats
     assert c_rest is not None  # need_grad: c' is computed or given
@@ -270,22 +272,28 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                      -alpha * v_active * p_xt_over_q_xt * exit_scale * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
     k_or_none = k if uniform_noise else None
-    # every column as if it were neither x0, x_t nor j (no per-element index test), then those three per row
-    grad = (P * (a_row.unsqueeze(-1) * _e_off_x0(P, k_or_none, u_pos) - b_row.unsqueeze(-1))).to(logits.dtype)
-    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, j_max, x_t), x0)  # a real column (its value recomputed)
-    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t), j_max), -1)  # (n, 3)
-    P_j = torch.exp(l.gather(-1, j) - mx.unsqueeze(-1))
-    H_j = torch.where((j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1), Hp.unsqueeze(-1), 0.0)
-    value_j = P_j * (a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos) - b_row.unsqueeze(-1)) + H_j
-    # at z = j ≠ x0: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in the docstring (no
-    # cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at j = x_t (never a mask x_t)
+    # at a column j ≠ x0 at the maximum: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in the
+    # docstring (no cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at j = x_t (never a
+    # mask x_t)
     if uniform_noise:
         one_plus_k = 1.0 + k
         e_j_minus_c = T / (one_plus_k * s) + p_x0 * (k / one_plus_k) - pe_x0
     else:
         e_j_minus_c = p_x0 - pe_x0
-    g_j = (A_g * e_j_minus_c + Hp * torch.where(j_max == x_t, s_off, -1.0)) / s
-    value_j = torch.where(j == j_max.unsqueeze(-1), g_j.unsqueeze(-1), value_j)
+    A_e = A_g * e_j_minus_c
+    g_j, g_j_xt = (A_e - Hp) / s, (A_e + Hp * s_off) / s
+    # every column as if it were neither x0 nor x_t (no per-element index test; the maximum by its P = 1), then
+    # those two columns per row
+    grad = torch.where(below, P * (a_row.unsqueeze(-1) * _e_off_x0(P, k_or_none, u_pos) - b_row.unsqueeze(-1)),
+                       g_j.unsqueeze(-1)).to(logits.dtype)
+    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
+    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
+    d_j = l.gather(-1, j) - mx.unsqueeze(-1)
+    P_j = torch.exp(d_j)
+    is_xt = (j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1)
+    H_j = torch.where(is_xt, Hp.unsqueeze(-1), 0.0)
+    value_j = P_j * (a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos) - b_row.unsqueeze(-1)) + H_j
+    value_j = torch.where(d_j < 0, value_j, torch.where(is_xt, g_j_xt.unsqueeze(-1), g_j.unsqueeze(-1)))
     # at z = x0: A g (p_x0 e_x0 (1 − p_x0) − p_x0 c') + H ([x0 = x_t] − p_x0) (both A-terms ≤ 0; e_x0 itself may
     # overflow; 0 at a mask x0, where p_x0 = p_x0 e_x0 = 0)
     g_x0 = A_g * (pe_x0 * one_minus_p_x0 - p_x0 * c_rest) + Hp * torch.where(same, one_minus_p_x0, -p_x0)
