@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import unifusion as uf
+from unifusion.eval.frontier import DEFAULT_SEEDS
 
 CORPUS = Path(uf.__file__).parent / "data" / "python_docs_prose.txt"
 
@@ -279,7 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-steps", type=int, default=32, help="paths: sampling steps of the GenPPL probe")
     parser.add_argument("--eval-blocks", type=int, default=16, help="held-out sequences of the ELBO probe")
     parser.add_argument("--frontier-steps", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[123, 456, 789, 1011, 1213])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
     parser.add_argument("--tasks", nargs="*", default=[], help="zeroshot: BIG-bench task.json files")
     parser.add_argument("--adapted", default=None,
                         help="frontier/zeroshot: the adapted checkpoint (default OUT/adapted)")
