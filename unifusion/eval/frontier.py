@@ -220,6 +220,7 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
             for i, (text, h) in enumerate(zip(texts, H.tolist())):
                 sample_file.write(json.dumps({"steps": num_steps, "seed": seed, "index": i, "entropy": h,
                                               "text": text}) + "\n")
+            sample_file.flush()  # one grid point at a time: progress is visible and a crash keeps what was drawn
 
     summary = []
     for num_steps in steps:
