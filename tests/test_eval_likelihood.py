@@ -67,7 +67,7 @@ class OptimalModel:
 
     def __call__(self, x_t: torch.Tensor, t: torch.Tensor, **_: object) -> torch.Tensor:
         B, S = x_t.shape[0], self.kernel.num_states
-        q = self.kernel.marginal(self.x0s, t.double()[:, None, None])  # (B, N0, L, S): q_{t|0}(·|x0^j)
+        q = self.kernel.marginal(self.x0s[None], t.double()[:, None, None])  # (B, N0, L, S): q_{t|0}(·|x0^j)
         lik = q.gather(-1, x_t[:, None, :, None].expand(B, len(self.x0s), L, 1)).squeeze(-1)  # (B, N0, L)
         out = torch.full((B, L, S), -1e30, dtype=torch.float64)
         for i in range(L):

@@ -102,6 +102,9 @@ def _entry_points(kernel):
         return {name: points[name] for name in keep}
     points["fused_linear_diffusion_loss"] = lambda t: uf.losses.fused_linear_diffusion_loss(
         logits, torch.eye(S, dtype=torch.float64), x0, x_t, t, kernel)
+    for weighting in ("elbo", "clip", "dynamic"):
+        points[f"gidd_loss_weight({weighting})"] = (
+            lambda t, weighting=weighting: uf.losses.gidd_loss_weight(x0, x_t, t, kernel, weighting))
     if isinstance(kernel, uf.MaskKernel):
         points["mdlm_loss"] = lambda t: uf.losses.mdlm_loss(logits, x0, x_t, t, kernel)
         points["reference_mdlm_loss"] = lambda t: uf.losses.reference_mdlm_loss(logits, x0, x_t, t, kernel)
@@ -149,10 +152,33 @@ def test_floats_and_0d_tensors_everywhere(kernel_name):
         torch.testing.assert_close(a.to(b.dtype), b, msg=name)  # draws too: the same generator seed
 
 
-def test_a_grid_of_times_over_the_tokens_still_broadcasts():
-    """More dims than the tokens (a grid) is plain broadcasting: nothing to misread."""
-    q = KERNELS["uniform"].marginal(torch.arange(3), torch.tensor([[0.2], [0.5]]))
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+def test_a_t_with_more_dims_than_the_tokens_is_an_error_that_states_the_rule(kernel_name):
+    """The easy slip: a ``(B, 1, 1)`` t against ``(B, L)`` tokens would broadcast to a ``(B, B, L)`` grid of times
+    (``sample`` would return ``(B, B, L)`` tokens, ``marginal`` ``(B, B, L, S)``). Every entry point refuses it,
+    naming ``t``, both shapes and the rule."""
+    kernel = KERNELS[kernel_name]
+    for bad in (T_ROW[:, None, None], T_ROW[:, None, None].expand(B, B, L)):
+        for name, fn in _entry_points(kernel).items():
+            with pytest.raises(ValueError, match=rf"t: got shape \({B}, (1|{B}), (1|{L})\), more dims than the "
+                                                 rf"tokens' shape \({B}, {L}\).*tokens' number of dims"):
+                fn(bad)
+                pytest.fail(name)
+
+
+def test_a_grid_of_times_is_explicit_tokens_with_the_grid_dims():
+    """A grid of times over one token sequence: the tokens carry the grid's leading dim, ``(1, L)`` against
+    ``(T, 1)``; row k is the marginal at t_k. Without it (tokens ``(L,)``) the extra dim is refused."""
+    kernel = KERNELS["hybrid"]
+    x0 = torch.arange(3)
+    t = torch.tensor([[0.2], [0.5]], dtype=torch.float64)
+    q = kernel.marginal(x0[None], t)
     assert q.shape == (2, 3, S)
+    for k in range(2):
+        torch.testing.assert_close(q[k], kernel.marginal(x0, t[k, 0]))
+    with pytest.raises(ValueError, match=r"t: got shape \(2, 1\), more dims than the tokens' shape \(3,\) "
+                                         r"\(broadcasting would make a \(2, 3\) grid\)"):
+        kernel.marginal(x0, t)
 
 
 # ------------------------------------------------------------------------------------------------ no tokens: prior
@@ -188,17 +214,42 @@ def test_sample_prior_reads_a_1d_t_per_row_by_value():
         kernel.sample_prior((B, B), t="0.5")  # type: ignore[arg-type]
 
 
-def test_schedules_are_elementwise_in_every_form():
-    """Schedules take no tokens: a float gives a 0-d float64 tensor, a tensor keeps its shape (``(B,)``, ``(B, 1)``)."""
+SCHEDULES = (uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(), uf.GeometricSchedule(),
+             uf.MDLMCosineSchedule(), uf.DUOCosineSchedule(), uf.DUOCosineSchedule(chain_factor=False))
+SCHEDULE_METHODS = ("alpha", "alpha_prime", "hazard", "log_alpha", "one_minus_alpha", "sigma")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=repr)
+def test_schedules_are_elementwise_in_every_form(schedule):
+    """Schedules take no tokens: every method is elementwise. A float gives a 0-d float64 tensor, a tensor keeps its
+    shape (``(B,)``, ``(B, 1)``, ``(B, L)``) and floating dtype; entry b of any form is the float call at t_b."""
     t_row, forms = _times()
-    for schedule in (uf.LinearSchedule(), uf.CosineSchedule(), uf.GeometricSchedule()):
-        full = schedule.alpha(forms["(B, L)"])
-        torch.testing.assert_close(schedule.alpha(forms["(B,)"]), full[:, 0])
-        torch.testing.assert_close(schedule.alpha(forms["(B, 1)"]), full[:, :1])
+    methods = [m for m in SCHEDULE_METHODS if hasattr(schedule, m)]
+    assert len(methods) == 5 + isinstance(schedule, uf.GeometricSchedule)
+    for method in methods:
+        fn = getattr(schedule, method)
+        full = fn(forms["(B, L)"])
+        assert full.shape == (B, L) and full.dtype == torch.float32, method
+        assert torch.isfinite(full).all(), method
+        torch.testing.assert_close(fn(forms["(B,)"]), full[:, 0], msg=method)
+        torch.testing.assert_close(fn(forms["(B, 1)"]), full[:, :1], msg=method)
+        as64 = fn(forms["(B, L)"].double())
+        assert as64.dtype == torch.float64, method
         for b in range(B):
-            assert schedule.alpha(float(t_row[b])).dtype == torch.float64
-            torch.testing.assert_close(schedule.alpha(float(t_row[b])).float(), full[b, 0])
-            torch.testing.assert_close(schedule.alpha(t_row[b]), full[b, 0])
+            scalar = fn(float(t_row[b]))
+            assert scalar.shape == () and scalar.dtype == torch.float64, method
+            torch.testing.assert_close(scalar, as64[b, 0], msg=f"{method}: t_{b} as a float")
+            torch.testing.assert_close(fn(t_row[b]), full[b, 0], msg=f"{method}: t_{b} as a 0-d tensor")
+        # the methods agree with each other in every form: β = 1 − α, log α, hazard = −α'/α
+        alpha = schedule.alpha(forms["(B,)"].double())
+        if method == "one_minus_alpha":
+            torch.testing.assert_close(as64[:, 0], 1 - alpha)
+        elif method == "log_alpha":
+            torch.testing.assert_close(as64[:, 0], torch.log(alpha))
+        elif method == "hazard":
+            torch.testing.assert_close(as64[:, 0], -schedule.alpha_prime(forms["(B,)"].double()) / alpha)
+    with pytest.raises(TypeError, match="t: expected a float or a floating-point tensor"):
+        schedule.alpha(torch.tensor([1, 2]))
 
 
 # ------------------------------------------------------------------------------------------------ models

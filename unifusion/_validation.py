@@ -117,9 +117,12 @@ def check_token_ids(name: str, value: object, num_states: int) -> torch.Tensor:
 
 
 TIME_RULE = ("t is a float, a 0-d tensor, a 1-D tensor of one time per row (length B, the leading dim of the tokens), "
-             "or a tensor with at least the tokens' number of dims that broadcasts with their shape")
+             "or a tensor with the tokens' number of dims that broadcasts with their shape (for a grid of times, give "
+             "the tokens the grid's leading dims too, e.g. tokens x[None] of shape (1, L) with t of shape (T, 1))")
 """The one rule for the shape of ``t`` in every public function that takes times and tokens (docs/concepts.md,
-"Times"). A 1-D ``t`` of length B always means one time per row, also when B equals the sequence length."""
+"Times"). A 1-D ``t`` of length B always means one time per row, also when B equals the sequence length; ``t`` never
+has more dims than the tokens (a ``(B, 1, 1)`` t against ``(B, L)`` tokens would otherwise make a silent
+``(B, B, L)`` grid)."""
 
 
 def check_time(name: str, value: object, *, device: torch.device | None = None,
@@ -129,9 +132,11 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
 
     With ``shape`` (the tokens' shape, e.g. ``(B, L)``) the one rule for times applies (:data:`TIME_RULE`): a float
     or 0-d tensor is one time for every token; a 1-D tensor is one time per row and must have length B (returned as
-    ``(B, 1, ...)``, so it broadcasts along the positions even when B == L); otherwise the tensor must have at least
+    ``(B, 1, ...)``, so it broadcasts along the positions even when B == L); otherwise the tensor must have exactly
     as many dims as the tokens and broadcast with their shape as usual (``(B, 1)``, ``(B, L)``, ``(1, L)``, or a grid
-    of times such as ``(T, 1)`` against tokens ``(1, L)``). Fewer dims than the tokens but more than one is an error.
+    of times such as ``(T, 1)`` against tokens ``(1, L)``). Fewer dims than the tokens but more than one, or more dims
+    than the tokens (``(B, 1, 1)`` against ``(B, L)``, which broadcasting would turn into a ``(B, B, L)`` grid), is a
+    ``ValueError`` that states the rule.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a float or a float tensor, got bool")
@@ -191,13 +196,22 @@ def _times_for(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
         raise ValueError(f"{name}: a 1-D t holds one time per row, so its length must be {rows} (the leading dim of "
                          f"the tokens' shape {shape}), got {t.shape[0]}; for other layouts give t the tokens' number "
                          f"of dims, e.g. shape {(rows, *([1] * (len(shape) - 1)))}")
-    if t.dim() >= len(shape):  # as many dims or more: broadcast as usual (e.g. (B, 1), or a grid of times (T, 1))
-        try:
-            torch.broadcast_shapes(t.shape, shape)
-            return t
-        except RuntimeError:
-            pass
+    if t.dim() > len(shape):  # the easy slip: (B, 1, 1) against (B, L) would broadcast to a (B, B, L) grid
+        grid = (f" (broadcasting would make a {tuple(torch.broadcast_shapes(t.shape, shape))} grid)"
+                if _broadcasts(t.shape, shape) else "")
+        raise ValueError(f"{name}: got shape {tuple(t.shape)}, more dims than the tokens' shape {shape}{grid}; "
+                         f"{TIME_RULE}")
+    if t.dim() == len(shape) and _broadcasts(t.shape, shape):  # broadcast as usual (e.g. (B, 1), or a grid (T, 1))
+        return t
     raise ValueError(f"{name}: got shape {tuple(t.shape)} for tokens of shape {shape}; {TIME_RULE}")
+
+
+def _broadcasts(a: tuple[int, ...] | torch.Size, b: tuple[int, ...] | torch.Size) -> bool:
+    try:
+        torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:

@@ -53,7 +53,16 @@ def _setup(kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor | float,
     with V.batched_checks():
         ids = V.check_token_ids("x_t", x_t, kernel.num_states)
         dtype = V.compute_dtype(*rows, t if isinstance(t, torch.Tensor) else None)
-        t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
+        # t is read against the positions the result has: x_t's shape broadcast with the rows' leading shape (a
+        # (T, N, L, S) head over x_t (N, L) takes a (T, 1, 1) grid of times)
+        shape = ids.shape
+        leading = [row.shape[:-1] for row in rows if isinstance(row, torch.Tensor) and row.dim() >= 1]
+        if leading:
+            try:
+                shape = torch.broadcast_shapes(ids.shape, *leading)
+            except RuntimeError:  # the rows' own check names the mismatch
+                pass
+        t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=shape)
     return ids, t_, dtype
 
 
