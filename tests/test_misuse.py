@@ -342,3 +342,121 @@ def test_step_and_bidirectional_prob_together_is_an_error_naming_both(model):
     # either alone is fine, and step anneals γ = step / anneal_steps
     assert uf.diffusion_loss(model, x0, kernel, step=5, anneal_steps=10).bidirectional_prob == 0.5
     assert uf.diffusion_loss(model, x0, kernel, bidirectional_prob=0.25).bidirectional_prob == 0.25
+
+
+# ---------------------------------------------------------------------------------------------------- converted heads
+class _TableModel:
+    """A plain x0 model on S = 9 states (logits from a table of x_t), for the converted-head checks."""
+
+    num_states = 9
+
+    def __init__(self) -> None:
+        self.table = torch.randn(9, 9, generator=torch.Generator().manual_seed(3))
+
+    def __call__(self, x_t, t):
+        return self.table[x_t]
+
+
+def _x0_readers(model, kernel):
+    """Every public function that reads a model's output as x0 logits: name → call."""
+    x0 = torch.randint(0, 8, (2, 6), generator=torch.Generator().manual_seed(0))
+    return {
+        "BayesianSampler": lambda: uf.BayesianSampler(model, kernel, 2),
+        "EulerSampler(parameterization='x0')": lambda: uf.EulerSampler(model, kernel, 2),
+        "diffusion_loss": lambda: uf.diffusion_loss(model, x0, kernel),
+        "nll_bound": lambda: uf.eval.nll_bound(model, x0, kernel, num_times=2),
+        "score_choices": lambda: uf.eval.score_choices(model, kernel, x0[0, :3], [x0[0, 3:]]),
+        "fair_pmi_scores": lambda: uf.eval.fair_pmi_scores(model, kernel, x0[0, :3], [x0[0, 3:]], x0[0, :1]),
+        "frontier(bayesian)": lambda: uf.eval.frontier(model, kernel, steps=(2,), seeds=(0,), num_samples=1,
+                                                       seq_len=4, judge_model=model, judge_tokenizer=None,
+                                                       tokenizer=None, out_dir=OUT, plot=False, progress=False),
+        "x0_model_as": lambda: uf.samplers.x0_model_as(model, kernel, "sedd"),
+    }
+
+
+@pytest.mark.parametrize("parameterization", ["sedd", "m2s", "ctmc"])
+def test_a_converted_head_is_refused_where_x0_logits_are_read(parameterization):
+    """``x0_model_as(m, k, "sedd")`` returns log scores: a sampler or evaluator reading them as x0 logits would run
+    silently on the wrong numbers. Each refuses it, naming the head it got and the one it reads."""
+    kernel = uf.MaskKernel(9, 8)
+    converted = uf.samplers.x0_model_as(_TableModel(), kernel, parameterization)
+    assert converted.unifusion_parameterization == parameterization and converted.kernel is kernel
+    for name, call in _x0_readers(converted, kernel).items():
+        if name.startswith("EulerSampler"):
+            expected = (rf"parameterization: the model returns .* \(parameterization '{parameterization}', from "
+                        rf"uf\.samplers\.x0_model_as\(model, kernel, '{parameterization}'\)\), got "
+                        rf"parameterization='x0'; pass parameterization='{parameterization}'")
+        else:
+            expected = (rf"model: returns .* \(parameterization '{parameterization}', from uf\.samplers\.x0_model_as"
+                        r".*\), but .* reads the model's output as x0 logits")
+        with pytest.raises(ValueError, match=expected):
+            call()
+            pytest.fail(name)
+    # the matching use: EulerSampler with the same parameterization and kernel; the frontier with its Euler sampler
+    out = uf.EulerSampler(converted, kernel, 3, parameterization=parameterization).sample(
+        2, 5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 5) and not (out == 8).any()
+    with pytest.raises(ValueError, match=rf"got parameterization='x0'; pass parameterization='{parameterization}'"):
+        uf.eval.frontier(converted, kernel, steps=(2,), seeds=(0,), num_samples=1, seq_len=4,
+                         judge_model=converted, judge_tokenizer=None, tokenizer=None, out_dir=OUT, sampler="euler")
+
+
+def test_an_x0_wrapper_and_a_diffusion_lm_pass_where_x0_logits_are_read(model):
+    kernel = uf.MaskKernel(9, 8)
+    as_x0 = uf.samplers.x0_model_as(_TableModel(), kernel, "x0")
+    assert uf.BayesianSampler(as_x0, kernel, 2).sample(1, 4).shape == (1, 4)
+    uf.eval.nll_bound(as_x0, torch.zeros(1, 4, dtype=torch.long), kernel, num_times=2)
+    with pytest.raises(ValueError, match="a DiffusionLM outputs x0 logits"):
+        uf.EulerSampler(model, uf.UniformKernel(model.num_states), 2, parameterization="m2s")
+
+
+def test_a_converted_head_under_another_kernel_is_an_error_naming_both():
+    """The conversions depend on the kernel: a SEDD head converted under the mask kernel is not a SEDD head of the
+    uniform kernel (same number of states, so nothing else would catch it)."""
+    mask, uniform = uf.MaskKernel(9, 8), uf.UniformKernel(9)
+    converted = uf.samplers.x0_model_as(_TableModel(), mask, "sedd")
+    with pytest.raises(ValueError, match=r"kernel: the model was converted by x0_model_as with MaskKernel\("
+                                         r"num_states=9, mask_id=8, .*\), got UniformKernel\(num_states=9"):
+        uf.EulerSampler(converted, uniform, 2, parameterization="sedd")
+    # an equal kernel built anew is the same process: fine
+    uf.EulerSampler(converted, uf.MaskKernel(9, 8), 2, parameterization="sedd")
+    with pytest.raises(ValueError, match="converted by x0_model_as"):
+        uf.EulerSampler(converted, uf.MaskKernel(9, 8, uf.CosineSchedule()), 2, parameterization="sedd")
+
+
+def test_a_tagged_callable_is_checked_like_a_wrapper():
+    """Any callable may say what it returns (``unifusion_parameterization``); untagged callables are not checked."""
+
+    def sedd_net(x_t, t):
+        return torch.zeros(*x_t.shape, 9)
+
+    kernel = uf.UniformKernel(9)
+    uf.BayesianSampler(sedd_net, kernel, 2)  # untagged: nothing known
+    sedd_net.unifusion_parameterization = "sedd"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"model: returns SEDD log scores \(parameterization 'sedd', from its "
+                                         r"unifusion_parameterization tag\), but BayesianSampler reads"):
+        uf.BayesianSampler(sedd_net, kernel, 2)
+    assert uf.EulerSampler(sedd_net, kernel, 2, parameterization="sedd").sample(1, 3).shape == (1, 3)
+
+
+def test_calling_a_converted_head_checks_devices():
+    """Called directly, an x0_model_as wrapper names ``x_t`` when it is on another device than the wrapped model's
+    parameters; the samplers see the wrapped model's device; a meta model is named as the model."""
+    kernel = uf.UniformKernel(_OnCuda.num_states)
+    converted = uf.samplers.x0_model_as(_OnCuda(), kernel, "sedd")
+    moved = r"is on cpu but the model's parameters are on cuda:0; move it with \.to\('cuda:0'\)"
+    with pytest.raises(ValueError, match="x_t: " + moved):
+        converted(torch.zeros(2, 3, dtype=torch.long), 0.5)
+    with pytest.raises(ValueError, match="prompt: " + moved):
+        uf.EulerSampler(converted, kernel, 2, parameterization="sedd").sample(2, 3, prompt=torch.full((2, 3), -1))
+    with pytest.raises(ValueError, match="x_t: is on the meta device"):
+        converted(torch.zeros(2, 3, dtype=torch.long, device="meta"), 0.5)
+    with torch.device("meta"):
+        meta_model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    meta_kernel = uf.UniformKernel(meta_model.num_states)
+    meta_converted = uf.samplers.x0_model_as(meta_model, meta_kernel, "m2s")
+    with pytest.raises(ValueError, match="model: its parameters are on the meta device"):
+        meta_converted(torch.zeros(2, 3, dtype=torch.long), 0.5)
+    with pytest.raises(ValueError, match="model: its parameters are on the meta device"):
+        uf.EulerSampler(meta_converted, meta_kernel, 2, parameterization="m2s").sample(1, 4)
+

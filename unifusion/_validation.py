@@ -296,16 +296,88 @@ def is_diffusion_lm(model: Any) -> bool:
     return adapters is not None and isinstance(unwrap_model(model), adapters.DiffusionLM)
 
 
-def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel") -> None:
+HEAD_ATTRIBUTE = "unifusion_parameterization"
+"""The attribute that says what a model returns: ``"x0"``, ``"sedd"``, ``"m2s"`` or ``"ctmc"`` (the samplers'
+parameterizations). :func:`unifusion.samplers.x0_model_as` sets it on its wrappers; any callable may carry it. A
+:class:`~unifusion.DiffusionLM` returns x0 logits; other models are not known (``None``)."""
+
+_HEAD_NAMES = {"x0": "x0 logits", "sedd": "SEDD log scores", "m2s": "M2S posterior-mean logits",
+               "ctmc": "Neural-CTMC (log exit rate, jump logits) pairs"}
+
+
+def converted_model(model: Any) -> Any:
+    """The :class:`~unifusion.samplers.euler.ConvertedModel` that ``model`` is (an :func:`x0_model_as` wrapper), or
+    ``None``; looked up without importing the samplers (which build on this module)."""
+    euler = sys.modules.get("unifusion.samplers.euler")
+    return model if euler is not None and isinstance(model, euler.ConvertedModel) else None
+
+
+def model_parameterization(model: Any) -> str | None:
+    """What ``model`` returns, when it is known: ``"x0"`` for a :class:`~unifusion.DiffusionLM` (inside wrappers),
+    the :data:`HEAD_ATTRIBUTE` tag otherwise (set by :func:`~unifusion.samplers.x0_model_as`), else ``None``."""
+    inner = unwrap_model(model)
+    if is_diffusion_lm(inner):
+        return "x0"
+    tag = getattr(inner, HEAD_ATTRIBUTE, None)
+    return tag if isinstance(tag, str) else None
+
+
+def check_model_parameterization(model: Any, expected: str, *, who: str = "this function",
+                                 argument: bool = False) -> None:
+    """``ValueError`` naming both when ``model`` is known to return another head than ``expected`` (untagged
+    callables pass: nothing is known about them). ``argument``: ``expected`` came from the caller's
+    ``parameterization=`` argument (the message then says which value to pass)."""
+    actual = model_parameterization(model)
+    if actual is None or actual == expected:
+        return
+    source = (f"uf.samplers.x0_model_as(model, kernel, {actual!r})" if converted_model(unwrap_model(model))
+              is not None else f"its {HEAD_ATTRIBUTE} tag")
+    if expected == "x0" and not argument:
+        raise ValueError(f"model: returns {_HEAD_NAMES.get(actual, actual)} (parameterization {actual!r}, from "
+                         f"{source}), but {who} reads the model's output as x0 logits; pass the x0 model itself")
+    raise ValueError(f"parameterization: the model returns {_HEAD_NAMES.get(actual, actual)} (parameterization "
+                     f"{actual!r}, from {source}), got parameterization={expected!r}; pass parameterization="
+                     f"{actual!r}")
+
+
+def _same_kernel(a: Any, b: Any) -> bool:
+    """Whether two kernels are the same process: the same class and the same settings (tensors compared by value)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or vars(a).keys() != vars(b).keys():
+        return False
+    for key, x in vars(a).items():
+        y = vars(b)[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and torch.equal(x.detach().cpu(), y.detach().cpu())):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", parameterization: str | None = "x0",
+                       who: str = "this function", argument: bool = False) -> None:
     """Raise ``ValueError`` when ``kernel`` does not fit the model: a different number of states, or — for a
     :class:`~unifusion.DiffusionLM`, which knows its mask token — a different mask id, or a mask/hybrid kernel on a
     model adapted without a mask token (its id ``kernel.mask_id`` is then an ordinary word).
+
+    Also when the model is known to return another head than ``parameterization`` (:func:`model_parameterization`;
+    ``who`` and ``argument`` as :func:`check_model_parameterization`; ``None``: not checked), and, for an
+    :func:`~unifusion.samplers.x0_model_as` wrapper, when ``kernel`` is not the kernel its conversions use.
 
     Models that do not know their mask token (plain callables) are checked for ``num_states`` when they expose it.
     A :class:`~unifusion.UniformKernel` on a model with a mask token is allowed (the mask token is then one more
     noise state: the AR → mask → uniform conversion path).
     """
+    if parameterization is not None:
+        check_model_parameterization(model, parameterization, who=who, argument=argument)
     inner = unwrap_model(model)
+    converted = converted_model(inner)
+    if converted is not None and not _same_kernel(converted.kernel, kernel):
+        raise ValueError(f"{name}: the model was converted by x0_model_as with {converted.kernel!r}, got {kernel!r}; "
+                         "its heads are only right under the kernel they were converted with (pass that kernel)")
     num_states = getattr(inner, "num_states", None)
     if isinstance(num_states, int) and num_states != kernel.num_states:
         raise ValueError(f"{name}: has {kernel.num_states} states but the model predicts {num_states}; build the "
@@ -326,6 +398,9 @@ def model_device(model: Any) -> torch.device | None:
     """The device of a model's first parameter (inside DDP/FSDP/DeepSpeed/compile wrappers), ``None`` for callables
     without parameters or models dispatched by accelerate (``hf_device_map``: their parameters may sit elsewhere)."""
     inner = unwrap_model(model)
+    converted = converted_model(inner)
+    if converted is not None:  # an x0_model_as wrapper: where the x0 model it calls lives
+        return model_device(converted.model)
     hf = getattr(inner, "base_model", inner)
     if getattr(inner, "hf_device_map", None) is not None or getattr(hf, "hf_device_map", None) is not None:
         return None

@@ -187,8 +187,12 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
     if not isinstance(label, str) or not label:
         raise ValueError(f"label: expected a non-empty string, got {label!r}")
-    check_model_kernel(model, kernel)
     sampler_kwargs = dict(sampler_kwargs or {})
+    # the head the sampler reads: x0 logits for "bayesian", the parameterization argument for "euler"; a factory's
+    # sampler checks its own
+    head = None if callable(sampler) else sampler_kwargs.get("parameterization", "x0") if sampler == "euler" else "x0"
+    check_model_kernel(model, kernel, parameterization=head if isinstance(head, str) else None, who="frontier",
+                       argument=sampler == "euler")
     ent_tok = entropy_tokenizer if entropy_tokenizer is not None else gpt2_tokenizer()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,6 @@ generate, or a pair ``(ids, keep_mask)``.
 
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
-from .euler import PARAMETERIZATIONS, EulerSampler, x0_model_as
+from .euler import PARAMETERIZATIONS, ConvertedModel, EulerSampler, x0_model_as
 
-__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "EulerSampler", "x0_model_as"]
+__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "ConvertedModel", "EulerSampler", "x0_model_as"]

@@ -221,7 +221,9 @@ def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object,
     check_callback(callback)
     generator = V.check_generator(generator)
     kernel, N, eps = sampler.kernel, sampler.num_steps, sampler.eps
-    V.check_model_kernel(sampler.model, kernel)
+    parameterization = getattr(sampler, "parameterization", None)  # EulerSampler's argument; BayesianSampler: x0
+    V.check_model_kernel(sampler.model, kernel, parameterization=parameterization or "x0",
+                         who=type(sampler).__name__, argument=parameterization is not None)
     dev, source = resolve_device(sampler.model, prompt, generator, device)
     check_devices(sampler.model, generator, dev, source)
     with V.batched_checks():  # the run's value checks, read back once (steps then run with validation off)

@@ -69,8 +69,9 @@ class BayesianSampler:
     validation off, since the sampler's tokens and times are valid by construction.
 
     The kernel must fit the model: with a :class:`~unifusion.DiffusionLM`, the same number of states and, for mask
-    and hybrid kernels, the model's mask token (a ``ValueError`` names both ids otherwise). ``top_k`` is at most the
-    number of states.
+    and hybrid kernels, the model's mask token (a ``ValueError`` names both ids otherwise). The model must return x0
+    logits: a :func:`~unifusion.samplers.x0_model_as` wrapper of another parameterization is a ``ValueError`` (sample
+    it with :class:`~unifusion.EulerSampler`). ``top_k`` is at most the number of states.
     """
 
     def __init__(self, model: ModelFn, kernel: Kernel, num_steps: int, *, eps: float = 1e-3, temperature: float = 1.0,
@@ -86,6 +87,7 @@ class BayesianSampler:
         if not isinstance(cache_unchanged, bool):
             raise TypeError(f"cache_unchanged: expected a bool, got {type(cache_unchanged).__name__}")
         self.cache_unchanged = cache_unchanged
+        V.check_model_kernel(model, self.kernel, who="BayesianSampler")  # x0 logits under this kernel (cheap)
 
     def __repr__(self) -> str:
         return (f"BayesianSampler(kernel={self.kernel!r}, num_steps={self.num_steps}, eps={self.eps}, "

@@ -64,8 +64,8 @@ from ._setup import (
 )
 from ._step import bayesian_step, posterior_mixture
 
-__all__ = ["EulerSampler", "PARAMETERIZATIONS", "x0_model_as", "reverse_rate_from_head", "euler_step_probs",
-           "clean_distribution_from_head"]
+__all__ = ["EulerSampler", "PARAMETERIZATIONS", "ConvertedModel", "x0_model_as", "reverse_rate_from_head",
+           "euler_step_probs", "clean_distribution_from_head"]
 
 PARAMETERIZATIONS = ("x0", "sedd", "m2s", "ctmc")
 
@@ -188,8 +188,60 @@ def final_step(p0: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: torch.Ten
     return torch.where(total > 0, x_0, x_t)
 
 
+class ConvertedModel:
+    """An x0 model that returns the head of another parameterization (what :func:`x0_model_as` builds).
+
+    Calling it maps ``(x_t (B, L), t)`` to the head (see :func:`x0_model_as`). It carries what it converts with —
+    ``model`` (the x0 model), ``kernel``, ``parameterization``, ``dtype`` — and the tag
+    :data:`~unifusion._validation.HEAD_ATTRIBUTE` (``unifusion_parameterization``), so the samplers and evaluators
+    refuse it where they would read its output as another head (or under another kernel). ``parameters()`` and
+    ``num_states`` are the wrapped model's, so devices and state counts are checked as for that model.
+    """
+
+    def __init__(self, model: ModelFn, kernel: Kernel, parameterization: str, dtype: torch.dtype) -> None:
+        self.model, self.kernel, self.parameterization, self.dtype = model, kernel, parameterization, dtype
+
+    @property
+    def unifusion_parameterization(self) -> str:
+        """What calling this returns (:data:`unifusion._validation.HEAD_ATTRIBUTE`)."""
+        return self.parameterization
+
+    @property
+    def num_states(self) -> int:
+        return self.kernel.num_states
+
+    def parameters(self, recurse: bool = True) -> Any:
+        """The wrapped model's parameters (none for a plain callable)."""
+        parameters = getattr(self.model, "parameters", None)
+        return parameters() if callable(parameters) else iter(())
+
+    def __repr__(self) -> str:
+        return (f"x0_model_as({type(self.model).__name__}, {self.kernel!r}, {self.parameterization!r}, "
+                f"dtype={self.dtype})")
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor | float) -> Any:
+        x_t = V.check_tensor("x_t", x_t)
+        if x_t.dim() != 2:
+            raise ValueError(f"x_t: expected token ids of shape (B, L), got {tuple(x_t.shape)}")
+        V.check_model_device(self.model, "x_t", x_t)  # device metadata only: no sync
+        kernel, dtype = self.kernel, self.dtype
+        with V.batched_checks():
+            t_row = V.check_sequence_times("t", t, x_t.shape, device=x_t.device)  # (B,), the caller's float dtype
+        logits = self.model(x_t, t_row)
+        if self.parameterization == "x0":
+            return logits
+        p = torch.exp(x0_log_probs(kernel, logits.to(dtype)))  # x_θ, 0 on the mask state
+        t_ = t_row.to(dtype)[:, None]  # (B, 1) against x_t (B, L): one time per row
+        if self.parameterization == "sedd":
+            return safe_log(convert_x0_to("sedd", p, kernel, x_t, t_))
+        if self.parameterization == "m2s":
+            return safe_log(convert_x0_to("m2s", p, kernel, x_t, t_, strict=False))
+        exit_rate, jump = convert_x0_to("ctmc", p, kernel, x_t, t_)
+        return safe_log(exit_rate), safe_log(jump)
+
+
 def x0_model_as(model: ModelFn, kernel: Kernel, parameterization: str, *,
-                dtype: torch.dtype = torch.float32) -> ModelFn:
+                dtype: torch.dtype = torch.float32) -> ConvertedModel:
     """Wrap an x0 model so it returns the head of another parameterization, by :func:`unifusion.convert_x0_to`.
 
     The result maps ``(x_t (B, L), t)`` to ``"sedd"``: log score ``(B, L, S)``; ``"m2s"``: log μ ``(B, L, S)``
@@ -200,33 +252,20 @@ def x0_model_as(model: ModelFn, kernel: Kernel, parameterization: str, *,
     (Theorem 3.5), so :class:`EulerSampler` gives the same samples for all four.
 
     The kernel must fit the model: for a :class:`~unifusion.DiffusionLM`, the same number of states and, for mask and
-    hybrid kernels, its mask token (a ``ValueError`` naming both ids otherwise), checked here once.
+    hybrid kernels, its mask token (a ``ValueError`` naming both ids otherwise), checked here once. ``model`` must
+    return x0 logits (wrapping a wrapper of another parameterization is a ``ValueError``). ``x_t`` must be on the
+    model's device (a ``ValueError`` naming ``x_t`` otherwise).
+
+    The result is a :class:`ConvertedModel` tagged with its parameterization: :class:`EulerSampler` takes it only
+    with the same ``parameterization=`` and ``kernel``; :class:`~unifusion.BayesianSampler`, the evaluators and
+    :func:`~unifusion.diffusion_loss`, which read x0 logits, refuse it unless ``parameterization="x0"``.
     """
     model = check_model(model)
     kernel = check_kernel(kernel)
     parameterization = _check_parameterization(parameterization)
     dtype = check_dtype(dtype)
-    V.check_model_kernel(model, kernel)
-
-    def converted(x_t: torch.Tensor, t: torch.Tensor | float) -> Any:
-        x_t = V.check_tensor("x_t", x_t)
-        if x_t.dim() != 2:
-            raise ValueError(f"x_t: expected token ids of shape (B, L), got {tuple(x_t.shape)}")
-        with V.batched_checks():
-            t_row = V.check_sequence_times("t", t, x_t.shape, device=x_t.device)  # (B,), the caller's float dtype
-        logits = model(x_t, t_row)
-        if parameterization == "x0":
-            return logits
-        p = torch.exp(x0_log_probs(kernel, logits.to(dtype)))  # x_θ, 0 on the mask state
-        t_ = t_row.to(dtype)[:, None]  # (B, 1) against x_t (B, L): one time per row
-        if parameterization == "sedd":
-            return safe_log(convert_x0_to("sedd", p, kernel, x_t, t_))
-        if parameterization == "m2s":
-            return safe_log(convert_x0_to("m2s", p, kernel, x_t, t_, strict=False))
-        exit_rate, jump = convert_x0_to("ctmc", p, kernel, x_t, t_)
-        return safe_log(exit_rate), safe_log(jump)
-
-    return converted
+    V.check_model_kernel(model, kernel, who="x0_model_as")
+    return ConvertedModel(model, kernel, parameterization, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,6 +314,8 @@ class EulerSampler:
                              f"{self.parameterization!r}; use parameterization='x0', or sample its "
                              f"{self.parameterization} head with uf.samplers.x0_model_as(model, kernel, "
                              f"{self.parameterization!r})")
+        V.check_model_kernel(model, self.kernel, parameterization=self.parameterization, who="EulerSampler",
+                             argument=True)
         if final_step not in ("sample", "argmax"):
             raise ValueError(f"final_step: expected 'sample' or 'argmax', got {final_step!r}")
         self.final_step = final_step
