@@ -182,6 +182,104 @@ def test_device_dtype_num_parameters() -> None:
     assert adapt_ar_model(tiny_model("llama").to(torch.bfloat16), add_mask_token=False).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_num_parameters_exclude_embeddings_counts_as_hugging_face(family: str) -> None:
+    """``exclude_embeddings=True`` leaves out the ``nn.Embedding`` weights (and an output head tied to them), as
+    Hugging Face's own ``num_parameters`` does: the same number for the same weights."""
+    base = tiny_model(family)
+    model = adapt_ar_model(base, add_mask_token=False)
+    expected = base.num_parameters(exclude_embeddings=True)
+    assert model.num_parameters(exclude_embeddings=True) == expected < model.num_parameters()
+    embeddings = sum(m.weight.numel() for m in {id(m): m for m in model.modules()
+                                                if isinstance(m, torch.nn.Embedding)}.values())
+    assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == embeddings
+    for p in model.parameters():
+        p.requires_grad_(False)
+    base.get_input_embeddings().weight.requires_grad_(True)
+    assert model.num_parameters(only_trainable=True, exclude_embeddings=True) == 0
+    with pytest.raises(TypeError, match="exclude_embeddings: expected a bool, got int"):
+        model.num_parameters(exclude_embeddings=1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the training kernel, recorded with the model
+
+
+def _kernels(S: int) -> list[uf.Kernel]:
+    return [uf.UniformKernel(S), uf.UniformKernel(S, uf.LogLinearSchedule(1e-4)),
+            uf.MaskKernel(S, MASK_ID, uf.GeometricSchedule(1e-3, 10.0)),
+            uf.MaskKernel(S, MASK_ID, uf.DUOCosineSchedule(chain_factor=False)), uf.HybridKernel(S, MASK_ID, 0.2, 2.0)]
+
+
+def test_the_training_kernel_round_trips_through_save_pretrained(tmp_path) -> None:
+    from unifusion._validation import _same_kernel
+
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    assert model.kernel is None
+    for k, kernel in enumerate(_kernels(model.num_states)):
+        folder = tmp_path / str(k)
+        if k % 2:
+            model.kernel = kernel  # recorded by default
+            model.save_pretrained(folder)
+            model.kernel = None
+        else:
+            model.save_pretrained(folder, kernel=kernel)
+        assert json.loads((folder / CONFIG_NAME).read_text())["kernel"]["name"] in ("uniform", "mask", "hybrid")
+        loaded = DiffusionLM.from_pretrained(folder)
+        assert _same_kernel(loaded.kernel, kernel) and repr(loaded.kernel) == repr(kernel), kernel
+        assert uf.models.default_kernel(loaded)[0] is loaded.kernel
+    model.save_pretrained(tmp_path / "none")
+    assert "kernel" not in json.loads((tmp_path / "none" / CONFIG_NAME).read_text())
+    assert DiffusionLM.from_pretrained(tmp_path / "none").kernel is None
+
+
+def test_save_pretrained_checks_the_kernel(tmp_path) -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    S = model.num_states
+    with pytest.raises(ValueError, match=rf"kernel: mask_id=5 but the model's mask token is {MASK_ID}"):
+        model.save_pretrained(tmp_path / "a", kernel=uf.MaskKernel(S, 5))
+    with pytest.raises(TypeError, match="kernel: expected a unifusion Kernel or None, got str"):
+        model.save_pretrained(tmp_path / "b", kernel="mask")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # checked before anything is written
+    R = torch.ones(S, S, dtype=torch.float64) - S * torch.eye(S, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="cannot be recorded"):
+        model.save_pretrained(tmp_path / "c", kernel=uf.GeneratorKernel(R))
+    assert "kernel" not in json.loads((tmp_path / "c" / CONFIG_NAME).read_text())
+    stamp = json.loads((tmp_path / "c" / CONFIG_NAME).read_text())
+    stamp["kernel"] = {"name": "hybrid", "p_uniform": 0.1}  # no gamma
+    (tmp_path / "c" / CONFIG_NAME).write_text(json.dumps(stamp))
+    with pytest.raises(ValueError, match=r"unifusion_config.json: kernel: cannot rebuild the kernel"):
+        DiffusionLM.from_pretrained(tmp_path / "c")
+
+
+@pytest.mark.parametrize("recorded", [None, "uniform", "hybrid"])
+def test_generate_defaults_to_the_recorded_kernel_else_mask_else_uniform(recorded, monkeypatch) -> None:
+    """generate's default kernel: the recorded one; else the mask kernel on the mask token; else uniform (a model
+    without a mask token) — the rule of unifusion.models.default_kernel, which the CLI follows too."""
+    from unifusion.samplers import bayesian
+
+    used: list[uf.Kernel] = []
+
+    class Spy(bayesian.BayesianSampler):
+        def __init__(self, model, kernel, *args, **kwargs):
+            used.append(kernel)
+            super().__init__(model, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(bayesian, "BayesianSampler", Spy)
+    with_mask = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    S = with_mask.num_states
+    kernels = {None: None, "uniform": uf.UniformKernel(S), "hybrid": uf.HybridKernel(S, MASK_ID, 0.3)}
+    with_mask.kernel = kernels[recorded]
+    with_mask.generate(_prompt(1, 2), max_new_tokens=2, num_steps=2)
+    without_mask = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    without_mask.generate(_prompt(1, 2), max_new_tokens=2, num_steps=2)
+    if recorded is None:
+        assert type(used[0]) is uf.MaskKernel and used[0].mask_id == MASK_ID
+    else:
+        assert used[0] is with_mask.kernel
+    assert type(used[1]) is uf.UniformKernel and used[1].num_states == without_mask.num_states
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # generate
 

@@ -173,3 +173,54 @@ def test_bad_arguments_name_the_option(folders, capsys):
     empty.write_text("\n\n")
     rc = main(["eval", "genppl", "--texts", str(empty), "--judge", folders["hf"], "--device", "cpu"])
     assert rc == 2 and "--texts" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default kernel: the one saved with the model, else mask on its mask token, else uniform (as generate)
+
+
+def _sample(model_dir, capsys, *extra):
+    rc = main(["sample", "--model", str(model_dir), "--steps", "2", "--num-samples", "1", "--seq-len", "4",
+               "--device", "cpu", *extra])
+    captured = capsys.readouterr()
+    return rc, captured.err
+
+
+def test_sample_and_eval_without_kernel_follow_one_rule_and_say_which(folders, tmp_path, capsys):
+    from unifusion.models import default_kernel
+
+    # a checkpoint with a mask token and no recorded kernel: mask on its mask token (not uniform, as before)
+    rc, err = _sample(folders["dm"], capsys)
+    assert rc == 0
+    assert "unifusion sample: kernel MaskKernel(num_states=" in err and "mask_id=2" in err
+    assert "has a mask token (2)" in err and "pass --kernel to choose" in err
+    # DiffusionLM.generate's default is the same kernel
+    loaded = uf.DiffusionLM.from_pretrained(folders["dm"])
+    assert type(default_kernel(loaded)[0]) is uf.MaskKernel and default_kernel(loaded)[0].mask_id == 2
+    # the kernel recorded at save time wins (here: the AR -> mask -> uniform path, uniform on a model with a mask)
+    recorded = tmp_path / "recorded"
+    loaded.save_pretrained(recorded, kernel=uf.HybridKernel(loaded.num_states, 2, 0.25))
+    rc, err = _sample(recorded, capsys)
+    assert rc == 0 and "kernel HybridKernel(" in err and "p_uniform=0.25" in err and "recorded with the model" in err
+    loaded.save_pretrained(recorded, kernel=uf.UniformKernel(loaded.num_states))
+    rc, err = _sample(recorded, capsys)
+    assert rc == 0 and "kernel UniformKernel(" in err and "recorded with the model" in err
+    # an HF folder adapted on the fly: no mask token is added without --kernel, so uniform
+    rc, err = _sample(folders["hf"], capsys)
+    assert rc == 0 and "kernel UniformKernel(" in err and "no mask token" in err
+    # an explicit --kernel is used as given, silently
+    rc, err = _sample(folders["dm"], capsys, "--kernel", "uniform")
+    assert rc == 0 and "kernel" not in err
+    # eval subcommands: the same rule and the same note
+    rc = main(["eval", "nll", "--model", folders["dm"], "--texts", folders["texts"], "--seq-len", "5",
+               "--num-times", "2", "--device", "cpu"])
+    assert rc == 0 and "unifusion eval nll: kernel MaskKernel(" in capsys.readouterr().err
+
+
+def test_p_uniform_is_for_the_hybrid_kernel_only(folders, capsys):
+    rc, err = _sample(folders["dm"], capsys, "--p-uniform", "0.3")
+    assert rc == 2 and "--p-uniform: only used with --kernel hybrid, got --kernel (not given)" in err
+    rc, err = _sample(folders["dm"], capsys, "--kernel", "mask", "--p-uniform", "0.3")
+    assert rc == 2 and "got --kernel mask" in err
+    rc, err = _sample(folders["dm"], capsys, "--kernel", "hybrid", "--p-uniform", "0.3")
+    assert rc == 0 and err == ""

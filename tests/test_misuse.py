@@ -460,3 +460,26 @@ def test_calling_a_converted_head_checks_devices():
     with pytest.raises(ValueError, match="model: its parameters are on the meta device"):
         uf.EulerSampler(meta_converted, meta_kernel, 2, parameterization="m2s").sample(1, 4)
 
+
+# ---------------------------------------------------------------------------------------------------- generate
+def test_generate_names_its_own_arguments(model):
+    """DiffusionLM.generate's errors name generate's arguments (prompt_ids, model), not the sampler's it calls."""
+    prompt = _x0(model, B=1, L=3)
+    with pytest.raises(ValueError, match="^prompt_ids: is on the meta device"):
+        model.generate(prompt.to("meta"), max_new_tokens=2, num_steps=2)
+    with pytest.raises(ValueError, match=rf"^prompt_ids: expected clean token ids in \[0, {model.num_states}\) "
+                                         rf"other than the mask id {model.mask_token_id}, got values in"):
+        model.generate(torch.tensor([[1, model.mask_token_id]]), max_new_tokens=2, num_steps=2)
+    with pytest.raises(ValueError, match=rf"^prompt_ids: expected clean token ids in \[0, {model.num_states}\)"):
+        model.generate(torch.tensor([[1, model.num_states]]), max_new_tokens=2, num_steps=2)
+    with pytest.raises(TypeError, match="^generator: expected a torch.Generator or None, got int"):
+        model.generate(prompt, max_new_tokens=2, num_steps=2, generator=0)  # type: ignore[arg-type]
+    with torch.device("meta"):
+        meta_model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    for meta_prompt in (prompt, prompt.to("meta")):
+        with pytest.raises(ValueError, match="^model: its parameters are on the meta device"):
+            meta_model.generate(meta_prompt, max_new_tokens=2, num_steps=2)
+    # a uniform kernel on the mask model: the mask id is then an ordinary noise state, allowed in the prompt
+    out = model.generate(torch.tensor([[1, model.mask_token_id]]), max_new_tokens=2, num_steps=2,
+                         kernel=uf.UniformKernel(model.num_states), generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 4) and out[0, 1] == model.mask_token_id

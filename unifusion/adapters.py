@@ -68,7 +68,7 @@ __all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attenti
 CONFIG_NAME = "unifusion_config.json"
 WEIGHTS_NAME = "model.safetensors"
 _CONFIG_KEYS = {"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token", "time_conditioning",
-                "model_type", "architecture", "dtype", "base_config"}
+                "model_type", "architecture", "dtype", "base_config", "kernel"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -239,6 +239,10 @@ class DiffusionLM(nn.Module):
         family: the :class:`unifusion._families.Family` entry used.
         tokenizer: the tokenizer given to :func:`adapt_ar_model` (or found by :meth:`from_pretrained`), or ``None``;
             a plain attribute (not part of the state dict), written by :meth:`save_pretrained`.
+        kernel: the forward kernel the model was trained with, when known (set it, or pass ``kernel=`` to
+            :meth:`save_pretrained`), else ``None``; recorded in the saved config and restored by
+            :meth:`from_pretrained`. :meth:`generate` and ``unifusion sample``/``eval`` default to it
+            (:func:`unifusion.models.default_kernel`: else mask on the mask token, else uniform).
         dense_bidirectional_mask: ``False`` (default): fully bidirectional calls (``γ = 1``) without padding or an
             active sliding window pass no mask and run the attention with ``is_causal=False`` (see
             :meth:`attention_path`). ``True``: always pass the dense ``(B, 1, L + 1, L + 1)`` mask (the same
@@ -252,6 +256,7 @@ class DiffusionLM(nn.Module):
                  time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
         super().__init__()
         self.tokenizer: Any = tokenizer
+        self.kernel: Any = None  # the training kernel, when known (save_pretrained records it)
         self.dense_bidirectional_mask: bool = False
         self.base_model = base_model
         hf = _unwrap_peft(base_model)
@@ -292,11 +297,16 @@ class DiffusionLM(nn.Module):
         """Floating dtype of the input embeddings (the weights' dtype)."""
         return self._hf.get_input_embeddings().weight.dtype
 
-    def num_parameters(self, only_trainable: bool = False) -> int:
-        """Number of parameters (tied tensors counted once), or only those with ``requires_grad``."""
-        if not isinstance(only_trainable, bool):
-            raise TypeError(f"only_trainable: expected a bool, got {type(only_trainable).__name__}")
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (tied tensors counted once), or only those with ``requires_grad``; with
+        ``exclude_embeddings``, without the weights of ``nn.Embedding`` layers (the token embeddings, and an output
+        head tied to them), as Hugging Face's ``num_parameters`` counts."""
+        for name, value in (("only_trainable", only_trainable), ("exclude_embeddings", exclude_embeddings)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters()
+                   if (p.requires_grad or not only_trainable) and id(p) not in skip)
 
     @property
     def num_states(self) -> int:
@@ -615,8 +625,9 @@ class DiffusionLM(nn.Module):
             max_new_tokens: number of tokens to generate after the prompt; or give
             seq_len: the total length ``P + max_new_tokens`` (exactly one of the two).
             num_steps: ``N ≥ 1`` model calls.
-            kernel: the forward kernel the model was trained with; default :class:`~unifusion.MaskKernel` on the
-                model's mask token, or :class:`~unifusion.UniformKernel` when it has none.
+            kernel: the forward kernel the model was trained with; default :attr:`kernel` when recorded, else
+                :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
+                (:func:`unifusion.models.default_kernel`, the rule ``unifusion sample`` follows too).
             temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
             top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
             top_k: keep the ``k`` most likely tokens (``None``: off).
@@ -626,8 +637,13 @@ class DiffusionLM(nn.Module):
 
         Returns:
             ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns.
+
+        ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
+        device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, and a generator on another
+        device type than the model are ``ValueError``s naming the argument (``model``, ``prompt_ids``,
+        ``generator``).
         """
-        from .kernels import MaskKernel, UniformKernel
+        from .models import default_kernel
         from .samplers._setup import PROMPT_FILL
         from .samplers.bayesian import BayesianSampler
 
@@ -635,6 +651,12 @@ class DiffusionLM(nn.Module):
             raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
         if prompt_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"prompt_ids: expected integer token ids, got dtype {prompt_ids.dtype}")
+        V.check_model_device(self, "prompt_ids", self.device)  # a meta model: "model: ..." (metadata only)
+        V.check_not_meta("prompt_ids", prompt_ids)
+        generator = V.check_generator(generator)
+        if generator is not None and generator.device.type != self.device.type:
+            raise ValueError(f"generator: is on {generator.device} but the model is on {self.device}; create it "
+                             f"there, e.g. torch.Generator(device={str(self.device)!r})")
         if prompt_ids.dim() == 1:
             prompt_ids = prompt_ids[None]
         if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
@@ -651,12 +673,20 @@ class DiffusionLM(nn.Module):
             raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                              f"after the {P} prompt tokens, got a total length of {L}")
         if kernel is None:
-            kernel = (UniformKernel(self.num_states) if self.mask_token_id is None
-                      else MaskKernel(self.num_states, mask_id=self.mask_token_id))
+            kernel = default_kernel(self)[0]
         sampler = BayesianSampler(self, kernel, num_steps, eps=eps, temperature=temperature, top_p=top_p,
                                   top_k=top_k)
+        prompt_ids = prompt_ids.to(self.device, torch.int64)
+        if V.validation_enabled() and prompt_ids.numel():  # one host sync, named for generate's argument
+            bad = (prompt_ids < 0) | (prompt_ids >= self.num_states)
+            if kernel.mask_id is not None:
+                bad |= prompt_ids == kernel.mask_id
+            V.fail_if(bad.any(), lambda: (
+                f"prompt_ids: expected clean token ids in [0, {self.num_states})"
+                + (f" other than the mask id {kernel.mask_id}" if kernel.mask_id is not None else "")
+                + f", got values in [{int(prompt_ids.min())}, {int(prompt_ids.max())}]"))
         prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=self.device)  # generated positions
-        prompt[:, :P] = prompt_ids.to(self.device)
+        prompt[:, :P] = prompt_ids
         return sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=self.device)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
@@ -680,11 +710,11 @@ class DiffusionLM(nn.Module):
 
     # -- save / load --------------------------------------------------------------------------------------------
 
-    def _stamp(self) -> dict[str, Any]:
+    def _stamp(self, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
         base_config = self.config.to_dict()
         base_config.pop("quantization_config", None)  # GGUF-loaded models: store the dequantised weights plainly
         dtype = self._hf.get_input_embeddings().weight.dtype
-        return {
+        stamp = {
             "unifusion_version": _library_version(),
             "bos_token_id": self.bos_token_id,
             "mask_token_id": self.mask_token_id,
@@ -695,8 +725,12 @@ class DiffusionLM(nn.Module):
             "dtype": str(dtype).removeprefix("torch."),
             "base_config": base_config,
         }
+        if kernel is not None:  # only when known: a folder without it reads in older versions without a warning
+            stamp["kernel"] = kernel
+        return stamp
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None) -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
+                        kernel: Any = None) -> None:
         """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory, and
         the tokenizer's files next to them.
 
@@ -705,9 +739,26 @@ class DiffusionLM(nn.Module):
             tokenizer: a Hugging Face tokenizer to save with the model (``tokenizer.save_pretrained``); default the
                 one :func:`adapt_ar_model` was given (:attr:`tokenizer`). With a tokenizer in the folder,
                 ``unifusion sample --model DIR`` and :meth:`from_pretrained` find it.
+            kernel: the forward kernel the model was trained with (default :attr:`kernel`), recorded in the config
+                as ``"kernel"`` (:func:`unifusion.models.kernel_config`) so that :meth:`from_pretrained` restores
+                :attr:`kernel` and :meth:`generate` and ``unifusion sample``/``eval`` use it by default. Uniform,
+                mask and hybrid kernels with a built-in schedule can be recorded; another kernel warns and is not.
         """
         from safetensors.torch import save_file
 
+        from .kernels import Kernel
+        from .models import kernel_config
+
+        kernel = kernel if kernel is not None else self.kernel
+        kernel_entry = None
+        if kernel is not None:
+            if not isinstance(kernel, Kernel):
+                raise TypeError(f"kernel: expected a unifusion Kernel or None, got {type(kernel).__name__}")
+            V.check_model_kernel(self, kernel, who="save_pretrained")  # a Kernel that fits the model (mask id, S)
+            kernel_entry = kernel_config(kernel)
+            if kernel_entry is None:
+                warnings.warn(f"kernel: {kernel!r} cannot be recorded in {CONFIG_NAME} (only uniform, mask and hybrid "
+                              "kernels with a built-in schedule can); the saved model names no kernel", stacklevel=2)
         tok = tokenizer if tokenizer is not None else self.tokenizer
         if tok is not None and not callable(getattr(tok, "save_pretrained", None)):
             raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
@@ -719,7 +770,7 @@ class DiffusionLM(nn.Module):
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         with open(path / CONFIG_NAME, "w") as f:
-            json.dump(self._stamp(), f, indent=2, sort_keys=True, default=str)
+            json.dump(self._stamp(kernel_entry), f, indent=2, sort_keys=True, default=str)
         # Tied tensors (same storage, shape and stride) are stored once; every tensor is copied out contiguously, so
         # parameters that are views into one flat buffer (DeepSpeed ZeRO-2, FSDP-gathered) save too.
         state: dict[str, torch.Tensor] = {}
@@ -737,7 +788,8 @@ class DiffusionLM(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None, load_tokenizer: bool = True) -> DiffusionLM:
-        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights), in eval mode.
+        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights), in eval mode, with its
+        recorded training kernel as :attr:`kernel` (``None`` when none was recorded).
 
         Args:
             directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``).
@@ -802,6 +854,11 @@ class DiffusionLM(nn.Module):
                              f"unexpected {list(unexpected)[:5]})")
         if device is not None:
             model.to(device)
+        if stamp.get("kernel") is not None:  # the training kernel, recorded by save_pretrained
+            from .models import kernel_from_config
+
+            model.kernel = kernel_from_config(stamp["kernel"], model.num_states, model.mask_token_id,
+                                              name=f"{CONFIG_NAME}: kernel")
         if load_tokenizer and any((path / name).is_file() for name in _TOKENIZER_FILES):
             from transformers import AutoTokenizer
 

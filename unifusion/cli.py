@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "make_kernel", "read_texts"]
+__all__ = ["main", "build_parser", "make_kernel", "resolve_kernel", "read_texts"]
 
 KERNELS = ("uniform", "mask", "hybrid")
+DEFAULT_P_UNIFORM = 0.1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_kernel(kind: str, model: Any, *, p_uniform: float = 0.1) -> Any:
+def make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) -> Any:
     """The kernel named ``kind`` on the model's state space (mask id = ``model.mask_token_id``)."""
     from .kernels import HybridKernel, MaskKernel, UniformKernel
 
@@ -108,6 +109,19 @@ def make_kernel(kind: str, model: Any, *, p_uniform: float = 0.1) -> Any:
     if kind == "hybrid":
         return HybridKernel(S, mask_id=int(model.mask_token_id), p_uniform=p_uniform)
     raise ValueError(f"--kernel: expected one of {KERNELS}, got {kind!r}")
+
+
+def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = None) -> tuple[Any, str]:
+    """``(kernel, why)``: the kernel ``--kernel`` names, or, without one, :func:`unifusion.models.default_kernel`'s
+    rule (the kernel saved with the model, else mask on its mask token, else uniform) — the rule
+    ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid`` only."""
+    from .models import default_kernel
+
+    if p_uniform is not None and kind != "hybrid":
+        raise ValueError(f"--p-uniform: only used with --kernel hybrid, got --kernel {kind or '(not given)'}")
+    if kind is not None:
+        return make_kernel(kind, model, p_uniform=DEFAULT_P_UNIFORM if p_uniform is None else p_uniform), "--kernel"
+    return default_kernel(model)
 
 
 def read_texts(path: str, *, arg: str = "--texts") -> list[str]:
@@ -149,8 +163,11 @@ def _model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
     g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder (default: none)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one saved with the model)")
     if kernel:
-        g.add_argument("--kernel", choices=KERNELS, default="uniform", help="forward corruption kernel")
-        g.add_argument("--p-uniform", type=_probability, default=0.1, help="the hybrid kernel's uniform share")
+        g.add_argument("--kernel", choices=KERNELS, default=None,
+                       help="forward corruption kernel (default: the one saved with the model, else mask when the "
+                            "model has a mask token, uniform otherwise; the choice is printed)")
+        g.add_argument("--p-uniform", type=_probability, default=None,
+                       help=f"the hybrid kernel's uniform share, with --kernel hybrid (default: {DEFAULT_P_UNIFORM})")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="weights' dtype")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
@@ -175,12 +192,20 @@ def _sampler_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, kernel)``; the kernel by :func:`resolve_kernel`, announced on stderr with the reason."""
     from .models import load_diffusion_model
 
     device = _resolve_device(args.device)
-    model, tok = load_diffusion_model(args.model, kernel=getattr(args, "kernel", "uniform"), gguf_file=args.gguf_file,
+    if getattr(args, "p_uniform", None) is not None and args.kernel != "hybrid":  # before loading anything
+        resolve_kernel(args.kernel, None, p_uniform=args.p_uniform)
+    model, tok = load_diffusion_model(args.model, kernel=getattr(args, "kernel", None), gguf_file=args.gguf_file,
                                       tokenizer=args.tokenizer, dtype=args.dtype, device=device)
-    kernel = make_kernel(args.kernel, model, p_uniform=args.p_uniform) if hasattr(args, "kernel") else None
+    if not hasattr(args, "kernel"):
+        return model, tok, None
+    kernel, why = resolve_kernel(args.kernel, model, p_uniform=args.p_uniform)
+    if why != "--kernel":
+        command = " ".join(c for c in (args.command, getattr(args, "eval_command", None)) if c)
+        print(f"unifusion {command}: kernel {kernel!r} ({why}; pass --kernel to choose)", file=sys.stderr)
     return model, tok, kernel
 
 
