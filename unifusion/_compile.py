@@ -20,7 +20,8 @@ If compiling fails (no C++ compiler, no Triton, an unsupported device), the call
 ``torch.OutOfMemoryError`` (also when Dynamo/Inductor wrap it) propagates from the call as it would eagerly, and
 the backend stays as it is; a background warm-up that runs out of memory leaves its configuration eager and tries
 again after :data:`AUTO_MIN_CALLS` further uses. Inside a caller's own ``torch.compile`` region the
-functions are traced inline. :func:`compile_stats` reports how many configurations compiled and how long that took.
+functions are traced inline. :func:`compile_stats` reports how many configurations compiled, how many are still
+compiling and how long that took; :func:`blocking_seconds` how long callers waited for it (``"compiled"`` only).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["set_backend", "get_backend", "wait_for_compilation", "compile_stats"]
+__all__ = ["set_backend", "get_backend", "wait_for_compilation", "compile_stats", "blocking_seconds"]
 
 BACKENDS = ("auto", "compiled", "eager")
 _state = {"backend": os.environ.get("UNIFUSION_BACKEND", "auto")}
@@ -57,12 +58,15 @@ _COMPILER_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, Impo
 
 @dataclass
 class _Auto:
-    """One configuration under ``"auto"``: how often it ran, and its background compilation."""
+    """One configuration: how often it ran under ``"auto"``, and its compilation — in a background thread
+    (``"auto"``) or in the caller's thread on its first call (``"compiled"``, ``blocking``)."""
 
     calls: int = 0
     thread: threading.Thread | None = None
-    ready: Callable | None = None  # the compiled copy, once its warm-up call has run
-    seconds: float = 0.0
+    ready: Callable | None = None  # the compiled copy, once its warm-up call (or first call) has run
+    seconds: float = 0.0  # how long compiling took, once done
+    started: float | None = None  # time.perf_counter() when the background compilation started
+    blocking: bool = False  # compiled in the caller's thread (backend "compiled"): the caller waited
 
 
 _auto: dict[tuple, _Auto] = {}
@@ -103,13 +107,28 @@ def wait_for_compilation(timeout: float | None = None) -> bool:
 
 
 def compile_stats() -> dict[str, Any]:
-    """``{"compiled": n, "pending": n, "seconds": s}``: configurations compiled in the background so far, those
-    still compiling, and the seconds their compilation took (wall time of the background threads)."""
+    """``{"compiled": n, "pending": n, "seconds": s}``: configurations compiled so far, those still compiling in the
+    background, and the seconds spent compiling — including, for the pending ones, the seconds since they started.
+
+    Under ``"auto"`` a configuration compiles in a background thread (its seconds: that thread's wall time); under
+    ``"compiled"`` it compiles on its first call in the caller's thread (its seconds: that call's wall time, which
+    also holds the one call itself; :func:`blocking_seconds` is that part alone).
+    """
+    now = time.perf_counter()
     with _lock:
         entries = list(_auto.values())
-    return {"compiled": sum(a.ready is not None for a in entries),
-            "pending": sum(a.thread is not None and a.thread.is_alive() for a in entries),
-            "seconds": sum(a.seconds for a in entries)}
+    pending = [a for a in entries if a.thread is not None and a.thread.is_alive()]
+    done = [a for a in entries if a.ready is not None]
+    return {"compiled": len(done), "pending": len(pending),
+            "seconds": sum(a.seconds for a in done) + sum(now - a.started for a in pending if a.started is not None)}
+
+
+def blocking_seconds() -> float:
+    """Seconds callers have waited for compilation: the first calls of each configuration under ``"compiled"``
+    (``"auto"`` never makes a caller wait). A training loop subtracts the growth of this across a step from the
+    step's time to count training, not compiling (``unifusion demo`` does)."""
+    with _lock:
+        return sum(a.seconds for a in _auto.values() if a.blocking and a.ready is not None)
 
 
 # Inductor options of every compiled hot path. With dynamic shapes one compiled kernel serves every size, but its C++
@@ -189,6 +208,7 @@ def ready(fn: Callable, key: tuple, *, work: int, warmup: Callable[[Callable], A
             return None
         entry.thread = threading.Thread(target=_compile_in_background, args=(entry, fn, key, options, warmup),
                                         name=f"unifusion-compile-{fn.__name__}", daemon=True)
+        entry.started = time.perf_counter()
     entry.thread.start()
     return None
 
@@ -227,11 +247,22 @@ def run(fn: Callable, key: tuple, compiled_call: Callable[[Callable], Any], eage
     fn_c = ready(fn, key, work=work, warmup=warmup, options=options)
     if fn_c is None:
         return eager_call()
+    full_key = (fn.__module__, fn.__qualname__) + key
+    entry = _auto.get(full_key)
+    first = _state["backend"] == "compiled" and (entry is None or entry.ready is None)  # it compiles in this call
+    start = time.perf_counter()
     try:
-        return compiled_call(fn_c)
+        out = compiled_call(fn_c)
     except _COMPILER_ERRORS as err:
         if _is_oom(err):
             raise
         out = eager_call()  # bad inputs raise here too, and the backend stays as it is
         _fail(err)
         return out
+    if first:  # compile_stats counts it, blocking_seconds says the caller waited
+        seconds = time.perf_counter() - start
+        with _lock:
+            entry = _auto.setdefault(full_key, _Auto())
+            if entry.ready is None:
+                entry.ready, entry.seconds, entry.blocking = fn_c, seconds, True
+    return out
