@@ -1,6 +1,7 @@
 """The Quickstart's main job, end to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); and its
-training budget, which leaves out the steps taken while the fused loss compiles in the background (a tiny model, a
-fake clock and a fake background compilation: seconds)."""
+training budget, which leaves out the steps taken while the fused loss compiles in the background and the wait for
+the compiler inside a step (UNIFUSION_BACKEND=compiled), and its report of compilations still running (a tiny model,
+a fake clock and fake compilations: seconds); and the compile_stats / blocking_seconds numbers that report reads."""
 
 from __future__ import annotations
 

@@ -50,11 +50,11 @@ def test_marginal_rows_sum_to_one_identity_at_zero_rates_nonnegative(kind: str) 
         ids = torch.arange(S)
         # GIDD's hybrid leaves the identity like t^{γ/2} (γ ≥ 0.2 here), hence the tiny first time
         ts = torch.tensor([1e-80, 1e-9, 1e-4, 0.2, 0.5, 0.8, 0.999], dtype=DT)[:, None]
-        q = kernel.marginal(ids, ts)  # (7, S, S)
+        q = kernel.marginal(ids[None], ts)  # (7, S, S): a grid of times over one token row (1, S)
         torch.testing.assert_close(q.sum(-1), torch.ones(7, S, dtype=DT), rtol=0, atol=1e-13)
         assert bool((q >= 0).all())
         torch.testing.assert_close(q[0], torch.eye(S, dtype=DT), rtol=0, atol=1e-6)  # q_{0+} → identity
-        rates = kernel.rate_into(ids, ts)
+        rates = kernel.rate_into(ids[None], ts)
         assert bool((rates >= 0).all()) and bool((rates.diagonal(dim1=-2, dim2=-1) == 0).all())
 
 

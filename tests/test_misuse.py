@@ -408,6 +408,11 @@ def test_an_x0_wrapper_and_a_diffusion_lm_pass_where_x0_logits_are_read(model):
     uf.eval.nll_bound(as_x0, torch.zeros(1, 4, dtype=torch.long), kernel, num_times=2)
     with pytest.raises(ValueError, match="a DiffusionLM outputs x0 logits"):
         uf.EulerSampler(model, uf.UniformKernel(model.num_states), 2, parameterization="m2s")
+    # an "x0" wrapper converts nothing: the model inside it is checked (its mask token), not the wrapper's kernel
+    as_x0_lm = uf.samplers.x0_model_as(model, uf.MaskKernel(model.num_states, model.mask_token_id), "x0")
+    uf.BayesianSampler(as_x0_lm, uf.UniformKernel(model.num_states), 2)
+    with pytest.raises(ValueError, match=rf"mask_id=5 but the model's mask token is {model.mask_token_id}"):
+        uf.BayesianSampler(as_x0_lm, uf.MaskKernel(model.num_states, 5), 2)
 
 
 def test_a_converted_head_under_another_kernel_is_an_error_naming_both():

@@ -365,7 +365,8 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", paramet
 
     Also when the model is known to return another head than ``parameterization`` (:func:`model_parameterization`;
     ``who`` and ``argument`` as :func:`check_model_parameterization`; ``None``: not checked), and, for an
-    :func:`~unifusion.samplers.x0_model_as` wrapper, when ``kernel`` is not the kernel its conversions use.
+    :func:`~unifusion.samplers.x0_model_as` wrapper, when ``kernel`` is not the kernel its conversions use (an
+    ``"x0"`` wrapper converts nothing: the model inside it is checked instead).
 
     Models that do not know their mask token (plain callables) are checked for ``num_states`` when they expose it.
     A :class:`~unifusion.UniformKernel` on a model with a mask token is allowed (the mask token is then one more
@@ -375,6 +376,9 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", paramet
         check_model_parameterization(model, parameterization, who=who, argument=argument)
     inner = unwrap_model(model)
     converted = converted_model(inner)
+    if converted is not None and converted.parameterization == "x0":  # logits passed through: check the x0 model
+        check_model_kernel(converted.model, kernel, name=name, parameterization=None)
+        return
     if converted is not None and not _same_kernel(converted.kernel, kernel):
         raise ValueError(f"{name}: the model was converted by x0_model_as with {converted.kernel!r}, got {kernel!r}; "
                          "its heads are only right under the kernel they were converted with (pass that kernel)")

@@ -643,7 +643,7 @@ class DiffusionLM(nn.Module):
         device type than the model are ``ValueError``s naming the argument (``model``, ``prompt_ids``,
         ``generator``).
         """
-        from .models import default_kernel
+        from ._kernel_config import default_kernel
         from .samplers._setup import PROMPT_FILL
         from .samplers.bayesian import BayesianSampler
 
@@ -746,8 +746,8 @@ class DiffusionLM(nn.Module):
         """
         from safetensors.torch import save_file
 
+        from ._kernel_config import kernel_config
         from .kernels import Kernel
-        from .models import kernel_config
 
         kernel = kernel if kernel is not None else self.kernel
         kernel_entry = None
@@ -855,7 +855,7 @@ class DiffusionLM(nn.Module):
         if device is not None:
             model.to(device)
         if stamp.get("kernel") is not None:  # the training kernel, recorded by save_pretrained
-            from .models import kernel_from_config
+            from ._kernel_config import kernel_from_config
 
             model.kernel = kernel_from_config(stamp["kernel"], model.num_states, model.mask_token_id,
                                               name=f"{CONFIG_NAME}: kernel")

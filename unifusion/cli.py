@@ -115,7 +115,7 @@ def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = No
     """``(kernel, why)``: the kernel ``--kernel`` names, or, without one, :func:`unifusion.models.default_kernel`'s
     rule (the kernel saved with the model, else mask on its mask token, else uniform) — the rule
     ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid`` only."""
-    from .models import default_kernel
+    from ._kernel_config import default_kernel
 
     if p_uniform is not None and kind != "hybrid":
         raise ValueError(f"--p-uniform: only used with --kernel hybrid, got --kernel {kind or '(not given)'}")

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ._kernel_config import KERNEL_NAMES, default_kernel, kernel_config, kernel_from_config
+
 __all__ = ["load_smollm2", "load_smollm2_tokenizer", "smollm2_gguf_path", "load_causal_lm", "load_diffusion_model",
            "dtype_from_name", "KERNEL_NAMES", "kernel_config", "kernel_from_config", "default_kernel"]
 
@@ -178,72 +180,3 @@ def load_diffusion_model(spec: str, *, kernel: str | None = None, gguf_file: str
     # uniform noise needs no absorbing state: keep the AR vocabulary exactly as it is
     model = adapt_ar_model(hf, add_mask_token=kernel not in (None, "uniform"))
     return model.eval(), tok
-
-
-# ------------------------------------------------------------------------------------------------------------
-# the kernel a model was trained with: recorded in a saved DiffusionLM's config, named on the command line
-
-KERNEL_NAMES = ("uniform", "mask", "hybrid")
-
-
-def kernel_config(kernel: Any) -> dict[str, Any] | None:
-    """A JSON-able description of ``kernel`` (what ``DiffusionLM.save_pretrained`` records as ``"kernel"``), or
-    ``None`` for kernels it cannot describe (a :class:`~unifusion.GeneratorKernel`, a subclass, a custom schedule).
-
-    ``{"name": "uniform" | "mask", "schedule": {"name": <built-in schedule class>, **its settings}}`` or
-    ``{"name": "hybrid", "p_uniform": p_u, "gamma": γ}``; the mask id is the model's mask token.
-    """
-    from . import schedules
-    from .kernels import HybridKernel, MaskKernel, UniformKernel
-
-    if type(kernel) is HybridKernel:
-        return {"name": "hybrid", "p_uniform": kernel.p_uniform, "gamma": kernel.gamma}
-    if type(kernel) in (UniformKernel, MaskKernel):
-        schedule = kernel.schedule
-        if getattr(schedules, type(schedule).__name__, None) is not type(schedule):
-            return None
-        return {"name": "uniform" if type(kernel) is UniformKernel else "mask",
-                "schedule": {"name": type(schedule).__name__, **vars(schedule)}}
-    return None
-
-
-def kernel_from_config(config: object, num_states: int, mask_token_id: int | None, *,
-                       name: str = "kernel") -> Any:
-    """The kernel :func:`kernel_config` described, on ``num_states`` states with mask id ``mask_token_id``; a
-    ``ValueError`` naming ``name`` for a description it cannot rebuild (or a mask kernel without a mask token)."""
-    from . import schedules
-    from .kernels import HybridKernel, MaskKernel, UniformKernel
-
-    if not isinstance(config, dict) or config.get("name") not in KERNEL_NAMES:
-        raise ValueError(f"{name}: expected a kernel description with 'name' in {KERNEL_NAMES}, got {config!r}")
-    kind = config["name"]
-    if kind != "uniform" and mask_token_id is None:
-        raise ValueError(f"{name}: a {kind} kernel needs a mask token, but the model has none")
-    mask_id = int(mask_token_id) if mask_token_id is not None else -1  # -1: never read (uniform)
-    try:
-        if kind == "hybrid":
-            return HybridKernel(num_states, mask_id, float(config["p_uniform"]), float(config["gamma"]))
-        settings = dict(config.get("schedule") or {"name": "LinearSchedule"})
-        schedule_cls = getattr(schedules, str(settings.pop("name", "")), None)
-        if not (isinstance(schedule_cls, type) and issubclass(schedule_cls, schedules.Schedule)):
-            raise ValueError(f"unknown schedule {config.get('schedule')!r}")
-        schedule = schedule_cls(**settings)
-        return UniformKernel(num_states, schedule) if kind == "uniform" else MaskKernel(num_states, mask_id, schedule)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{name}: cannot rebuild the kernel described by {config!r} ({err})") from None
-
-
-def default_kernel(model: Any) -> tuple[Any, str]:
-    """The kernel a :class:`~unifusion.DiffusionLM` samples and is evaluated with when none is named, and why:
-    ``model.kernel`` (the one it was trained with, when recorded), else a :class:`~unifusion.MaskKernel` on its mask
-    token, else a :class:`~unifusion.UniformKernel`. ``DiffusionLM.generate``, ``unifusion sample`` and
-    ``unifusion eval`` all follow this rule."""
-    from .kernels import MaskKernel, UniformKernel
-
-    recorded = getattr(model, "kernel", None)
-    if recorded is not None:
-        return recorded, "the kernel recorded with the model (model.kernel, saved in its config)"
-    if model.mask_token_id is not None:
-        return (MaskKernel(model.num_states, mask_id=int(model.mask_token_id)),
-                f"no kernel recorded with the model, and it has a mask token ({model.mask_token_id})")
-    return UniformKernel(model.num_states), "no kernel recorded with the model, and it has no mask token"
