@@ -287,25 +287,31 @@ def test_loglikelihood_cuts_long_contexts_and_continuations_with_one_warning(mod
 def test_loglikelihood_rolling_is_the_negative_nll_bound(model, tokenizer, task_manager):
     texts = [json.loads(line)["text"] for line in (TASKS / "rolling.jsonl").read_text().splitlines()]
     kernel = _mask(model)
-    for seeding in ("request", "task"):
-        lm = UnifusionLM(model=model, tokenizer=tokenizer, nll_times=8, seed=5, seeding=seeding)
-        out = _evaluate(lm, ["unifusion_tiny_rolling"], task_manager)
-        metrics = out["results"]["unifusion_tiny_rolling"]
-        assert all(math.isfinite(metrics[k]) and metrics[k] > 0 for k in
-                   ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"))
-        g = torch.Generator().manual_seed(5)  # seeding=task: one generator through the documents, in order
-        expected = []
-        for text in texts:
-            if seeding == "request":
-                g = torch.Generator().manual_seed(request_seed(5, "loglikelihood_rolling", text))
-            ids = torch.tensor(_ids(tokenizer, text)).unsqueeze(0)
-            expected.append(-float(nll_bound(model, ids, kernel, num_times=8, generator=g, per_token=False)))
-        got = []
-        for s in _sorted_samples(out, "unifusion_tiny_rolling"):
-            resp = s["filtered_resps"][0]
-            got.append(float(resp[0] if isinstance(resp, (list, tuple)) else resp))
-        assert got == pytest.approx(expected, rel=1e-10), seeding
-        assert all(v < 0 for v in got)  # a bound on −log p of a whole text is positive
+    lm = UnifusionLM(model=model, tokenizer=tokenizer, nll_times=8, seed=5)
+    out = _evaluate(lm, ["unifusion_tiny_rolling"], task_manager)
+    metrics = out["results"]["unifusion_tiny_rolling"]
+    assert all(math.isfinite(metrics[k]) and metrics[k] > 0 for k in
+               ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"))
+    got = []
+    for s in _sorted_samples(out, "unifusion_tiny_rolling"):
+        resp = s["filtered_resps"][0]
+        got.append(float(resp[0] if isinstance(resp, (list, tuple)) else resp))
+
+    def bound(text, g):
+        ids = torch.tensor(_ids(tokenizer, text)).unsqueeze(0)
+        return -float(nll_bound(model, ids, kernel, num_times=8, generator=g, per_token=False))
+
+    # seeding=request: each text its own generator
+    assert got == pytest.approx([bound(text, torch.Generator().manual_seed(request_seed(5, "loglikelihood_rolling",
+                                                                                        text))) for text in texts],
+                                rel=1e-10)
+    assert all(v < 0 for v in got)  # a bound on −log p of a whole text is positive
+    # seeding=task: one generator through a task's texts in order, seeded afresh at the next task's first text
+    g = torch.Generator().manual_seed(5)
+    expected = [bound(text, g) for text in texts]
+    lm = UnifusionLM(model=model, tokenizer=tokenizer, nll_times=8, seed=5, seeding="task")
+    requests = [_request(text, task_name=task) for task in ("a", "b") for text in texts]
+    assert lm.loglikelihood_rolling(requests) == pytest.approx(expected + expected, rel=1e-10)
 
 
 def test_loglikelihood_rolling_windows_long_texts(model, tokenizer):

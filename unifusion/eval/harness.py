@@ -117,7 +117,7 @@ MODEL_ARGS: tuple[tuple[str, str, str], ...] = (
     ("nll_times", "128", "stratified times of loglikelihood_rolling's bound"),
     ("max_length", "model's positions - 1", "context + answer / prompt + new tokens; rolling window length"),
     ("max_gen_toks", "none", "cap on generate_until's new tokens (the task's max_gen_toks, else 256)"),
-    ("num_steps", "64", "sampler steps (model calls) per generate_until request"),
+    ("num_steps", "64", "sampler steps (forward passes) per generate_until batch"),
     ("do_sample", "false", "sample when a task sets neither do_sample nor temperature (else argmax x0)"),
     ("temperature", "1.0", "sampling temperature unless the task's gen_kwargs set one"),
     ("top_p", "off", "nucleus mass of sampling unless the task's gen_kwargs set one"),
@@ -565,7 +565,7 @@ class UnifusionLM(LM):
         are counted in one warning per call.
         """
         pairs = [(str(r.args[0]), str(r.args[1])) for r in requests]
-        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        questions: list[_Question] = []
         pool = _RowPool(self.model, self.kernel, self.batch_size_per_forward)
         cuts = _Cuts()
         streams: dict[Any, tuple[torch.Generator, torch.Generator]] = {}  # seeding="task": per task
@@ -577,7 +577,8 @@ class UnifusionLM(LM):
                 if id(requests[i]) not in seen:
                     seen[id(requests[i])] = i
                     unique.append(i)
-            question = _Question(members=members, first={i: seen[id(requests[i])] for i in members}, bar=bar, out=out)
+            question = _Question(members=members, first={i: seen[id(requests[i])] for i in members}, bar=bar)
+            questions.append(question)
             generator, greedy_generator = self._question_generators(requests[members[0]],
                                                                     [list(pairs[i]) for i in unique], streams)
             by_context: dict[str, list[int]] = {}
@@ -593,9 +594,15 @@ class UnifusionLM(LM):
         pool.flush()
         bar.close()
         cuts.warn("loglikelihood", len(requests), self.max_length)
-        if any(value is None for value in out):  # every row ran at the flush: each question finished
-            raise RuntimeError("loglikelihood: a question was left unscored (a bug in unifusion.eval.harness)")
-        return cast("list[tuple[float, bool]]", out)
+        answers = [answer for question in questions for answer in question.answers]
+        if any(answer.score is None for answer in answers):  # every row ran at the flush
+            raise RuntimeError("loglikelihood: an answer was left unscored (a bug in unifusion.eval.harness)")
+        # one read-back for the whole call (the scores live on the model's device)
+        scores = torch.stack([cast(torch.Tensor, a.score) for a in answers]).tolist() if answers else []
+        greedy = torch.stack([cast(torch.Tensor, a.greedy) for a in answers]).tolist() if answers and \
+            self.check_greedy else [False] * len(answers)
+        value = {answer.index: (-s, bool(g)) for answer, s, g in zip(answers, scores, greedy)}
+        return [value[question.first[i]] for question in questions for i in question.members]
 
     def _question_generators(self, first: Any, content: list[list[str]],
                              streams: dict[Any, tuple[torch.Generator, torch.Generator]]
@@ -908,28 +915,24 @@ class _Job:
 
 @dataclass(eq=False)
 class _Question:
-    """A question's answers; fills ``out`` for its requests once every row of every answer is scored."""
+    """A question's answers; counts on the progress bar once every row of every answer has run."""
 
     members: list[int]
     first: dict[int, int]  # request index -> the index of the first occurrence of the same request object
     bar: Any
-    out: list[Any]
     answers: list[_Answer] = field(default_factory=list)
     pending: int = 0
     sealed: bool = False
 
     def maybe_finish(self) -> None:
-        if not self.sealed or self.pending:
-            return
-        values = {answer.index: answer.result() for answer in self.answers}
-        for i in self.members:
-            self.out[i] = values[self.first[i]]
-        self.bar.update(len(self.members))
+        if self.sealed and not self.pending:
+            self.bar.update(len(self.members))
 
 
 @dataclass(eq=False)
 class _Answer:
-    """One request's rows: the scorer's ``(K, m)`` NLLs (context, and null for Fair-PMI) and is_greedy."""
+    """One request's rows: the scorer's ``(K, m)`` NLLs (context, and null for Fair-PMI) and is_greedy. Its score
+    stays a tensor on the model's device (no host sync per answer); the call reads all scores back at once."""
 
     question: _Question
     index: int
@@ -938,30 +941,32 @@ class _Answer:
     method: str
     pending: int = 0
     nll: dict[str, torch.Tensor] = field(default_factory=dict)
-    greedy: bool = False
+    greedy: torch.Tensor | None = None  # 0-d bool
+    score: torch.Tensor | None = None  # 0-d float64
 
-    def done(self, kind: str, value: torch.Tensor | bool) -> None:
+    def done(self, kind: str, value: torch.Tensor) -> None:
         if kind == "greedy":
-            self.greedy = bool(value)
+            self.greedy = value
         else:
-            self.nll[kind] = cast(torch.Tensor, value)
+            self.nll[kind] = value
         self.pending -= 1
         if not self.pending:
+            self.score = self._score()
+            self.nll.clear()
             self.question.pending -= 1
             self.question.maybe_finish()
 
-    def result(self) -> tuple[float, bool]:
+    def _score(self) -> torch.Tensor:
         """``score_choices``' S(a) or ``fair_pmi_scores``' S_PMI(a), from the same terms in the same order."""
-        sel = self.selected
+        nll = self.nll["context"]  # (K, m) float64
+        sel = self.selected.to(nll.device)
         if self.method == "score":
             sel = sel | ~sel.any(-1, keepdim=True)  # empty I_k: fall back to every span position
-            per_time = (self.nll["context"] * sel).sum(-1) / sel.sum(-1)  # (K,)
-            score = per_time.mean()
-        else:
-            L_c = (self.nll["context"] * sel).sum(-1).mean()  # L̄(a|c)
-            L_null = (self.nll["null"] * sel).sum(-1).mean()  # L̄(a|null)
-            score = (L_c - L_null) / self.answer.numel()
-        return -float(score), self.greedy
+            per_time = (nll * sel).sum(-1) / sel.sum(-1)  # (K,)
+            return per_time.mean()
+        L_c = (nll * sel).sum(-1).mean()  # L̄(a|c)
+        L_null = (self.nll["null"] * sel).sum(-1).mean()  # L̄(a|null)
+        return (L_c - L_null) / self.answer.numel()
 
 
 @dataclass(eq=False)
@@ -980,7 +985,7 @@ class _Block:
 class _RowPool:
     """Rows of equal length, from any question, go through the model ``batch_size`` at a time. A row's result (the
     span's −log x_θ(a_i), float64, or the argmax check) does not depend on the rows beside it, so pooling changes no
-    number; it only fills the forward passes."""
+    number; it only fills the forward passes. Nothing is read back to the host here."""
 
     def __init__(self, model: Any, kernel: Kernel, batch_size: int) -> None:
         self.model, self.kernel, self.batch_size = model, kernel, batch_size
@@ -1024,15 +1029,15 @@ class _RowPool:
             if block.kind == "greedy":
                 if self.kernel.mask_id is not None:
                     span[..., self.kernel.mask_id] = float("-inf")
-                block.results.append((span.argmax(-1) == targets).all(-1).cpu())
+                block.results.append((span.argmax(-1) == targets).all(-1))
             else:
                 log_x = x0_log_probs(self.kernel, span)
-                block.results.append(-log_x.gather(-1, targets.expand(n, m).unsqueeze(-1)).squeeze(-1).cpu())
+                block.results.append(-log_x.gather(-1, targets.expand(n, m).unsqueeze(-1)).squeeze(-1))
             block.filled += n
             row += n
-            if block.filled == block.x_t.shape[0]:
+            if block.filled == block.x_t.shape[0]:  # results stay on the device: no host sync per forward
                 value = torch.cat(block.results)
-                block.owner.done(block.kind, bool(value.all()) if block.kind == "greedy" else value.double())
+                block.owner.done(block.kind, value.all() if block.kind == "greedy" else value.double())
 
 
 # ---------------------------------------------------------------------------------------------------------------
