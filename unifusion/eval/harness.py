@@ -12,12 +12,13 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
   score S(a) over the K-point time grid (:func:`~unifusion.eval.score_choices`, ``method="score"``, K = 32), or the
   Fair-PMI score (:func:`~unifusion.eval.fair_pmi_scores`, ``method="fair_pmi"``, K = 128, null context
   ``"Answer:"``). Both are *per-token* scores, lower is better, so the harness's ``acc`` (argmax of the returned
-  value) picks exactly the answer :func:`~unifusion.eval.run_multiple_choice` picks; ``acc_norm`` (divided by the
-  answer's length in bytes) has no counterpart in the paper. The requests of one question (consecutive requests
-  with the same ``task_name`` and ``doc_id``, as the harness emits them) are scored with shared randomness, as
-  ``run_multiple_choice`` does; options with their own contexts (WinoGrande) are scored from the same generator
-  state. The rows of all questions are pooled: rows of equal length go through the model ``batch_size`` at a time,
-  whichever question they belong to (the draws are made per question first, so the pooling changes no number).
+  value) is the protocol of :func:`~unifusion.eval.run_multiple_choice` (with ``seeding="task"``, its very numbers);
+  ``acc_norm`` (divided by the answer's length in bytes) has no counterpart in the paper. The requests of one
+  question (consecutive requests with the same ``task_name`` and ``doc_id``, as the harness emits them) are scored
+  with shared randomness, as ``run_multiple_choice`` does; options with their own contexts (WinoGrande) are scored
+  from the same generator state. The rows of all questions are pooled: rows of equal length go through the model
+  ``batch_size`` at a time, whichever question they belong to (the draws are made per question first, so the pooling
+  changes no number).
   ``is_greedy`` is True when every answer token is the argmax of the model's x0 prediction with the whole answer
   span replaced by noise at t = 1 − 10⁻³ (one extra row per answer, pooled the same way; ``check_greedy=False``
   skips it and returns False). Because the value is a per-token mean, metrics that sum or exponentiate
