@@ -553,7 +553,7 @@ def test_the_harness_runs_its_three_request_types_on_cuda():
 
     from transformers import AutoTokenizer
 
-    from unifusion.eval.harness import UnifusionLM
+    from unifusion.eval.harness import UnifusionLM, request_seed
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer"))
     cpu_model = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer)
@@ -563,7 +563,8 @@ def test_the_harness_runs_its_three_request_types_on_cuda():
     def request(*args, doc_id=None):
         return SimpleNamespace(args=args, doc_id=doc_id, task_name="t")
 
-    options = dict(tokenizer=tokenizer, num_times=4, nll_times=4, num_steps=3, seed=5, max_length=6)
+    # seeding=task: the rolling bound streams one generator seeded with `seed` (the default seeds each text apart)
+    options = dict(tokenizer=tokenizer, num_times=4, nll_times=4, num_steps=3, seed=5, max_length=6, seeding="task")
     lm_gpu, lm_cpu = UnifusionLM(model=gpu_model, **options), UnifusionLM(model=cpu_model, **options)
     mc = [request("the cat sat on the", " mat", doc_id=0), request("the cat sat on the", " dog", doc_id=0)]
     got, want = lm_gpu.loglikelihood(mc), lm_cpu.loglikelihood(mc)  # CPU draws on both: the same corruption
@@ -580,11 +581,14 @@ def test_the_harness_runs_its_three_request_types_on_cuda():
     modes = [m.training for m in gpu_model.modules()]
     first, second = lm_gpu.generate_until(gen), lm_gpu.generate_until(gen)
     assert first == second and isinstance(first[0], str)  # seeded on the device: reproducible
-    prompt = torch.tensor([lm_gpu._generation_settings(gen[0])[0]], device=DEV)  # the context cut to max_length
+    job = lm_gpu._generation_job(gen[0])  # argmax decoding (the task sets no do_sample): top_k = 1
+    prompt = torch.tensor([job.prompt], device=DEV)  # the context cut to max_length
+    seed = request_seed(5, "generate_until", gen[0].args[0], job.settings(), 0)  # every request its own generator
     with torch.no_grad():
         gpu_model.eval()
-        ids = gpu_model.generate(prompt, max_new_tokens=4, num_steps=3, kernel=kernel,
-                                 generator=torch.Generator(DEV).manual_seed(5))[0, prompt.shape[1]:].tolist()
+        ids = gpu_model.generate(prompt, max_new_tokens=4, num_steps=3, kernel=kernel, temperature=job.temperature,
+                                 top_k=job.top_k, top_p=job.top_p,
+                                 generator=torch.Generator(DEV).manual_seed(seed))[0, prompt.shape[1]:].tolist()
     for module, training in zip(gpu_model.modules(), modes):
         module.training = training
     ids = ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids

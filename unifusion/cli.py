@@ -490,8 +490,9 @@ def _add_demo(sub: Any) -> None:
 HARNESS_DESCRIPTION = """\
 EleutherAI's lm-evaluation-harness command line with the "unifusion" model registered; every argument after
 'harness' is the harness's own (--tasks, --include_path, --output_path, --limit, --batch_size, --device, ...).
---model defaults to unifusion; --model_args pretrained=DIR loads a saved DiffusionLM and the tokenizer beside it.
-Needs the eval extra: pip install "unifusion[eval]". Run 'unifusion harness --help' for the harness's options.
+--model defaults to unifusion; --model_args pretrained=DIR,... loads a saved DiffusionLM and the tokenizer beside it.
+'unifusion harness --help' lists the model arguments, then the harness's options. Under torchrun each process
+evaluates its share of the documents. Needs the eval extra: pip install "unifusion[eval]".
 """
 
 
