@@ -422,6 +422,125 @@ def test_diffusion_lm_samples() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# one generator per row
+
+
+def _rows_prompt(kernel: uf.Kernel, B: int, L: int, seed: int) -> torch.Tensor:
+    """Different prompts per row: a prefix of row-dependent length and a few infilled positions."""
+    g = torch.Generator().manual_seed(seed)
+    clean = clean_ids(kernel)
+    ids = clean[torch.randint(0, clean.numel(), (B, L), generator=g)]
+    keep = (torch.arange(L) < torch.arange(B)[:, None] % 3) | (torch.rand(B, L, generator=g) < 0.2)
+    return torch.where(keep, ids, PROMPT_FILL)
+
+
+def _seeded(seeds: list[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+SAMPLING_OPTIONS = [{}, {"top_k": 2}, {"top_p": 0.8, "temperature": 0.7}]
+
+
+@pytest.mark.parametrize("options", SAMPLING_OPTIONS, ids=["plain", "top_k", "top_p_temperature"])
+@pytest.mark.parametrize("name", ["uniform", "mask", "hybrid", "generator"])
+def test_per_row_generators_reproduce_batches_of_one(name: str, options: dict) -> None:
+    """Row b of a batch sampled with generators[b] is the batch of one sampled with that generator (same prompt row),
+    whichever rows are beside it: permuted, duplicated, or alone. float64 model: its arithmetic is row-wise exact."""
+    kernel = dense_kernel() if name == "generator" else kernels()[name]
+    sampler = BayesianSampler(random_table_model(kernel.num_states, seed=30), kernel, 6, dtype=torch.float64,
+                              **options)
+    B, L = 5, 9
+    prompt = _rows_prompt(kernel, B, L, seed=31)
+    seeds = [40, 41, 42, 43, 40]  # the last row repeats the first's seed on another prompt
+    batch = sampler.sample(B, L, prompt=prompt, generator=_seeded(seeds))
+    alone = torch.cat([sampler.sample(1, L, prompt=prompt[b:b + 1], generator=torch.Generator().manual_seed(seed))
+                       for b, seed in enumerate(seeds)])
+    assert torch.equal(batch, alone)
+    order = [3, 0, 4, 1, 2]
+    permuted = sampler.sample(B, L, prompt=prompt[order], generator=_seeded([seeds[b] for b in order]))
+    assert torch.equal(permuted, batch[order])
+    twice = sampler.sample(2, L, prompt=prompt[[2, 2]], generator=_seeded([seeds[2]] * 2))
+    assert torch.equal(twice, batch[[2, 2]])
+    kept = prompt != PROMPT_FILL
+    assert torch.equal(batch[kept], prompt[kept])
+    if kernel.mask_id is not None:
+        assert not bool((batch == kernel.mask_id).any())
+    # one per-row generator is the single generator, and a batch of one equals its one-generator run
+    assert torch.equal(sampler.sample(1, L, prompt=prompt[:1], generator=_seeded([40])), alone[:1])
+
+
+def test_per_row_generators_at_lm_vocabulary_size(monkeypatch) -> None:
+    """V ≥ COMPILE_MIN_STATES (several blocks of 256 states in the two-level draw; the eager backend, so no run
+    switches to a compiled pass half-way): rows still equal their batches of one."""
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    V = _draws.COMPILE_MIN_STATES + 3
+    kernel = uf.MaskKernel(V, mask_id=V - 1)
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(32), dtype=torch.float64) * 4
+
+    def model(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return table[x_t]
+
+    sampler = BayesianSampler(model, kernel, 4, dtype=torch.float64)
+    batch = sampler.sample(3, 5, generator=_seeded([1, 2, 3]))
+    alone = torch.cat([sampler.sample(1, 5, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2, 3)])
+    assert torch.equal(batch, alone)
+    assert not bool((batch == kernel.mask_id).any())
+
+
+@pytest.mark.parametrize("parameterization", ["x0", "sedd"])
+@pytest.mark.parametrize("name", ["uniform", "mask", "generator"])
+def test_euler_per_row_generators_reproduce_batches_of_one(name: str, parameterization: str) -> None:
+    kernel = dense_kernel() if name == "generator" else kernels()[name]
+    model = random_table_model(kernel.num_states, seed=33)
+    head = model if parameterization == "x0" else x0_model_as(model, kernel, parameterization, dtype=torch.float64)
+    sampler = EulerSampler(head, kernel, 5, parameterization=parameterization, dtype=torch.float64)
+    B, L = 4, 7
+    prompt = _rows_prompt(kernel, B, L, seed=34)
+    seeds = [50, 51, 52, 50]
+    batch = sampler.sample(B, L, prompt=prompt, generator=_seeded(seeds))
+    alone = torch.cat([sampler.sample(1, L, prompt=prompt[b:b + 1], generator=torch.Generator().manual_seed(seed))
+                       for b, seed in enumerate(seeds)])
+    assert torch.equal(batch, alone)
+
+
+def test_diffusion_lm_generate_with_per_row_generators() -> None:
+    from _hf_tiny import tiny_model
+
+    model = uf.adapt_ar_model(tiny_model("llama")).eval()
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10], [5, 6, 7]])
+    options = {"max_new_tokens": 6, "num_steps": 4, "temperature": 0.8, "top_k": 20}
+    batch = model.generate(prompts, generator=_seeded([60, 61, 60]), **options)
+    alone = torch.cat([model.generate(prompts[b:b + 1], generator=torch.Generator().manual_seed(seed), **options)
+                       for b, seed in enumerate([60, 61, 60])])
+    assert torch.equal(batch, alone)
+    assert torch.equal(batch[0], batch[2])  # same prompt, same seed
+    with pytest.raises(ValueError, match=r"generator: expected one generator per row, batch_size = 3 in all, got 2"):
+        model.generate(prompts, generator=_seeded([1, 2]), **options)
+    with pytest.raises(TypeError, match="generator: expected one torch.Generator per row, got int at index 1"):
+        model.generate(prompts, generator=[torch.Generator(), 3, torch.Generator()], **options)
+
+
+@pytest.mark.parametrize("cls", [BayesianSampler, EulerSampler])
+def test_bad_per_row_generators(cls) -> None:
+    kernel = uf.MaskKernel(S + 1, mask_id=S)
+    sampler = cls(lambda x_t, t: torch.zeros(*x_t.shape, S + 1), kernel, 2)
+    with pytest.raises(ValueError, match=r"generator: expected one generator per row, batch_size = 3 in all, got 2"):
+        sampler.sample(3, 4, generator=_seeded([1, 2]))
+    with pytest.raises(ValueError, match="generator: expected one generator per row"):
+        sampler.sample(1, 4, generator=[])
+    with pytest.raises(TypeError, match="generator: expected one torch.Generator per row, got int at index 1"):
+        sampler.sample(2, 4, generator=[torch.Generator(), 7])
+    with pytest.raises(TypeError, match=r"generator: expected a torch.Generator or None, got int; use "
+                                        r"torch.Generator\(\).manual_seed\(7\) \(or a list of batch_size = 2"):
+        sampler.sample(2, 4, generator=7)
+    with pytest.raises(TypeError, match="generator: expected a torch.Generator or None, got generator"):
+        sampler.sample(2, 4, generator=(g for g in _seeded([1, 2])))
+    # a device type other than the sampling device's (no CUDA needed: the check reads metadata only)
+    with pytest.raises(ValueError, match=r"generator: the generator of row 0 is on cpu but sampling runs on cuda"):
+        sampler.sample(2, 4, generator=_seeded([1, 2]), device="cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # EulerSampler
 
 

@@ -52,6 +52,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -612,7 +613,8 @@ class DiffusionLM(nn.Module):
 
     def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
                  num_steps: int = 64, kernel: Any = None, temperature: float = 1.0, top_p: float | None = None,
-                 top_k: int | None = None, eps: float = 1e-3, generator: torch.Generator | None = None,
+                 top_k: int | None = None, eps: float = 1e-3,
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False) -> torch.Tensor:
         """Continue ``prompt_ids`` by ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2).
 
@@ -632,7 +634,9 @@ class DiffusionLM(nn.Module):
             top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
             top_k: keep the ``k`` most likely tokens (``None``: off).
             eps: ``ε``; sampling starts at ``t_0 = 1 − ε``.
-            generator: random generator on the model's device, for reproducible samples.
+            generator: random generator on the model's device, for reproducible samples; or a list of ``B``
+                generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
+                generator=generator[b])`` whatever rows are beside it (:meth:`BayesianSampler.sample`).
             progress: show a progress bar over the steps.
 
         Returns:
@@ -640,11 +644,11 @@ class DiffusionLM(nn.Module):
 
         ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
         device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, and a generator on another
-        device type than the model are ``ValueError``s naming the argument (``model``, ``prompt_ids``,
-        ``generator``).
+        device type than the model (or a number of per-row generators other than ``B``) are ``ValueError``s naming
+        the argument (``model``, ``prompt_ids``, ``generator``).
         """
         from ._kernel_config import default_kernel
-        from .samplers._setup import PROMPT_FILL
+        from .samplers._setup import PROMPT_FILL, check_generators
         from .samplers.bayesian import BayesianSampler
 
         if not isinstance(prompt_ids, torch.Tensor):
@@ -653,15 +657,16 @@ class DiffusionLM(nn.Module):
             raise TypeError(f"prompt_ids: expected integer token ids, got dtype {prompt_ids.dtype}")
         V.check_model_device(self, "prompt_ids", self.device)  # a meta model: "model: ..." (metadata only)
         V.check_not_meta("prompt_ids", prompt_ids)
-        generator = V.check_generator(generator)
-        if generator is not None and generator.device.type != self.device.type:
-            raise ValueError(f"generator: is on {generator.device} but the model is on {self.device}; create it "
-                             f"there, e.g. torch.Generator(device={str(self.device)!r})")
         if prompt_ids.dim() == 1:
             prompt_ids = prompt_ids[None]
         if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
             raise ValueError(f"prompt_ids: expected shape (B, P) with B >= 1, got {tuple(prompt_ids.shape)}")
         B, P = prompt_ids.shape
+        generator = check_generators(generator, B)  # None, one generator, or one per row
+        for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
+            if g.device.type != self.device.type:
+                raise ValueError(f"generator: is on {g.device} but the model is on {self.device}; create it there, "
+                                 f"e.g. torch.Generator(device={str(self.device)!r})")
         for name, v in (("max_new_tokens", max_new_tokens), ("seq_len", seq_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name}: expected an int, got {type(v).__name__}")

@@ -1,5 +1,6 @@
 """Categorical draws of the samplers (private): x_θ post-processing (temperature, top-k, top-p) into a workspace,
-the two-level inverse-CDF draw, and the draw straight from the logits (no (B, L, S) softmax).
+the two-level inverse-CDF draw, the draw straight from the logits (no (B, L, S) softmax), and random draws from one
+generator or from one generator per row (:func:`draw_rows`).
 
 Pure functions on tensors; nothing here reads a value back to the host.
 """
@@ -7,7 +8,8 @@ Pure functions on tensors; nothing here reads a value back to the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import torch
 
@@ -15,6 +17,20 @@ from .. import _compile
 
 BLOCK_SIZE = 256
 """Vocabulary block size of the two-level inverse-CDF draw (about √V for LM vocabularies)."""
+
+Generators: TypeAlias = torch.Generator | Sequence[torch.Generator] | None
+"""A sampler's randomness: one ``torch.Generator`` (or ``None``: the default one) for the whole batch, or a sequence
+of ``B`` generators, one per row (checked by :func:`unifusion.samplers._setup.check_generators`)."""
+
+
+def draw_rows(draw: Callable[[tuple[int, ...], torch.Generator | None], torch.Tensor], shape: tuple[int, ...],
+              generator: Generators) -> torch.Tensor:
+    """``draw(shape, generator)`` for one generator; for a sequence of ``B = shape[0]`` generators, row b (dim 0) is
+    ``draw((1, *shape[1:]), generators[b])``: each generator makes the draws a batch of one makes, in the same order,
+    whatever rows are beside it (B draws instead of one; the single-generator path is unchanged)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return draw(shape, generator)
+    return torch.cat([draw((1, *shape[1:]), g) for g in generator])
 
 
 def _softmax_into(logits: torch.Tensor, out: torch.Tensor) -> None:

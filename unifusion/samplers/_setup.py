@@ -17,6 +17,7 @@ import torch
 
 from .. import _validation as V
 from ..kernels import Kernel
+from ._draws import Generators, draw_rows
 
 PROMPT_FILL = -1
 """Fill value of a prompt tensor: positions holding ``PROMPT_FILL`` are generated, every other position is kept."""
@@ -100,13 +101,30 @@ def check_sampling_options(temperature: object, top_k: object, top_p: object, nu
     return float(temperature), top_k, top_p
 
 
+def check_generators(generator: object, batch_size: int) -> Generators:
+    """``None``, one ``torch.Generator``, or one generator per row: a list or tuple of ``batch_size`` of them
+    (returned as a tuple). Types and length only (host metadata, no sync); devices: :func:`check_devices`."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    if not isinstance(generator, (list, tuple)):
+        hint = f"; use torch.Generator().manual_seed({generator})" if isinstance(generator, int) and not isinstance(
+            generator, bool) else ""
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}{hint} (or a "
+                        f"list of batch_size = {batch_size} generators, one per row)")
+    for i, g in enumerate(generator):
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"generator: expected one torch.Generator per row, got {type(g).__name__} at index {i}")
+    if len(generator) != batch_size:
+        raise ValueError(f"generator: expected one generator per row, batch_size = {batch_size} in all, got "
+                         f"{len(generator)}")
+    return tuple(generator)
 
 
-def resolve_device(model: object, prompt: object, generator: torch.Generator | None,
+def resolve_device(model: object, prompt: object, generator: Generators,
                    device: torch.device | str | None) -> tuple[torch.device, str]:
-    """Where sampling runs and which argument said so: ``device`` if given, else the prompt's, the generator's, the
-    model's parameters', else the CPU. Returns ``(device, source)`` with ``source`` the argument's name
-    (``"device"``, ``"prompt"``, ``"generator"`` or ``"model"``), for error messages."""
+    """Where sampling runs and which argument said so: ``device`` if given, else the prompt's, the generator's (the
+    first row's), the model's parameters', else the CPU. Returns ``(device, source)`` with ``source`` the argument's
+    name (``"device"``, ``"prompt"``, ``"generator"`` or ``"model"``), for error messages."""
     if device is not None:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"device: expected None, a str or a torch.device, got {type(device).__name__}")
@@ -115,8 +133,9 @@ def resolve_device(model: object, prompt: object, generator: torch.Generator | N
         return prompt.device, "prompt"
     if isinstance(prompt, (tuple, list)) and prompt and isinstance(prompt[0], torch.Tensor):
         return prompt[0].device, "prompt"
-    if generator is not None:
-        return generator.device, "generator"
+    first = generator if generator is None or isinstance(generator, torch.Generator) else generator[0]
+    if first is not None:
+        return first.device, "generator"
     parameters = getattr(model, "parameters", None)
     if callable(parameters):
         try:
@@ -126,16 +145,19 @@ def resolve_device(model: object, prompt: object, generator: torch.Generator | N
     return torch.device("cpu"), "model"
 
 
-def check_devices(model: object, generator: torch.Generator | None, device: torch.device, source: str) -> None:
-    """The model's parameters and the generator live where sampling runs, which is not the meta device (host metadata
-    only: no sync). ``source`` names the argument the device came from (:func:`resolve_device`)."""
+def check_devices(model: object, generator: Generators, device: torch.device, source: str) -> None:
+    """The model's parameters and the generator(s) live where sampling runs, which is not the meta device (host
+    metadata only: no sync). ``source`` names the argument the device came from (:func:`resolve_device`)."""
     if device.type == "meta" and source != "model":  # a meta model: check_model_device says so
         raise ValueError(f"{source}: is on the meta device (no data), so there is nothing to sample on; build it on a "
                          "real device")
     V.check_model_device(model, source, device)
-    if generator is not None and generator.device.type != device.type:
-        raise ValueError(f"generator: is on {generator.device} but sampling runs on {device} (from {source}); create "
-                         f"it there, e.g. torch.Generator(device={str(device)!r})")
+    rows = (generator,) if isinstance(generator, torch.Generator) else generator or ()
+    for i, g in enumerate(rows):
+        if g.device.type != device.type:
+            which = "" if isinstance(generator, torch.Generator) else f"the generator of row {i} "
+            raise ValueError(f"generator: {which}is on {g.device} but sampling runs on {device} (from {source}); "
+                             f"create it there, e.g. torch.Generator(device={str(device)!r})")
 
 
 def time_grid(num_steps: int, eps: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -210,34 +232,37 @@ class SamplingRun:
     t_host: list[float]  # the same times on the host (for callbacks and the prior)
     x: torch.Tensor  # z_{t_0}: a draw from the kernel's prior, prompt applied, (B, L)
     steps: Iterable[int]  # range(N), wrapped in a tqdm bar when asked
+    generator: Generators  # the checked randomness: None, one generator, or a tuple of B (one per row)
 
 
-def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object, generator: torch.Generator | None,
+def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object, generator: object,
               progress: bool, callback: object, device: torch.device | str | None) -> SamplingRun:
     """Check :meth:`sample`'s arguments, resolve device and prompt, build the time grid t_n = (1 − ε)(1 − n/N) and
-    draw z_{t_0} from the prior. ``sampler`` has ``model``, ``kernel``, ``num_steps``, ``eps`` and ``dtype``."""
+    draw z_{t_0} from the prior (per row with per-row generators). ``sampler`` has ``model``, ``kernel``,
+    ``num_steps``, ``eps`` and ``dtype``; the checked generator(s) are ``SamplingRun.generator``."""
     B = check_positive_int("batch_size", batch_size)
     L = check_positive_int("seq_len", seq_len)
     check_callback(callback)
-    generator = V.check_generator(generator)
+    generators = check_generators(generator, B)
     kernel, N, eps = sampler.kernel, sampler.num_steps, sampler.eps
     parameterization = getattr(sampler, "parameterization", None)  # EulerSampler's argument; BayesianSampler: x0
     V.check_model_kernel(sampler.model, kernel, parameterization=parameterization or "x0",
                          who=type(sampler).__name__, argument=parameterization is not None)
-    dev, source = resolve_device(sampler.model, prompt, generator, device)
-    check_devices(sampler.model, generator, dev, source)
+    dev, source = resolve_device(sampler.model, prompt, generators, device)
+    check_devices(sampler.model, generators, dev, source)
     with V.batched_checks():  # the run's value checks, read back once (steps then run with validation off)
         kept = resolve_prompt(prompt, B, L, kernel, dev)
     ts = time_grid(N, eps, sampler.dtype, dev)
     t_host = [(1.0 - eps) * (1.0 - n / N) for n in range(N)] + [0.0]
     with V.validation(False):  # t_0 = 1 − ε is valid by construction
-        x = apply_prompt(kernel.sample_prior((B, L), t=t_host[0], generator=generator, device=dev), kept)
+        x = apply_prompt(draw_rows(lambda shape, g: kernel.sample_prior(shape, t=t_host[0], generator=g, device=dev),
+                                   (B, L), generators), kept)
     steps: Iterable[int] = range(N)
     if progress:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc="sampling", total=N)
-    return SamplingRun(B, L, dev, kept, ts, t_host, x, steps)
+    return SamplingRun(B, L, dev, kept, ts, t_host, x, steps, generators)
 
 
 def apply_prompt(x: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import InterpolatingKernel, Kernel
-from ._draws import BLOCK_SIZE, draw_from_logits, sample_weights
+from ._draws import BLOCK_SIZE, Generators, draw_from_logits, draw_rows, sample_weights
 
 
 def kernel_coefficients(kernel: Kernel, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -44,18 +44,24 @@ def stay_probability(kernel: InterpolatingKernel, p_b: torch.Tensor, x_t: torch.
     return torch.where(z > 0, stay / torch.where(z > 0, z, torch.ones_like(z)), torch.ones_like(z))
 
 
-def noise_tokens(kernel: InterpolatingKernel, shape: torch.Size | tuple[int, ...], generator: torch.Generator | None,
+def noise_tokens(kernel: InterpolatingKernel, shape: torch.Size | tuple[int, ...], generator: Generators,
                  device: torch.device) -> torch.Tensor:
-    """Uniform draws over the kernel's uniform-noise support U (all states, or all but the mask), int64."""
+    """Uniform draws over the kernel's uniform-noise support U (all states, or all but the mask), int64 (one
+    generator, or one per row: :func:`~unifusion.samplers._draws.draw_rows`)."""
     n = kernel._unif_count()
-    z = torch.randint(0, n, tuple(shape), generator=generator, device=device)
+    z = draw_rows(lambda size, g: torch.randint(0, n, size, generator=g, device=device), tuple(shape), generator)
     if not kernel._uniform_over_all and kernel.mask_id is not None:
         z = z + (z >= kernel.mask_id).long()
     return z
 
 
+def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """U(0, 1) draws of ``shape`` ``(B, ...)`` (one generator, or one per row: :func:`draw_rows`)."""
+    return draw_rows(lambda size, g: torch.rand(size, generator=g, device=device, dtype=dtype), shape, generator)
+
+
 def bayesian_step(weights: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: torch.Tensor, s: torch.Tensor,
-                  generator: torch.Generator | None, *, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+                  generator: Generators, *, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """One step of Algorithm 2: z_s ~ p̂_{s|t}(· | z_t = x_t) per position, for 0 ≤ s < t < 1.
 
     Args:
@@ -64,13 +70,14 @@ def bayesian_step(weights: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: t
         x_t: current tokens ``(B, L)``.
         kernel: the forward kernel.
         t, s: 0-d times (tensors on the device, the computation dtype).
-        generator: randomness (consumes one ``rand(B, L, 4)``, then one ``randint(B, L)`` for interpolating kernels).
+        generator: randomness (consumes one ``rand(B, L, 4)``, then one ``randint(B, L)`` for interpolating kernels),
+            or a sequence of B generators, one per row (each consumes ``rand(1, L, 4)``, then ``randint(1, L)``).
 
     Returns:
         z_s ``(B, L)`` int64.
     """
     B, L, S = weights.shape
-    u = torch.rand((B, L, 4), generator=generator, device=weights.device, dtype=weights.dtype)
+    u = uniforms((B, L, 4), generator, weights.device, weights.dtype)
     if not isinstance(kernel, InterpolatingKernel):  # dense fallback, O(S) per position through the kernel's hooks
         total = weights.sum(-1, keepdim=True)
         weights.div_(total.clamp_min(torch.finfo(weights.dtype).tiny))
@@ -84,13 +91,13 @@ def bayesian_step(weights: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: t
 
 
 def bayesian_step_from_logits(logits: torch.Tensor, x_t: torch.Tensor, kernel: InterpolatingKernel,
-                              t: torch.Tensor, s: torch.Tensor, generator: torch.Generator | None, *,
+                              t: torch.Tensor, s: torch.Tensor, generator: Generators, *,
                               temperature: float = 1.0, dtype: torch.dtype = torch.float32,
                               block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """:func:`bayesian_step` with x_θ = softmax(logits / T) taken straight from the model's logits ``(B, L, S)``
     (:func:`draw_from_logits`; no workspace). Same randomness as :func:`bayesian_step`, same distribution."""
     B, L, _ = logits.shape
-    u = torch.rand((B, L, 4), generator=generator, device=logits.device, dtype=dtype)
+    u = uniforms((B, L, 4), generator, logits.device, dtype)
     noise = noise_tokens(kernel, (B, L), generator, logits.device)
     draw, p_b = draw_from_logits(logits, x_t, u[..., 2:], mask_id=kernel.mask_id, temperature=temperature,
                                  dtype=dtype, block_size=block_size)

@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,8 +64,12 @@ class BayesianSampler:
             ignores t.** Costs one host-device synchronisation per step (to decide whether to call the model).
 
     Randomness: every draw takes the ``generator`` passed to :meth:`sample`; a given generator state gives the same
-    tokens. Arguments and the prompt are validated once per :meth:`sample` call (one host sync, plus one for the first
-    model output); no step reads a tensor back to the host (unless ``cache_unchanged``): the model is called with
+    tokens. With one generator per row, row b draws from ``generator[b]`` exactly what a batch of one draws, so it
+    equals ``sample(1, L, generator=generator[b])`` on its prompt row whatever rows are beside it (up to the model's
+    arithmetic, which on some devices differs with the batch shape): per-request seeds in an evaluation harness.
+
+    Arguments and the prompt are validated once per :meth:`sample` call (one host sync, plus one for the first model
+    output); no step reads a tensor back to the host (unless ``cache_unchanged``): the model is called with
     validation off, since the sampler's tokens and times are valid by construction.
 
     The kernel must fit the model: with a :class:`~unifusion.DiffusionLM`, the same number of states and, for mask
@@ -94,8 +98,9 @@ class BayesianSampler:
                 f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, dtype={self.dtype})")
 
     def sample(self, batch_size: int, seq_len: int, *, prompt: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-               | None = None, generator: torch.Generator | None = None, progress: bool = False,
-               callback: Callback | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+               | None = None, generator: torch.Generator | Sequence[torch.Generator] | None = None,
+               progress: bool = False, callback: Callback | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
         """Generate ``(batch_size, seq_len)`` int64 token ids.
 
         Args:
@@ -105,7 +110,11 @@ class BayesianSampler:
                 generated, or a pair ``(ids, keep_mask)`` (bool, True = keep). ``(L,)`` and ``(1, L)`` broadcast.
                 Kept tokens are in z_t at every step (the model always sees them) and never change: prefix prompts
                 and arbitrary infilling masks alike.
-            generator: a ``torch.Generator`` on the sampling device (the default generator when ``None``).
+            generator: a ``torch.Generator`` on the sampling device (the default generator when ``None``), or a
+                list of ``batch_size`` generators there, one per row: row b's draws (prior, then per step a
+                ``(1, L, 4)`` uniform and, for uniform/mask/hybrid kernels, ``(1, L)`` noise tokens) come from
+                ``generator[b]`` in the order a batch of one draws them (B small draws per step instead of one).
+                A wrong length or device type is a ``ValueError``.
             progress: show a tqdm bar over the steps.
             callback: ``callback(step, t, x_t)`` after each step, with ``step`` = n + 1 steps done, ``t`` = t_{n+1}
                 (a float; 0 after the last step) and ``x_t`` the ``(B, L)`` tokens at that time (a fresh tensor every
@@ -115,6 +124,7 @@ class BayesianSampler:
         """
         run = start_run(self, batch_size, seq_len, prompt, generator, progress, callback, device)
         B, L, dev, kept, ts, t_host, x = run.B, run.L, run.device, run.kept, run.ts, run.t_host, run.x
+        generator = run.generator  # checked: None, one generator, or a tuple of B
         kernel, dtype = self.kernel, self.dtype
         S = kernel.num_states
         # top-k / top-p need the whole x_θ (and dense kernels the dense posterior): a reused workspace then; so

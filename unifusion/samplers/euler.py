@@ -39,7 +39,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from .._math import safe_log
 from ..conversions import convert_x0_to
 from ..kernels import GeneratorKernel, InterpolatingKernel, Kernel
 from ..rates import ReverseRate, x0_log_probs
-from ._draws import BLOCK_SIZE, sample_weights, x0_weights
+from ._draws import BLOCK_SIZE, Generators, sample_weights, x0_weights
 from ._setup import (
     ModelFn,
     apply_prompt,
@@ -62,7 +62,7 @@ from ._setup import (
     check_sampling_options,
     start_run,
 )
-from ._step import bayesian_step, posterior_mixture
+from ._step import bayesian_step, posterior_mixture, uniforms
 
 __all__ = ["EulerSampler", "PARAMETERIZATIONS", "ConvertedModel", "x0_model_as", "reverse_rate_from_head",
            "euler_step_probs", "clean_distribution_from_head"]
@@ -174,7 +174,7 @@ def clean_distribution_from_head(parameterization: str, head: Any, kernel: Kerne
 
 
 def final_step(p0: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: torch.Tensor,
-               generator: torch.Generator | None, *, argmax: bool = False) -> torch.Tensor:
+               generator: Generators, *, argmax: bool = False) -> torch.Tensor:
     """x_0 ~ p(x_0 | x_t) ∝ q_{t|0}(x_t|·) p_0 (or its argmax); rows where p_0 is all zero keep x_t."""
     total = p0.sum(-1)
     s = torch.zeros_like(t)
@@ -289,7 +289,8 @@ class EulerSampler:
 
     Arguments, the prompt and the first model output are validated once per :meth:`sample` call; the steps run with
     validation off, so none synchronises with the device. A :class:`~unifusion.DiffusionLM` outputs x0 logits: other
-    parameterizations need it wrapped by :func:`x0_model_as`.
+    parameterizations need it wrapped by :func:`x0_model_as`. Randomness as :class:`BayesianSampler`: one generator,
+    or one per row (row b then equals a batch of one sampled with ``generator[b]``).
     """
 
     def __init__(self, model: ModelFn, kernel: Kernel, num_steps: int, *, parameterization: str = "x0",
@@ -348,11 +349,14 @@ class EulerSampler:
         return safe_log(w)
 
     def sample(self, batch_size: int, seq_len: int, *, prompt: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-               | None = None, generator: torch.Generator | None = None, progress: bool = False,
-               callback: Callback | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-        """Generate ``(batch_size, seq_len)`` int64 token ids; arguments as :meth:`BayesianSampler.sample`."""
+               | None = None, generator: torch.Generator | Sequence[torch.Generator] | None = None,
+               progress: bool = False, callback: Callback | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Generate ``(batch_size, seq_len)`` int64 token ids; arguments as :meth:`BayesianSampler.sample` (per-row
+        generators: each row draws its prior, a ``(1, L, 2)`` uniform per Euler step and the final step's draws)."""
         run = start_run(self, batch_size, seq_len, prompt, generator, progress, callback, device)
         B, L, dev, kept, ts, t_host, x = run.B, run.L, run.device, run.kept, run.ts, run.t_host, run.x
+        generator = run.generator  # checked: None, one generator, or a tuple of B
         kernel, N, dtype = self.kernel, self.num_steps, self.dtype
         S = kernel.num_states
         workspace: torch.Tensor | None = None
@@ -374,7 +378,7 @@ class EulerSampler:
                     with V.validation(False):  # no per-step host syncs (the head was checked at the first step)
                         rate = reverse_rate_from_head(self.parameterization, head, kernel, x, t)
                     probs = euler_step_probs(rate.rates.to(dtype), x, t - ts[n + 1])
-                    u = torch.rand((B, L, 2), generator=generator, device=dev, dtype=dtype)
+                    u = uniforms((B, L, 2), generator, dev, dtype)
                     x_new = sample_weights(probs, u, block_size=BLOCK_SIZE)[0]
                 else:
                     with V.validation(False):
