@@ -129,7 +129,7 @@ def test_the_model_is_registered():
 def test_missing_lm_eval_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)  # `from lm_eval.api.model import LM` fails
     spec = importlib.util.spec_from_file_location("unifusion.eval._harness_without_lm_eval",
-                                                  ROOT / "unifusion" / "eval" / "harness.py")
+                                                  ROOT / "unifusion" / "eval" / "harness" / "__init__.py")
     assert spec is not None and spec.loader is not None
     with pytest.raises(ImportError, match=r'pip install "unifusion\[eval\]"'):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
@@ -474,10 +474,11 @@ def test_each_generator_is_on_the_device_of_its_draws(tokenizer, monkeypatch):
     estimators, the scorers' draws and the sampler are spies, so it never runs); every generator must be on the
     device its draws are made on: nll_bound's and the sampler's on the model's, the multiple-choice scorers' on the
     CPU (they draw there and move the rows, which keeps run_multiple_choice's numbers)."""
-    import unifusion.eval.harness as harness
+    from unifusion.eval.harness import _generation, _loglikelihood
 
     dm = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), tokenizer=tokenizer).to("meta")
-    monkeypatch.setattr(harness, "_seeded_generator", _FakeGenerator)
+    for module in (_loglikelihood, _generation):
+        monkeypatch.setattr(module, "seeded_generator", _FakeGenerator)
     seen = []
 
     def fake_nll_bound(model, x0, kernel, *, generator, **kwargs):
@@ -492,9 +493,9 @@ def test_each_generator_is_on_the_device_of_its_draws(tokenizer, monkeypatch):
         seen.extend(("sample", prompts.device, g.device) for g in generators)
         return torch.zeros(prompts.shape[0], prompts.shape[1] + max_new, dtype=torch.long)
 
-    monkeypatch.setattr(harness, "nll_bound", fake_nll_bound)
-    monkeypatch.setattr(harness, "_corrupt_span", fake_corrupt)
-    monkeypatch.setattr(harness._RowPool, "add", lambda self, block: block.owner.done(
+    monkeypatch.setattr(_loglikelihood, "nll_bound", fake_nll_bound)
+    monkeypatch.setattr(_loglikelihood, "_corrupt_span", fake_corrupt)
+    monkeypatch.setattr(_loglikelihood.RowPool, "add", lambda self, block: block.owner.done(
         block.kind, False if block.kind == "greedy" else torch.zeros(block.x_t.shape[0], block.answer_ids.numel())))
     monkeypatch.setattr(UnifusionLM, "_sample", fake_sample)
     lm = UnifusionLM(model=dm, tokenizer=tokenizer, max_length=4, check_greedy=False)
@@ -633,6 +634,24 @@ def test_data_parallel_rejects_what_cannot_be_split(model, tokenizer, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------------ arguments
+def test_default_kernel_is_the_one_recorded_with_the_model(model, tokenizer, tmp_path):
+    """No kernel= argument: the library's one rule (unifusion.models.default_kernel), so a checkpoint that recorded a
+    uniform kernel is evaluated with it although the model has a mask token; kernel= still overrides it."""
+    recorded = uf.UniformKernel(model.num_states, uf.CosineSchedule())
+    model.save_pretrained(tmp_path, kernel=recorded)
+    assert model.mask_token_id is not None
+    lm = UnifusionLM(pretrained=str(tmp_path), device="cpu", num_steps=2, seed=5)
+    assert type(lm.kernel) is uf.UniformKernel and type(lm.kernel.schedule) is uf.CosineSchedule
+    assert uf.models.kernel_config(lm.kernel) == uf.models.kernel_config(recorded)
+    (text,) = lm.generate_until([_request("the cat", {"until": [], "max_gen_toks": 4})])
+    assert text == _generated(lm.model, tokenizer, recorded, "the cat", seed=5, max_new=4, num_steps=2,
+                              sampled=False, top_k=1)
+    assert isinstance(UnifusionLM(pretrained=str(tmp_path), device="cpu", kernel="mask").kernel, uf.MaskKernel)
+    live = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer)
+    live.kernel = recorded  # a live model that knows its training kernel
+    assert UnifusionLM(model=live, tokenizer=tokenizer).kernel is recorded
+
+
 def test_kernel_is_checked_against_the_model_at_construction(model, tokenizer):
     with pytest.raises(ValueError, match=r"kernel: mask_id=5 but the model's mask token is \d+"):
         UnifusionLM(model=model, tokenizer=tokenizer, kernel=uf.MaskKernel(model.num_states, 5))

@@ -1,0 +1,158 @@
+"""``generate_until`` of the harness model: each request resolved into prompt ids and sampler settings (the
+harness's gen_kwargs conventions), sampled by :meth:`DiffusionLM.generate <unifusion.DiffusionLM.generate>` with one
+generator per request, and cut at EOS and the first stop string."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from ._args import (
+    DEFAULT_MAX_GEN_TOKS,
+    GEN_KEYS,
+    MAX_TOKEN_KEYS,
+    as_bool,
+    as_int,
+    as_temperature,
+    as_top_k,
+    as_top_p,
+)
+from ._common import Cuts, HarnessBase, evaluating, request_seed, seeded_generator
+
+
+@dataclass
+class Job:
+    """One generate_until request, resolved."""
+
+    prompt: list[int]
+    lost: int
+    max_new: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    sampled: bool
+    until: list[str]
+    unknown: list[str]
+    seed: int | None = None
+
+    def settings(self) -> list[Any]:
+        """What decides the sample (the stop strings only cut it afterwards)."""
+        return [self.max_new, self.sampled, self.temperature, self.top_k, self.top_p]
+
+
+class GenerationRequests(HarnessBase):
+    """The harness's ``generate_until`` (a mixin of :class:`~unifusion.eval.harness.UnifusionLM`)."""
+
+    @evaluating
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Bayesian-sampler continuations of each context, cut at the first stop string (see
+        :mod:`unifusion.eval.harness`).
+
+        Every request draws from its own generator on the model's device, seeded with :func:`request_seed`
+        ``(seed, "generate_until", context, settings, repeat)`` (``repeat`` counts earlier occurrences of the same
+        request object in the call when sampling, and is 0 for argmax decoding): its text does not depend on the
+        requests sampled beside it. Requests with the same prompt length and settings are sampled together,
+        ``batch_size`` rows at a time. A continuation ends at the tokenizer's EOS token, if it has one, then at the
+        earliest of the ``until`` strings. ``gen_kwargs`` the sampler has no counterpart for (``num_beams``,
+        ``repetition_penalty``, ...) are ignored with one warning per call.
+        """
+        jobs = [self._generation_job(request) for request in requests]
+        unknown: dict[str, int] = {}
+        cuts = Cuts()
+        repeats: dict[int, int] = {}
+        for request, job in zip(requests, jobs):
+            for key in job.unknown:
+                unknown[key] = unknown.get(key, 0) + 1
+            if job.lost:
+                cuts.contexts += 1
+                cuts.lost = max(cuts.lost, job.lost)
+            repeat = repeats.get(id(request), 0)
+            repeats[id(request)] = repeat + 1
+            job.seed = request_seed(self.seed, "generate_until", str(request.args[0]), job.settings(),
+                                    repeat if job.sampled else 0)
+        if unknown:
+            warnings.warn("generate_until: ignoring gen_kwargs the diffusion sampler has no counterpart for: " +
+                          ", ".join(f"{k} ({n} request{'s' if n > 1 else ''})" for k, n in sorted(unknown.items())),
+                          stacklevel=2)
+        if cuts.contexts:
+            warnings.warn(f"generate_until: {cuts.contexts} of {len(requests)} prompts were cut from the left to fit "
+                          f"max_length={self.max_length} with their new tokens (the longest cut: {cuts.lost} "
+                          "tokens)", stacklevel=2)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault((len(job.prompt), job.max_new, job.temperature, job.top_k, job.top_p), []).append(i)
+        out = [""] * len(requests)
+        device = self.model.device
+        bar = self._progress(len(requests), "generate_until", disable_tqdm)
+        for (P, max_new, temperature, top_k, top_p), members in groups.items():
+            for lo in range(0, len(members), self.batch_size_per_forward):
+                chunk = members[lo: lo + self.batch_size_per_forward]
+                prompts = torch.tensor([jobs[i].prompt for i in chunk], dtype=torch.long).reshape(len(chunk), P)
+                generators = [seeded_generator(cast(int, jobs[i].seed), device) for i in chunk]
+                ids = self._sample(prompts.to(device), max_new, generators, temperature=temperature, top_k=top_k,
+                                   top_p=top_p)  # (B, P + max_new)
+                for i, row in zip(chunk, ids[:, P:].tolist()):
+                    out[i] = self._finish(row, jobs[i].until)
+                bar.update(len(chunk))
+        bar.close()
+        return out
+
+    def _generation_job(self, request: Any) -> Job:
+        """One ``generate_until`` request's prompt ids and sampler settings (the harness's gen_kwargs conventions:
+        ``do_sample`` unset means sampling iff the task sets a temperature > 0, else the model's ``do_sample``)."""
+        context, gen_kwargs = str(request.args[0]), request.args[1]
+        if gen_kwargs is None:
+            gen_kwargs = {}
+        if not isinstance(gen_kwargs, dict):
+            raise TypeError(f"gen_kwargs: expected a dict, got {type(gen_kwargs).__name__}")
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else [str(u) for u in until]
+        max_new = next((as_int(k, gen_kwargs[k]) for k in MAX_TOKEN_KEYS if gen_kwargs.get(k) is not None),
+                       DEFAULT_MAX_GEN_TOKS)
+        if self.max_gen_toks is not None:
+            max_new = min(max_new, self.max_gen_toks)
+        max_new = min(max_new, self.max_length - 1)
+        temperature = self.temperature
+        if gen_kwargs.get("temperature") is not None:
+            temperature = as_temperature(gen_kwargs["temperature"])
+        do_sample = gen_kwargs.get("do_sample")
+        if do_sample is None:
+            sampled = temperature > 0.0 if gen_kwargs.get("temperature") is not None else self.do_sample
+        else:
+            sampled = as_bool("do_sample", do_sample) and temperature > 0.0
+        top_p = as_top_p(gen_kwargs["top_p"]) if "top_p" in gen_kwargs else self.top_p
+        top_k = as_top_k(gen_kwargs["top_k"]) if "top_k" in gen_kwargs else self.top_k
+        if top_k is not None:
+            top_k = min(top_k, self.kernel.num_states)
+        if not sampled:  # argmax decoding: x_θ one-hot at its argmax
+            temperature, top_k, top_p = 1.0, 1, None
+        ids = self._encode(context)
+        budget = self.max_length - max_new
+        unknown = sorted(k for k in gen_kwargs if k not in GEN_KEYS and k not in MAX_TOKEN_KEYS)
+        return Job(prompt=ids[-budget:] if len(ids) > budget else ids, lost=max(0, len(ids) - budget),
+                   max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, sampled=sampled, until=until,
+                   unknown=unknown)
+
+    def _sample(self, prompts: torch.Tensor, max_new: int, generators: Sequence[torch.Generator], *,
+                temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+        """:meth:`DiffusionLM.generate <unifusion.DiffusionLM.generate>` (Algorithm 2, ``num_steps`` steps from
+        t_0 = 1 − 10⁻³) on ``prompts`` ``(B, P)`` with one generator per row: row b equals
+        ``model.generate(prompts[b:b + 1], ..., generator=generators[b])`` whatever rows are beside it (up to the
+        model's arithmetic, which on some devices differs with the batch shape). Returns ``(B, P + max_new)``."""
+        return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
+
+    def _finish(self, new_ids: list[int], until: Sequence[str]) -> str:
+        """Generated ids → text: mask ids dropped, cut at the first EOS id, decoded, cut at the earliest stop."""
+        if self.model.mask_token_id is not None:
+            new_ids = [i for i in new_ids if i != self.model.mask_token_id]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and eos in new_ids:
+            new_ids = new_ids[: new_ids.index(eos)]
+        text = str(self.tokenizer.decode(new_ids, skip_special_tokens=True))
+        cuts = [text.index(stop) for stop in until if stop and stop in text]
+        return text[: min(cuts)] if cuts else text
