@@ -210,7 +210,7 @@ def run_adapt(args: argparse.Namespace) -> dict[str, Any]:
     losses = train(model, kernel, train_blocks, args, steps=args.steps, anneal_steps=max(1, args.steps // 2),
                    log_every=args.log_every)
     path = Path(args.out) / "adapted"
-    model.save_pretrained(path)
+    model.save_pretrained(path, kernel=kernel)  # recorded: generate and the evaluators default to it
     tokenizer.save_pretrained(path)
     elbo = held_out_elbo(model, kernel, held_out, args)
     print(f"[adapt] {args.steps} updates, last-10 mean loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, held-out "

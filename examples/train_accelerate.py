@@ -7,7 +7,7 @@ flags the two scripts train the same model. Accelerate wraps the model (DDP on s
 update with ``accelerator.no_sync``. (Accelerate's own ``gradient_accumulation_steps`` would divide the loss once
 more, so it stays at 1 here.)
 
-Checkpoints: ``--out/checkpoint-N`` is a ``save_pretrained`` export (read it with
+Checkpoints: ``--out/checkpoint-N`` is a ``save_pretrained`` export with the training kernel recorded (read it with
 :meth:`unifusion.DiffusionLM.from_pretrained`) plus ``accelerate_state/`` written by ``accelerator.save_state``
 (model, optimizer, RNG), which ``--resume`` restores.
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = out_dir / f"checkpoint-{done}"
             accelerator.save_state(str(folder / STATE_DIR))  # collective; writes on the main process
             if accelerator.is_main_process:
-                accelerator.unwrap_model(wrapped).save_pretrained(folder)
+                accelerator.unwrap_model(wrapped).save_pretrained(folder, kernel=kernel)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(folder)
                 (folder / STEP_FILE).write_text(str(done))

@@ -13,7 +13,7 @@ accounts for accumulation; DeepSpeed averages gradients over ranks).
 
 Checkpoints: ``--out/deepspeed/`` holds DeepSpeed's own (sharded, resumable: ``--resume``) checkpoints;
 ``--out/checkpoint-N`` holds a ``save_pretrained`` export that :meth:`unifusion.DiffusionLM.from_pretrained` reads
-(ZeRO-3 gathers the partitioned parameters for it).
+(ZeRO-3 gathers the partitioned parameters for it), with the training kernel recorded.
 
 CPU smoke run (2 processes; DeepSpeed picks its CPU accelerator and gloo)::
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"grad_norm {float(engine.get_global_grad_norm() or 0.0):.3f} | {rate:,.0f} tok/s", flush=True)
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             engine.save_checkpoint(str(out_dir / "deepspeed"), tag=f"step-{done}", client_state={"step": done})
-            export_pretrained(engine, skeleton, out_dir / f"checkpoint-{done}", stage, is_main, tokenizer)
+            export_pretrained(engine, skeleton, out_dir / f"checkpoint-{done}", stage, is_main, tokenizer, kernel)
     if is_main:
         print(f"final loss {loss.item():.6f}", flush=True)
     dist.barrier()
@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_pretrained(engine: Any, skeleton: uf.DiffusionLM | None, folder: Path, stage: int, is_main: bool,
-                      tokenizer: Any) -> None:
-    """``save_pretrained`` on rank 0; under ZeRO-3 every rank joins the gather of the partitioned parameters.
+                      tokenizer: Any, kernel: uf.Kernel) -> None:
+    """``save_pretrained`` on rank 0 (the training ``kernel`` recorded); under ZeRO-3 every rank joins the gather of
+    the partitioned parameters.
 
     With bf16 the module holds bf16 weights, so the export is bf16; the float32 master weights live in the DeepSpeed
     checkpoint (``zero_to_fp32.py`` in that folder consolidates them).
@@ -215,7 +216,7 @@ def export_pretrained(engine: Any, skeleton: uf.DiffusionLM | None, folder: Path
     with gather:
         if is_main:
             assert skeleton is not None
-            save_pretrained_from_state_dict(skeleton, module.state_dict(), folder)
+            save_pretrained_from_state_dict(skeleton, module.state_dict(), folder, kernel=kernel)
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder)
             print(f"saved checkpoint {folder}", flush=True)

@@ -3,7 +3,8 @@
 The paper's recipe: AdamW, cosine learning rate with linear warmup (peak 3e-4, 3,000 warmup steps), the GIDD loss
 under linear uniform corruption (α_t = 1 − t), causal → bidirectional attention annealing over the first 10,000
 updates (γ_k = min(1, k / K_ann), passed as ``step=``), bf16 autocast, gradient accumulation, gradient clipping,
-periodic checkpoints with ``save_pretrained`` (rank 0) and exact resume. Global batch: 864 sequences × 512 tokens.
+periodic checkpoints with ``save_pretrained`` (rank 0; the training kernel recorded, so ``generate``, ``unifusion
+sample`` and the lm-eval harness use it by default) and exact resume. Global batch: 864 sequences × 512 tokens.
 
 Multi-process: ``--dist ddp`` (DistributedDataParallel) or ``--dist fsdp2`` (``fully_shard`` on every decoder layer,
 then on the whole model). NCCL on GPUs, gloo on CPU, chosen automatically. The loss of every micro-batch is
@@ -250,8 +251,9 @@ def all_reduce_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(folder: Path, model: torch.nn.Module, inner: uf.DiffusionLM, skeleton: uf.DiffusionLM | None,
                     optimizer: torch.optim.Optimizer, step: int, rank: int, tokenizer: Any,
-                    args: argparse.Namespace, *, sharded: bool) -> None:
-    """``save_pretrained`` weights + ``trainer_state.pt`` (full optimizer state, step) written by rank 0.
+                    args: argparse.Namespace, *, kernel: uf.Kernel, sharded: bool) -> None:
+    """``save_pretrained`` weights (with the training ``kernel`` recorded) + ``trainer_state.pt`` (full optimizer
+    state, step) written by rank 0.
 
     Collective: every rank must call it (FSDP2 gathers the sharded parameters and optimizer state to rank 0).
     ``skeleton`` (rank 0, FSDP2 only) is a meta-device copy of the unsharded model that receives the gathered weights.
@@ -263,10 +265,10 @@ def save_checkpoint(folder: Path, model: torch.nn.Module, inner: uf.DiffusionLM,
     model_state = get_model_state_dict(model, options=full) if sharded else None
     if rank == 0:
         if not sharded:  # DDP / single process: the local module holds the full weights
-            inner.save_pretrained(folder)
+            inner.save_pretrained(folder, kernel=kernel)
         else:  # FSDP2: load the gathered weights into a meta-device copy of the unsharded model
             assert skeleton is not None and model_state is not None
-            save_pretrained_from_state_dict(skeleton, model_state, folder)
+            save_pretrained_from_state_dict(skeleton, model_state, folder, kernel=kernel)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         torch.save({"step": step, "optimizer": optim_state, "args": vars(args)}, folder / TRAINER_STATE)
@@ -275,9 +277,10 @@ def save_checkpoint(folder: Path, model: torch.nn.Module, inner: uf.DiffusionLM,
         dist.barrier()
 
 
-def save_pretrained_from_state_dict(skeleton: uf.DiffusionLM, state_dict: dict[str, torch.Tensor], folder: Path
-                                    ) -> None:
-    """``save_pretrained`` of gathered weights, loaded into a copy of ``skeleton`` (a meta-device twin of the model).
+def save_pretrained_from_state_dict(skeleton: uf.DiffusionLM, state_dict: dict[str, torch.Tensor], folder: Path, *,
+                                    kernel: uf.Kernel) -> None:
+    """``save_pretrained`` of gathered weights, loaded into a copy of ``skeleton`` (a meta-device twin of the model),
+    with the training ``kernel`` recorded.
 
     Used where the live parameters cannot be written directly: FSDP2 shards them, DeepSpeed ZeRO keeps them as views
     into one flat buffer (which safetensors refuses to store).
@@ -285,7 +288,7 @@ def save_pretrained_from_state_dict(skeleton: uf.DiffusionLM, state_dict: dict[s
     export = copy.deepcopy(skeleton)
     export.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}, assign=True)
     export.base_model.tie_weights()  # assign=True replaced tied parameters one by one
-    export.save_pretrained(folder)
+    export.save_pretrained(folder, kernel=kernel)
 
 
 def latest_checkpoint(out_dir: Path, marker: str = TRAINER_STATE) -> Path | None:
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"gamma {out.bidirectional_prob:.3f} | grad_norm {gn.item():.3f} | {rate:,.0f} tok/s", flush=True)
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             save_checkpoint(out_dir / f"checkpoint-{done}", wrapped, inner, skeleton, optimizer, done, rank,
-                            tokenizer, args, sharded=mode == "fsdp2")
+                            tokenizer, args, kernel=kernel, sharded=mode == "fsdp2")
     if is_main:
         print(f"final loss {loss.item():.6f}", flush=True)
     if dist.is_initialized():

@@ -68,8 +68,13 @@ def _load_example(name: str):
 
 
 def _reload(folder: Path) -> uf.DiffusionLM:
+    """The checkpoint, which records the training kernel (``--kernel uniform``, the default): the model has a mask
+    token, so without the record ``generate`` and the evaluators would take the mask kernel."""
     assert (folder / "model.safetensors").is_file() and (folder / "unifusion_config.json").is_file(), folder
-    return uf.DiffusionLM.from_pretrained(folder)
+    model = uf.DiffusionLM.from_pretrained(folder)
+    assert model.mask_token_id is not None and type(model.kernel) is uf.UniformKernel, (folder, model.kernel)
+    assert type(uf.models.default_kernel(model)[0]) is uf.UniformKernel
+    return model
 
 
 def _max_weight_diff(a: uf.DiffusionLM, b: uf.DiffusionLM) -> float:
@@ -243,6 +248,7 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
     assert set(fig2["curves"]) == {"x0", "mu"} and all(len(c) == 3 for c in fig2["curves"].values())
     assert fig2["x0_lower_fraction"] == pytest.approx(1 - fig2["early_mean"]["x0"] / fig2["early_mean"]["mu"])
     assert math.isfinite(result["adapt"]["heldout_elbo"]) and (tmp_path / "adapted" / "tokenizer.json").is_file()
+    assert type(uf.DiffusionLM.from_pretrained(tmp_path / "adapted").kernel) is uf.UniformKernel  # recorded
     rows = result["frontier"]["summary"]
     assert [r["steps"] for r in rows] == [2, 4] and all(math.isfinite(r["genppl_mean"]) for r in rows)
     (task,) = result["zeroshot"]["tasks"].values()
