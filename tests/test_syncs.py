@@ -3,7 +3,8 @@
 With default settings (validation on): one ``diffusion_loss`` step makes at most one host sync (all its value checks
 read back together) and its backward none; the fused loss adds only the backward's one documented read of the incoming
 gradient; a ``DiffusionLM`` forward makes one (none with validation off); the samplers validate once per
-``sample()`` call, so their count does not grow with the number of steps; ``nll_bound`` likewise per time.
+``sample()`` call, so their count does not grow with the number of steps (one generator or one per row);
+``nll_bound`` likewise per time.
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def test_euler_sampler_validates_once_per_call(model, kernel_name, parameterizat
     head = model if parameterization == "x0" else uf.samplers.x0_model_as(model, kernel, parameterization)
     few, many = _sampler_syncs(lambda n: uf.EulerSampler(head, kernel, n, parameterization=parameterization), (2, 8))
     assert few.syncs == many.syncs <= 1, (few.sync_ops, many.sync_ops)
+
+
+@pytest.mark.parametrize("kernel_name", ["uniform", "mask", "hybrid"])
+@pytest.mark.parametrize("cls", [uf.BayesianSampler, uf.EulerSampler])
+def test_per_row_generators_add_no_sync_per_step(model, kernel_name, cls):
+    kernel = kernels(model)[kernel_name]
+    counts = [count_syncs(cls(model, kernel, n).sample, 2, 8, generator=[torch.Generator().manual_seed(i)
+                                                                          for i in range(2)])[1] for n in (2, 8)]
+    assert counts[0].syncs == counts[1].syncs <= 1, [c.sync_ops for c in counts]
 
 
 def test_cache_unchanged_keeps_its_one_documented_sync_per_step(model):
