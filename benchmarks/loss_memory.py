@@ -1,20 +1,23 @@
 """Peak memory of ``uf.diffusion_loss`` against the model forward + the fast loss on the same logits (issue #15 §3).
 
     python benchmarks/loss_memory.py                               # SmolLM2-135M shape, B = 2, L = 256
-    python benchmarks/loss_memory.py --layers 4 --seq-len 512 --json mem.json
+    python benchmarks/loss_memory.py --layers 4 --seq-len 512 --json mem.json   # docs/gpu.md's CPU table
     python benchmarks/loss_memory.py --device cuda                 # on a GPU: torch.cuda.max_memory_allocated
 
-Every variant is one forward + backward of a random Llama with SmolLM2-135M's shapes (``--layers`` of its 30 layers,
-d = 576, V = 49,152, tied embeddings, float32 weights) adapted with ``adapt_ar_model``, on the same clean tokens
-``x_0``, times ``t`` and corruption ``x_t`` (one seeded generator), bidirectional (γ = 1), validation on (the
-defaults users meet), each in a fresh process, in float32 and under ``torch.autocast(dtype=torch.bfloat16)``:
+Every variant runs a random Llama with SmolLM2-135M's shapes (``--layers`` of its 30 layers, d = 576, V = 49,152,
+tied embeddings, float32 weights) adapted with ``adapt_ar_model``, on the same clean tokens ``x_0``, times ``t`` and
+corruption ``x_t`` (one seeded generator), bidirectional (γ = 1), validation on (the defaults users meet), each in a
+fresh process, in float32 and under ``torch.autocast(dtype=torch.bfloat16)``, as one training call (``--modes
+train``: forward + ``.sum().backward()``) and one evaluation call (``eval``: the forward under ``torch.no_grad``):
 
 * ``forward+loss`` (the baseline): ``logits = model(x_t, t)``, then ``uf.losses.x0_head_loss(logits, ...)``;
 * ``diffusion_loss``: ``uf.diffusion_loss(model, x0, kernel, t=t, generator=g)`` (corrupts ``x_0`` itself);
 * ``diffusion_loss_fused``: the same with ``fused=True`` (the logits never exist);
 * ``sliced_logits``: the network's ``(B, L + 1, V)`` logits sliced to ``[:, :-1]`` and given to the loss — what
   ``DiffusionLM.forward`` returned before it applied the output head to the ``L`` positions it needs: a strided view
-  that the loss copies whole, and whose backward allocates a ``(B, L + 1, V)`` gradient.
+  that the loss copies whole, and whose backward allocates a ``(B, L + 1, V)`` gradient;
+* ``float32_logits``: the logits cast to float32 before the loss — what ``diffusion_loss`` did to bf16 logits before
+  (a no-op in float32).
 
 Goal: ``diffusion_loss`` ≤ 1.1× ``forward+loss``.
 
@@ -26,8 +29,8 @@ its saved activations and the gradients it produces are; parameter gradients are
   heap's behaviour; and, for reference, the peak RSS increase (``ru_maxrss``) of the first call in that process.
 * CUDA: ``torch.cuda.max_memory_allocated`` during the call minus ``memory_allocated`` before it.
 
-Ratios are against ``forward+loss`` in the same dtype. CPU figures are memory of the CPU run (the allocator counts
-bytes, so they carry over to a GPU's allocator up to its rounding, but no GPU figure is implied).
+Ratios are against ``forward+loss`` in the same mode and dtype. CPU figures are memory of the CPU run: the allocator
+counts tensor bytes, which a GPU's caching allocator rounds and caches differently; no GPU figure is implied.
 """
 
 from __future__ import annotations
