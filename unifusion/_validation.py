@@ -87,8 +87,10 @@ def batched_checks() -> Iterator[None]:
     finally:
         _BATCH.items = None
     if items:
-        flags = torch.stack([bad.reshape(()).to(device=items[0][0].device) for bad, _ in items])
-        if bool(flags.any()):  # the one host sync
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for bad, _ in items:  # one read per device (no copies between them): the one host sync on a GPU
+            flags.setdefault(bad.device, []).append(bad.reshape(()))
+        if any(bool(torch.stack(group).any()) for group in flags.values()):
             for bad, message in items:
                 if bool(bad):
                     raise ValueError(message())
@@ -136,7 +138,8 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a float or a float tensor, got bool")
     if isinstance(value, (int, float)):
-        t = torch.tensor(float(value), device=device, dtype=dtype or torch.get_default_dtype())
+        # filled on the device: torch.tensor(value, device=...) would copy a host tensor there (a host sync on CUDA)
+        t = torch.full((), float(value), device=device, dtype=dtype or torch.get_default_dtype())
     elif isinstance(value, torch.Tensor):
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point tensor of times, got dtype {value.dtype}")

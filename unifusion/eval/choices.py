@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._device import categorical, host_to_device
 from .._validation import check_generator, check_model_kernel, check_token_ids
 from ..kernels import InterpolatingKernel, Kernel
 from ..rates import x0_log_probs
@@ -124,7 +125,7 @@ def _corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
         u = torch.rand((K, m), generator=generator, device=span.device, dtype=t.dtype)
         selected = u >= alpha_t.unsqueeze(-1)
         pi_t = kernel.prior(t, dtype=t.dtype, device=span.device)  # (K, S)
-        noise = torch.multinomial(pi_t, m, replacement=True, generator=generator)  # (K, m)
+        noise = categorical(pi_t, m, generator)  # (K, m), no host sync
         return torch.where(selected, noise, x_0), selected
     z = kernel.sample(x_0, t.unsqueeze(-1), generator=generator)
     return z, z != x_0
@@ -138,12 +139,14 @@ def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.
     device = _model_device(model)
     N, m = z_span.shape
     x_t = torch.cat([context.to(z_span.device).unsqueeze(0).expand(N, -1), z_span], dim=1)  # (N, |c| + m)
+    # on the model's device once (not once per batch), without making the host wait
+    x_t, t, targets = (host_to_device(v, device) for v in (x_t, t.to(torch.float32), targets))
     out = []
     for k in range(0, N, batch_size):
         rows = slice(k, k + batch_size)
-        logits = _logits_of(model(x_t[rows].to(device), t[rows].to(device=device, dtype=torch.float32)))
+        logits = _logits_of(model(x_t[rows], t[rows]))
         log_x = x0_log_probs(kernel, logits[:, -m:].float())  # (b, m, S)
-        out.append(-log_x.gather(-1, targets[rows].to(device).unsqueeze(-1)).squeeze(-1))
+        out.append(-log_x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))
     return torch.cat(out).double()
 
 
@@ -165,6 +168,16 @@ def _grouped_span_nll(model: Any, kernel: Kernel, contexts: Sequence[torch.Tenso
             for j, v in zip(members, nll):
                 out[ci][j] = v
     return out  # type: ignore[return-value]
+
+
+def _selections_on(draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   device: torch.device) -> list[torch.Tensor]:
+    """The draws' selection masks I_k(a) ``(K, m)`` on ``device``, moved in one copy (not one per choice)."""
+    sel = [d[1] for d in draws]
+    if all(s.device == device for s in sel):
+        return sel
+    flat = host_to_device(torch.cat([s.reshape(-1).to(sel[0].device) for s in sel]), device)
+    return [f.view(s.shape) for f, s in zip(flat.split([s.numel() for s in sel]), sel)]
 
 
 def _standard_times(num_times: int) -> torch.Tensor:
@@ -214,8 +227,7 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
     draws = [(*_corrupt_span(kernel, a, t, generator), t) for a in choices]
     (nll,) = _grouped_span_nll(model, kernel, [context.to(gen_device)], choices, draws, batch_size)
     scores = []
-    for j in range(len(choices)):
-        sel = draws[j][1].to(nll[j].device)  # (K, m): I_k(a)
+    for j, sel in enumerate(_selections_on(draws, nll[0].device)):  # (K, m): I_k(a)
         sel = sel | ~sel.any(-1, keepdim=True)  # empty I_k: fall back to every span position
         per_time = (nll[j] * sel).sum(-1) / sel.sum(-1)  # (K,)
         scores.append(per_time.mean())
@@ -259,8 +271,7 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
     nll_c, nll_null = _grouped_span_nll(model, kernel, [context.to(gen_device), null.to(gen_device)], choices, draws,
                                         batch_size)
     scores = []
-    for j, a in enumerate(choices):
-        sel = draws[j][1].to(nll_c[j].device)  # (K, m): I_k(a), shared by both contexts
+    for j, (a, sel) in enumerate(zip(choices, _selections_on(draws, nll_c[0].device))):  # I_k(a): both contexts
         L_c = (nll_c[j] * sel).sum(-1).mean()  # L̄(a|c)
         L_null = (nll_null[j] * sel).sum(-1).mean()  # L̄(a|null)
         scores.append((L_c - L_null) / a.numel())

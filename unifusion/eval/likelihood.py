@@ -56,7 +56,7 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
     ids = check_token_ids("x0", x0, kernel.num_states)
     T = 1.0 if isinstance(kernel, InterpolatingKernel) else 1.0 - 1e-7
-    t = torch.tensor(T, dtype=torch.float64, device=ids.device)
+    t = torch.full((), T, dtype=torch.float64, device=ids.device)  # filled there: no host-to-device copy
     q = kernel._propagate(kernel._one_hot(ids, torch.float64), t)  # (..., S)
     prior = kernel.prior(None, dtype=torch.float64, device=ids.device)  # (S,)
     pos = q > 0

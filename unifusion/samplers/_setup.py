@@ -139,11 +139,15 @@ def check_devices(model: object, generator: torch.Generator | None, device: torc
 
 
 def time_grid(num_steps: int, eps: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """t_n = (1 − ε)(1 − n/N) for n = 0..N, ``(N + 1,)`` (Algorithm 2; t_N = 0 exactly)."""
-    n = torch.arange(num_steps + 1, dtype=torch.float64)
+    """t_n = (1 − ε)(1 − n/N) for n = 0..N, ``(N + 1,)`` in ``dtype`` (Algorithm 2; t_N = 0 exactly).
+
+    Built on ``device`` in float64 (float32 on MPS), then rounded once to ``dtype``: a grid made on the host and
+    copied over would make the host wait for the device (CUDA copies pageable memory with a stream sync)."""
+    work = torch.float32 if device.type == "mps" else torch.float64
+    n = torch.arange(num_steps + 1, dtype=work, device=device)
     t = (1.0 - eps) * (1.0 - n / num_steps)
-    t[-1] = 0.0
-    return t.to(device=device, dtype=dtype)
+    t[-1] = 0.0  # a fill on the device
+    return t.to(dtype)
 
 
 def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel,
