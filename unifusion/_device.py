@@ -34,16 +34,17 @@ def categorical(weights: torch.Tensor, num_samples: int, generator: torch.Genera
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host``, a CPU tensor built by the caller and never written again, on ``device`` without a host sync.
+    """``host`` on ``device`` without making the host wait, for data of one call (a prompt, times, a batch).
 
-    To a CUDA device it is pinned and copied with ``non_blocking=True`` (the caching host allocator keeps the pinned
-    block until the copy has run); to other devices it is copied with ``non_blocking=True``; on its own device it is
-    returned as is. A tensor that is not on the CPU is copied as ``tensor.to(device)`` does.
+    From the CPU to a CUDA device the data are copied into a fresh pinned buffer and sent with ``non_blocking=True``:
+    the host goes on at once (the caching host allocator keeps the buffer until the copy has run, and the caller may
+    write ``host`` straight away). A tensor already on ``device`` is returned as is; any other move is a plain
+    ``tensor.to(device)`` (a device to the host, or a backend whose asynchronous copies unifusion does not rely on).
     """
     if host.device == device:
         return host
-    if host.device.type != "cpu":  # not host data: a plain copy (non_blocking to the host could be read too early)
-        return host.to(device)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    if host.device.type == "cpu" and device.type == "cuda":
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        return pinned.to(device, non_blocking=True)
+    return host.to(device)

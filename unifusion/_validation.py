@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ._device import host_to_device
+
 _VALIDATE = True
 
 __all__ = ["set_validation", "validation", "validation_enabled"]
@@ -146,7 +148,7 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
         check_not_meta(name, value)
         t = value
         if device is not None and t.device != device:
-            t = t.to(device)
+            t = host_to_device(t, device)  # the caller's times on the host: a pinned, non-blocking copy to CUDA
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
     else:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from .._device import host_to_device
 from ..kernels import Kernel
 
 PROMPT_FILL = -1
@@ -187,8 +188,9 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
     if ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch_size):
         raise ValueError(f"prompt: expected shape ({batch_size}, {seq_len}), (1, {seq_len}) or ({seq_len},) to "
                          f"match batch_size and seq_len, got {tuple(ids.shape)}")
-    ids = ids.to(device=device, dtype=torch.long).expand(batch_size, seq_len)
-    keep = keep.to(device).expand(batch_size, seq_len)
+    # a prompt on the host goes to the device pinned and without blocking (host_to_device); once per sample() call
+    ids = host_to_device(ids, device).to(torch.long).expand(batch_size, seq_len)
+    keep = host_to_device(keep, device).expand(batch_size, seq_len)
     if V.validation_enabled():  # value checks: queued, read back with the run's other checks (one host sync)
         out_of_range = keep & ((ids < 0) | (ids >= kernel.num_states))
         V.fail_if(out_of_range.any(), lambda: (
