@@ -22,7 +22,8 @@ A GPU is rarely lent to this project, so the properties that decide speed on one
   On CPU-only runs a tensor on the ``meta`` device stands in for one on a GPU. Where everything runs on the CPU, a
   host→device copy is a no-op that dispatches nothing; what can still be seen is **host data sent to a named
   device**: ``host_data`` counts ``torch.tensor``-like calls on Python/NumPy data with an explicit ``device=`` (and
-  every ``Tensor.new_tensor`` of such data, which targets its tensor's device), copies to the GPU on a GPU run.
+  every ``Tensor.new_tensor`` of such data, which targets its tensor's device), copies to the GPU on a GPU run. Calls
+  from PyTorch itself are left out (compiled code wraps float arguments as CPU scalars with ``device="cpu"``).
 
 * **launches** — every non-view ATen op that reaches the dispatcher (a kernel launch on a GPU in eager mode).
 
@@ -33,7 +34,8 @@ unifusion supports torch ≥ 2.4) and ``torch.linalg.matrix_exp`` (it reads the 
 Taylor degree and the number of squarings: ``nonzero``, ``unique_consecutive`` and a copy to the CPU inside the
 kernel). unifusion's hot paths draw categories by inverse CDF instead of ``torch.multinomial``; the one remaining
 ``matrix_exp`` is :class:`unifusion.GeneratorKernel`'s (a dense reference kernel for small state spaces).
-``tests/test_cuda.py`` checks the hot loops on a GPU under ``torch.cuda.set_sync_debug_mode("error")``.
+The ``cuda``-marked tests of ``tests/test_syncs.py`` run the hot loops on a GPU under
+``torch.cuda.set_sync_debug_mode("error")``.
 
 **Compiled code.** While a (non-infra) dispatch mode is active, Dynamo does not run compiled code: a
 ``torch.compile``d function falls back to eager and every op is counted. ``DispatchCounter(compiled=True)`` declares

@@ -39,11 +39,12 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     From the CPU to a CUDA device the data are copied into a fresh pinned buffer and sent with ``non_blocking=True``:
     the host goes on at once (the caching host allocator keeps the buffer until the copy has run, and the caller may
     write ``host`` straight away). A tensor already on ``device`` is returned as is; any other move is a plain
-    ``tensor.to(device)`` (a device to the host, or a backend whose asynchronous copies unifusion does not rely on).
+    ``tensor.to(device)`` (a device to the host, a tensor that requires grad, or a backend whose asynchronous copies
+    unifusion does not rely on).
     """
     if host.device == device:
         return host
-    if host.device.type == "cpu" and device.type == "cuda":
+    if host.device.type == "cpu" and device.type == "cuda" and not host.requires_grad:
         pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         pinned.copy_(host)
         return pinned.to(device, non_blocking=True)
