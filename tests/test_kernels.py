@@ -237,3 +237,22 @@ def test_sample_prior_at_tensor_times_draws_from_the_prior_of_each_row() -> None
         se = (pi * (1 - pi) / n).sqrt()
         assert bool(((freq - pi).abs() <= 5 * se + 1e-12).all()), (b, freq, pi)
     assert not torch.allclose(kernel.prior(0.2, dtype=DT), kernel.prior(0.7, dtype=DT), atol=0.05)
+
+
+def test_generator_kernel_copies_its_matrices_to_a_device_once() -> None:
+    """The dense kernel keeps its float64 matrices on the host and reuses one copy per device and dtype (a copy of host
+    memory to a GPU per sampler step would make the host wait each time); a changed matrix is copied again."""
+    from _dispatch_count import count_syncs
+
+    S = 5
+    R = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
+    kernel = uf.GeneratorKernel(R.clone())
+    ids, t = torch.arange(S, device="meta"), torch.full((S,), 0.5, device="meta")
+    copies = [count_syncs(kernel._rate_column, ids, t)[1].sync_ops["copy to device"] for _ in range(3)]
+    assert copies == [1, 0, 0]
+    assert count_syncs(kernel._prior, None, torch.float32, torch.device("meta"))[1].sync_ops["copy to device"] == 1
+    rates = kernel.rate_into(torch.arange(S), torch.full((S,), 0.5))  # float32, through the cached float32 copy
+    kernel.generator.mul_(2.0)  # changed in place: the cached copy is stale and replaced
+    torch.testing.assert_close(kernel.rate_into(torch.arange(S), torch.full((S,), 0.5)), 2.0 * rates)
+    kernel.generator = R.clone()  # replaced
+    torch.testing.assert_close(kernel.rate_into(torch.arange(S), torch.full((S,), 0.5)), rates)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ._device import host_to_device
+
 _VALIDATE = True
 
 __all__ = ["set_validation", "validation", "validation_enabled"]
@@ -87,8 +89,10 @@ def batched_checks() -> Iterator[None]:
     finally:
         _BATCH.items = None
     if items:
-        flags = torch.stack([bad.reshape(()).to(device=items[0][0].device) for bad, _ in items])
-        if bool(flags.any()):  # the one host sync
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for bad, _ in items:  # one read per device (no copies between them): the one host sync on a GPU
+            flags.setdefault(bad.device, []).append(bad.reshape(()))
+        if any(bool(torch.stack(group).any()) for group in flags.values()):
             for bad, message in items:
                 if bool(bad):
                     raise ValueError(message())
@@ -141,14 +145,15 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a float or a float tensor, got bool")
     if isinstance(value, (int, float)):
-        t = torch.tensor(float(value), device=device, dtype=dtype or torch.get_default_dtype())
+        # filled on the device: torch.tensor(value, device=...) would copy a host tensor there (a host sync on CUDA)
+        t = torch.full((), float(value), device=device, dtype=dtype or torch.get_default_dtype())
     elif isinstance(value, torch.Tensor):
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point tensor of times, got dtype {value.dtype}")
         check_not_meta(name, value)
         t = value
         if device is not None and t.device != device:
-            t = t.to(device)
+            t = host_to_device(t, device)  # the caller's times on the host: a pinned, non-blocking copy to CUDA
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
     else:

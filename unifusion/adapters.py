@@ -544,7 +544,8 @@ class DiffusionLM(nn.Module):
                 gradient work); ones when ``None``.
 
         Returns:
-            ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of ``[BOS, x_t]``), or with
+            contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
+            ``[BOS, x_t]``; the output head runs on those ``L`` positions only), or with
             ``x0``/``kernel`` the ``(B, L)`` float32 loss of
             :func:`unifusion.losses.fused_linear_diffusion_loss`, computed from the hidden states without ever
             holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
@@ -566,9 +567,28 @@ class DiffusionLM(nn.Module):
                 logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
-        kwargs = self._net_inputs(x_t, t, gamma, attention_mask, generator)
-        logits = self._hf(**kwargs).logits  # (B, L+1, V)
-        return logits[:, :-1]  # (B, L, V): drop the prediction after the last token
+        return self._logits(self._net_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+
+    def _logits(self, kwargs: dict[str, Any], L: int) -> torch.Tensor:
+        """Contiguous ``(B, L, V)`` logits of the first ``L`` of the ``L + 1`` network positions: the output head runs
+        on those positions only, so no ``(B, L + 1, V)`` tensor exists and no ``(B, L, V)`` copy is made downstream.
+
+        The prediction after the last token is never needed. Slicing the *hidden states* (``(B, L + 1, d)`` →
+        ``(B, L, d)``) before the head, rather than the logits after it, keeps the logits contiguous: slicing the
+        logits gave a ``(B, L, V)`` view with row stride ``(L + 1) V``, which a loss reading rows ``(B·L, V)`` had to
+        copy whole, and whose backward allocated a ``(B, L + 1, V)`` gradient. Families whose ``forward`` takes
+        transformers' ``logits_to_keep`` get ``slice(0, L)`` (their own head, post-processing and module hooks run,
+        so the values are the model's; a slice is a view on whatever device the hidden states live, unlike an index
+        tensor); others run the backbone and apply the output head module, the family's logit scale and soft-cap
+        to ``h[:, :-1]`` (:meth:`logits_from_hidden`'s post-processing).
+        """
+        if _takes_logits_to_keep(self._hf.__class__):
+            logits = self._hf(**kwargs, logits_to_keep=slice(0, L)).logits  # (B, L, V)
+            if logits.shape[1] == L:
+                return logits
+            return logits[:, :L].contiguous()  # pragma: no cover - a family that ignores logits_to_keep
+        h = self._hf.base_model(**kwargs).last_hidden_state[:, :-1]  # (B, L, d)
+        return self._post_head(self._hf.get_output_embeddings()(h))
 
     def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
                       attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
@@ -600,7 +620,10 @@ class DiffusionLM(nn.Module):
 
         ``z = (h W^T + b) · logit_scale``, then ``c · tanh(z / c)`` when the family soft-caps (gemma2/3).
         """
-        z = F.linear(h, self.lm_head_weight, self.lm_head_bias)
+        return self._post_head(F.linear(h, self.lm_head_weight, self.lm_head_bias))
+
+    def _post_head(self, z: torch.Tensor) -> torch.Tensor:
+        """The family's post-processing of the head's output ``z``: the logit scale, then the soft-cap."""
         scale = self.logit_scale
         if scale != 1.0:
             z = z * scale
@@ -897,6 +920,19 @@ def _parse_dtype(dtype: object) -> torch.dtype | None:
     if not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating dtype, got {dtype}")
     return dtype
+
+
+@functools.cache
+def _takes_logits_to_keep(model_cls: Any) -> bool:
+    """Whether ``model_cls.forward`` names a ``logits_to_keep`` parameter: transformers' ``*ForCausalLM`` index the
+    hidden states with it before ``lm_head`` (every supported family in transformers 5). Older releases (an int-only
+    ``num_logits_to_keep``, or none) take :meth:`DiffusionLM._logits`'s backbone-then-head path."""
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
 
 
 @functools.lru_cache(maxsize=1)

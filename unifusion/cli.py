@@ -429,6 +429,7 @@ def _add_eval_nll(sub: Any) -> None:
 def cmd_eval_nll(args: argparse.Namespace) -> int:
     import torch
 
+    from ._device import host_to_device
     from .eval import nll_bound
 
     model, tok, kernel = _load_model(args)
@@ -440,7 +441,8 @@ def cmd_eval_nll(args: argparse.Namespace) -> int:
     if not blocks:
         raise ValueError("--texts: the texts tokenize to nothing")
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    total, count = 0.0, 0
+    # the batches go to the device pinned and non-blocking, their bounds add up there: one read back at the end
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for k in range(0, len(blocks), args.batch_size):
         batch = blocks[k: k + args.batch_size]
         width = max(len(b) for b in batch)
@@ -449,12 +451,13 @@ def cmd_eval_nll(args: argparse.Namespace) -> int:
         for b, ids in enumerate(batch):
             x0[b, : len(ids)] = torch.tensor(ids)
             mask[b, : len(ids)] = 1
-        x0, mask = x0.to(device), mask.to(device)
+        padded = any(len(ids) < width for ids in batch)  # known on the host
+        x0, mask = host_to_device(x0, device), host_to_device(mask, device)
         bound = nll_bound(model, x0, kernel, num_times=args.num_times, generator=generator,
-                          attention_mask=None if bool(mask.all()) else mask, per_token=False)
-        total += float(bound.sum())
-        count += int(mask.sum())
-    per_token = total / count
+                          attention_mask=mask if padded else None, per_token=False)
+        total += bound.sum()
+        count += sum(len(ids) for ids in batch)
+    per_token = float(total) / count
     _print_table([("blocks", f"{len(blocks)}"), ("tokens", f"{count}"), ("times K", f"{args.num_times}"),
                   ("NLL bound / token (nats)", f"{per_token:.4f}"),
                   ("perplexity bound", f"{math.exp(per_token):.3f}")])

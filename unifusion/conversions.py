@@ -82,7 +82,7 @@ def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torc
 
     # m2s
     col = kernel._column(ids, torch.zeros_like(t_), t_)  # q_{t|0}(x_t | z)
-    clean = kernel.clean_state_mask.to(col.device)
+    clean = kernel._clean_state_mask(col.device)  # built on the device: no host-to-device copy per call
     unreachable = ((col <= 0) & clean).any(-1, keepdim=True)
     if strict and V.validation_enabled() and bool(unreachable.any()):
         raise ValueError(

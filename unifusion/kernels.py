@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _validation as V
+from ._device import categorical
 from ._math import safe_log
 from .schedules import LinearSchedule, Schedule
 
@@ -69,10 +70,14 @@ class Kernel:
     # ------------------------------------------------------------------ public API
     @property
     def clean_state_mask(self) -> torch.Tensor:
-        """Bool ``(S,)``: states a clean token x0 may take (every state but the mask state)."""
-        keep = torch.ones(self.num_states, dtype=torch.bool)
+        """Bool ``(S,)`` on the CPU: states a clean token x0 may take (every state but the mask state)."""
+        return self._clean_state_mask(torch.device("cpu"))
+
+    def _clean_state_mask(self, device: torch.device) -> torch.Tensor:
+        """:attr:`clean_state_mask` built on ``device`` (no host-to-device copy)."""
+        keep = torch.ones(self.num_states, dtype=torch.bool, device=device)
         if self.mask_id is not None:
-            keep[self.mask_id] = False
+            keep[self.mask_id] = False  # a fill on the device
         return keep
 
     def marginal(self, x0: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
@@ -166,13 +171,11 @@ class Kernel:
         shape = tuple(shape)
         n = int(math.prod(shape))
         if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0:  # one distribution for every position
-            pi = self.prior(t, dtype=torch.float32, device=dev).reshape(1, self.num_states)
-            draws = torch.multinomial(pi, n, replacement=True, generator=generator)
-            return draws.reshape(shape)
+            pi = self.prior(t, dtype=torch.float32, device=dev)  # (S,)
+            return categorical(pi, n, generator).reshape(shape)
         t_ = V.check_time("t", t, device=dev, dtype=V.compute_dtype(t), shape=shape)
         pi = torch.broadcast_to(self._prior(t_, t_.dtype, dev), (*shape, self.num_states))  # (*shape, S)
-        draws = torch.multinomial(pi.reshape(-1, self.num_states), 1, generator=generator)
-        return draws.reshape(shape)
+        return categorical(pi, 1, generator).reshape(shape)
 
     # ------------------------------------------------------------------ helpers shared by subclasses
     def _one_hot(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -306,7 +309,7 @@ class InterpolatingKernel(Kernel):
 
     def _prior(self, t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if t is None:  # the t → 1 limit (GIDD's c_1 = 0 makes the hybrid prior all-mask)
-            t = torch.tensor(1.0, dtype=torch.float64, device=device)
+            t = torch.ones((), dtype=torch.float64, device=device)
             alpha, a, b = self._coefficients(t)
             m = self._noise_vector(a, b)
             return (m / m.sum(-1, keepdim=True)).to(dtype)
@@ -492,6 +495,21 @@ class GeneratorKernel(Kernel):
             prior = V.check_distribution("prior", prior, self.num_states).detach().to(torch.float64)
         self._prior_vec = prior
 
+    def _on(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``self.generator`` (``name="generator"``) or the prior vector (``"prior"``) on ``device`` in ``dtype``,
+        copied there once and reused: the samplers call the kernel every step, and a copy of host memory to a GPU
+        makes the host wait for the device (CUDA's ``memcpy_and_sync``). A copy is made again if the float64
+        original was replaced or changed in place (its ``_version``)."""
+        source = self.generator if name == "generator" else self._prior_vec
+        copies: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = \
+            self.__dict__.setdefault("_copies", {})
+        key = (name, device, dtype)
+        cached = copies.get(key)
+        if cached is None or cached[0] is not source or cached[1] != source._version:
+            cached = (source, source._version, source.to(device=device, dtype=dtype))
+            copies[key] = cached
+        return cached[2]
+
     def __repr__(self) -> str:
         return f"GeneratorKernel(num_states={self.num_states}, schedule={self.schedule!r}, mask_id={self.mask_id})"
 
@@ -515,7 +533,7 @@ class GeneratorKernel(Kernel):
 
     def _P(self, sigma: torch.Tensor) -> torch.Tensor:
         # the matrix exponential runs in float64 (float32's loses ~1e-5 relative); the result follows sigma's dtype
-        R = self.generator.to(device=sigma.device)
+        R = self._on("generator", sigma.device, torch.float64)
         return torch.linalg.matrix_exp(sigma.to(torch.float64)[..., None, None] * R).to(sigma.dtype)
 
     def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -530,18 +548,17 @@ class GeneratorKernel(Kernel):
         return P.gather(-1, idx).squeeze(-1)
 
     def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        R = self.generator.to(device=ids.device, dtype=t.dtype)
+        R = self._on("generator", ids.device, t.dtype)
         col = R.T[ids]  # (..., S): R(i, ids) over sources i
         col = col.scatter(-1, ids.unsqueeze(-1), 0.0)
         return self._beta_rate(t).unsqueeze(-1) * col
 
     def _prior(self, t, dtype, device):
-        pi = self._prior_vec.to(device=device, dtype=dtype)
+        pi = self._on("prior", device, dtype)
         if t is None:
             return pi
         return pi.expand(*t.shape, self.num_states)
 
     def _sample(self, ids, t, generator):
         q = self._propagate(self._one_hot(ids, t.dtype), t)
-        flat = q.reshape(-1, self.num_states).clamp_min(0.0)
-        return torch.multinomial(flat, 1, generator=generator).reshape(q.shape[:-1])
+        return categorical(q.clamp_min(0.0), 1, generator).reshape(q.shape[:-1])

@@ -209,8 +209,9 @@ class ReverseRate:
 
 def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
     """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS)."""
-    if kernel.mask_id is not None:
-        logits = logits.index_fill(-1, torch.tensor([kernel.mask_id], device=logits.device), float("-inf"))
+    if kernel.mask_id is not None:  # the index is filled on the device: no host-to-device copy per call
+        mask_index = torch.full((1,), kernel.mask_id, dtype=torch.long, device=logits.device)
+        logits = logits.index_fill(-1, mask_index, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
 
 

@@ -178,6 +178,12 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     The x0-head objectives run through :func:`~unifusion.losses.x0_head_loss` (analytic gradient, chunked, at the
     cost of a cross-entropy); ``head="mu"`` uses the M2S reference loss.
 
+    Memory: the model's logits go to the loss as they are — bf16 stays bf16 (the loss computes in float32 inside) and
+    a :class:`~unifusion.DiffusionLM` returns them contiguous (its head runs on the ``L`` positions needed) — so the
+    peak is that of ``model(x_t, t)`` plus the loss on its logits (≤ 1.1×, ``tests/test_memory.py``). A model
+    callable of your own should return contiguous logits too: the loss reads rows ``(B·L, S)`` and copies a strided
+    view (e.g. ``out.logits[:, :-1]``) whole.
+
     Returns:
         :class:`DiffusionLossOutput` with per-token ``loss (B, L)`` and the token count for normalising.
     """

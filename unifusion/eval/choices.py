@@ -40,7 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from .._validation import check_generator, check_model_kernel, check_token_ids
+from .._device import categorical, host_to_device
+from .._validation import batched_checks, check_generator, check_model_kernel, check_token_ids, validation
 from ..kernels import InterpolatingKernel, Kernel
 from ..rates import x0_log_probs
 from .quality import _check_positive_int, _logits_of, _model_device, _progress
@@ -123,10 +124,11 @@ def _corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
         alpha_t = kernel._coefficients(t)[0]  # (K,)
         u = torch.rand((K, m), generator=generator, device=span.device, dtype=t.dtype)
         selected = u >= alpha_t.unsqueeze(-1)
-        pi_t = kernel.prior(t, dtype=t.dtype, device=span.device)  # (K, S)
-        noise = torch.multinomial(pi_t, m, replacement=True, generator=generator)  # (K, m)
+        pi_t = kernel._prior(t, t.dtype, t.device)  # (K, S): π_t (t made by the caller, valid: no check)
+        noise = categorical(pi_t, m, generator)  # (K, m), no host sync
         return torch.where(selected, noise, x_0), selected
-    z = kernel.sample(x_0, t.unsqueeze(-1), generator=generator)
+    with validation(False):  # span and times checked or made by the caller: no per-choice read back
+        z = kernel.sample(x_0, t.unsqueeze(-1), generator=generator)
     return z, z != x_0
 
 
@@ -138,12 +140,15 @@ def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.
     device = _model_device(model)
     N, m = z_span.shape
     x_t = torch.cat([context.to(z_span.device).unsqueeze(0).expand(N, -1), z_span], dim=1)  # (N, |c| + m)
+    # on the model's device once (not once per batch), without making the host wait
+    x_t, t, targets = (host_to_device(v, device) for v in (x_t, t.to(torch.float32), targets))
     out = []
     for k in range(0, N, batch_size):
         rows = slice(k, k + batch_size)
-        logits = _logits_of(model(x_t[rows].to(device), t[rows].to(device=device, dtype=torch.float32)))
+        with validation(False):  # rows made here from checked ids: no read back per model call
+            logits = _logits_of(model(x_t[rows], t[rows]))
         log_x = x0_log_probs(kernel, logits[:, -m:].float())  # (b, m, S)
-        out.append(-log_x.gather(-1, targets[rows].to(device).unsqueeze(-1)).squeeze(-1))
+        out.append(-log_x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))
     return torch.cat(out).double()
 
 
@@ -167,8 +172,18 @@ def _grouped_span_nll(model: Any, kernel: Kernel, contexts: Sequence[torch.Tenso
     return out  # type: ignore[return-value]
 
 
-def _standard_times(num_times: int) -> torch.Tensor:
-    k = torch.arange(1, num_times + 1, dtype=torch.float64)
+def _selections_on(draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   device: torch.device) -> list[torch.Tensor]:
+    """The draws' selection masks I_k(a) ``(K, m)`` on ``device``, moved in one copy (not one per choice)."""
+    sel = [d[1] for d in draws]
+    if all(s.device == device for s in sel):
+        return sel
+    flat = host_to_device(torch.cat([s.reshape(-1).to(sel[0].device) for s in sel]), device)
+    return [f.view(s.shape) for f, s in zip(flat.split([s.numel() for s in sel]), sel)]
+
+
+def _standard_times(num_times: int, device: torch.device | None = None) -> torch.Tensor:
+    k = torch.arange(1, num_times + 1, dtype=torch.float64, device=device)
     return (1.0 - (k - 1.0) / num_times).clamp(max=_T_MAX)
 
 
@@ -206,16 +221,16 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
     batch_size = _check_positive_int("batch_size", batch_size)
     generator = check_generator(generator)
     S = _num_states(model, kernel)
-    context = _as_ids("context_ids", context_ids, S, allow_empty=True)
-    choices = _as_choices(choices_ids, S)
+    with batched_checks():  # every id range read back in one transfer
+        context = _as_ids("context_ids", context_ids, S, allow_empty=True)
+        choices = _as_choices(choices_ids, S)
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    t = _standard_times(num_times).to(gen_device)
-    choices = [a.to(gen_device) for a in choices]
+    t = _standard_times(num_times, gen_device)
+    choices = [host_to_device(a, gen_device) for a in choices]
     draws = [(*_corrupt_span(kernel, a, t, generator), t) for a in choices]
-    (nll,) = _grouped_span_nll(model, kernel, [context.to(gen_device)], choices, draws, batch_size)
+    (nll,) = _grouped_span_nll(model, kernel, [host_to_device(context, gen_device)], choices, draws, batch_size)
     scores = []
-    for j in range(len(choices)):
-        sel = draws[j][1].to(nll[j].device)  # (K, m): I_k(a)
+    for j, sel in enumerate(_selections_on(draws, nll[0].device)):  # (K, m): I_k(a)
         sel = sel | ~sel.any(-1, keepdim=True)  # empty I_k: fall back to every span position
         per_time = (nll[j] * sel).sum(-1) / sel.sum(-1)  # (K,)
         scores.append(per_time.mean())
@@ -247,20 +262,20 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
     generator = check_generator(generator)
     S = _num_states(model, kernel)
-    context = _as_ids("context_ids", context_ids, S, allow_empty=True)
-    null = _as_ids("null_context_ids", null_context_ids, S, allow_empty=True)
-    choices = _as_choices(choices_ids, S)
+    with batched_checks():  # every id range read back in one transfer
+        context = _as_ids("context_ids", context_ids, S, allow_empty=True)
+        null = _as_ids("null_context_ids", null_context_ids, S, allow_empty=True)
+        choices = _as_choices(choices_ids, S)
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    choices = [a.to(gen_device) for a in choices]
+    choices = [host_to_device(a, gen_device) for a in choices]
     draws = []
     for a in choices:
         t = _stratified_times(num_times, float(t_min), generator, gen_device)
         draws.append((*_corrupt_span(kernel, a, t, generator), t))
-    nll_c, nll_null = _grouped_span_nll(model, kernel, [context.to(gen_device), null.to(gen_device)], choices, draws,
-                                        batch_size)
+    contexts = [host_to_device(context, gen_device), host_to_device(null, gen_device)]
+    nll_c, nll_null = _grouped_span_nll(model, kernel, contexts, choices, draws, batch_size)
     scores = []
-    for j, a in enumerate(choices):
-        sel = draws[j][1].to(nll_c[j].device)  # (K, m): I_k(a), shared by both contexts
+    for j, (a, sel) in enumerate(zip(choices, _selections_on(draws, nll_c[0].device))):  # I_k(a): both contexts
         L_c = (nll_c[j] * sel).sum(-1).mean()  # L̄(a|c)
         L_null = (nll_null[j] * sel).sum(-1).mean()  # L̄(a|null)
         scores.append((L_c - L_null) / a.numel())
@@ -286,17 +301,22 @@ def ar_choice_nll(ar_model: Any, context_ids: Sequence[int] | torch.Tensor,
     if not callable(ar_model):
         raise TypeError(f"ar_model: expected a causal LM (callable), got {type(ar_model).__name__}")
     big = 1 << 62
-    context = _as_ids("context_ids", context_ids, big, allow_empty=True)
-    choices = _as_choices(choices_ids, big)
-    prefix = context if bos_token_id is None else torch.cat([torch.tensor([int(bos_token_id)]), context])
+    with batched_checks():  # every id range read back in one transfer
+        context = _as_ids("context_ids", context_ids, big, allow_empty=True)
+        choices = _as_choices(choices_ids, big)
+    if bos_token_id is not None:
+        bos = torch.full((1,), int(bos_token_id), dtype=torch.long, device=context.device)
+        prefix = torch.cat([bos, context])
+    else:
+        prefix = context
     if prefix.numel() == 0:
         raise ValueError("context_ids: empty and no bos_token_id given, so the first answer token has no predictor")
     device = _model_device(ar_model)
     out = []
     for a in choices:
-        ids = torch.cat([prefix, a]).unsqueeze(0).to(device)  # (1, L)
+        ids = host_to_device(torch.cat([prefix, a.to(prefix.device)]).unsqueeze(0), device)  # (1, L), no host wait
         logits = _logits_of(ar_model(input_ids=ids))[0, prefix.numel() - 1: -1].float()  # (m, V)
-        nll = torch.nn.functional.cross_entropy(logits, a.to(device), reduction="sum").double()
+        nll = torch.nn.functional.cross_entropy(logits, ids[0, prefix.numel():], reduction="sum").double()
         out.append(nll if reduction == "sum" else nll / a.numel())
     return torch.stack(out).cpu()
 

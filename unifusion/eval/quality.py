@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .._device import host_to_device
+
 __all__ = ["PerplexityResult", "generative_perplexity", "unigram_entropy", "retokenize", "gpt2_tokenizer"]
 
 
@@ -338,17 +340,21 @@ def generative_perplexity(texts: Sequence[str], judge_model: Any, judge_tokenize
         for b, (_, w) in enumerate(batch):
             input_ids[b, : len(w)] = torch.as_tensor(w)
             attention_mask[b, : len(w)] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # host-built batch: copied without making the host wait for the previous batch's forward (pinned, async)
+        input_ids, attention_mask = host_to_device(input_ids, device), host_to_device(attention_mask, device)
         logits = _logits_of(judge_model(input_ids=input_ids, attention_mask=attention_mask))  # (B, L, V)
         # shifted: logits at i − 1 predict the token at i
         nll = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, L − 1)
         mask = attention_mask[:, 1:].bool()  # valid targets: every real token after a window's first
         per_row = torch.where(mask, nll, torch.zeros_like(nll)).sum(-1).double()  # (B,)
-        owner = torch.as_tensor([n for n, _ in batch], device=device)
+        owner = host_to_device(torch.tensor([n for n, _ in batch]), device)
         nll_sum.index_add_(0, owner, per_row)
         count.index_add_(0, owner, mask.sum(-1))
 
-    total_nll, num_tokens = float(nll_sum.sum()), int(count.sum())
+    # the call's one read back: both sums in one transfer (token counts < 2^53 are exact in float64)
+    per_sample_nll, tokens = torch.stack((nll_sum, count.double())).cpu().tolist()
+    per_sample_tokens = [int(c) for c in tokens]
+    total_nll, num_tokens = math.fsum(per_sample_nll), sum(per_sample_tokens)
     return PerplexityResult(perplexity=math.exp(total_nll / num_tokens), total_nll=total_nll, num_tokens=num_tokens,
-                            per_sample_nll=nll_sum.tolist(), per_sample_tokens=count.tolist())
+                            per_sample_nll=per_sample_nll, per_sample_tokens=per_sample_tokens)

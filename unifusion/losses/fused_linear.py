@@ -33,6 +33,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
+from .._device import host_to_device
 from ..kernels import Kernel
 from ..rates import _check_kernel
 from . import _x0_kernel
@@ -277,7 +278,8 @@ def _live(rows: _Rows, omega: torch.Tensor) -> torch.Tensor:
 def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The most common incoming gradient c over the live positions (0-d) and the live positions where g ≠ c
     (int64 indices). Reads (g, live) on the host in one transfer: the backward's one device sync (the index set has a
-    data-dependent size); the indices go back as a host-to-device copy."""
+    data-dependent size); c and the indices go back without a second wait (a fill on the device, a non-blocking
+    copy)."""
     host = torch.stack((g.detach(), live.to(g.dtype))).cpu().numpy()  # (2, N), the one sync
     g_host, live_host = host[0], host[1] != 0
     if not live_host.any():
@@ -285,8 +287,10 @@ def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, to
     values, counts = np.unique(g_host[live_host], return_counts=True)
     c = values[counts.argmax()]
     others = np.flatnonzero(live_host & (g_host != c))
-    return (torch.tensor(c, dtype=g.dtype, device=g.device),
-            torch.from_numpy(others).to(device=g.device, non_blocking=True))
+    # c is filled on the device (torch.tensor(c, device=...) would be a second, blocking host-to-device copy); the
+    # indices are copied without blocking (host_to_device: pinned on CUDA)
+    return (torch.full((), float(c), dtype=g.dtype, device=g.device),
+            host_to_device(torch.from_numpy(others), g.device))
 
 
 def _recompute(ctx, grads: _Grads, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -132,7 +132,8 @@ def _log_softmax(logits: torch.Tensor, exclude: torch.Tensor | int | None = None
     """log-softmax over the last dim with the ids ``exclude`` (an int, or ids ``(...)`` one per row) at −inf
     (probability 0, no gradient), exact gradient at the most likely entry (:class:`_LogSoftmax`)."""
     if isinstance(exclude, int):
-        logits = logits.index_fill(-1, torch.tensor([exclude], device=logits.device), float("-inf"))
+        index = torch.full((1,), exclude, dtype=torch.long, device=logits.device)  # filled there: no host copy
+        logits = logits.index_fill(-1, index, float("-inf"))
     elif exclude is not None:
         logits = logits.scatter(-1, exclude.unsqueeze(-1), float("-inf"))
     return _LogSoftmax.apply(logits)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from .._device import host_to_device
 from ..kernels import Kernel
 from ._draws import Generators, draw_rows
 
@@ -161,11 +162,15 @@ def check_devices(model: object, generator: Generators, device: torch.device, so
 
 
 def time_grid(num_steps: int, eps: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """t_n = (1 − ε)(1 − n/N) for n = 0..N, ``(N + 1,)`` (Algorithm 2; t_N = 0 exactly)."""
-    n = torch.arange(num_steps + 1, dtype=torch.float64)
+    """t_n = (1 − ε)(1 − n/N) for n = 0..N, ``(N + 1,)`` in ``dtype`` (Algorithm 2; t_N = 0 exactly).
+
+    Built on ``device`` in float64 (float32 on MPS), then rounded once to ``dtype``: a grid made on the host and
+    copied over would make the host wait for the device (CUDA copies pageable memory with a stream sync)."""
+    work = torch.float32 if device.type == "mps" else torch.float64
+    n = torch.arange(num_steps + 1, dtype=work, device=device)
     t = (1.0 - eps) * (1.0 - n / num_steps)
-    t[-1] = 0.0
-    return t.to(device=device, dtype=dtype)
+    t[-1] = 0.0  # a fill on the device
+    return t.to(dtype)
 
 
 def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel,
@@ -205,8 +210,9 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
     if ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch_size):
         raise ValueError(f"prompt: expected shape ({batch_size}, {seq_len}), (1, {seq_len}) or ({seq_len},) to "
                          f"match batch_size and seq_len, got {tuple(ids.shape)}")
-    ids = ids.to(device=device, dtype=torch.long).expand(batch_size, seq_len)
-    keep = keep.to(device).expand(batch_size, seq_len)
+    # a prompt on the host goes to the device pinned and without blocking (host_to_device); once per sample() call
+    ids = host_to_device(ids, device).to(torch.long).expand(batch_size, seq_len)
+    keep = host_to_device(keep, device).expand(batch_size, seq_len)
     if V.validation_enabled():  # value checks: queued, read back with the run's other checks (one host sync)
         out_of_range = keep & ((ids < 0) | (ids >= kernel.num_states))
         V.fail_if(out_of_range.any(), lambda: (

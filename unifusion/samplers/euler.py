@@ -136,7 +136,9 @@ def _clean_from_marginal(kernel: Kernel, q: torch.Tensor, t: torch.Tensor) -> to
         p0 = (q - m_t * q.sum(-1, keepdim=True)) / alpha.unsqueeze(-1)
     elif isinstance(kernel, GeneratorKernel):
         P = kernel._P(kernel._sigma(t)).to(q.dtype)  # (S, S), or (..., S, S) for times per row / position
-        p0 = torch.linalg.solve(P, q.unsqueeze(-2), left=False).squeeze(-2)  # p0 P = q for each position
+        # p0 P = q for each position; solve_ex skips solve's check of ``info`` (a host read): P = exp(σ R̄) is
+        # invertible for every σ
+        p0 = torch.linalg.solve_ex(P, q.unsqueeze(-2), left=False)[0].squeeze(-2)
     else:  # pragma: no cover - only the two kernel families exist
         raise TypeError(f"kernel: cannot invert the marginal of {type(kernel).__name__}")
     p0 = p0.clamp_min(0.0)
