@@ -185,6 +185,61 @@ def test_gidd_dynamic_weight_table():
         torch.testing.assert_close(clipped, torch.tensor([row[col["clean_clipped"]]], dtype=DT), rtol=TOL, atol=0.0)
 
 
+# issue #13's examples of the clean-token dynamic weight (γ = 1, before the clip), as printed there (5 digits)
+ISSUE_DYNAMIC_EXAMPLES = [(50, 0.1, 0.5, "5.3678e-03"), (1000, 0.5, 0.9, "2.3110e-03"), (50257, 0.1, 0.5, "5.3404e-06")]
+
+
+@pytest.mark.parametrize("S, p, t, printed", ISSUE_DYNAMIC_EXAMPLES)
+def test_gidd_dynamic_weight_issue_examples(S, p, t, printed):
+    """The clean-token weight (B/S) exp((γ/2) sigmoid(−t)), B = 2^γ p/(1 − p), S counting the mask, raw (no clip):
+    equal to its 50-digit closed form to 1e-10 (independent of the library) and, rounded to 5 digits, to the
+    issue's printed value; after the clip to [0, 2] it is unchanged (all three are far below 2)."""
+    mpmath.mp.dps = 50
+    P, T = mpmath.mpf(p), mpmath.mpf(t)
+    exact = float(2 * P / (1 - P) / S * mpmath.exp(mpmath.mpf(1) / 2 / (1 + mpmath.exp(T))))
+    K = uf.HybridKernel(S, S - 1, p, 1.0)
+    x = torch.tensor([3])
+    raw = uf.losses.gidd_loss_weight(x, x, t, K, "dynamic", max_weight=math.inf)
+    torch.testing.assert_close(raw, torch.tensor([exact], dtype=DT), rtol=TOL, atol=0.0)
+    assert f"{float(raw):.4e}" == printed
+    assert float(uf.losses.gidd_loss_weight(x, x, t, K, "dynamic", max_weight=2.0)) == float(raw)
+
+
+def test_gidd_dynamic_weight_table_of_the_first_revision():
+    """``gidd_dynamic_weight_clean_v1`` (GIDD's first public revision, context only: unifusion follows the current
+    code) reproduced from its formula in the README, 50 digits: B_v1 = 1/(1 + ((1 − p)/p) S/2),
+    c = B_v1 (t(1 − t))^{γ/2}, α = ((1 − t)^γ − c)/(t^γ + (1 − t)^γ + (S − 2) c), clean weight
+    B_v1 ((1 − α)/α)^{γ/2} with the log-SNR log(α/(1 − α)) clipped to ±20, clipped at 1 by that revision's config;
+    mask weight 2. B_v1 = B/(B + S) exactly with B = 2p/(1 − p) (the current B at γ = 1), so B_v1 ≈ B/S for B ≪ S
+    (the README's "about S times smaller" than the current B): checked on every row. Null rows (v1 returns NaN) are
+    skipped explicitly, after checking that they are exactly the rows where that α is negative."""
+    table = DATA["tables"]["gidd_dynamic_weight_clean_v1"]
+    col = {name: i for i, name in enumerate(table["columns"])}
+    mpmath.mp.dps = 50
+    checked = skipped = 0
+    for row in table["rows"]:
+        S, p, gamma, t = row[col["S"]], mpmath.mpf(row[col["p_uniform"]]), mpmath.mpf(row[col["gamma"]]), row[col["t"]]
+        T = mpmath.mpf(t)
+        B_v1 = 1 / (1 + (1 - p) / p * S / 2)
+        B_current_gamma1 = 2 * p / (1 - p)
+        assert float(B_v1) == pytest.approx(float(B_current_gamma1 / (B_current_gamma1 + S)), rel=1e-14)
+        assert row[col["B_v1"]] == pytest.approx(float(B_v1), rel=TOL)
+        c = B_v1 * (T * (1 - T)) ** (gamma / 2)
+        alpha = ((1 - T) ** gamma - c) / (T**gamma + (1 - T) ** gamma + (S - 2) * c)
+        assert row[col["alpha_t_v1"]] == pytest.approx(float(alpha), rel=TOL)
+        if row[col["clean_raw"]] is None:  # null: NaN in v1 (a negative α: its log-SNR is NaN, and so is every weight)
+            assert alpha < 0 and row[col["clean_clipped_at_1"]] is None and row[col["mask_raw"]] is None
+            skipped += 1
+            continue
+        assert alpha > 0 and row[col["mask_raw"]] == 2
+        log_snr = min(max(mpmath.log(alpha / (1 - alpha)), -20), 20)
+        clean = B_v1 * mpmath.exp(-gamma / 2 * log_snr)
+        assert row[col["clean_raw"]] == pytest.approx(float(clean), rel=TOL)
+        assert row[col["clean_clipped_at_1"]] == pytest.approx(float(min(clean, 1)), rel=TOL)
+        checked += 1
+    assert checked > 0 and checked + skipped == len(table["rows"])
+
+
 def test_gidd_p_uniform_zero_is_e_minus_20_not_the_mask_kernel():
     """GIDD's default ``p_uniform: 0.0`` clips to e^−20: clean tokens then carry a small ELBO term, which the pure
     mask process (p = 0) does not."""

@@ -3,10 +3,11 @@
 :func:`loss_and_grad` maps a block of logits ``(n, S)`` and the logit-free per-row quantities ``(n,)`` to the loss
 ``(n,)`` and, optionally, ∂(Σ_n g_n L_n)/∂logits ``(n, S)`` (equations in :mod:`unifusion.losses.fast`). It is written
 with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Inductor turns it into a few loops per row
-(max, Σ exp with Σ exp off the max, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps exp(l − max)
-between those loops, so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to stay in cache; a
-gradient pass from saved statistics (one loop per row) and everything on GPUs run on all rows at once. That is what puts
-the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs on smaller blocks.
+(max, Σ exp off the max with the count at it, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps
+exp(l − max) between those loops, so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to
+stay in cache; a gradient pass from saved statistics (one loop per row) and everything on GPUs run on all rows at once.
+That is what puts the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs
+on smaller blocks.
 
 Backends: :func:`unifusion.set_backend` (``"auto"`` by default: eager first, compiled in the background once a
 configuration repeats with enough work; ``"compiled"``; ``"eager"``; see :mod:`unifusion._compile`).
@@ -55,7 +56,7 @@ NUM_STATS = 5
 
 
 def stats_buffers(num_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Empty ``(num_rows,)`` buffers in ``dtype`` for the :data:`NUM_STATS` row statistics of
+    """Empty ``(num_rows,)`` buffers in ``dtype`` (the rows' precision) for the :data:`NUM_STATS` row statistics of
     :func:`loss_and_grad`: the row maximum M, s, s', c' and T."""
     return tuple(torch.empty(num_rows, dtype=dtype, device=device) for _ in range(NUM_STATS))
 
@@ -119,38 +120,56 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                   ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                              tuple[torch.Tensor, ...] | None]:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``,
-    into ``grad_out``) and, if ``need_stats``, the :data:`NUM_STATS` row statistics ``(n,)`` (:func:`stats_buffers`):
-    the row maximum M = max_y l_y of the logits, s = Σ_y P_y with P_y = e^{l_y − M}, s' = s − 1 summed as
-    Σ_{P_y < 1} P_y + (#{P_y = 1} − 1), c' = Σ_{y≠x0} p_y e_y and T = Σ_{y≠x0} e_y (1 − P_y).
+    into ``grad_out``) and, if ``need_stats``, the :data:`NUM_STATS` row statistics ``(n,)`` in the rows' precision
+    (:func:`stats_buffers`): the row maximum M = max_y l_y of the logits, s = Σ_y P_y with P_y = e^{l_y − M},
+    s' = s − 1 summed as Σ_{P_y < 1} P_y + (#{P_y = 1} − 1), c' = Σ_{y≠x0} p_y e_y and T = Σ_{y≠x0} e_y (1 − P_y).
+
+    **Two precisions.** ``dtype`` (float32 for bf16/fp16/fp32 logits, float64 for float64 ones) is that of the
+    ``(n, S)`` element passes; every per-row quantity (the logit-free ``rows``, the gathered logits at x0 and x_t,
+    log s, the weights a, b of the gradient, the loss terms) is computed in the rows' dtype, float64 wherever the
+    device has it (float32 on MPS). That costs nothing (``(n,)`` tensors) and removes every float32 rounding of a
+    large per-row number that would feed a small result: log p = (l − M) − log s rounded once in float32 carries an
+    absolute error of 2^{−24} (|M| + log S), i.e. that relative error in p and in everything built from it; α p_x0
+    rounded alone can be subnormal where α p_x0 / qθ(x0) is a normal number.
+
+    **Rounding of l − M (float32 logits).** d = fl(l − M) is off by up to 2^{−24}|d| (exact when l ≥ M/2, Sterbenz),
+    so e^d carries that relative error: 6e-6 at |d| = 104, the last d with e^d a float32 — and every sum, loss and
+    gradient entry inherits it from its dominant terms (e.g. 1 − p_x0 = s'/s for a confident model, from tokens
+    ~20 nats below the maximum, systematically when their logits are equal: padded vocabulary rows). So float32
+    logits get the exact error d_lo = (l − M) − d of the subtraction (Knuth's TwoSum, five float32 operations, no
+    ordering of |l| and |M| needed) and P = e^d (1 + d_lo) (the second-order term d_lo²/2 < 2e-11 is dropped), and
+    log x_y = d + log k uses d + d_lo. bf16/fp16 logits skip this: two 8-bit (11-bit) significands differ exactly in
+    float32 unless the smaller of |l|, |M| is below 2^{−17} |l − M| (fp16: 2^{−14}), i.e. a logit within ~1e-3 of 0
+    and ≥ 16 nats from the maximum, where e^d is off by ≤ 2^{−24}|d| as above.
 
     **The token holding most of the probability.** Where a column j at the maximum (P_j = 1) has p_j ≈ 1 (a confident
     model), 1 − p_j and the gradient at j are far below the terms a direct formula subtracts: log p_x0 = l_x0 − M −
-    log s carries an absolute error of one ulp of 1 (float32: 6e-8), all of log p_x0 ≈ −(1 − p_x0) once that is
-    smaller, and ∂L/∂l_j = p_j [A (e_j − c) − H] + δ_{j,x_t} H is a difference of O(A) terms whose true value is
-    O(A (1 − p_j)). So 1 − p_j = s'/s is summed from the other tokens (two more accumulators in the pass that sums
-    s: the entries below the maximum and the count of those at it, so no argmax and no column index is needed), and
-    the gradient at every column with P = 1 is written without subtractions of such terms: e_j − c = Σ_y p_y (e_j −
-    e_y) with, off x0, e_j − e_y = k (1 − P_y) / ((1 + k)(1 + k P_y)) (x = k P, P_j = 1), i.e. T / ((1 + k) s), and at
-    x0 p_x0 (e_j − e_x0) = p_x0 k / (1 + k) − p_x0 e_x0 (both ≥ 0); at j = x0 it is p_x0 e_x0 (1 − p_x0) − p_x0 c'
+    log s carries an absolute error of one ulp of 1, all of log p_x0 ≈ −(1 − p_x0) once that is smaller, and
+    ∂L/∂l_j = p_j [A (e_j − c) − H] + δ_{j,x_t} H is a difference of O(A) terms whose true value is O(A (1 − p_j)).
+    So 1 − p_j = s'/s is summed from the other tokens (two more accumulators in the pass that sums s: the entries
+    below the maximum and the count of those at it, so no argmax and no column index is needed), and the gradient at
+    every column with P = 1 is written without subtractions of such terms: e_j − c = Σ_y p_y (e_j − e_y) with, off
+    x0, e_j − e_y = k (1 − P_y) / ((1 + k)(1 + k P_y)) (x = k P, P_j = 1), i.e. T / ((1 + k) s), and at x0
+    p_x0 (e_j − e_x0) = p_x0 k / (1 + k) − p_x0 e_x0 (both ≥ 0); at j = x0 it is p_x0 e_x0 (1 − p_x0) − p_x0 c'
     (both ≤ 0). With ties at the maximum p_j ≤ 1/2 and the direct formulas are accurate too.
 
-    ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``); ``mask_id`` is the mask state or
-    ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the statistics of an earlier call on the
-    same logits as ``stats`` leaves the gradient one pass over each row (exp, divide, store). The gradient needs
-    ``grad_out`` (logits' shape and dtype), or ``grad_out=None`` to write it over ``logits`` (after every read of
-    them): it is written there except at the columns x0 and x_t of each row, and ``(index, value)``, each
-    ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes it (:func:`run` does; inside a
-    compiled function that scatter would cost a copy of the block). The in-place case takes the logits once rather
-    than as two arguments that alias: a compiled function given aliasing inputs gets a "synthetic base" from
-    AOTAutograd, and Inductor's on-disk cache then hands a later process a graph for another view/base relation
-    (an ``AssertionError: expected size ...`` on its first call; torch 2.15).
+    ``rows`` holds the tensors named in ``ROW_FIELDS`` (each ``(n,)``, floating ones in the row precision);
+    ``mask_id`` is the mask state or ``None``; ``grad_scale`` ``(n,)`` is g (ones when ``None``). Passing the
+    statistics of an earlier call on the same logits as ``stats`` leaves the gradient one pass over each row (exp,
+    divide, store). The gradient needs ``grad_out`` (logits' shape and dtype), or ``grad_out=None`` to write it over
+    ``logits`` (after every read of them): it is written there except at the columns x0 and x_t of each row, and
+    ``(index, value)``, each ``(n, 2)``, is returned in its place: ``_put(grad_out, index, value)`` completes it
+    (:func:`run` does; inside a compiled function that scatter would cost a copy of the block). The in-place case
+    takes the logits once rather than as two arguments that alias: a compiled function given aliasing inputs gets a
+    "synthetic base" from AOTAutograd, and Inductor's on-disk cache then hands a later process a graph for another
+    view/base relation (an ``AssertionError: expected size ...`` on its first call; torch 2.15).
     """
     (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
      u_pos, x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
+    rdt = alpha.dtype  # per-row precision
     S = logits.shape[-1]
-    neg_inf = torch.full_like(alpha, -math.inf)
-    zero = torch.zeros_like(alpha)
-    # 0-d constants for torch.where: a Python number there becomes a new scalar tensor (an op) at every call
+    # 0-d constants for torch.where: a Python number there becomes a new scalar tensor (an op) at every call; in the
+    # element dtype, and per-row where()s take them too (a 0-d tensor does not change the result's dtype)
     zero0, one0 = torch.zeros((), dtype=dtype, device=logits.device), torch.ones((), dtype=dtype, device=logits.device)
     # column ids as floats where exact (below 2^24 states): Inductor's CPU loops compare those in one instruction,
     # int64 ids in several
@@ -160,32 +179,39 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     if mask_id is not None:  # MDLM's SUBS: the mask entry of the head is ignored
         l = torch.where(col == mask_id, -math.inf, l)
     # ---- softmax over clean states, unnormalised: P = exp(l − M), s = Σ P; P = 1 exactly at the maximum
-    mx = l.amax(-1) if stats is None else stats[0]
-    d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at the maximum
-    P = torch.exp(d)
+    mx = l.amax(-1) if stats is None else stats[0].to(dtype)
+    d_lo = None
+    if logits.dtype == torch.float32 and dtype == torch.float32:
+        d, d_lo, P = _exp_minus_max(l, mx)
+    else:
+        d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at the maximum
+        P = torch.exp(d)
     below = d < 0
     if stats is None:
-        s = P.sum(-1)
-        # s' = s − 1 = Σ_{P<1} P + (#{P = 1} − 1): 1 − p_j = s'/s to rounding even where p_j rounds to 1
-        s_off = torch.where(below, P, zero0).sum(-1) + (torch.where(below, zero0, one0).sum(-1) - 1.0)
+        # s' = s − 1 = Σ_{P<1} P + (#{P = 1} − 1): 1 − p_j = s'/s to rounding even where p_j rounds to 1; and s = 1 + s'
+        # in the rows' precision (a float32 Σ P would carry ~0.5 ulp of s per term it adds to a sum near 1: 2e-7 at
+        # 40 terms; Σ_{P<1} P is a sum of small terms, accurate relative to itself)
+        s_off = torch.where(below, P, zero0).sum(-1).to(rdt) + (torch.where(below, zero0, one0).sum(-1) - 1.0)
+        s = s_off + 1.0
+        mx_r = mx.to(rdt)
     else:
-        s, s_off = stats[1], stats[2]
+        mx_r, s, s_off = stats[0], stats[1], stats[2]
     at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
-    shift = mx + torch.log(s)
+    log_s = torch.log(s)
     # a mask id may lie outside the columns (run() slices the mask column off): gather at 0 there, flagged anyway
-    l_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1)
-    l_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1)
-    j_is_x0 = (l_x0 == mx) & ~x0_is_mask  # x0 at the maximum (P_x0 = 1): 1 − p_x0 = s'/s
+    # (l_x0 − M in the rows' precision: exact for float32 operands up to 2^{−53} |l_x0 − M|)
+    d_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1) - mx_r
+    d_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1) - mx_r
+    j_is_x0 = (d_x0 == 0) & ~x0_is_mask  # x0 at the maximum (P_x0 = 1): 1 − p_x0 = s'/s
     one_minus_p_j = s_off / s
     near_one = j_is_x0 & (one_minus_p_j < 0.5)  # log p_x0 = log1p(−(1 − p_x0)) there, l_x0 − max − log s elsewhere
-    log_p_x0 = torch.where(x0_is_mask, neg_inf,
-                           torch.where(near_one, torch.log1p(-one_minus_p_j), l_x0 - shift))  # 1 − p_j > 0
-    log_p_xt = torch.where(xt_is_mask, neg_inf, l_xt - shift)
+    log_p_x0 = torch.where(near_one, torch.log1p(-one_minus_p_j), d_x0 - log_s).masked_fill(x0_is_mask, -math.inf)
+    log_p_xt = (d_xt - log_s).masked_fill(xt_is_mask, -math.inf)
     p_x0, p_xt = torch.exp(log_p_x0), torch.exp(log_p_xt)
     one_minus_p_x0 = torch.where(j_is_x0, one_minus_p_j, -torch.expm1(log_p_x0))  # p_x0 ≤ 1/2 if x0 is not j
     # qθ = α p + m in linear space, a few ulp (its log from logaddexp of logs of size 10–30 would carry ~30 ulp);
     # from logs only where it underflows: a confidently wrong model under the mask kernel (m = 0, p = e^{−10⁴})
-    tiny = torch.finfo(dtype).tiny * 2.0**24
+    tiny = torch.finfo(rdt).tiny / torch.finfo(rdt).eps
     q_theta_x0, q_theta_xt = alpha * p_x0 + m_x0, alpha * p_xt + m_xt
     lin_x0, lin_xt = q_theta_x0 > tiny, q_theta_xt > tiny
     log_q_theta_x0 = torch.where(lin_x0, torch.log(torch.where(lin_x0, q_theta_x0, one0)),
@@ -201,25 +227,28 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     y_xt = alpha * p_xt / torch.where(m_xt > 0, m_xt, one0)
     # ρ enters only rows with a non-zero weight (at a clean token of the mask kernel ρ = 1/p_θ(x0) may overflow)
     used = possible & (w_active != 0)
-    log_rho = torch.where(used, torch.where(same, l_at_x0, -torch.log1p(y_xt)), zero)
+    log_rho = torch.where(used, torch.where(same, l_at_x0, -torch.log1p(y_xt)), zero0)
     at_x0_lin = same & lin_x0 & used
     one_minus_rho = torch.where(at_x0_lin, -r_x0, torch.where(same, -torch.expm1(log_rho), y_xt / (1.0 + y_xt)))
-    one_minus_rho = torch.where(used, one_minus_rho, zero)
+    one_minus_rho = torch.where(used, one_minus_rho, zero0)
     # p_x0 e_x0 with e_y = 1 − q0_y/qθ_y: −(1 − p_x0) α p_x0 / qθ(x0) ∈ [−1, 0] (e_x0 alone is −1/p_x0 at worst)
-    pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * p_x0 / torch.where(lin_x0, q_theta_x0, one0),
+    pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * (p_x0 / torch.where(lin_x0, q_theta_x0, one0)),
                                           torch.exp(log_alpha + log_p_x0 - log_q_theta_x0))
-    X = E = f_X = ratio = None
+    X = E = f_X = ratio = k = None
     need_c = need_stats or (need_grad and stats is None)
     if uniform_noise:
         k = alpha_over_u / s  # x_y = α p_y / u = k P_y  (off x0)
-        X = torch.where(at_x0, zero0, P * k.unsqueeze(-1))
+    if uniform_noise and (need_loss or need_c):
+        assert k is not None
+        X = torch.where(at_x0, zero0, P * k.to(dtype).unsqueeze(-1))
         if need_loss:
             log_X = None
-            if dtype != torch.float64:  # log x_y = d_y + log k, log k as float32 hi + lo (from float64)
-                log_k = torch.log(k.double())
+            if dtype != torch.float64:  # log x_y = d_y + log k, log k as float32 hi + lo (its rows' precision)
+                log_k = torch.log(k)
                 log_k_hi = log_k.to(dtype)
-                log_k_lo = (log_k - log_k_hi.double()).to(dtype)
-                log_X = (d + log_k_hi.unsqueeze(-1)) + log_k_lo.unsqueeze(-1)
+                log_k_lo = (log_k - log_k_hi).to(dtype)
+                lo = log_k_lo.unsqueeze(-1) if d_lo is None else d_lo + log_k_lo.unsqueeze(-1)
+                log_X = (d + log_k_hi.unsqueeze(-1)) + lo
             f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
         if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
             ratio = X / (1.0 + X) if ratio is None else ratio
@@ -227,7 +256,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     # c = Σ_y p_y e_y = c' + p_x0 e_x0 with c' = Σ_{y≠x0} p_y e_y (kept apart: the gradient at x0 needs c' alone),
     # T = Σ_{y≠x0} e_y (1 − P_y) (the gradient at j; see the docstring)
     c_rest: torch.Tensor | None
-    T = zero
+    T: torch.Tensor | None = None
     if stats is not None:
         c_rest, T = stats[3], stats[4]
     elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c' = 1 − p_x0 (T is not used)
@@ -236,7 +265,10 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         c_rest = None
         if need_c:
             assert E is not None  # set by the uniform-noise branch above
-            c_rest = (P * E).sum(-1) / s
+            # Σ p e ≈ k Σ P² where P is small: float32 products P E underflow from P ~ e^{−44} (k ~ 1) although A c'
+            # (the gradient at x0) may be a normal number; scaled by 2^100 (exact) they stay normal to P E ~ 2^{−226}
+            # (no overflow: Σ ≤ S 2^100), so every product that matters for a gradient above 2^{−126} is normal
+            c_rest = (P * _C_SCALE * E).sum(-1) / (s * _C_SCALE)
             T = (E * (1.0 - P)).sum(-1)
 
     loss = None
@@ -245,37 +277,40 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         # f(q0, qθ) at x0 = qθ g(ℓ) (series near ℓ = 0), = q0 (ℓ − 1) + qθ otherwise (q0 = α + m(x0): no e^ℓ)
         q_theta = torch.where(lin_x0, q_theta_x0, torch.exp(log_q_theta_x0))
         small = l_at_x0 < 0.5
-        term1 = torch.where(small, q_theta * bregman_g(torch.where(small, l_at_x0, zero)),
+        term1 = torch.where(small, q_theta * bregman_g(torch.where(small, l_at_x0, zero0)),
                             (alpha + m_x0) * (l_at_x0 - 1.0) + q_theta)
         term2 = alpha * one_minus_p_x0
         if f_X is not None:
             term2 = torch.where(u_pos, u * f_X.sum(-1), term2)
         # ρ − 1 − log ρ: r − log1p(r) at x0 (accurate for every r ≥ 0), e^{log ρ} − 1 − log ρ elsewhere (log ρ ≤ 0)
-        rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero)), expm1_minus_x(log_rho))
+        rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero0)), expm1_minus_x(log_rho))
         term = term1 + term2 + rho_term
-        exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero))
-        loss = torch.where(possible, w_active * term, exit_theta)
+        exit_theta = v_active * torch.expm1(torch.where(v_active > 0, -log_q_theta_xt, zero0))
+        loss = torch.where(possible, w_active * term, exit_theta).to(dtype)
     # need_stats implies need_c
-    out_stats = (mx, s, s_off, c_rest, T) if need_stats and c_rest is not None else None
+    if need_stats and T is None:  # mask kernel: T is not used, kept for a uniform layout of the statistics
+        T = torch.zeros_like(alpha)
+    out_stats = (mx_r, s, s_off, c_rest, T) if need_stats and c_rest is not None and T is not None else None
     if not need_grad:
         return loss, None, out_stats
     assert c_rest is not None  # need_grad: c' is computed or given
     c = c_rest + pe_x0
 
     # ---- ∂L/∂logit_z = p_z [A (e_z − c) − H p_xt] + δ_{z,x_t} H p_xt
-    g = grad_scale.to(dtype) if grad_scale is not None else 1.0
-    A_g = A * g
+    g = None if grad_scale is None else grad_scale.to(rdt)
+    A_g = A if g is None else A * g
     p_xt_over_q_xt = torch.where(lin_xt, p_xt / torch.where(lin_xt, q_theta_xt, one0),
                                  torch.exp(log_p_xt - log_q_theta_xt))
-    exit_scale = torch.exp(torch.where(v_active > 0, -log_q_theta_xt, zero))  # 1/qθ(x_t) where the loss is an exit
+    exit_scale = torch.exp(torch.where(v_active > 0, -log_q_theta_xt, zero0))  # 1/qθ(x_t) where the loss is an exit
+    g_exit = -alpha * v_active * p_xt_over_q_xt * exit_scale
     Hp = torch.where(possible, A_g * one_minus_rho * p_xt_over_q_xt,
-                     -alpha * v_active * p_xt_over_q_xt * exit_scale * g)
+                     g_exit if g is None else g_exit * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
-    k_or_none = k if uniform_noise else None
     # at a column j ≠ x0 at the maximum: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in the
     # docstring (no cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at j = x_t (never a
     # mask x_t)
-    if uniform_noise:
+    if k is not None:
+        assert T is not None  # computed or given with c'
         one_plus_k = 1.0 + k
         e_j_minus_c = T / (one_plus_k * s) + p_x0 * (k / one_plus_k) - pe_x0
     else:
@@ -284,15 +319,17 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     g_j, g_j_xt = (A_e - Hp) / s, (A_e + Hp * s_off) / s
     # every column as if it were neither x0 nor x_t (no per-element index test; the maximum by its P = 1), then
     # those two columns per row
-    grad = torch.where(below, P * (a_row.unsqueeze(-1) * _e_off_x0(P, k_or_none, u_pos) - b_row.unsqueeze(-1)),
-                       g_j.unsqueeze(-1)).to(logits.dtype)
+    # the per-row factors of the element pass in its dtype, one conversion
+    a_e, b_e, g_j_e, k_e = torch.stack((a_row, b_row, g_j, a_row if k is None else k)).to(dtype).unsqueeze(-1)
+    grad = torch.where(below, P * (a_e * _e_off_x0(P, None if k is None else k_e.squeeze(-1), u_pos) - b_e),
+                       g_j_e).to(logits.dtype)
     j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
     j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
-    d_j = l.gather(-1, j) - mx.unsqueeze(-1)
+    d_j = l.gather(-1, j) - mx_r.unsqueeze(-1)
     P_j = torch.exp(d_j)
     is_xt = (j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1)
     H_j = torch.where(is_xt, Hp.unsqueeze(-1), 0.0)
-    value_j = P_j * (a_row.unsqueeze(-1) * _e_off_x0(P_j, k_or_none, u_pos) - b_row.unsqueeze(-1)) + H_j
+    value_j = P_j * (a_row.unsqueeze(-1) * _e_off_x0(P_j, k, u_pos) - b_row.unsqueeze(-1)) + H_j
     value_j = torch.where(d_j < 0, value_j, torch.where(is_xt, g_j_xt.unsqueeze(-1), g_j.unsqueeze(-1)))
     # at z = x0: A g (p_x0 e_x0 (1 − p_x0) − p_x0 c') + H ([x0 = x_t] − p_x0) (both A-terms ≤ 0; e_x0 itself may
     # overflow; 0 at a mask x0, where p_x0 = p_x0 e_x0 = 0)
@@ -300,6 +337,27 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     value_j = torch.where(j == x0.unsqueeze(-1), g_x0.unsqueeze(-1), value_j)
     (logits if grad_out is None else grad_out).copy_(grad)
     return loss, (j, value_j.to(logits.dtype)), out_stats
+
+
+# scale of the float32 sum Σ P E (see loss_and_grad)
+_C_SCALE = 2.0**100
+# l below this is treated as −inf by the compensated exp (a finite stand-in: TwoSum of −inf gives NaN)
+_LOGIT_FLOOR = -(2.0**100)
+
+
+def _exp_minus_max(l: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, d_lo, P) for float32 logits ``l`` ``(n, S)`` and their row maxima ``mx`` ``(n,)``: d = fl(l − M), its
+    rounding error d_lo = (l − M) − d exactly (TwoSum: with b = −M, b_v = d − l, a_v = d − b_v, d_lo = (l − a_v) +
+    (−M − b_v); exact for any finite l, M in round-to-nearest without reassociation, which neither Inductor's C++
+    (``-fno-unsafe-math-optimizations``) nor Triton applies), and P = e^{l − M} = e^d (1 + d_lo) to an ulp or two.
+    Logits below :data:`_LOGIT_FLOOR` (−inf: a masked column) count as that floor, P = 0."""
+    l = torch.clamp_min(l, _LOGIT_FLOOR)
+    m = mx.unsqueeze(-1)
+    d = l - m
+    b_virtual = d - l
+    d_lo = (l - (d - b_virtual)) - (m + b_virtual)
+    P = torch.exp(d)
+    return d, d_lo, P + P * d_lo
 
 
 def _softplus(z: torch.Tensor) -> torch.Tensor:
@@ -415,7 +473,7 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
     grad = grad_out
-    out_stats = stats_buffers(N, dtype, logits.device) if need_stats else None
+    out_stats = stats_buffers(N, rows[2].dtype, logits.device) if need_stats else None
 
     def cut(x, lo: int, hi: int):
         if isinstance(x, tuple):

@@ -24,9 +24,11 @@ the sums without the most likely token that keep 1 − p and the gradient there 
 logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The arithmetic is one
 pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses into a few cache-resident passes per
 row, so nothing of size N×V exists besides the logits and their gradient (the eager backend runs the same function on
-blocks of rows). Math runs in float32 for bf16/fp16/fp32 logits (float64 for float64 logits); x − log1p x uses a series
-below a cut-off, since its terms are ~x²/2 where x is small. The reference implementations are
-:mod:`unifusion.losses.native`.
+blocks of rows). The ``(N, V)`` passes run in float32 for bf16/fp16/fp32 logits (float64 for float64 logits), with the
+rounding of l − max compensated for float32 logits; every per-row quantity is float64 (float32 on MPS); x − log1p x
+uses a series below a cut-off, since its terms are ~x²/2 where x is small. Values and gradients are within 1e-6 of the
+float64 reference for float32 and bf16 logits (tests/test_losses_extreme.py states the grid and the exceptions). The
+reference implementations are :mod:`unifusion.losses.native`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ X0_HEAD_OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
 # ---------------------------------------------------------------------------------------------------- row setup
 @dataclass
 class _Rows:
-    """Per-position quantities that do not depend on the logits, flattened to ``(N,)`` in the compute dtype."""
+    """Per-position quantities that do not depend on the logits, flattened to ``(N,)``; floating ones in the row
+    precision (float64; float32 on MPS), ``dtype`` is the compute dtype of the ``(N, V)`` passes."""
 
     x0: torch.Tensor          # int64 (N,)
     x_t: torch.Tensor         # int64 (N,)
@@ -97,13 +100,6 @@ class _Rows:
         self.w_active = torch.where(active, self.w, zero)
         self.v_active = torch.where(active & ~self.possible, self.v, zero)
         self.A = torch.where(active & self.possible, self.w * self.alpha, zero)
-
-    def cast(self, dtype: torch.dtype) -> _Rows:
-        """The same rows with every floating field rounded to ``dtype`` (the compute dtype)."""
-        fields: dict[str, Any] = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                                  for k, v in vars(self).items()}
-        fields["dtype"] = dtype
-        return _Rows(**fields)
 
     def __getitem__(self, s: slice) -> _Rows:
         fields: dict[str, Any] = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
@@ -169,8 +165,9 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
         raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
     if num_rows_shape is not None and tuple(num_rows_shape) != shape:
         raise ValueError(f"x0_logits: expected leading shape {shape} (that of x_t), got {tuple(num_rows_shape)}")
-    # the per-row constants (α_t, m_t, rates, weights: chains of a dozen scalar ops near t → 0 or 1) are computed in
-    # float64 and rounded once to the compute dtype; they are (N,), so this costs nothing next to the (N, V) passes
+    # the per-row constants (α_t, m_t, rates, weights: chains of a dozen scalar ops near t → 0 or 1) and the kernel's
+    # per-row arithmetic are float64 (float32 on MPS, which has no float64) whatever the logits; they are (N,), so
+    # this costs nothing next to the (N, V) passes, which run in ``dtype``
     row_dtype = torch.float32 if device.type == "mps" else torch.float64
     t_ = V.check_time("t", t, device=device, dtype=row_dtype, shape=shape)
     try:
@@ -198,8 +195,8 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
             w = w.clamp(0.0, max_weight)
     rows = _Rows(x0=x0, x_t=x_t, alpha=alpha, u=u, m_x0=m_x0, m_xt=m_xt, v=v, w=w,
                  x0_is_mask=kernel._is_mask(x0), xt_is_mask=kernel._is_mask(x_t),
-                 uniform_noise=_has_uniform_noise(kernel), mask_id=kernel.mask_id, dtype=row_dtype)
-    return rows.cast(dtype), shape
+                 uniform_noise=_has_uniform_noise(kernel), mask_id=kernel.mask_id, dtype=dtype)
+    return rows, shape
 
 
 # ---------------------------------------------------------------------------------------------------- autograd

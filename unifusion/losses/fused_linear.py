@@ -213,7 +213,7 @@ class _FusedLinearX0Loss(torch.autograd.Function):
         grads = _Grads(hidden, weight, bias, needs) if precompute and any(needs) else None
         need_stats = not (precompute and reduced) and any(needs)  # for recomputing some or all blocks
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
-        stats = _x0_kernel.stats_buffers(N, rows.dtype, hidden.device) if need_stats else ()
+        stats = _x0_kernel.stats_buffers(N, rows.alpha.dtype, hidden.device) if need_stats else ()
         buffer = _logits_buffer(hidden, weight, chunk)
         for lo, hi in _blocks(N, chunk):
             logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)

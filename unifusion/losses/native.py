@@ -11,6 +11,7 @@ head's ``x_t`` entries are ignored. Math runs in float32 (float64 when the head 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -18,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
 from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
-from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
+from ..kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from ..rates import ReverseRate, _b_operator, _check_kernel
 from .bregman import bregman_rate_loss
 
@@ -372,7 +373,8 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     ``weighting="elbo"`` uses w exactly (then the loss equals D_t); ``"clip"`` clips w to [0, ``max_weight``];
     ``"dynamic"`` uses GIDD's dynamic weights (1 on uniform-noise tokens, 2 on masks, (B/S)·exp((γ/2)·sigmoid(−t))
     on clean tokens; GIDD's current code, see :func:`_dynamic_weight`) clipped to [0, ``max_weight``]. For a
-    :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly.
+    :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly, with log(r/s) formed
+    without cancellation for a confident model (see :func:`_generator_d_t`).
 
     Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient.
     """
@@ -385,9 +387,10 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     if not isinstance(kernel, InterpolatingKernel):
         if weighting != "elbo":
             raise ValueError(f"weighting: only 'elbo' is defined for {type(kernel).__name__}, got {weighting!r}")
-        true = ReverseRate.true_conditional(kernel, x0, x_t, t)
-        log_q = safe_log(kernel._propagate(log_x.exp(), t))
-        model = ReverseRate._from_log_ratio(kernel, x_t, t, log_q)
+        if isinstance(kernel, GeneratorKernel):
+            return _generator_d_t(kernel, log_x, x0, x_t, t)
+        true = ReverseRate.true_conditional(kernel, x0, x_t, t)  # any other kernel: D_t from log-space rates
+        model = ReverseRate._from_log_ratio(kernel, x_t, t, safe_log(kernel._propagate(log_x.exp(), t)))
         return bregman_rate_loss(true, model)
 
     ip = _Interp(kernel, t, x_t.shape)
@@ -426,6 +429,63 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     neg_log_q_xt = torch.where(exit_used, -_gather(log_q_theta, x_t), torch.zeros_like(v))
     exit_theta = torch.where(exit_used, v * torch.expm1(neg_log_q_xt), torch.zeros_like(v))
     return torch.where(possible, loss, exit_theta)
+
+
+def _generator_d_t(kernel: GeneratorKernel, log_x: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+                   t: torch.Tensor) -> torch.Tensor:
+    """D_t of an x0 head on any kernel given by its transition matrices P = P_{0,t} (rows: from), ``(...)``:
+
+        D_t = Σ_{y≠x_t} R_t(y, x_t) f(r_y, s_y),  r_y = q0(y)/q0(x_t),  s_y = qθ(y)/qθ(x_t),
+        q0 = P[x0, ·],  qθ = Σ_w x_θ(w) P[w, ·],
+
+    with ℓ_y = log(r_y/s_y) formed without cancelling: for a confidently right model qθ ≈ q0, f ≈ s ℓ²/2 is far
+    below q0 and qθ, and ℓ from two logs would be all rounding. With K[w, y] = P[w, y]/P[x0, y] (q0(y) > 0),
+    ρ_y = qθ(y)/q0(y) = Σ_w x_θ(w) K[w, y] and ρ_{x_t} − ρ_y = Σ_{w≠x0} x_θ(w) (K[w, x_t] − K[w, y]) (the x0 term is
+    1 − 1 = 0), so ℓ_y = log(ρ_{x_t}/ρ_y) = log1p((ρ_{x_t} − ρ_y)/ρ_y). Rows whose x_t is impossible under x0
+    (q0(x_t) = 0: the true rates are 0, D_t is the model's exit rate) and states with q0(y) = 0 (f(0, s) = s) take the
+    log-space rates of :class:`~unifusion.rates.ReverseRate`. O(S²) per position: meant for small S, as
+    :class:`~unifusion.kernels.GeneratorKernel` itself.
+    """
+    P = kernel._P(kernel._sigma(t))  # (..., S, S), float64
+    R_in = kernel._rate_column(x_t, t)  # R_t(y, x_t) over sources y, 0 at y = x_t
+    S = P.shape[-1]
+    p = log_x.exp()
+    q0 = P.gather(-2, x0[..., None, None].expand(*x0.shape, 1, S)).squeeze(-2)  # P[x0, ·]
+    # log qθ(y) = logsumexp_w (log x_θ(w) + log P[w, y]): finite where x_θ(w) underflows (a model wrong by 10⁴ nats)
+    terms = log_x.unsqueeze(-1) + safe_log(P)
+    none = torch.isneginf(terms).all(-2, keepdim=True)  # qθ(y) = 0: no NaN gradient from logsumexp
+    log_q_theta = torch.logsumexp(torch.where(none, torch.zeros_like(terms), terms), -2)
+    log_q_theta = torch.where(none.squeeze(-2), torch.full_like(log_q_theta, -math.inf), log_q_theta)
+    has_q0 = q0 > 0
+    log_q0 = safe_log(q0)
+    K = P / torch.where(has_q0, q0, torch.ones_like(q0)).unsqueeze(-2)  # (..., w, y); unused columns where q0 = 0
+    log_rho = torch.where(has_q0, log_q_theta - torch.where(has_q0, log_q0, torch.zeros_like(log_q0)),
+                          torch.zeros_like(log_q0))
+    rho = log_rho.exp()
+    K_xt = K.gather(-1, x_t[..., None, None].expand(*x_t.shape, S, 1))  # (..., w, 1): K[w, x_t]
+    p_off = p.scatter(-1, x0.unsqueeze(-1), 0.0)
+    rho_diff = (p_off.unsqueeze(-1) * (K_xt - K)).sum(-2)  # ρ_{x_t} − ρ_y
+    # log1p of the relative difference where it is below 1/2 in size; the logs elsewhere (log1p(−1 + ε) would lose ε,
+    # and ρ may underflow)
+    rel = rho_diff / torch.where(rho > 0, rho, torch.ones_like(rho))
+    near = (rho > 0) & (rel.abs() < 0.5)
+    l = torch.where(near, torch.log1p(torch.where(near, rel, torch.zeros_like(rel))),
+                    _gather(log_rho, x_t).unsqueeze(-1) - log_rho)
+    log_q0_xt, log_q_theta_xt = _gather(log_q0, x_t), _gather(log_q_theta, x_t)
+    possible = ~torch.isneginf(log_q0_xt) & ~torch.isneginf(log_q_theta_xt)
+    log_r = log_q0 - torch.where(possible, log_q0_xt, torch.zeros_like(log_q0_xt)).unsqueeze(-1)
+    log_s = log_q_theta - torch.where(possible, log_q_theta_xt, torch.zeros_like(log_q_theta_xt)).unsqueeze(-1)
+    l = torch.where(has_q0, l, torch.full_like(l, -math.inf))  # r_y = 0: f(0, s) = s
+    used = (R_in > 0) & possible.unsqueeze(-1)
+    f = bregman_from_log_ratio(torch.where(used, log_s, torch.zeros_like(log_s)),
+                               torch.where(used, l, torch.zeros_like(l)),
+                               log_r=torch.where(used, log_r, torch.zeros_like(log_r)))
+    d_t = torch.where(used, R_in * f, torch.zeros_like(f)).sum(-1)
+    # x_t impossible under x0, or under the model: the generic log-space rates
+    true = ReverseRate.true_conditional(kernel, x0, x_t, t)
+    model = ReverseRate._from_log_ratio(kernel, x_t, t, log_q_theta)
+    generic = bregman_rate_loss(true, model)
+    return torch.where(possible, d_t, generic)
 
 
 # ---------------------------------------------------------------------------------------------------- M2S
