@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 
+from ..._device import host_to_device
 from ._args import (
     DEFAULT_MAX_GEN_TOKS,
     GEN_KEYS,
@@ -93,8 +94,8 @@ class GenerationRequests(HarnessBase):
                 chunk = members[lo: lo + self.batch_size_per_forward]
                 prompts = torch.tensor([jobs[i].prompt for i in chunk], dtype=torch.long).reshape(len(chunk), P)
                 generators = [seeded_generator(cast(int, jobs[i].seed), device) for i in chunk]
-                ids = self._sample(prompts.to(device), max_new, generators, temperature=temperature, top_k=top_k,
-                                   top_p=top_p)  # (B, P + max_new)
+                ids = self._sample(host_to_device(prompts, device), max_new, generators, temperature=temperature,
+                                   top_k=top_k, top_p=top_p)  # (B, P + max_new)
                 for i, row in zip(chunk, ids[:, P:].tolist()):
                     out[i] = self._finish(row, jobs[i].until)
                 bar.update(len(chunk))

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 
+from ..._device import host_to_device
 from ...kernels import Kernel
 from ...rates import x0_log_probs
 from ..choices import _corrupt_span, _standard_times, _stratified_times
@@ -154,7 +155,7 @@ class LoglikelihoodRequests(HarnessBase):
         """
         device = self.model.device
         streams: dict[Any, torch.Generator] = {}
-        out = []
+        totals: list[torch.Tensor | None] = []
         bar = self._progress(len(requests), "loglikelihood_rolling", disable_tqdm)
         for request in requests:
             text = str(request.args[0])
@@ -166,16 +167,18 @@ class LoglikelihoodRequests(HarnessBase):
                 if task not in streams:
                     streams[task] = seeded_generator(self.seed, device)
                 generator = streams[task]
-            total = 0.0
+            total: torch.Tensor | None = None  # summed where nll_bound returns it, read once per call
             for lo in range(0, len(ids), self.max_length):
-                window = torch.tensor(ids[lo: lo + self.max_length], device=device).unsqueeze(0)
+                window = host_to_device(torch.tensor(ids[lo: lo + self.max_length]).unsqueeze(0), device)
                 bound = nll_bound(self.model, window, self.kernel, num_times=self.nll_times, generator=generator,
-                                  per_token=False)
-                total += float(bound.sum())
-            out.append(-total)
+                                  per_token=False).sum().double()
+                total = bound if total is None else total + bound
+            totals.append(total)  # None: an empty text, bound 0
             bar.update(1)
         bar.close()
-        return out
+        values = iter(torch.stack([v for v in totals if v is not None]).tolist() if any(
+            v is not None for v in totals) else [])
+        return [0.0 if v is None else -next(values) for v in totals]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,14 +307,15 @@ class RowPool:
                 queue[0] = (block, start + n)
         self.count[L] -= rows
         device = self.model.device
-        x_t = torch.cat([b.x_t[s: s + n] for b, s, n in taken]).to(device)
-        t = torch.cat([b.t[s: s + n] for b, s, n in taken]).to(device=device, dtype=torch.float32)
+        # built on the host (the corruption's generator is a CPU one); sent without making the host wait
+        x_t = host_to_device(torch.cat([b.x_t[s: s + n] for b, s, n in taken]), device)
+        t = host_to_device(torch.cat([b.t[s: s + n] for b, s, n in taken]).to(torch.float32), device)
         logits = _logits_of(self.model(x_t, t))  # (rows, L, S)
         row = 0
         for block, _start, n in taken:
             m = block.answer_ids.numel()
             span = logits[row: row + n, -m:].float()  # (n, m, S)
-            targets = block.answer_ids.to(device)
+            targets = host_to_device(block.answer_ids, device)
             if block.kind == "greedy":
                 if self.kernel.mask_id is not None:
                     span[..., self.kernel.mask_id] = float("-inf")
