@@ -70,12 +70,15 @@ def test_allocator_meter_counts_the_live_peak_of_a_call(lm: ModuleType) -> None:
 
 
 def test_diffusion_loss_scores_the_same_logits(lm: ModuleType, case) -> None:
-    """The variants compared below see the same x_t, times and logits: the same per-token losses."""
+    """The variants compared below see the same x_t, times and logits: the same per-token losses. x_t is compared
+    bit for bit; the losses to float32 rounding (2 ulp): the two model forwards run once with autograd and once
+    without, and MKL may split a GEMM's reduction over a different number of threads when the machine is busy (a
+    full-suite run measured one element 1 ulp apart)."""
     out = uf.diffusion_loss(case.model, case.x0, case.kernel, t=case.t, generator=case._generator())
     assert torch.equal(out.x_t, case.x_t)
     with torch.no_grad():
         direct = case.variant("forward+loss")()
-    torch.testing.assert_close(out.loss.detach(), direct, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss.detach(), direct, rtol=2.5e-7, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
