@@ -142,6 +142,66 @@ def test_eager_threaded_blocks_equal_compiled(name, monkeypatch):
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["uniform-linear", "mask-cosine", "hybrid-random"])
+def test_eager_passes_take_their_own_blocks(name, dtype, monkeypatch):
+    """The eager backend runs each element pass on its own blocks (an accelerator sizes them from the pass's byte
+    budget) and the per-row math once over all rows: with 7, 3 and 5 rows per block for the max, noise and gradient
+    passes, values and gradients are those of one block per pass, bit for bit (one thread: same reduction order)."""
+    kernel = KERNELS[name]
+    logits, x0, x_t, t = _batch(kernel, n=101, dtype=dtype)
+    scale = torch.rand(len(x0), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for rows_per_block in ({"max": 7, "noise": 3, "grad": 5}, None):
+            if rows_per_block is not None:
+                monkeypatch.setattr(_x0_kernel, "eager_block_rows", lambda device, S, ld, dt, p: rows_per_block[p])
+            else:
+                monkeypatch.undo()
+                monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+            L = logits.clone().requires_grad_()
+            out = fast.gidd_loss(L, x0, x_t, t.to(torch.float32) if dtype != torch.float64 else t, kernel)
+            (out * scale).sum().backward()
+            results.append((out.detach(), L.grad))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.isfinite(results[0][1]).all()
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("backend_name", ["eager", "auto"])
+def test_loss_under_inference_mode_and_no_grad(backend_name, mode, threads, monkeypatch):
+    """Grad mode and inference mode are per thread: the eager backend's block threads enter the caller's modes
+    (under ``inference_mode`` the loss buffers are inference tensors, which a thread outside it may not write:
+    "Inplace update to inference tensor outside InferenceMode"). Same values as with autograd on, in one thread
+    (eager blocks in the caller's thread) or two (the blocks spread over a pool); ``"auto"`` runs such calls eagerly."""
+    kernel = KERNELS["hybrid-random"]
+    logits, x0, x_t, t = _batch(kernel, n=101)
+    monkeypatch.setattr(uf._compile, "_state", {"backend": backend_name})
+    monkeypatch.setattr(_x0_kernel, "EAGER_BLOCK_ELEMENTS", 3 * S)  # 34 blocks of 3 rows per pass
+    pooled = []
+    each = _x0_kernel._BlockRunner.each
+    monkeypatch.setattr(_x0_kernel._BlockRunner, "each",
+                        lambda self, job, edges: (pooled.append(self.pool is not None), each(self, job, edges))[1])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        expected = fast.gidd_loss(logits, x0, x_t, t, kernel)
+        with getattr(torch, mode)():
+            out = fast.gidd_loss(logits, x0, x_t, t, kernel)
+    finally:
+        torch.set_num_threads(previous)
+    assert pooled and all(pooled) == (threads == 2)
+    assert out.is_inference() == (mode == "inference_mode")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_backend_switch_checks_its_argument():
     with pytest.raises(ValueError, match="backend"):
         uf.set_backend("triton")

@@ -6,8 +6,10 @@ with plain out-of-place tensor ops so that ``torch.compile`` can fuse it: Induct
 (max, Σ exp off the max with the count at it, Σ (x − log1p x) with Σ p e, then the gradient store). On CPU it keeps
 exp(l − max) between those loops, so :func:`run` calls a loss pass on blocks of rows small enough for that buffer to
 stay in cache; a gradient pass from saved statistics (one loop per row) and everything on GPUs run on all rows at once.
-That is what puts the loss at or below the cost of a cross-entropy; eagerly the same function makes ~20 passes and runs
-on smaller blocks.
+That is what puts the loss at or below the cost of a cross-entropy. Eagerly (the eager backend, and the fallback when
+compiling fails) the same pieces run one by one: each of the three element passes (max and s'; the uniform-noise sums;
+the gradient) over blocks of rows, the per-row math between them once over all rows, so that on an accelerator a batch
+costs the per-row ops once plus a few dozen ops per block (:data:`EAGER_ACCELERATOR_PASS_BYTES`).
 
 Backends: :func:`unifusion.set_backend` (``"auto"`` by default: eager first, compiled in the background once a
 configuration repeats with enough work; ``"compiled"``; ``"eager"``; see :mod:`unifusion._compile`).
@@ -26,21 +28,39 @@ from .._math import bregman_g, expm1_minus_x
 
 __all__ = ["loss_and_grad", "run", "x_minus_log1p"]
 
-# eager backend: elements per block of rows processed at once. On the CPU a few MB of temporaries that fit the caches
-# (each op is a cheap call there). On a GPU every op of a block is a kernel launch (~460-520 per block for fwd + bwd,
-# whatever its rows; counted at these shapes on the meta device in tests/test_launch_count.py), so blocks are large:
-# 2²⁷ logits (512 MiB per float32 temporary) make a 16,384 × 49,152 batch 6 blocks (~3.7k launches) and
-# 16,384 × 262,144 32 blocks (~17k) instead of ~3,300 and 16,384 blocks (~1.7M and ~8.5M launches) with the CPU
-# size; the temporaries of one block (about ten float32 (rows, V) tensors) add up to ~5 GiB at the largest block,
-# next to 8 GiB of bf16 logits and their gradient.
+# eager backend. loss_and_grad is three passes over the (rows, S) elements with per-row math between them; eagerly
+# each pass runs on blocks of rows and the per-row math once over all rows (_eager). On the CPU every pass takes
+# blocks of EAGER_BLOCK_ELEMENTS logits (a few MB of temporaries that fit the caches; an op is a cheap call there),
+# spread over Python threads. On an accelerator every op is a kernel launch: a batch costs ~420 per-row ops once
+# plus, per block, ~14 (max and s'), ~60 (uniform noise: Σ (x − log1p x), Σ P e, T) and ~15 (the gradient) ops on
+# (rows, S) tensors at bf16 logits (~25 in the first and last for float32 logits). So each pass takes as many rows
+# as keep its temporaries (EAGER_PASS_WIDTH) within its byte budget (EAGER_ACCELERATOR_PASS_BYTES). The budgets keep
+# every phase at or below the peak of the earlier eager blocks (2²⁷ logits through the whole function, bf16 logits:
+# 8.9 GiB of temporaries in a forward with uniform noise, 2.1 GiB in one without — the max pass alone — and 3.3 GiB
+# beside the gradient in the backward). bf16 16,384 × 262,144 then takes 27 + 26 + 25 blocks, 2,654 launches
+# (15,754 before; 1,027 for the mask kernel, 13,328 before), 16,384 × 49,152 849 (3,454); tests/test_launch_count.py
+# counts them and measures the temporaries on the meta device.
 EAGER_BLOCK_ELEMENTS = 1 << 18
-EAGER_ACCELERATOR_BLOCK_ELEMENTS = 1 << 27
+EAGER_ACCELERATOR_PASS_BYTES = {"max": 2 << 30, "noise": 8 << 30, "grad": 3 << 30}
+# (rows, S) temporaries each pass holds at once at most, in elements of the element dtype, as (bf16/fp16/float64
+# logits, float32 logits: compensated l − M); measured: bf16 12, 50, 17 bytes per logit; float32 28, 58, 28;
+# float64 24, 98, 33
+EAGER_PASS_WIDTH = {"max": (3.25, 7.25), "noise": (12.75, 14.75), "grad": (4.5, 7.25)}
 
 
-def eager_block_elements(device: torch.device) -> int:
-    """Logits per block of the eager backend on ``device`` (:data:`EAGER_BLOCK_ELEMENTS` on the CPU,
-    :data:`EAGER_ACCELERATOR_BLOCK_ELEMENTS` elsewhere)."""
-    return EAGER_BLOCK_ELEMENTS if device.type == "cpu" else EAGER_ACCELERATOR_BLOCK_ELEMENTS
+def eager_block_rows(device: torch.device, S: int, logits_dtype: torch.dtype, dtype: torch.dtype,
+                     pass_name: str) -> int:
+    """Rows per block of the eager pass ``pass_name`` (``"max"``, ``"noise"``, ``"grad"``) over ``(rows, S)``
+    logits of ``logits_dtype`` with element dtype ``dtype`` on ``device``: :data:`EAGER_BLOCK_ELEMENTS` logits on
+    the CPU; elsewhere as many rows as keep the pass's temporaries (:data:`EAGER_PASS_WIDTH` elements of ``dtype``
+    per logit) within its :data:`EAGER_ACCELERATOR_PASS_BYTES`."""
+    S = max(S, 1)
+    if device.type == "cpu":
+        return max(1, EAGER_BLOCK_ELEMENTS // S)
+    width = EAGER_PASS_WIDTH[pass_name][logits_dtype == torch.float32 and dtype == torch.float32]
+    return max(1, int(EAGER_ACCELERATOR_PASS_BYTES[pass_name] // (width * dtype.itemsize * S)))
+
+
 # compiled backend on CPU: elements per call (Inductor's CPU loops store exp(l − max) between passes; a block this
 # size keeps it in the last-level cache)
 COMPILED_CPU_BLOCK_ELEMENTS = 1 << 22
@@ -100,8 +120,10 @@ def _x_minus_log1p_and_ratio(x: torch.Tensor, log_x: torch.Tensor | None, with_r
             q = 1.0 / (one_plus_x * denominator)
             v = numerator * one_plus_x * q
             ratio = x_capped * denominator * q
+            del one_plus_x, q  # (eager: fewer (n, S) temporaries alive at once)
         else:
             v = numerator / denominator
+        del x_capped, numerator, denominator
         base, terms = torch.where(small, x * v, x - log_x - 2.0 * v), 6
     w = v * v
     acc = torch.full_like(w, 1.0 / (2 * terms + 1))
@@ -117,7 +139,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
                   grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None,
                   grad_out: torch.Tensor | None, uniform_noise: bool, need_loss: bool, need_grad: bool,
                   need_stats: bool, dtype: torch.dtype,
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+                  ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None,
                              tuple[torch.Tensor, ...] | None]:
     """Loss ``(n,)`` in ``dtype`` (if ``need_loss``), gradient ``(n, S)`` in the logits' dtype (if ``need_grad``,
     into ``grad_out``) and, if ``need_stats``, the :data:`NUM_STATS` row statistics ``(n,)`` in the rows' precision
@@ -163,45 +185,186 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     takes the logits once rather than as two arguments that alias: a compiled function given aliasing inputs gets a
     "synthetic base" from AOTAutograd, and Inductor's on-disk cache then hands a later process a graph for another
     view/base relation (an ``AssertionError: expected size ...`` on its first call; torch 2.15).
+
+    **Pieces.** Three passes over the ``(n, S)`` elements with per-row math between them, each a function of its
+    own: pass 1 (:func:`_compute_logits`, :func:`_exp_off_max`, :func:`_sum_off_max`: M and s'), the values at the
+    columns each row reads alone (:func:`_column_index`, :func:`_gather_columns`), k (:func:`_noise_scale`), pass 2
+    (:func:`_noise_sums`, uniform noise only), the per-row terms (:func:`_row_terms`: the loss, the gradient's
+    per-row factors and its values at x0 and x_t) and pass 3 (:func:`_grad_block`). Here they run in that order on
+    one block, which ``torch.compile`` fuses; the eager backend runs each pass on blocks of rows and the per-row
+    pieces once over all rows (:func:`_eager`).
     """
-    (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
-     u_pos, x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
-    rdt = alpha.dtype  # per-row precision
-    S = logits.shape[-1]
-    # 0-d constants for torch.where: a Python number there becomes a new scalar tensor (an op) at every call; in the
-    # element dtype, and per-row where()s take them too (a 0-d tensor does not change the result's dtype)
-    zero0, one0 = torch.zeros((), dtype=dtype, device=logits.device), torch.ones((), dtype=dtype, device=logits.device)
-    # column ids as floats where exact (below 2^24 states): Inductor's CPU loops compare those in one instruction,
-    # int64 ids in several
-    id_dtype = dtype if S < 2**24 else torch.int64
-    col = torch.arange(S, device=logits.device, dtype=id_dtype)
-    l = logits.to(dtype)
-    if mask_id is not None:  # MDLM's SUBS: the mask entry of the head is ignored
-        l = torch.where(col == mask_id, -math.inf, l)
-    # ---- softmax over clean states, unnormalised: P = exp(l − M), s = Σ P; P = 1 exactly at the maximum
+    x0, alpha_over_u, u_pos = rows[0], rows[5], rows[13]
+    rdt = rows[2].dtype  # per-row precision
+    zero0, one0 = _constants(dtype, logits.device)
+    col = _column_ids(logits.shape[-1], dtype, logits.device)
+    # ---- pass 1, softmax over clean states, unnormalised: P = exp(l − M), s = 1 + s'; P = 1 exactly at the maximum
+    l = _compute_logits(logits, col, mask_id, dtype)
     mx = l.amax(-1) if stats is None else stats[0].to(dtype)
-    d_lo = None
-    if logits.dtype == torch.float32 and dtype == torch.float32:
-        d, d_lo, P = _exp_minus_max(l, mx)
-    else:
-        d = l - mx.unsqueeze(-1)  # log P, exactly the value exponentiated; 0 at the maximum
-        P = torch.exp(d)
+    d, d_lo, P = _exp_off_max(logits.dtype, l, mx, dtype)
     below = d < 0
     if stats is None:
-        # s' = s − 1 = Σ_{P<1} P + (#{P = 1} − 1): 1 − p_j = s'/s to rounding even where p_j rounds to 1; and s = 1 + s'
-        # in the rows' precision (a float32 Σ P would carry ~0.5 ulp of s per term it adds to a sum near 1: 2e-7 at
-        # 40 terms; Σ_{P<1} P is a sum of small terms, accurate relative to itself)
-        s_off = torch.where(below, P, zero0).sum(-1).to(rdt) + (torch.where(below, zero0, one0).sum(-1) - 1.0)
+        mx_r, s_off = mx.to(rdt), _sum_off_max(below, P, zero0, one0, rdt)
         s = s_off + 1.0
-        mx_r = mx.to(rdt)
     else:
         mx_r, s, s_off = stats[0], stats[1], stats[2]
-    at_x0 = col == x0.to(id_dtype).unsqueeze(-1)
+    index = _column_index(rows, need_grad)
+    cols = _gather_columns(l, index, None, dtype)
+    # ---- pass 2 (uniform noise): Σ_{y≠x0} (x_y − log1p x_y), Σ_{y≠x0} P_y e_y, T
+    k = k_e = log_k = None
+    sums: tuple[torch.Tensor | None, ...] = (None, None, None)
+    if uniform_noise:
+        k, k_e, log_k = _noise_scale(alpha_over_u, s, need_loss, dtype)
+        if need_loss or _need_c(stats, need_grad, need_stats):
+            at_x0 = col == x0.to(col.dtype).unsqueeze(-1)
+            sums = _noise_sums(d, d_lo, P, at_x0, k_e, log_k, u_pos, zero0, one0, need_loss,
+                               _need_c(stats, need_grad, need_stats), dtype)
+    # ---- per row: the loss, the gradient's factors and its values at x0 and x_t
+    loss, factors, fix, out_stats = _row_terms(rows, mx_r, s, s_off, index, cols, k, sums, stats, grad_scale, zero0,
+                                               one0, uniform_noise, need_loss, need_grad, need_stats, dtype)
+    if factors is None or fix is None:
+        return loss, None, out_stats
+    # ---- pass 3: the gradient
+    grad = _grad_block(below, P, factors, u_pos, uniform_noise, logits.dtype)
+    (logits if grad_out is None else grad_out).copy_(grad)
+    return loss, (fix[0], fix[1].to(logits.dtype)), out_stats
+
+
+# --------------------------------------------------------------------------- the pieces of loss_and_grad
+def _need_c(stats: tuple[torch.Tensor, ...] | None, need_grad: bool, need_stats: bool) -> bool:
+    """Whether c' = Σ_{y≠x0} p_y e_y (and T) must be summed: for the statistics, or for a gradient without them."""
+    return need_stats or (need_grad and stats is None)
+
+
+def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d zero and one for torch.where: a Python number there becomes a new scalar tensor (an op) at every call; in
+    the element dtype, and per-row where()s take them too (a 0-d tensor does not change the result's dtype)."""
+    return torch.zeros((), dtype=dtype, device=device), torch.ones((), dtype=dtype, device=device)
+
+
+def _column_ids(S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 … S − 1 ``(S,)``: as floats where exact (below 2^24 states; Inductor's CPU loops compare those in one
+    instruction, int64 ids in several), int64 beyond."""
+    return torch.arange(S, device=device, dtype=dtype if S < 2**24 else torch.int64)
+
+
+def _compute_logits(logits: torch.Tensor, col: torch.Tensor, mask_id: int | None, dtype: torch.dtype,
+                    ) -> torch.Tensor:
+    """The logits ``(n, S)`` in the element dtype, −inf at the mask column (MDLM's SUBS: the mask entry of the head
+    is ignored)."""
+    l = logits.to(dtype)
+    if mask_id is not None:
+        l = torch.where(col == mask_id, -math.inf, l)
+    return l
+
+
+def _exp_off_max(logits_dtype: torch.dtype, l: torch.Tensor, mx: torch.Tensor, dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(d, d_lo, P) of ``l`` ``(n, S)`` and its row maxima ``mx`` ``(n,)`` (in the element dtype): d = l − M (log P,
+    exactly the value exponentiated; 0 at the maximum), P = e^{l − M}, and for float32 logits the rounding error
+    d_lo of d with P compensated for it (:func:`_exp_minus_max`; ``None`` otherwise)."""
+    if logits_dtype == torch.float32 and dtype == torch.float32:
+        return _exp_minus_max(l, mx)
+    d = l - mx.unsqueeze(-1)
+    return d, None, torch.exp(d)
+
+
+def _sum_off_max(below: torch.Tensor, P: torch.Tensor, zero0: torch.Tensor, one0: torch.Tensor, rdt: torch.dtype,
+                 ) -> torch.Tensor:
+    """s' = s − 1 = Σ_{P<1} P + (#{P = 1} − 1) ``(n,)`` in the rows' precision ``rdt``: 1 − p_j = s'/s to rounding
+    even where p_j rounds to 1; and s = 1 + s' (a float32 Σ P would carry ~0.5 ulp of s per term it adds to a sum
+    near 1: 2e-7 at 40 terms; Σ_{P<1} P is a sum of small terms, accurate relative to itself)."""
+    return torch.where(below, P, zero0).sum(-1).to(rdt) + (torch.where(below, zero0, one0).sum(-1) - 1.0)
+
+
+def _column_index(rows: tuple[torch.Tensor, ...], need_grad: bool) -> tuple[torch.Tensor, ...]:
+    """The columns each row reads alone: x0 and x_t ``(n,)`` (0 where one is the mask id, which may lie outside the
+    columns — :func:`run` slices the mask column off — and is flagged anyway); with ``need_grad`` also the two
+    columns whose gradient is written apart, j = (x0, x_t) ``(n, 2)``, a real column in place of a mask id (its
+    value recomputed)."""
+    x0, x_t, x0_is_mask, xt_is_mask = rows[0], rows[1], rows[14], rows[15]
+    x0_c, xt_c = torch.where(x0_is_mask, 0, x0), torch.where(xt_is_mask, 0, x_t)
+    if not need_grad:
+        return x0_c, xt_c
+    j1 = torch.where(x0_is_mask, xt_c, x0)
+    return x0_c, xt_c, torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)
+
+
+def _gather_columns(src: torch.Tensor, index: tuple[torch.Tensor, ...], mask_id: int | None, dtype: torch.dtype,
+                    ) -> tuple[torch.Tensor, ...]:
+    """``src[n, i[n]]`` (``(n,)`` for an ``(n,)`` index ``i``, ``(n, 2)`` for an ``(n, 2)`` one) in ``dtype``, −inf
+    at ``mask_id``, for each index of :func:`_column_index`: the values of :func:`_compute_logits` at those columns
+    (``src`` the logits themselves, or those already computed with ``mask_id=None``)."""
+    values = []
+    for i in index:
+        v = (src.gather(-1, i.unsqueeze(-1)).squeeze(-1) if i.dim() == 1 else src.gather(-1, i)).to(dtype)
+        values.append(v if mask_id is None else torch.where(i == mask_id, -math.inf, v))
+    return tuple(values)
+
+
+def _noise_scale(alpha_over_u: torch.Tensor, s: torch.Tensor, need_loss: bool, dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """k = α / (u s) ``(n,)`` with x_y = α p_y / u = k P_y off x0, in the rows' precision and the element dtype, and
+    (if ``need_loss`` and the element dtype is not float64) log k as element-dtype hi + lo."""
+    k = alpha_over_u / s
+    log_k = None
+    if need_loss and dtype != torch.float64:
+        log_k_full = torch.log(k)
+        log_k_hi = log_k_full.to(dtype)
+        log_k = (log_k_hi, (log_k_full - log_k_hi).to(dtype))
+    return k, k.to(dtype), log_k
+
+
+def _noise_sums(d: torch.Tensor, d_lo: torch.Tensor | None, P: torch.Tensor, at_x0: torch.Tensor,
+                k_e: torch.Tensor, log_k: tuple[torch.Tensor, torch.Tensor] | None, u_pos: torch.Tensor,
+                zero0: torch.Tensor, one0: torch.Tensor, need_loss: bool, need_c: bool, dtype: torch.dtype,
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The uniform-noise sums over a block ``(n, S)``, each ``(n,)`` in the element dtype: Σ_{y≠x0} (x_y − log1p
+    x_y) (if ``need_loss``), and (if ``need_c``) 2^100 Σ_{y≠x0} P_y e_y and T = Σ_{y≠x0} e_y (1 − P_y), with
+    x = k P and e_y = x_y / (1 + x_y) off x0 (1 where u = 0)."""
+    X = torch.where(at_x0, zero0, P * k_e.unsqueeze(-1))
+    f_sum = pce_sum = T = ratio = None
+    if need_loss:
+        log_X = None
+        if log_k is not None:  # log x_y = d_y + log k, log k as hi + lo (its rows' precision)
+            log_k_hi, log_k_lo = log_k
+            lo = log_k_lo.unsqueeze(-1) if d_lo is None else d_lo + log_k_lo.unsqueeze(-1)
+            log_X = (d + log_k_hi.unsqueeze(-1)) + lo
+        f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
+        del log_X  # (eager: fewer (n, S) temporaries alive at once)
+        f_sum = f_X.sum(-1)
+        del f_X
+    if need_c:
+        ratio = X / (1.0 + X) if ratio is None else ratio
+        del X
+        E = torch.where(at_x0, zero0, torch.where(u_pos.unsqueeze(-1), ratio, one0))  # x0's term: pe_x0 per row
+        del ratio
+        # Σ p e ≈ k Σ P² where P is small: float32 products P E underflow from P ~ e^{−44} (k ~ 1) although A c'
+        # (the gradient at x0) may be a normal number; scaled by 2^100 (exact) they stay normal to P E ~ 2^{−226}
+        # (no overflow: Σ ≤ S 2^100), so every product that matters for a gradient above 2^{−126} is normal
+        pce_sum = (P * _C_SCALE * E).sum(-1)
+        T = (E * (1.0 - P)).sum(-1)
+    return f_sum, pce_sum, T
+
+
+def _row_terms(rows: tuple[torch.Tensor, ...], mx_r: torch.Tensor, s: torch.Tensor, s_off: torch.Tensor,
+               index: tuple[torch.Tensor, ...], cols: tuple[torch.Tensor, ...], k: torch.Tensor | None,
+               sums: tuple[torch.Tensor | None, ...], stats: tuple[torch.Tensor, ...] | None,
+               grad_scale: torch.Tensor | None, zero0: torch.Tensor, one0: torch.Tensor, uniform_noise: bool,
+               need_loss: bool, need_grad: bool, need_stats: bool, dtype: torch.dtype,
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None,
+                          tuple[torch.Tensor, ...] | None]:
+    """Everything per row, ``(n,)`` in the rows' precision, from the row maxima ``mx_r``, s, s', the logits at the
+    columns of :func:`_column_index` ``cols`` (element dtype), k and the sums of :func:`_noise_sums` (or the
+    statistics ``stats`` of an earlier call): the loss (in ``dtype``), the gradient's factors ``(4, n, 1)`` in the
+    element dtype for :func:`_grad_block` with its values at the columns j ``(index (n, 2), value (n, 2))`` (if
+    ``need_grad``), and the row statistics (if ``need_stats``)."""
+    (x0, x_t, alpha, log_alpha, u, alpha_over_u, m_x0, m_xt, log_m_x0, log_m_xt, safe_log_m_xt, same, possible,
+     u_pos, x0_is_mask, xt_is_mask, w_active, v_active, A) = rows
+    rdt = alpha.dtype
     log_s = torch.log(s)
-    # a mask id may lie outside the columns (run() slices the mask column off): gather at 0 there, flagged anyway
-    # (l_x0 − M in the rows' precision: exact for float32 operands up to 2^{−53} |l_x0 − M|)
-    d_x0 = l.gather(-1, torch.where(x0_is_mask, 0, x0).unsqueeze(-1)).squeeze(-1) - mx_r
-    d_xt = l.gather(-1, torch.where(xt_is_mask, 0, x_t).unsqueeze(-1)).squeeze(-1) - mx_r
+    # l_x0 − M in the rows' precision: exact for float32 operands up to 2^{−53} |l_x0 − M|
+    d_x0, d_xt = cols[0] - mx_r, cols[1] - mx_r
     j_is_x0 = (d_x0 == 0) & ~x0_is_mask  # x0 at the maximum (P_x0 = 1): 1 − p_x0 = s'/s
     one_minus_p_j = s_off / s
     near_one = j_is_x0 & (one_minus_p_j < 0.5)  # log p_x0 = log1p(−(1 − p_x0)) there, l_x0 − max − log s elsewhere
@@ -234,42 +397,16 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     # p_x0 e_x0 with e_y = 1 − q0_y/qθ_y: −(1 − p_x0) α p_x0 / qθ(x0) ∈ [−1, 0] (e_x0 alone is −1/p_x0 at worst)
     pe_x0 = -one_minus_p_x0 * torch.where(lin_x0, alpha * (p_x0 / torch.where(lin_x0, q_theta_x0, one0)),
                                           torch.exp(log_alpha + log_p_x0 - log_q_theta_x0))
-    X = E = f_X = ratio = k = None
-    need_c = need_stats or (need_grad and stats is None)
-    if uniform_noise:
-        k = alpha_over_u / s  # x_y = α p_y / u = k P_y  (off x0)
-    if uniform_noise and (need_loss or need_c):
-        assert k is not None
-        X = torch.where(at_x0, zero0, P * k.to(dtype).unsqueeze(-1))
-        if need_loss:
-            log_X = None
-            if dtype != torch.float64:  # log x_y = d_y + log k, log k as float32 hi + lo (its rows' precision)
-                log_k = torch.log(k)
-                log_k_hi = log_k.to(dtype)
-                log_k_lo = (log_k - log_k_hi).to(dtype)
-                lo = log_k_lo.unsqueeze(-1) if d_lo is None else d_lo + log_k_lo.unsqueeze(-1)
-                log_X = (d + log_k_hi.unsqueeze(-1)) + lo
-            f_X, ratio = _x_minus_log1p_and_ratio(X, log_X, need_c)
-        if need_c:  # e_y = x_y / (1 + x_y) off x0 (1 where u = 0)
-            ratio = X / (1.0 + X) if ratio is None else ratio
-            E = torch.where(at_x0, zero0, torch.where(u_pos.unsqueeze(-1), ratio, one0))  # x0's term: pe_x0 below
     # c = Σ_y p_y e_y = c' + p_x0 e_x0 with c' = Σ_{y≠x0} p_y e_y (kept apart: the gradient at x0 needs c' alone),
-    # T = Σ_{y≠x0} e_y (1 − P_y) (the gradient at j; see the docstring)
+    # T = Σ_{y≠x0} e_y (1 − P_y) (the gradient at j; see loss_and_grad)
+    f_sum, pce_sum, T = sums
     c_rest: torch.Tensor | None
-    T: torch.Tensor | None = None
     if stats is not None:
         c_rest, T = stats[3], stats[4]
     elif not uniform_noise:  # u = 0 (mask kernel): e_y = 1 off x0, so c' = 1 − p_x0 (T is not used)
         c_rest = one_minus_p_x0
     else:
-        c_rest = None
-        if need_c:
-            assert E is not None  # set by the uniform-noise branch above
-            # Σ p e ≈ k Σ P² where P is small: float32 products P E underflow from P ~ e^{−44} (k ~ 1) although A c'
-            # (the gradient at x0) may be a normal number; scaled by 2^100 (exact) they stay normal to P E ~ 2^{−226}
-            # (no overflow: Σ ≤ S 2^100), so every product that matters for a gradient above 2^{−126} is normal
-            c_rest = (P * _C_SCALE * E).sum(-1) / (s * _C_SCALE)
-            T = (E * (1.0 - P)).sum(-1)
+        c_rest = None if pce_sum is None else pce_sum / (s * _C_SCALE)
 
     loss = None
     if need_loss:
@@ -280,8 +417,8 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         term1 = torch.where(small, q_theta * bregman_g(torch.where(small, l_at_x0, zero0)),
                             (alpha + m_x0) * (l_at_x0 - 1.0) + q_theta)
         term2 = alpha * one_minus_p_x0
-        if f_X is not None:
-            term2 = torch.where(u_pos, u * f_X.sum(-1), term2)
+        if f_sum is not None:
+            term2 = torch.where(u_pos, u * f_sum, term2)
         # ρ − 1 − log ρ: r − log1p(r) at x0 (accurate for every r ≥ 0), e^{log ρ} − 1 − log ρ elsewhere (log ρ ≤ 0)
         rho_term = torch.where(at_x0_lin, x_minus_log1p(torch.where(at_x0_lin, r_x0, zero0)), expm1_minus_x(log_rho))
         term = term1 + term2 + rho_term
@@ -292,7 +429,7 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         T = torch.zeros_like(alpha)
     out_stats = (mx_r, s, s_off, c_rest, T) if need_stats and c_rest is not None and T is not None else None
     if not need_grad:
-        return loss, None, out_stats
+        return loss, None, None, out_stats
     assert c_rest is not None  # need_grad: c' is computed or given
     c = c_rest + pe_x0
 
@@ -306,9 +443,9 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     Hp = torch.where(possible, A_g * one_minus_rho * p_xt_over_q_xt,
                      g_exit if g is None else g_exit * g)
     a_row, b_row = A_g / s, (A_g * c + Hp) / s  # ∂L/∂logit_z = P_z (a e_z − b) + δ_{z,x_t} H p_xt
-    # at a column j ≠ x0 at the maximum: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in the
-    # docstring (no cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at j = x_t (never a
-    # mask x_t)
+    # at a column j ≠ x0 at the maximum: (A g (e_j − c) + H (s δ_{j,x_t} − 1)) / s (p_j = 1/s), e_j − c as in
+    # loss_and_grad's docstring (no cancellation; u > 0 on every row of a uniform-noise kernel), s δ − 1 = s' at
+    # j = x_t (never a mask x_t)
     if k is not None:
         assert T is not None  # computed or given with c'
         one_plus_k = 1.0 + k
@@ -317,15 +454,11 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
         e_j_minus_c = p_x0 - pe_x0
     A_e = A_g * e_j_minus_c
     g_j, g_j_xt = (A_e - Hp) / s, (A_e + Hp * s_off) / s
-    # every column as if it were neither x0 nor x_t (no per-element index test; the maximum by its P = 1), then
-    # those two columns per row
-    # the per-row factors of the element pass in its dtype, one conversion
-    a_e, b_e, g_j_e, k_e = torch.stack((a_row, b_row, g_j, a_row if k is None else k)).to(dtype).unsqueeze(-1)
-    grad = torch.where(below, P * (a_e * _e_off_x0(P, None if k is None else k_e.squeeze(-1), u_pos) - b_e),
-                       g_j_e).to(logits.dtype)
-    j1 = torch.where(x0_is_mask, torch.where(xt_is_mask, 0, x_t), x0)  # a real column (its value recomputed)
-    j = torch.stack((j1, torch.where(xt_is_mask, j1, x_t)), -1)  # (n, 2)
-    d_j = l.gather(-1, j) - mx_r.unsqueeze(-1)
+    # the element pass writes every column as if it were neither x0 nor x_t (no per-element index test; the maximum
+    # by its P = 1) from these per-row factors (its dtype, one conversion); then those two columns per row here
+    factors = torch.stack((a_row, b_row, g_j, a_row if k is None else k)).to(dtype).unsqueeze(-1)
+    j = index[2]  # (n, 2)
+    d_j = cols[2] - mx_r.unsqueeze(-1)
     P_j = torch.exp(d_j)
     is_xt = (j == x_t.unsqueeze(-1)) & ~xt_is_mask.unsqueeze(-1)
     H_j = torch.where(is_xt, Hp.unsqueeze(-1), 0.0)
@@ -335,11 +468,19 @@ def loss_and_grad(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id:
     # overflow; 0 at a mask x0, where p_x0 = p_x0 e_x0 = 0)
     g_x0 = A_g * (pe_x0 * one_minus_p_x0 - p_x0 * c_rest) + Hp * torch.where(same, one_minus_p_x0, -p_x0)
     value_j = torch.where(j == x0.unsqueeze(-1), g_x0.unsqueeze(-1), value_j)
-    (logits if grad_out is None else grad_out).copy_(grad)
-    return loss, (j, value_j.to(logits.dtype)), out_stats
+    return loss, factors, (j, value_j), out_stats
 
 
-# scale of the float32 sum Σ P E (see loss_and_grad)
+def _grad_block(below: torch.Tensor, P: torch.Tensor, factors: torch.Tensor, u_pos: torch.Tensor,
+                uniform_noise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """∂L/∂logits ``(n, S)`` in ``out_dtype`` at every column as if it were neither x0 nor x_t: P (a e − b) below
+    the maximum, g_j at it (``factors`` = (a, b, g_j, k) ``(4, n, 1)`` from :func:`_row_terms`)."""
+    a_e, b_e, g_j_e, k_e = factors
+    e = _e_off_x0(P, k_e.squeeze(-1) if uniform_noise else None, u_pos)
+    return torch.where(below, P * (a_e * e - b_e), g_j_e).to(out_dtype)
+
+
+# scale of the float32 sum Σ P E (see _noise_sums)
 _C_SCALE = 2.0**100
 # l below this is treated as −inf by the compensated exp (a finite stand-in: TwoSum of −inf gives NaN)
 _LOGIT_FLOOR = -(2.0**100)
@@ -356,6 +497,7 @@ def _exp_minus_max(l: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, tor
     d = l - m
     b_virtual = d - l
     d_lo = (l - (d - b_virtual)) - (m + b_virtual)
+    del l, b_virtual  # (eager: fewer (n, S) temporaries alive at once)
     P = torch.exp(d)
     return d, d_lo, P + P * d_lo
 
@@ -408,7 +550,7 @@ def _run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | No
          grad_out: torch.Tensor | None):
     """:func:`run` without the mask-column slicing; the gradient (if any) goes into ``grad_out``."""
     if torch.compiler.is_compiling():  # inside the caller's own compiled region: trace it inline, all rows at once
-        return _blocks(loss_and_grad, None, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out)
+        return _blocks(loss_and_grad, None, logits, rows, mask_id, grad_scale, stats, flags, grad_out)
     in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()
     key = (logits.device.type, logits.dtype, mask_id is None, grad_scale is None, stats is None, in_place,
            logits.is_contiguous()) + flags
@@ -420,9 +562,8 @@ def _run(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | No
         block = COMPILED_CPU_BLOCK_ELEMENTS
     return _compile.run(
         loss_and_grad, key,
-        lambda fn: _blocks(fn, block, False, logits, rows, mask_id, grad_scale, stats, flags, grad_out),
-        lambda: _blocks(loss_and_grad, eager_block_elements(logits.device), True, logits, rows, mask_id, grad_scale,
-                        stats, flags, grad_out),
+        lambda fn: _blocks(fn, block, logits, rows, mask_id, grad_scale, stats, flags, grad_out),
+        lambda: _eager(logits, rows, mask_id, grad_scale, stats, flags, grad_out),
         options=_INDUCTOR_OPTIONS, work=logits.numel(),
         warmup=lambda fn: _warmup(fn, logits, rows, mask_id, grad_scale, stats, flags, grad_out, in_place))
 
@@ -451,15 +592,20 @@ def _put(grad: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
     grad.index_put_((rows, index), value)
 
 
-def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: torch.Tensor,
-            rows: tuple[torch.Tensor, ...], mask_id: int | None, grad_scale: torch.Tensor | None,
-            stats: tuple[torch.Tensor, ...] | None, flags: tuple, grad_out: torch.Tensor | None = None):
-    """``fn`` over blocks of at most ``block_elements`` logits (all rows at once when ``None``), writing into
-    full-size outputs (the gradient into ``grad_out``, which may be ``logits`` itself). The rows are split evenly
-    (256 rows at 85 per block: four of 64, not 85 + 85 + 85 + 1): a one-row remainder would make a compiled ``fn``
-    recompile for size 1 (Dynamo specialises sizes 0 and 1), a multi-second stall in the middle of a run.
-    ``threaded``: on CPU split the blocks over ``torch.get_num_threads()`` Python threads that run single-threaded
-    ops (the eager backend: thousands of small OpenMP regions stall on a busy machine)."""
+def _block_edges(N: int, rows_per_block: int) -> list[int]:
+    """Row edges of ⌈N / rows_per_block⌉ blocks split evenly (256 rows at 85 per block: four of 64, not
+    85 + 85 + 85 + 1): a one-row remainder would make a compiled function recompile for size 1 (Dynamo specialises
+    sizes 0 and 1), a multi-second stall in the middle of a run."""
+    num_blocks = max(1, -(-N // max(rows_per_block, 1)))
+    return [N * i // num_blocks for i in range(num_blocks + 1)]
+
+
+def _blocks(fn: Callable, block_elements: int | None, logits: torch.Tensor, rows: tuple[torch.Tensor, ...],
+            mask_id: int | None, grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None,
+            flags: tuple, grad_out: torch.Tensor | None = None):
+    """``fn`` (:func:`loss_and_grad`, compiled) over blocks of at most ``block_elements`` logits (all rows at once
+    when ``None``), writing into full-size outputs (the gradient into ``grad_out``, which may be ``logits``
+    itself)."""
     N, S = logits.shape
     in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()  # fn gets the logits once then
     R = N if block_elements is None else max(1, min(N, block_elements // max(S, 1)))
@@ -468,8 +614,6 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
         if grad_out is not None:
             _put(grad_out, *fix)
         return loss, grad_out, out_stats
-    num_blocks = -(-N // R)
-    edges = [N * i // num_blocks for i in range(num_blocks + 1)]  # block sizes ⌊N/n⌋ or ⌈N/n⌉ ≤ R
     uniform_noise, need_loss, need_grad, need_stats, dtype = flags
     loss = torch.empty(N, dtype=dtype, device=logits.device) if need_loss else None
     grad = grad_out
@@ -480,36 +624,163 @@ def _blocks(fn: Callable, block_elements: int | None, threaded: bool, logits: to
             return tuple(v[lo:hi] for v in x)
         return None if x is None else x[lo:hi]
 
-    @torch.no_grad()  # grad mode is per thread: the callers' no_grad does not reach the pool's threads
-    def work(first: int, last: int) -> None:  # blocks first … last − 1
-        for a, b in zip(edges[first:last], edges[first + 1:last + 1]):
-            blk_loss, fix, blk_stats = fn(logits[a:b], cut(rows, a, b), mask_id, cut(grad_scale, a, b),
-                                          cut(stats, a, b), None if in_place else cut(grad, a, b), *flags)
-            if grad is not None:
-                _put(grad[a:b], *fix)
-            if loss is not None:
-                loss[a:b] = blk_loss
-            if out_stats is not None:
-                for dst, src in zip(out_stats, blk_stats):
-                    dst[a:b] = src
+    edges = _block_edges(N, R)
+    for a, b in zip(edges[:-1], edges[1:]):
+        blk_loss, fix, blk_stats = fn(logits[a:b], cut(rows, a, b), mask_id, cut(grad_scale, a, b),
+                                      cut(stats, a, b), None if in_place else cut(grad, a, b), *flags)
+        if grad is not None:
+            _put(grad[a:b], *fix)
+        if loss is not None:
+            loss[a:b] = blk_loss
+        if out_stats is not None:
+            for dst, src in zip(out_stats, blk_stats):
+                dst[a:b] = src
+    return loss, grad, out_stats
 
-    workers = torch.get_num_threads() if threaded and logits.device.type == "cpu" else 1
-    workers = max(1, min(workers, num_blocks // 2))
-    # the thread pool sets the process's thread count to 1 for its duration: not while a background compilation
-    # traces (it would record that count in its guards), so then run the blocks in this thread instead
-    if workers == 1 or not _compile.GLOBAL_STATE_LOCK.acquire(blocking=False):
-        work(0, num_blocks)
-        return loss, grad, out_stats
-    bounds = [num_blocks * i // workers for i in range(workers + 1)]
-    try:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                for job in [pool.submit(work, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]:
-                    job.result()
-        finally:
-            torch.set_num_threads(previous)
-    finally:
-        _compile.GLOBAL_STATE_LOCK.release()
+
+class _BlockRunner:
+    """Runs ``job(a, b)`` over the blocks of rows [a, b) of a pass (:meth:`each`). In a ``with`` block on the CPU,
+    with ``threads`` > 1 and the global-state lock free, it spreads the blocks over that many Python threads that
+    run single-threaded ops, and the caller's own ops between passes run on one intra-op thread too (the eager
+    backend: thousands of small OpenMP regions, or one per vector op of the per-row math, stall on a busy machine).
+    Every job runs without autograd and in the caller's inference mode (both are per thread: a worker starts
+    outside it, and the buffers the caller made under it would be inference tensors there)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.inference = torch.is_inference_mode_enabled()
+        self.pool: ThreadPoolExecutor | None = None
+        self.previous = 0
+
+    def __enter__(self) -> _BlockRunner:
+        # the pool sets the process's thread count to 1 for its duration: not while a background compilation traces
+        # (it would record that count in its guards), so then run the blocks in this thread instead
+        if self.threads > 1 and _compile.GLOBAL_STATE_LOCK.acquire(blocking=False):
+            self.previous = torch.get_num_threads()
+            torch.set_num_threads(1)
+            self.pool = ThreadPoolExecutor(self.threads)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+            torch.set_num_threads(self.previous)
+            _compile.GLOBAL_STATE_LOCK.release()
+
+    def each(self, job: Callable[[int, int], None], edges: list[int]) -> None:
+        num_blocks = len(edges) - 1
+
+        def work(first: int, last: int) -> None:  # blocks first … last − 1
+            with torch.inference_mode(self.inference), torch.no_grad():
+                for a, b in zip(edges[first:last], edges[first + 1:last + 1]):
+                    job(a, b)
+
+        workers = 1 if self.pool is None else max(1, min(self.threads, num_blocks // 2))
+        if workers == 1:
+            work(0, num_blocks)
+            return
+        assert self.pool is not None
+        bounds = [num_blocks * i // workers for i in range(workers + 1)]
+        for done in [self.pool.submit(work, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]:
+            done.result()
+
+
+@torch.no_grad()
+def _eager(logits: torch.Tensor, rows: tuple[torch.Tensor, ...], mask_id: int | None,
+           grad_scale: torch.Tensor | None, stats: tuple[torch.Tensor, ...] | None, flags: tuple,
+           grad_out: torch.Tensor | None):
+    """:func:`loss_and_grad` of all rows, eagerly: each of its element passes on blocks of rows
+    (:func:`eager_block_rows`; on the CPU spread over Python threads), the per-row math between them once over all
+    rows, so that the ops of a batch are those of the per-row math plus each pass's per block. The gradient goes
+    into ``grad_out``."""
+    uniform_noise, need_loss, need_grad, need_stats, dtype = flags
+    N, S = logits.shape
+    device = logits.device
+
+    def edges(pass_name: str) -> list[int]:
+        return _block_edges(N, eager_block_rows(device, S, logits.dtype, dtype, pass_name))
+
+    threads = torch.get_num_threads() if device.type == "cpu" and len(edges("max")) > 4 else 1
+    with _BlockRunner(threads) as runner:
+        return _eager_passes(runner, edges, logits, rows, mask_id, grad_scale, stats, flags, grad_out)
+
+
+def _eager_passes(runner: _BlockRunner, edges: Callable[[str], list[int]], logits: torch.Tensor,
+                  rows: tuple[torch.Tensor, ...], mask_id: int | None, grad_scale: torch.Tensor | None,
+                  stats: tuple[torch.Tensor, ...] | None, flags: tuple, grad_out: torch.Tensor | None):
+    """The body of :func:`_eager`: the pieces of :func:`loss_and_grad` in its order, the passes through
+    ``runner`` on the blocks ``edges(pass)``."""
+    uniform_noise, need_loss, need_grad, need_stats, dtype = flags
+    N, S = logits.shape
+    device = logits.device
+    x0, alpha_over_u, u_pos = rows[0], rows[5], rows[13]
+    rdt = rows[2].dtype
+    zero0, one0 = _constants(dtype, device)
+    col = _column_ids(S, dtype, device)
+
+    def exp_off_max(a: int, b: int, mx_blk: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(M, d, d_lo, P) of the rows a … b − 1 (M from the block when ``mx_blk`` is ``None``)."""
+        l = _compute_logits(logits[a:b], col, mask_id, dtype)
+        mx_blk = l.amax(-1) if mx_blk is None else mx_blk
+        return (mx_blk, *_exp_off_max(logits.dtype, l, mx_blk, dtype))
+
+    # ---- pass 1: M and s'
+    if stats is None:
+        mx = torch.empty(N, dtype=dtype, device=device)
+        s_off = torch.empty(N, dtype=rdt, device=device)
+
+        def max_and_sum(a: int, b: int) -> None:
+            mx_blk, d, _, P = exp_off_max(a, b, None)
+            below = d < 0
+            del d  # one (rows, S) temporary fewer at the peak
+            mx[a:b] = mx_blk
+            s_off[a:b] = _sum_off_max(below, P, zero0, one0, rdt)
+
+        runner.each(max_and_sum, edges("max"))
+        mx_r = mx.to(rdt)
+        s = s_off + 1.0
+    else:
+        mx_r, s, s_off = stats[0], stats[1], stats[2]
+        mx = mx_r.to(dtype)
+    index = _column_index(rows, need_grad)
+    cols = _gather_columns(logits, index, mask_id, dtype)
+    # ---- pass 2 (uniform noise): Σ_{y≠x0} (x_y − log1p x_y), Σ_{y≠x0} P_y e_y, T
+    k = None
+    sums: tuple[torch.Tensor | None, ...] = (None, None, None)
+    need_c = _need_c(stats, need_grad, need_stats)
+    if uniform_noise:
+        k, k_e, log_k = _noise_scale(alpha_over_u, s, need_loss, dtype)
+        if need_loss or need_c:
+            sums = tuple(torch.empty(N, dtype=dtype, device=device) if need else None
+                         for need in (need_loss, need_c, need_c))
+            x0_ids = x0.to(col.dtype)
+
+            def noise(a: int, b: int) -> None:
+                _, d, d_lo, P = exp_off_max(a, b, mx[a:b])
+                at_x0 = col == x0_ids[a:b].unsqueeze(-1)
+                out = _noise_sums(d, d_lo, P, at_x0, k_e[a:b], None if log_k is None else (log_k[0][a:b],
+                                  log_k[1][a:b]), u_pos[a:b], zero0, one0, need_loss, need_c, dtype)
+                for dst, src in zip(sums, out):
+                    if dst is not None and src is not None:
+                        dst[a:b] = src
+
+            runner.each(noise, edges("noise"))
+    # ---- per row, all rows at once
+    loss, factors, fix, out_stats = _row_terms(rows, mx_r, s, s_off, index, cols, k, sums, stats, grad_scale, zero0,
+                                               one0, uniform_noise, need_loss, need_grad, need_stats, dtype)
+    if factors is None or fix is None or grad_out is None:
+        return loss, None, out_stats
+    # ---- pass 3: the gradient (over the logits themselves when grad_out is them: each block after its reads)
+    grad = grad_out
+
+    def store(a: int, b: int) -> None:
+        _, d, _, P = exp_off_max(a, b, mx[a:b])
+        below = d < 0
+        del d
+        grad[a:b] = _grad_block(below, P, factors[:, a:b], u_pos[a:b], uniform_noise, grad.dtype)
+
+    runner.each(store, edges("grad"))
+    _put(grad, fix[0], fix[1].to(grad.dtype))
     return loss, grad, out_stats
