@@ -158,7 +158,7 @@ def test_eager_passes_take_their_own_blocks(name, dtype, monkeypatch):
     try:
         for rows_per_block in ({"max": 7, "noise": 3, "grad": 5}, None):
             if rows_per_block is not None:
-                monkeypatch.setattr(_x0_kernel, "eager_block_rows", lambda device, S, ld, dt, p: rows_per_block[p])
+                monkeypatch.setattr(_x0_kernel, "eager_block_rows", lambda device, S, ld, dt, p, r=rows_per_block: r[p])
             else:
                 monkeypatch.undo()
                 monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
