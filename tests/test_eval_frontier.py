@@ -140,6 +140,48 @@ def test_plot_frontier_overlays_json_files_and_results(tmp_path):
         plot_frontier([3], tmp_path / "x.png")
 
 
+def test_frontier_resume_equals_an_uninterrupted_run(tmp_path, tokenizer, judge):
+    """A run stopped after some points (and mid-way through writing one) and resumed gives the runs, summary and
+    samples file of an uninterrupted run, without sampling the complete points again."""
+    V = len(tokenizer)
+    model, kernel = TinyX0(V), uf.UniformKernel(V)
+    kw = dict(steps=(2, 3), seeds=(5, 6), num_samples=3, seq_len=10, judge_model=judge, judge_tokenizer=tokenizer,
+              tokenizer=tokenizer, batch_size=2, entropy_tokenizer=tokenizer, plot=False, progress=False)
+    full = frontier(model, kernel, out_dir=tmp_path / "full", **kw)
+
+    calls: list[int] = []
+
+    def stops_at_the_third_point(m, k, num_steps):
+        sampler = uf.BayesianSampler(m, k, num_steps)
+        calls.append(num_steps)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sampler
+
+    with pytest.raises(KeyboardInterrupt):
+        frontier(model, kernel, out_dir=tmp_path / "stopped", sampler=stops_at_the_third_point, **kw)
+    samples = tmp_path / "stopped" / "model_samples.jsonl"
+    kept = samples.read_text().splitlines(keepends=True)
+    assert len(kept) == 2 * 3
+    # a third point cut off after one line and a half, and a stray point of another grid
+    third = Path(full.paths["samples"]).read_text().splitlines(keepends=True)[6:]
+    samples.write_text("".join(kept) + third[0] + third[1][:15] + json.dumps(
+        {"steps": 9, "seed": 1, "index": 0, "entropy": 0.0, "text": "x"}) + "\n")
+
+    sampled: list[int] = []
+
+    def counting(m, k, num_steps):
+        sampled.append(num_steps)
+        return uf.BayesianSampler(m, k, num_steps)
+
+    resumed = frontier(model, kernel, out_dir=tmp_path / "stopped", sampler=counting, resume=True, **kw)
+    assert sampled == [3, 3]  # the two complete points of steps 2 were read back, not sampled
+    assert resumed.runs == full.runs and resumed.summary == full.summary
+    assert samples.read_text() == Path(full.paths["samples"]).read_text()  # cut-off point, stray dropped
+    with pytest.raises(TypeError, match="resume"):
+        frontier(model, kernel, out_dir=tmp_path / "x", resume=1, **kw)
+
+
 def test_frontier_bad_input(tmp_path, tokenizer, judge):
     V = len(tokenizer)
     kw = dict(num_samples=2, seq_len=4, judge_model=judge, judge_tokenizer=tokenizer, tokenizer=tokenizer,

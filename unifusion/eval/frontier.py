@@ -146,7 +146,7 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
              judge_tokenizer: Any, tokenizer: Any, sampler: str | SamplerFactory = "bayesian",
              out_dir: str | os.PathLike[str], label: str = "model", batch_size: int = 16, judge_batch_size: int = 8,
              entropy_tokenizer: Any = None, sampler_kwargs: dict[str, Any] | None = None, plot: bool = True,
-             progress: bool = True) -> FrontierResult:
+             progress: bool = True, resume: bool = False) -> FrontierResult:
     """Sample, score and summarise one model's GenPPL–entropy frontier (App. C.3's protocol); write it to disk.
 
     Args:
@@ -170,6 +170,10 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         sampler_kwargs: extra keyword arguments for the sampler (``temperature``, ``top_p``, ``eps``, ...).
         plot: write the PNG (needs matplotlib).
         progress: progress bars.
+        resume: continue a stopped run: the (steps, seed) points already complete in ``{label}_samples.jsonl``
+            (``num_samples`` lines with indices 0 … num_samples − 1) are not sampled again; their GenPPL and entropy
+            are computed from the saved texts, as a full run computes them from the same texts, so the result equals
+            an uninterrupted run's. Incomplete points (a run stopped while writing) are dropped and redrawn.
 
     Returns:
         :class:`FrontierResult`; ``print(result.table())`` shows the summary.
@@ -185,6 +189,8 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     judge_batch_size = _check_positive_int("judge_batch_size", judge_batch_size)
     if not isinstance(kernel, Kernel):
         raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
     if not isinstance(label, str) or not label:
         raise ValueError(f"label: expected a non-empty string, got {label!r}")
     sampler_kwargs = dict(sampler_kwargs or {})
@@ -205,22 +211,31 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
 
     runs: list[dict[str, Any]] = []
     grid = [(n, s) for n in steps for s in seeds]
+    done = _complete_points(paths["samples"], num_samples) if resume else {}
     with open(paths["samples"], "w") as sample_file:
+        for lines in done.values():  # kept as they were; the points of this grid are read from them below
+            sample_file.writelines(lines)
+        sample_file.flush()
         for num_steps, seed in _progress(grid, enabled=progress, desc=f"frontier {label}"):
-            smp = _make_sampler(sampler, model, kernel, num_steps, sampler_kwargs)
-            generator = torch.Generator(device=device).manual_seed(seed)
-            chunks = []
-            for k in range(0, num_samples, batch_size):
-                b = min(batch_size, num_samples - k)
-                chunks.append(smp.sample(b, seq_len, generator=generator).cpu())
-            ids = torch.cat(chunks)  # (num_samples, seq_len)
-            texts = decode_samples(ids, tokenizer, mask_token_id=kernel.mask_id)
+            if (num_steps, seed) in done:
+                texts = [json.loads(line)["text"] for line in done[(num_steps, seed)]]
+            else:
+                smp = _make_sampler(sampler, model, kernel, num_steps, sampler_kwargs)
+                generator = torch.Generator(device=device).manual_seed(seed)
+                chunks = []
+                for k in range(0, num_samples, batch_size):
+                    b = min(batch_size, num_samples - k)
+                    chunks.append(smp.sample(b, seq_len, generator=generator).cpu())
+                ids = torch.cat(chunks)  # (num_samples, seq_len)
+                texts = decode_samples(ids, tokenizer, mask_token_id=kernel.mask_id)
             ppl = generative_perplexity(texts, judge_model, judge_tokenizer, batch_size=judge_batch_size,
                                         progress=False)
             retok = [list(r) for r in ent_tok(texts, add_special_tokens=False)["input_ids"]]
             H = unigram_entropy(retok)  # (num_samples,)
             runs.append({"steps": num_steps, "seed": seed, "genppl": ppl.perplexity, "entropy": float(H.mean()),
                          "num_samples": num_samples, "num_tokens": ppl.num_tokens})
+            if (num_steps, seed) in done:
+                continue
             for i, (text, h) in enumerate(zip(texts, H.tolist())):
                 sample_file.write(json.dumps({"steps": num_steps, "seed": seed, "index": i, "entropy": h,
                                               "text": text}) + "\n")
@@ -248,6 +263,26 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     if plot:
         plot_frontier([result], paths["png"])
     return result
+
+
+def _complete_points(path: Path, num_samples: int) -> dict[tuple[int, int], list[str]]:
+    """The lines of ``path`` (a samples file) grouped by (steps, seed), for the points with exactly the sample
+    indices 0 … num_samples − 1 (in file order); empty when the file does not exist. Unreadable lines (a run stopped
+    mid-line) and incomplete points are left out."""
+    if not path.is_file():
+        return {}
+    points: dict[tuple[int, int], list[str]] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                key = (int(row["steps"]), int(row["seed"]))
+                int(row["index"]), str(row["text"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            points.setdefault(key, []).append(line if line.endswith("\n") else line + "\n")
+    return {key: lines for key, lines in points.items()
+            if [json.loads(line)["index"] for line in lines] == list(range(num_samples))}
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
