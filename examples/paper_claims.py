@@ -159,7 +159,8 @@ def _git(*cmd: str) -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """What a rerun needs to match: code (commit, dirty tree), versions, backend, threads, CPU."""
+    """What a rerun needs to match: code (commit; ``dirty`` if the package or examples differ from it), versions,
+    backend, threads, CPU."""
     import platform
 
     import transformers
@@ -170,7 +171,8 @@ def environment() -> dict[str, Any]:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # "dirty": the code that runs (the package, the examples, the build config) differs from the commit
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "../unifusion", ".", "../pyproject.toml")
     return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
             "torch": torch.__version__, "transformers": transformers.__version__, "unifusion": uf.__version__,
             "python": platform.python_version(), "backend": uf.get_backend(), "threads": torch.get_num_threads(),
