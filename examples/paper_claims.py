@@ -330,7 +330,8 @@ ZEROSHOT_SCORERS = (("AR (base)", "ar"), ("adapted, span score", "score"), ("ada
 def run_zeroshot(args: argparse.Namespace) -> dict[str, Any]:
     """§4.4: zero-shot multiple choice on BIG-bench task files — the base AR model, the adapted model with the
     paper's span score over ``--num-times`` (32) times, and with Fair-PMI over ``--pmi-times`` (the paper: 128) — on
-    the first ``--max-examples`` examples of each task."""
+    the first ``--max-examples`` examples of each task. OUT/zeroshot.json is written after each task (``"partial"``
+    until all are done)."""
     path = Path(args.adapted or Path(args.out) / "adapted")
     if not path.is_dir():
         raise SystemExit(f"zeroshot: run `adapt` first (no checkpoint at {path})")
@@ -355,6 +356,8 @@ def run_zeroshot(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[zeroshot] {name}: {label}: {res.accuracy:.3f} on {res.num_examples} examples "
                   f"({time.time() - t0:.0f} s)", flush=True)
         out[name] = row
+        if len(out) < len(args.tasks):  # what is done so far, in case a long run is stopped
+            write(args, "zeroshot", {"tasks": out, "partial": True})
     return {"tasks": out}
 
 

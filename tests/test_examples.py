@@ -320,3 +320,17 @@ def test_paper_claims_report_statistics():
     lo4, hi4 = module.genppl_interval(nll * 4, tokens * 4)
     assert hi4 - lo4 < hi - lo
     assert module.wilson(7, 10) == pytest.approx((0.3968, 0.8922), abs=1e-4)
+
+
+def test_experiments_page_shows_the_committed_results():
+    """Every table of docs/guides/experiments.md's results is what ``paper_claims.py report`` renders from the
+    committed run files in docs/assets/claims/ (numbers on the page come from those files, not by hand)."""
+    module = _paper_claims_module()
+    root = EXAMPLES.parent
+    page = (root / "docs" / "guides" / "experiments.md").read_text(encoding="utf-8")
+    sections = module.render(root / "docs" / "assets" / "claims")
+    assert set(sections) == {"runs", "fig2", "adapt", "paths", "frontier", "zeroshot"}
+    for name, block in sections.items():
+        for part in block.split("\n\n"):
+            if part.startswith("|"):
+                assert part in page, f"{name}: table not on the page (rerun `report` and paste it):\n{part}"
