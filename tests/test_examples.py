@@ -31,10 +31,10 @@ TRAIN_FLAGS = ["--tiny", "--steps", "4", "--micro-batch", "2", "--global-batch",
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) \| lr \S+ \| gamma \S+ \| grad_norm (\S+)", re.M)
 
 
-def _run(args: list[str], *, torchrun: bool = False, timeout: int = 240) -> str:
+def _run(args: list[str], *, torchrun: bool = False, timeout: int = 240, env: dict[str, str] | None = None) -> str:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
         else [sys.executable]
-    proc = subprocess.run(launcher + args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    proc = subprocess.run(launcher + args, capture_output=True, text=True, timeout=timeout, env=env or ENV)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -231,32 +231,112 @@ def test_objectives_rate_equivalent_losses_train_identically():
     assert re.search(r"M2S, mean loss over the first 3 updates: x0 head \S+, μ head \S+", stdout)
 
 
+def _paper_claims_module():
+    spec = importlib.util.spec_from_file_location("_example_paper_claims", EXAMPLES / "paper_claims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_paper_claims_runs_every_experiment_tiny(tmp_path):
-    """examples/paper_claims.py at tiny size: each experiment writes its JSON with finite, well-formed results."""
+    """examples/paper_claims.py at tiny size: each experiment writes its JSON with finite, well-formed results, on
+    the eager backend whatever UNIFUSION_BACKEND says; a second process with the same arguments reproduces the
+    adaptation's losses bit for bit; ``report`` renders every experiment."""
     import json
 
     script = str(EXAMPLES / "paper_claims.py")
-    common = ["--tiny", "--out", str(tmp_path), "--num-samples", "2"]
+    common = ["--tiny", "--out", str(tmp_path), "--num-samples", "2", "--threads", "1"]
+    env = dict(ENV, UNIFUSION_BACKEND="auto")
     for argv in (["fig2"], ["adapt"], ["frontier", "--frontier-steps", "2", "4", "--seeds", "1", "2"],
-                 ["zeroshot", "--max-examples", "3", "--num-times", "2", "--tasks",
+                 ["zeroshot", "--max-examples", "3", "--num-times", "2", "--pmi-times", "3", "--tasks",
                   str(Path(__file__).parent / "data" / "tiny_task.json")],
-                 ["paths", "--eval-blocks", "2", "--sample-steps", "2"]):
-        _run([script, *argv, *common])
+                 ["paths", "--eval-blocks", "2", "--sample-steps", "2", "--probe-every", "2"]):
+        _run([script, *argv, *common], env=env)
     result = {name: json.loads((tmp_path / f"{name}.json").read_text())
               for name in ("fig2", "adapt", "frontier", "zeroshot", "paths")}
+    assert {r["backend"] for r in result.values()} == {"eager"} and {r["threads"] for r in result.values()} == {1}
+    assert all(isinstance(r["commit"], str) and len(r["commit"]) == 40 for r in result.values())
     fig2 = result["fig2"]
     assert set(fig2["curves"]) == {"x0", "mu"} and all(len(c) == 3 for c in fig2["curves"].values())
     assert fig2["x0_lower_fraction"] == pytest.approx(1 - fig2["early_mean"]["x0"] / fig2["early_mean"]["mu"])
-    assert math.isfinite(result["adapt"]["heldout_elbo"]) and (tmp_path / "adapted" / "tokenizer.json").is_file()
+    adapt = result["adapt"]
+    assert math.isfinite(adapt["heldout_elbo"]) and (tmp_path / "adapted" / "tokenizer.json").is_file()
+    assert adapt["args"]["anneal_steps"] == 1  # half of the 3 updates
     assert type(uf.DiffusionLM.from_pretrained(tmp_path / "adapted").kernel) is uf.UniformKernel  # recorded
     rows = result["frontier"]["summary"]
     assert [r["steps"] for r in rows] == [2, 4] and all(math.isfinite(r["genppl_mean"]) for r in rows)
+    assert len(result["frontier"]["runs"]) == 4
     (task,) = result["zeroshot"]["tasks"].values()
-    assert set(task) == {"AR (base)", "adapted, 32 times", "adapted, Fair-PMI"}
-    assert all(0.0 <= v["accuracy"] <= 1.0 and v["n"] == 3 for v in task.values())
+    assert set(task) == {"AR (base)", "adapted, span score", "adapted, Fair-PMI"}
+    assert [v["num_times"] for v in task.values()] == [None, 2, 3]
+    assert all(0.0 <= v["accuracy"] <= 1.0 and v["n"] == 3 == len(v["correct"]) for v in task.values())
+    assert all(sum(v["correct"]) == v["num_correct"] for v in task.values())
     paths = result["paths"]["paths"]
-    assert set(paths) == {"AR→mask", "AR→uniform", "AR→mask→uniform"}
+    assert set(paths) == {"AR→mask", "AR→uniform", "AR→mask→uniform", "AR→uniform (seed 1)"}
     for record in paths.values():
-        assert len(record["loss"]) == 6 and [c["after_step"] for c in record["checkpoints"]] == [3, 6]
-    # the two paths that start with the mask kernel share their first phase exactly
-    assert paths["AR→mask"]["loss"][:3] == paths["AR→mask→uniform"]["loss"][:3]
+        assert len(record["loss"]) == 6 and all(math.isfinite(v) for v in record["loss"])
+        assert [p["update"] for p in record["probes"]] == [0, 2, 3, 5, 6]  # every 2 updates and at phase ends
+        for p in record["probes"]:
+            assert len(p["sample_nll"]) == len(p["sample_tokens"]) == len(p["sample_entropy"]) == 2
+            assert p["genppl"] == pytest.approx(math.exp(sum(p["sample_nll"]) / sum(p["sample_tokens"])))
+            assert all(math.isfinite(v) for v in p["heldout_bound"].values())
+    # AR→mask→uniform continues AR→mask's model after phase 1, then trains with the uniform kernel
+    two_stage = paths["AR→mask→uniform"]
+    assert two_stage["shared_until"] == 3 and two_stage["loss"][:3] == paths["AR→mask"]["loss"][:3]
+    assert [p["kernel"] for p in two_stage["probes"]] == ["mask"] * 3 + ["uniform"] * 2
+    assert paths["AR→uniform (seed 1)"]["loss"] != paths["AR→uniform"]["loss"]
+
+    # determinism: a second process, same arguments, bit-identical losses and bound
+    again = tmp_path / "again"
+    _run([script, "adapt", *common[:2], str(again), *common[3:]], env=env)
+    rerun = json.loads((again / "adapt.json").read_text())
+    assert rerun["loss"] == adapt["loss"] and rerun["heldout_elbo"] == adapt["heldout_elbo"]
+
+    out = _run([script, "report", "--out", str(tmp_path)])
+    for marker in ("<!-- runs -->", "<!-- fig2 -->", "<!-- adapt -->", "<!-- paths -->", "<!-- frontier -->",
+                   "<!-- zeroshot -->", "Seed noise (AR→uniform, seed 0 vs 1"):
+        assert marker in out
+    assert (tmp_path / "report.md").read_text() in out and (tmp_path / "paths.png").stat().st_size > 0
+
+
+def test_paper_claims_adapt_honours_anneal_steps(monkeypatch, tmp_path):
+    """``adapt --anneal-steps N`` reaches the training loop (it used to be replaced by half the run)."""
+    module = _paper_claims_module()
+    seen = []
+
+    def fake_train(*args, anneal_steps, **kwargs):
+        seen.append(anneal_steps)
+        raise KeyboardInterrupt  # stop before saving anything
+
+    monkeypatch.setattr(module, "train", fake_train)
+    for argv, expected in ((["--steps", "10", "--anneal-steps", "7"], 7), (["--steps", "10"], 5)):
+        with pytest.raises(KeyboardInterrupt):
+            module.run_adapt(module.parse_args(["adapt", "--tiny", "--out", str(tmp_path), *argv]))
+        assert seen[-1] == expected
+
+
+def test_paper_claims_report_statistics():
+    """The report's intervals: the bootstrap interval of a pooled GenPPL brackets it and shrinks with more samples;
+    Wilson's interval matches its closed form (7/10 → [0.397, 0.892])."""
+    module = _paper_claims_module()
+    nll, tokens = [130.0, 150.0, 170.0, 190.0], [40, 40, 40, 40]
+    lo, hi = module.genppl_interval(nll, tokens)
+    pooled = math.exp(sum(nll) / sum(tokens))
+    assert lo < pooled < hi
+    lo4, hi4 = module.genppl_interval(nll * 4, tokens * 4)
+    assert hi4 - lo4 < hi - lo
+    assert module.wilson(7, 10) == pytest.approx((0.3968, 0.8922), abs=1e-4)
+
+
+def test_experiments_page_shows_the_committed_results():
+    """Every results block of docs/guides/experiments.md is what ``paper_claims.py report`` renders from the
+    committed run files in docs/assets/claims/ (numbers on the page come from those files, not by hand)."""
+    module = _paper_claims_module()
+    root = EXAMPLES.parent
+    page = (root / "docs" / "guides" / "experiments.md").read_text(encoding="utf-8")
+    sections = module.render(root / "docs" / "assets" / "claims")
+    assert set(sections) == {"runs", "fig2", "adapt", "paths", "frontier", "zeroshot"}
+    assert sorted(m[2] for m in module.PAGE_BLOCK.finditer(page)) == sorted(sections)  # every block, once
+    assert module.fill_page(page, sections) == page, (
+        "the page's tables differ from the committed results: run `python examples/paper_claims.py report "
+        "--out docs/assets/claims --page docs/guides/experiments.md`")
