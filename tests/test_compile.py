@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _auto_backend import fresh_auto_backend
 
 import unifusion as uf
 from unifusion import _compile
@@ -17,11 +18,7 @@ from unifusion.losses import fast
 @pytest.fixture
 def auto(monkeypatch):
     """The ``"auto"`` backend with fresh bookkeeping, a threshold of 100 elements and 2 calls."""
-    monkeypatch.setattr(_compile, "_state", {"backend": "auto"})
-    monkeypatch.setattr(_compile, "_auto", {})
-    monkeypatch.setattr(_compile, "_failed", [])
-    monkeypatch.setattr(_compile, "AUTO_MIN_WORK", 100)
-    monkeypatch.setattr(_compile, "AUTO_MIN_CALLS", 2)
+    fresh_auto_backend(monkeypatch, clear_cache=False)
     yield
     _compile.wait_for_compilation()
 

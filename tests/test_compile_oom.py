@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from _auto_backend import fresh_auto_backend
 
 import unifusion as uf
 from unifusion import _compile
@@ -21,12 +22,7 @@ OOM = "CUDA out of memory. Tried to allocate 8.00 GiB"
 def auto(monkeypatch):
     """Fresh ``"auto"`` bookkeeping (threshold 100 elements, 2 calls) and a fake compiler whose compiled copies raise
     what ``raises`` holds while it holds something."""
-    monkeypatch.setattr(_compile, "_state", {"backend": "auto"})
-    monkeypatch.setattr(_compile, "_auto", {})
-    monkeypatch.setattr(_compile, "_failed", [])
-    monkeypatch.setattr(_compile, "_cache", {})
-    monkeypatch.setattr(_compile, "AUTO_MIN_WORK", 100)
-    monkeypatch.setattr(_compile, "AUTO_MIN_CALLS", 2)
+    fresh_auto_backend(monkeypatch)
     raises: list[BaseException] = []
     threads: list[str] = []
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _auto_backend import fresh_auto_backend
 from _hf_tiny import tiny_model
 
 
@@ -173,12 +174,7 @@ def fake_compiler(monkeypatch):
     compiled copies wait for ``gate`` (their first call stands for compiling)."""
     from unifusion import _compile
 
-    monkeypatch.setattr(_compile, "_state", {"backend": "auto"})
-    monkeypatch.setattr(_compile, "_auto", {})
-    monkeypatch.setattr(_compile, "_failed", [])
-    monkeypatch.setattr(_compile, "_cache", {})
-    monkeypatch.setattr(_compile, "AUTO_MIN_WORK", 100)
-    monkeypatch.setattr(_compile, "AUTO_MIN_CALLS", 2)
+    fresh_auto_backend(monkeypatch)
     gate = threading.Event()
 
     def fake_compile(fn, dynamic=None, options=None):
