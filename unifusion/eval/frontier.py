@@ -213,12 +213,12 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     grid = [(n, s) for n in steps for s in seeds]
     done = _complete_points(paths["samples"], num_samples) if resume else {}
     with open(paths["samples"], "w") as sample_file:
-        for lines in done.values():  # kept as they were; the points of this grid are read from them below
-            sample_file.writelines(lines)
+        for rows in done.values():  # kept as they were; the points of this grid are read from them below
+            sample_file.writelines(line for line, _ in rows)
         sample_file.flush()
         for num_steps, seed in _progress(grid, enabled=progress, desc=f"frontier {label}"):
             if (num_steps, seed) in done:
-                texts = [json.loads(line)["text"] for line in done[(num_steps, seed)]]
+                texts = [text for _, text in done[(num_steps, seed)]]
             else:
                 smp = _make_sampler(sampler, model, kernel, num_steps, sampler_kwargs)
                 generator = torch.Generator(device=device).manual_seed(seed)
@@ -265,24 +265,23 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     return result
 
 
-def _complete_points(path: Path, num_samples: int) -> dict[tuple[int, int], list[str]]:
-    """The lines of ``path`` (a samples file) grouped by (steps, seed), for the points with exactly the sample
-    indices 0 … num_samples − 1 (in file order); empty when the file does not exist. Unreadable lines (a run stopped
-    mid-line) and incomplete points are left out."""
+def _complete_points(path: Path, num_samples: int) -> dict[tuple[int, int], list[tuple[str, str]]]:
+    """The (line, text) pairs of ``path`` (a samples file) grouped by (steps, seed), for the points with exactly the
+    sample indices 0 … num_samples − 1 (in file order); empty when the file does not exist. Unreadable lines (a run
+    stopped mid-line) and incomplete points are left out."""
     if not path.is_file():
         return {}
-    points: dict[tuple[int, int], list[str]] = {}
+    points: dict[tuple[int, int], list[tuple[int, str, str]]] = {}
     with open(path) as f:
         for line in f:
             try:
                 row = json.loads(line)
-                key = (int(row["steps"]), int(row["seed"]))
-                int(row["index"]), str(row["text"])
+                key, index, text = (int(row["steps"]), int(row["seed"])), int(row["index"]), str(row["text"])
             except (ValueError, KeyError, TypeError):
                 continue
-            points.setdefault(key, []).append(line if line.endswith("\n") else line + "\n")
-    return {key: lines for key, lines in points.items()
-            if [json.loads(line)["index"] for line in lines] == list(range(num_samples))}
+            points.setdefault(key, []).append((index, line if line.endswith("\n") else line + "\n", text))
+    return {key: [(line, text) for _, line, text in rows] for key, rows in points.items()
+            if [index for index, _, _ in rows] == list(range(num_samples))}
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
