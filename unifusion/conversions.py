@@ -68,7 +68,7 @@ def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torc
         rate = ReverseRate.from_x0(kernel, p, ids, t_)
         return rate.exit_rate, rate.jump_probs
 
-    q = kernel._propagate(p, t_)  # q_t(·|x_θ), (..., S)
+    q = kernel.propagate(p, t_)  # q_t(·|x_θ), (..., S)
     shape = torch.broadcast_shapes(q.shape[:-1], ids.shape)
     ids = ids.expand(shape)
     q = q.expand(*shape, kernel.num_states)
@@ -81,8 +81,8 @@ def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torc
         return torch.where(positive, q / safe_q_xt, torch.zeros_like(q))
 
     # m2s
-    col = kernel._column(ids, torch.zeros_like(t_), t_)  # q_{t|0}(x_t | z)
-    clean = kernel._clean_state_mask(col.device)  # built on the device: no host-to-device copy per call
+    col = kernel.transition_column(ids, torch.zeros_like(t_), t_)  # q_{t|0}(x_t | z)
+    clean = kernel.clean_state_mask_on(col.device)  # built on the device: no host-to-device copy per call
     unreachable = ((col <= 0) & clean).any(-1, keepdim=True)
     if strict and V.validation_enabled() and bool(unreachable.any()):
         raise ValueError(

@@ -60,8 +60,17 @@ def _check_schedule(schedule: object) -> Schedule:
 class Kernel:
     """Base class of forward corruption kernels on ``num_states`` states.
 
-    Subclasses implement ``_propagate``, ``_column``, ``_rate_column``, ``_prior`` and ``_sample``; the public
-    methods validate inputs, choose the computation dtype and broadcast shapes.
+    Two layers of methods:
+
+    * the **checked API** (:meth:`marginal`, :meth:`rate_into`, :meth:`transition_into`, :meth:`posterior`,
+      :meth:`sample`, :meth:`prior`, :meth:`sample_prior`) validates its inputs, applies the package's time rule,
+      chooses the computation dtype and broadcasts;
+    * the **kernel protocol** — :meth:`propagate`, :meth:`log_propagate`, :meth:`marginal_of_ids`,
+      :meth:`log_marginal_of_ids`, :meth:`transition_column`, :meth:`rate_column`, :meth:`noise_distribution`,
+      :meth:`posterior_from_probs` — is what losses, rates and samplers call once they have checked their own inputs:
+      no checks, no host syncs, tensors already on one device in the computation dtype, times already shaped to
+      broadcast with the ids. A new kernel implements :meth:`propagate`, :meth:`transition_column`,
+      :meth:`rate_column`, :meth:`noise_distribution` and ``_sample``.
     """
 
     num_states: int
@@ -71,9 +80,9 @@ class Kernel:
     @property
     def clean_state_mask(self) -> torch.Tensor:
         """Bool ``(S,)`` on the CPU: states a clean token x0 may take (every state but the mask state)."""
-        return self._clean_state_mask(torch.device("cpu"))
+        return self.clean_state_mask_on(torch.device("cpu"))
 
-    def _clean_state_mask(self, device: torch.device) -> torch.Tensor:
+    def clean_state_mask_on(self, device: torch.device) -> torch.Tensor:
         """:attr:`clean_state_mask` built on ``device`` (no host-to-device copy)."""
         keep = torch.ones(self.num_states, dtype=torch.bool, device=device)
         if self.mask_id is not None:
@@ -94,8 +103,8 @@ class Kernel:
                 dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
                 t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
         if ids is None:
-            return self._propagate(p.to(dtype), t_)
-        return self._propagate(self._one_hot(ids, dtype), t_)
+            return self.propagate(p.to(dtype), t_)
+        return self.propagate(self._one_hot(ids, dtype), t_)
 
     def rate_into(self, x_t: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
         """Forward rates R_t(i, x_t) from every source state i into ``x_t`` ``(...)``; returns ``(..., S)`` with 0 at
@@ -104,7 +113,7 @@ class Kernel:
             ids = V.check_token_ids("x_t", x_t, self.num_states)
             dtype = V.compute_dtype(t if isinstance(t, torch.Tensor) else None)
             t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
-        return self._rate_column(ids, t_)
+        return self.rate_column(ids, t_)
 
     def transition_into(self, x_t: torch.Tensor, s: torch.Tensor | float, t: torch.Tensor | float) -> torch.Tensor:
         """q_{t|s}(x_t | a) for every state a, ``(..., S)``, for 0 ≤ s < t < 1 (s = 0 gives q_{t|0}(x_t|·))."""
@@ -114,7 +123,7 @@ class Kernel:
             t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=ids.shape)
             s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False, shape=ids.shape)
             self._check_order(s_, t_)
-        return self._column(ids, s_, t_)
+        return self.transition_column(ids, s_, t_)
 
     def posterior(self, x0_probs: torch.Tensor, x_t: torch.Tensor, s: torch.Tensor | float,
                   t: torch.Tensor | float) -> torch.Tensor:
@@ -131,7 +140,7 @@ class Kernel:
             t_ = V.check_time("t", t, device=ids.device, dtype=dtype, shape=shape)
             s_ = V.check_time("s", s, device=ids.device, dtype=dtype, open_interval=False, shape=shape)
             self._check_order(s_, t_)
-        return self._posterior(p.to(dtype), ids, s_, t_)
+        return self.posterior_from_probs(p.to(dtype), ids, s_, t_)
 
     def sample(self, x0: torch.Tensor, t: torch.Tensor | float,
                generator: torch.Generator | None = None) -> torch.Tensor:
@@ -150,9 +159,9 @@ class Kernel:
         is the terminal prior p_prior (uniform for the uniform kernel, e_mask for mask and GIDD's hybrid).
         A float ``t`` is computed in ``dtype``; a tensor ``t`` in ``dtype`` too (and moved to ``device`` if given)."""
         if t is None:
-            return self._prior(None, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+            return self.noise_distribution(None, dtype, torch.device(device if device is not None else "cpu"))
         t_ = V.check_time("t", t, device=torch.device(device) if device is not None else None, dtype=dtype)
-        return self._prior(t_, t_.dtype, t_.device)
+        return self.noise_distribution(t_, t_.dtype, t_.device)
 
     def sample_prior(self, shape: Sequence[int] | torch.Size, *, t: torch.Tensor | float | None = None,
                      generator: torch.Generator | None = None,
@@ -174,7 +183,7 @@ class Kernel:
             pi = self.prior(t, dtype=torch.float32, device=dev)  # (S,)
             return categorical(pi, n, generator).reshape(shape)
         t_ = V.check_time("t", t, device=dev, dtype=V.compute_dtype(t), shape=shape)
-        pi = torch.broadcast_to(self._prior(t_, t_.dtype, dev), (*shape, self.num_states))  # (*shape, S)
+        pi = torch.broadcast_to(self.noise_distribution(t_, t_.dtype, dev), (*shape, self.num_states))  # (*shape, S)
         return categorical(pi, 1, generator).reshape(shape)
 
     # ------------------------------------------------------------------ helpers shared by subclasses
@@ -187,34 +196,47 @@ class Kernel:
         if V.validation_enabled() and s.numel() and t.numel():
             V.fail_if((s >= t).any(), lambda: "s: expected s < t elementwise (the posterior steps backwards in time)")
 
-    def _posterior(self, p: torch.Tensor, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        numer = self._column(ids, s, t) * self._propagate(p, s)
+    # ------------------------------------------------------------------ the kernel protocol (unchecked)
+    def propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """Σ_z p(z) q_{t|0}(·|z) ``(..., S)`` for a non-negative (not necessarily normalised) ``p`` ``(..., S)``;
+        ``t`` broadcasts with ``p.shape[:-1]``."""
+        raise NotImplementedError  # abstractmethod
+
+    def log_propagate(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """log q_t(·|x_θ) ``(..., S)`` from normalised log-probabilities ``log_p`` ``(..., S)`` (log-space where the
+        kernel allows it)."""
+        return safe_log(self.propagate(log_p.exp(), t))
+
+    def marginal_of_ids(self, ids: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """q_{t|0}(·|ids) ``(..., S)`` in ``dtype`` for clean ids ``(...)``."""
+        return self.propagate(self._one_hot(ids, dtype), t)
+
+    def log_marginal_of_ids(self, ids: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """log q_{t|0}(·|ids) ``(..., S)`` (−inf where the marginal is 0)."""
+        return safe_log(self.marginal_of_ids(ids, t, dtype))
+
+    def transition_column(self, ids: torch.Tensor, s: torch.Tensor,
+                          t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """q_{t|s}(ids | a) for every state a, ``(..., S)`` (s = 0: q_{t|0}(ids | ·))."""
+        raise NotImplementedError  # abstractmethod
+
+    def rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """Forward rates R_t(i, ids) from every source i, ``(..., S)``, 0 at i = ids."""
+        raise NotImplementedError  # abstractmethod
+
+    def noise_distribution(self, t: torch.Tensor | None, dtype: torch.dtype,
+                           device: torch.device) -> torch.Tensor:  # pragma: no cover - abstract
+        """π_t ``(*t.shape, S)`` (``(S,)`` for ``t=None``: the terminal prior)."""
+        raise NotImplementedError  # abstractmethod
+
+    def posterior_from_probs(self, p: torch.Tensor, ids: torch.Tensor, s: torch.Tensor,
+                             t: torch.Tensor) -> torch.Tensor:
+        """p(z_s = · | z_t = ids, x_θ = p) ``(..., S)``: q_{t|s}(ids|·) q_s(·|p), normalised."""
+        numer = self.transition_column(ids, s, t) * self.propagate(p, s)
         return numer / numer.sum(-1, keepdim=True).clamp_min(torch.finfo(numer.dtype).tiny)
 
-    def _log_marginal_from_log_probs(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """log q_t(·|x_θ) from normalised log-probabilities ``log_p`` ``(..., S)``."""
-        return safe_log(self._propagate(log_p.exp(), t))
-
-    def _log_marginal_ids(self, ids: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return safe_log(self._propagate(self._one_hot(ids, dtype), t))
-
-    # subclass hooks -------------------------------------------------------------------------------
-    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        """Σ_z p(z) q_{t|0}(·|z) for a non-negative (not necessarily normalised) ``p`` ``(..., S)``."""
-        raise NotImplementedError  # abstractmethod
-
-    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError  # abstractmethod
-
-    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError  # abstractmethod
-
-    def _prior(self, t: torch.Tensor | None, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError  # abstractmethod
-
     def _sample(self, ids: torch.Tensor, t: torch.Tensor,
-                generator: torch.Generator | None) -> torch.Tensor:  # pragma: no cover
+                generator: torch.Generator | None) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError  # abstractmethod
 
 
@@ -222,112 +244,128 @@ class InterpolatingKernel(Kernel):
     """q_{t|0}(j|i) = α_t δ_ij + m_t(j) with m_t = a_t e_mask + (b_t / |U|) 1_U (Definition 2.2 (2), GIDD).
 
     ``U`` is the set of states that receive uniform noise (all states, or all but the mask). Subclasses implement
-    ``_coefficients(t)`` → (α_t, a_t, b_t) and ``_rate_coefficients(t)`` → (v_mask, v_unif): the forward rate into the
-    mask state and into each state of ``U``.
+    :meth:`coefficients` (α_t, a_t, b_t) and :meth:`rate_coefficients` (v_mask, v_unif): the forward rate into the
+    mask state and into each state of ``U``. The structure methods below (:meth:`noise_at`, :meth:`noise_vector`,
+    :meth:`is_mask`, :meth:`in_uniform_support`, :meth:`transition_noise_at`) are part of the unchecked kernel
+    protocol: the O(S)-per-position losses and samplers are written in terms of them.
     """
 
-    _uniform_over_all: bool = True
+    uniform_over_all: bool = True
 
     # -- structure
-    def _unif_count(self) -> int:
-        if self._uniform_over_all or self.mask_id is None:
+    @property
+    def num_uniform_states(self) -> int:
+        """|U|: the number of states that receive uniform noise (all states, or all but the mask state)."""
+        if self.uniform_over_all or self.mask_id is None:
             return self.num_states
         return self.num_states - 1
 
-    def _coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def has_uniform_noise(self) -> bool:
+        """Whether some noise mass goes to clean states (u = b_t/|U| > 0 for t in (0, 1)); ``False`` for the mask
+        kernel and a hybrid kernel with ``p_uniform = 0``."""
+        return True
+
+    def coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(α_t, a_t, b_t), each shaped like ``t``: q_{t|0}(j|i) = α_t δ_ij + a_t δ_{j,mask} + b_t 1_U(j)/|U|."""
         raise NotImplementedError  # abstractmethod
 
-    def _rate_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rate_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v_mask, v_unif), shaped like ``t``: the forward rate into the mask state and into each state of U."""
         raise NotImplementedError  # abstractmethod
 
-    def _in_uniform_support(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._uniform_over_all or self.mask_id is None:
+    def in_uniform_support(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool like ``ids``: whether each id is in U (receives uniform noise)."""
+        if self.uniform_over_all or self.mask_id is None:
             return torch.ones_like(ids, dtype=torch.bool)
         return ids != self.mask_id
 
-    def _is_mask(self, ids: torch.Tensor) -> torch.Tensor:
+    def is_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool like ``ids``: whether each id is the mask state (all ``False`` without one)."""
         if self.mask_id is None:
             return torch.zeros_like(ids, dtype=torch.bool)
         return ids == self.mask_id
 
-    def _noise_vector(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def noise_vector(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """m_t ``(..., S)`` from the mask mass a_t and uniform mass b_t (both ``(...)``)."""
         S = self.num_states
         support = torch.ones(S, dtype=a.dtype, device=a.device)
-        if self.mask_id is not None and not self._uniform_over_all:
+        if self.mask_id is not None and not self.uniform_over_all:
             support[self.mask_id] = 0.0
-        m = (b / self._unif_count()).unsqueeze(-1) * support
+        m = (b / self.num_uniform_states).unsqueeze(-1) * support
         if self.mask_id is not None:  # e_mask by indexing (one_hot would read its input back to check the range)
             e_mask = torch.zeros(S, dtype=a.dtype, device=a.device)
             e_mask[self.mask_id] = 1.0
             m = m + a.unsqueeze(-1) * e_mask
         return m
 
-    def _noise_at(self, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """m_t(ids) elementwise."""
-        out = torch.where(self._in_uniform_support(ids), b / self._unif_count(), torch.zeros_like(b))
-        return out + torch.where(self._is_mask(ids), a, torch.zeros_like(a))
+    def noise_at(self, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """m_t(ids) elementwise, from the mask mass ``a`` and uniform mass ``b`` of :meth:`coefficients`."""
+        out = torch.where(self.in_uniform_support(ids), b / self.num_uniform_states, torch.zeros_like(b))
+        return out + torch.where(self.is_mask(ids), a, torch.zeros_like(a))
 
-    # -- hooks
-    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        alpha, a, b = self._coefficients(t)
+    # -- the kernel protocol
+    def propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha, a, b = self.coefficients(t)
         shape = torch.broadcast_shapes(p.shape[:-1], alpha.shape)
         alpha, a, b = (torch.broadcast_to(x, shape) for x in (alpha, a, b))
-        return alpha.unsqueeze(-1) * p + self._noise_vector(a, b) * p.sum(-1, keepdim=True)
+        return alpha.unsqueeze(-1) * p + self.noise_vector(a, b) * p.sum(-1, keepdim=True)
 
-    def _log_marginal_from_log_probs(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        alpha, a, b = self._coefficients(t)
+    def log_propagate(self, log_p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha, a, b = self.coefficients(t)
         shape = torch.broadcast_shapes(log_p.shape[:-1], alpha.shape)
         alpha, a, b = (torch.broadcast_to(x, shape) for x in (alpha, a, b))
-        log_m = safe_log(self._noise_vector(a, b))
+        log_m = safe_log(self.noise_vector(a, b))
         return torch.logaddexp(torch.log(alpha).unsqueeze(-1) + log_p, log_m)
 
-    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        alpha_t, a_t, b_t = self._coefficients(t)
-        alpha_s, a_s, b_s = self._coefficients(s)
+    def transition_column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        alpha_t, a_t, b_t = self.coefficients(t)
+        alpha_s, a_s, b_s = self.coefficients(s)
         shape = torch.broadcast_shapes(ids.shape, alpha_t.shape, alpha_s.shape)
         ids = ids.expand(shape)
         ratio = torch.broadcast_to(alpha_t / alpha_s, shape)
-        w = torch.broadcast_to(self._w(ids, s, t, (alpha_t, a_t, b_t), (alpha_s, a_s, b_s)), shape)
+        w = torch.broadcast_to(self.transition_noise_at(ids, (alpha_t, a_t, b_t), (alpha_s, a_s, b_s)), shape)
         out = torch.zeros(*shape, self.num_states, dtype=ratio.dtype, device=ids.device) + w.unsqueeze(-1)
         return out.scatter_add_(-1, ids.unsqueeze(-1), ratio.unsqueeze(-1))
 
-    def _w(self, ids, s, t, coef_t, coef_s) -> torch.Tensor:
-        """w(ids) = m_t(ids) − (α_t/α_s) m_s(ids) ≥ 0."""
+    def transition_noise_at(self, ids: torch.Tensor, coef_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                            coef_s: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """w(ids) = m_t(ids) − (α_t/α_s) m_s(ids) ≥ 0, the noise part of q_{t|s}(ids|a) = (α_t/α_s) δ_{a,ids} +
+        w(ids); ``coef_t``, ``coef_s`` are :meth:`coefficients` at t and s."""
         alpha_t, a_t, b_t = coef_t
         alpha_s, a_s, b_s = coef_s
-        return self._noise_at(ids, a_t, b_t) - (alpha_t / alpha_s) * self._noise_at(ids, a_s, b_s)
+        return self.noise_at(ids, a_t, b_t) - (alpha_t / alpha_s) * self.noise_at(ids, a_s, b_s)
 
-    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        v_mask, v_unif = self._rate_coefficients(t)
+    def rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        v_mask, v_unif = self.rate_coefficients(t)
         shape = torch.broadcast_shapes(ids.shape, v_mask.shape)
         ids = ids.expand(shape)
-        v = torch.where(self._is_mask(ids), v_mask, torch.where(self._in_uniform_support(ids), v_unif,
+        v = torch.where(self.is_mask(ids), v_mask, torch.where(self.in_uniform_support(ids), v_unif,
                                                                      torch.zeros_like(v_unif)))
         out = v.unsqueeze(-1).expand(*shape, self.num_states).clone()
         return out.scatter_(-1, ids.unsqueeze(-1), 0.0)
 
-    def _prior(self, t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def noise_distribution(self, t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if t is None:  # the t → 1 limit (GIDD's c_1 = 0 makes the hybrid prior all-mask)
             t = torch.ones((), dtype=torch.float64, device=device)
-            alpha, a, b = self._coefficients(t)
-            m = self._noise_vector(a, b)
+            alpha, a, b = self.coefficients(t)
+            m = self.noise_vector(a, b)
             return (m / m.sum(-1, keepdim=True)).to(dtype)
-        alpha, a, b = self._coefficients(t)
-        m = self._noise_vector(a, b)
+        alpha, a, b = self.coefficients(t)
+        m = self.noise_vector(a, b)
         return m / m.sum(-1, keepdim=True)
 
     def _sample(self, ids: torch.Tensor, t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        alpha, a, b = self._coefficients(t)
+        alpha, a, b = self.coefficients(t)
         shape = torch.broadcast_shapes(ids.shape, alpha.shape)
         ids = ids.expand(shape)
         u = torch.rand(shape, generator=generator, device=ids.device, dtype=alpha.dtype)
         alpha, a = torch.broadcast_to(alpha, shape), torch.broadcast_to(a, shape)
         keep = u < alpha
         to_mask = (u >= alpha) & (u < alpha + a)
-        n_unif = self._unif_count()
+        n_unif = self.num_uniform_states
         noise = torch.randint(0, n_unif, shape, generator=generator, device=ids.device)
-        if not self._uniform_over_all and self.mask_id is not None:
+        if not self.uniform_over_all and self.mask_id is not None:
             noise = noise + (noise >= self.mask_id).long()  # skip the mask id
         out = torch.where(keep, ids, noise)
         if self.mask_id is not None:
@@ -354,14 +392,14 @@ class UniformKernel(InterpolatingKernel):
     def __repr__(self) -> str:
         return f"UniformKernel(num_states={self.num_states}, schedule={self.schedule!r})"
 
-    def _coefficients(self, t):
+    def coefficients(self, t):
         return self.schedule.alpha(t), torch.zeros_like(t), self.schedule.one_minus_alpha(t)
 
-    def _rate_coefficients(self, t):
+    def rate_coefficients(self, t):
         v = self.schedule.hazard(t) / self.num_states
         return torch.zeros_like(v), v
 
-    def _w(self, ids, s, t, coef_t, coef_s):
+    def transition_noise_at(self, ids, coef_t, coef_s):
         # (1 − α_t/α_s)/S = (β_t − β_s)/(α_s S): no cancellation for close s, t
         beta_t, beta_s = coef_t[2], coef_s[2]
         return (beta_t - beta_s) / (coef_s[0] * self.num_states) + torch.zeros_like(ids, dtype=beta_t.dtype)
@@ -375,7 +413,7 @@ class MaskKernel(InterpolatingKernel):
     """
 
     mask_id: int
-    _uniform_over_all = False
+    uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:
         self.num_states = _check_num_states(num_states)
@@ -391,17 +429,22 @@ class MaskKernel(InterpolatingKernel):
     def __repr__(self) -> str:
         return f"MaskKernel(num_states={self.num_states}, mask_id={self.mask_id}, schedule={self.schedule!r})"
 
-    def _unif_count(self) -> int:
+    @property
+    def num_uniform_states(self) -> int:
         return max(self.num_states - 1, 1)
 
-    def _coefficients(self, t):
+    @property
+    def has_uniform_noise(self) -> bool:
+        return False
+
+    def coefficients(self, t):
         return self.schedule.alpha(t), self.schedule.one_minus_alpha(t), torch.zeros_like(t)
 
-    def _rate_coefficients(self, t):
+    def rate_coefficients(self, t):
         v = self.schedule.hazard(t)
         return v, torch.zeros_like(v)
 
-    def _w(self, ids, s, t, coef_t, coef_s):
+    def transition_noise_at(self, ids, coef_t, coef_s):
         beta_t, beta_s = coef_t[1], coef_s[1]
         w = (beta_t - beta_s) / coef_s[0]
         return torch.where(ids == self.mask_id, w, torch.zeros_like(w))
@@ -418,7 +461,7 @@ class HybridKernel(InterpolatingKernel):
     the uniform share of the noise peaks at t = 1/2 and the terminal prior is all-mask.
     """
 
-    _uniform_over_all = False
+    uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, p_uniform: float, gamma: float = 1.0) -> None:
         self.num_states = _check_num_states(num_states)
@@ -444,14 +487,18 @@ class HybridKernel(InterpolatingKernel):
         return (f"HybridKernel(num_states={self.num_states}, mask_id={self.mask_id}, "
                 f"p_uniform={self.p_uniform}, gamma={self.gamma})")
 
+    @property
+    def has_uniform_noise(self) -> bool:
+        return self.B > 0.0
+
     def _c(self, t: torch.Tensor) -> torch.Tensor:
         return self.B * (t * (1.0 - t)).clamp_min(0.0) ** (self.gamma / 2.0)
 
-    def _coefficients(self, t):
+    def coefficients(self, t):
         c = self._c(t)
         return (1.0 - t) / (1.0 + c), t / (1.0 + c), c / (1.0 + c)
 
-    def _rate_coefficients(self, t):
+    def rate_coefficients(self, t):
         c = self._c(t)
         v_mask = 1.0 / ((1.0 - t) * (1.0 + c))
         v_unif = c * (self.gamma * (1.0 - 2.0 * t) + 2.0 * t) / (
@@ -521,7 +568,7 @@ class GeneratorKernel(Kernel):
         pi = torch.linalg.lstsq(A, rhs).solution.squeeze(-1).clamp_min(0.0)
         return pi / pi.sum()
 
-    def _sigma(self, t: torch.Tensor) -> torch.Tensor:
+    def integrated_rate(self, t: torch.Tensor) -> torch.Tensor:
         if self.schedule is None:
             return t
         return -self.schedule.log_alpha(t)
@@ -531,34 +578,34 @@ class GeneratorKernel(Kernel):
             return torch.ones_like(t)
         return self.schedule.hazard(t)
 
-    def _P(self, sigma: torch.Tensor) -> torch.Tensor:
+    def transition_matrix(self, sigma: torch.Tensor) -> torch.Tensor:
         # the matrix exponential runs in float64 (float32's loses ~1e-5 relative); the result follows sigma's dtype
         R = self._on("generator", sigma.device, torch.float64)
         return torch.linalg.matrix_exp(sigma.to(torch.float64)[..., None, None] * R).to(sigma.dtype)
 
-    def _propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        P = self._P(self._sigma(t))  # (..., S, S)
+    def propagate(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        P = self.transition_matrix(self.integrated_rate(t))  # (..., S, S)
         return (p.unsqueeze(-2) @ P).squeeze(-2)
 
-    def _column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        P = self._P(self._sigma(t) - self._sigma(s))  # (..., S, S) = P_{s,t}
+    def transition_column(self, ids: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        P = self.transition_matrix(self.integrated_rate(t) - self.integrated_rate(s))  # (..., S, S) = P_{s,t}
         shape = torch.broadcast_shapes(ids.shape, P.shape[:-2])
         P = P.expand(*shape, self.num_states, self.num_states)
         idx = ids.expand(shape)[..., None, None].expand(*shape, self.num_states, 1)
         return P.gather(-1, idx).squeeze(-1)
 
-    def _rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def rate_column(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         R = self._on("generator", ids.device, t.dtype)
         col = R.T[ids]  # (..., S): R(i, ids) over sources i
         col = col.scatter(-1, ids.unsqueeze(-1), 0.0)
         return self._beta_rate(t).unsqueeze(-1) * col
 
-    def _prior(self, t, dtype, device):
+    def noise_distribution(self, t, dtype, device):
         pi = self._on("prior", device, dtype)
         if t is None:
             return pi
         return pi.expand(*t.shape, self.num_states)
 
     def _sample(self, ids, t, generator):
-        q = self._propagate(self._one_hot(ids, t.dtype), t)
+        q = self.propagate(self._one_hot(ids, t.dtype), t)
         return categorical(q.clamp_min(0.0), 1, generator).reshape(q.shape[:-1])

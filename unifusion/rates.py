@@ -116,7 +116,7 @@ class ReverseRate:
 
     # ------------------------------------------------------------------ constructors (Theorem 3.3)
     @classmethod
-    def _from_log_ratio(cls, kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor,
+    def from_log_marginal(cls, kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor,
                         log_q: torch.Tensor) -> ReverseRate:
         """R_t(i, x_t) q(i)/q(x_t) from log q ``(..., S)``; 0 where q(x_t) = 0."""
         shape = torch.broadcast_shapes(log_q.shape[:-1], x_t.shape)
@@ -124,7 +124,7 @@ class ReverseRate:
         log_q = log_q.expand(*shape, log_q.shape[-1])
         log_den = log_q.gather(-1, x_t.unsqueeze(-1))
         reachable = ~torch.isneginf(log_den)
-        log_R = safe_log(kernel._rate_column(x_t, t))
+        log_R = safe_log(kernel.rate_column(x_t, t))
         log_rates = log_R + log_q - torch.where(reachable, log_den, torch.zeros_like(log_den))
         log_rates = torch.where(reachable, log_rates, torch.full_like(log_rates, float("-inf")))
         log_rates = _zero_at(log_rates, x_t, float("-inf"))
@@ -137,8 +137,8 @@ class ReverseRate:
         kernel = _check_kernel(kernel)
         ids, t_, dtype = _setup(kernel, x_t, t)
         x0 = V.check_token_ids("x0", x0, kernel.num_states)
-        log_q0 = kernel._log_marginal_ids(x0, t_, dtype)
-        return cls._from_log_ratio(kernel, ids, t_, log_q0)
+        log_q0 = kernel.log_marginal_of_ids(x0, t_, dtype)
+        return cls.from_log_marginal(kernel, ids, t_, log_q0)
 
     @classmethod
     def from_x0(cls, kernel: Kernel, x0_probs: torch.Tensor, x_t: torch.Tensor,
@@ -147,8 +147,8 @@ class ReverseRate:
         kernel = _check_kernel(kernel)
         p = V.check_distribution("x0_probs", x0_probs, kernel.num_states)
         ids, t_, dtype = _setup(kernel, x_t, t, p)
-        log_q = safe_log(kernel._propagate(p.to(dtype), t_))
-        return cls._from_log_ratio(kernel, ids, t_, log_q)
+        log_q = safe_log(kernel.propagate(p.to(dtype), t_))
+        return cls.from_log_marginal(kernel, ids, t_, log_q)
 
     @classmethod
     def from_x0_logits(cls, kernel: Kernel, x0_logits: torch.Tensor, x_t: torch.Tensor,
@@ -158,8 +158,8 @@ class ReverseRate:
         logits = V.check_head("x0_logits", x0_logits, kernel.num_states)
         ids, t_, dtype = _setup(kernel, x_t, t, logits)
         log_p = x0_log_probs(kernel, logits.to(dtype))
-        log_q = kernel._log_marginal_from_log_probs(log_p, t_)
-        return cls._from_log_ratio(kernel, ids, t_, log_q)
+        log_q = kernel.log_propagate(log_p, t_)
+        return cls.from_log_marginal(kernel, ids, t_, log_q)
 
     @classmethod
     def from_score(cls, kernel: Kernel, score: torch.Tensor, x_t: torch.Tensor,
@@ -171,7 +171,7 @@ class ReverseRate:
         score = _zero_at(score, ids)
         if V.validation_enabled() and score.numel() and bool((score < 0).any()):
             raise ValueError(f"score: expected non-negative concrete scores, got min {float(score.min())}")
-        rates = kernel._rate_column(ids, t_) * score
+        rates = kernel.rate_column(ids, t_) * score
         return cls(rates, ids)
 
     @classmethod
@@ -186,7 +186,7 @@ class ReverseRate:
         mu = V.check_distribution("mu", mu, kernel.num_states)
         ids, t_, dtype = _setup(kernel, x_t, t, mu)
         mu = mu.to(dtype)
-        R = kernel._rate_column(ids, t_)
+        R = kernel.rate_column(ids, t_)
         score = _b_operator(kernel, mu, ids, t_, R)
         return cls(R * score, ids)
 
@@ -218,7 +218,7 @@ def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
 def _b_operator(kernel: Kernel, mu: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                 R: torch.Tensor) -> torch.Tensor:
     """(B_{x_t,t} μ)_i = Σ_z μ(z) q_{t|0}(i|z)/q_{t|0}(x_t|z) ``(..., S)``, 0 on rows with R(·, x_t) ≡ 0."""
-    col = kernel._column(x_t, torch.zeros_like(t), t)  # q_{t|0}(x_t | z), (..., S)
+    col = kernel.transition_column(x_t, torch.zeros_like(t), t)  # q_{t|0}(x_t | z), (..., S)
     active = (R > 0).any(-1, keepdim=True)
     reachable = col > 0
     if V.validation_enabled():
@@ -229,5 +229,5 @@ def _b_operator(kernel: Kernel, mu: torch.Tensor, x_t: torch.Tensor, t: torch.Te
                 "(q_{t|0}(x_t|z) = 0), so the M2S operator B_{x_t,t} is undefined there (Theorem 3.5's condition)"
             )
     ratio = torch.where(reachable, mu / torch.where(reachable, col, torch.ones_like(col)), torch.zeros_like(mu))
-    score = kernel._propagate(ratio, t)
+    score = kernel.propagate(ratio, t)
     return torch.where(active, score, torch.zeros_like(score))

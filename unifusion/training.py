@@ -91,15 +91,15 @@ def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch
                 t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Convert x0 logits into the head(s) ``objective``'s loss takes (Theorem 3.5, in log space)."""
     log_x = x0_log_probs(kernel, logits)
-    log_q = kernel._log_marginal_from_log_probs(log_x, t)  # log q_t(·|x_θ)
+    log_q = kernel.log_propagate(log_x, t)  # log q_t(·|x_θ)
     log_q_xt = log_q.gather(-1, x_t.unsqueeze(-1))
     if objective == "sedd":
         return (log_q - log_q_xt,)  # log s_i = log q_t(i|x_θ) − log q_t(x_t|x_θ)
     if objective == "m2s":
-        log_col = torch.log(kernel._column(x_t, torch.zeros_like(t), t).clamp_min(0))
+        log_col = torch.log(kernel.transition_column(x_t, torch.zeros_like(t), t).clamp_min(0))
         return (log_x + log_col - log_q_xt,)  # log μ(z) = log x_θ(z) + log q_{t|0}(x_t|z) − log q_t(x_t|x_θ)
     if objective == "ctmc":
-        log_R = torch.log(kernel._rate_column(x_t, t))
+        log_R = torch.log(kernel.rate_column(x_t, t))
         log_rates = (log_R + log_q - log_q_xt).scatter(-1, x_t.unsqueeze(-1), float("-inf"))
         # an all-zero row (e.g. an unmasked token under the mask kernel) has log λ = −inf: keep it (and its
         # gradient) finite with a negligible exit rate e^{-80}

@@ -121,10 +121,10 @@ def _corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
     K, m = t.shape[0], span.shape[0]
     x_0 = span.unsqueeze(0).expand(K, m)
     if isinstance(kernel, InterpolatingKernel):
-        alpha_t = kernel._coefficients(t)[0]  # (K,)
+        alpha_t = kernel.coefficients(t)[0]  # (K,)
         u = torch.rand((K, m), generator=generator, device=span.device, dtype=t.dtype)
         selected = u >= alpha_t.unsqueeze(-1)
-        pi_t = kernel._prior(t, t.dtype, t.device)  # (K, S): π_t (t made by the caller, valid: no check)
+        pi_t = kernel.noise_distribution(t, t.dtype, t.device)  # (K, S): π_t (t made by the caller, valid: no check)
         noise = categorical(pi_t, m, generator)  # (K, m), no host sync
         return torch.where(selected, noise, x_0), selected
     with validation(False):  # span and times checked or made by the caller: no per-choice read back

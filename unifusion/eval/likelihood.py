@@ -58,7 +58,7 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
     ids = check_token_ids("x0", x0, kernel.num_states)
     T = 1.0 if isinstance(kernel, InterpolatingKernel) else 1.0 - 1e-7
     t = torch.full((), T, dtype=torch.float64, device=ids.device)  # filled there: no host-to-device copy
-    q = kernel._propagate(kernel._one_hot(ids, torch.float64), t)  # (..., S)
+    q = kernel.marginal_of_ids(ids, t, torch.float64)  # (..., S)
     prior = kernel.prior(None, dtype=torch.float64, device=ids.device)  # (S,)
     pos = q > 0
     ratio = torch.where(pos, q, torch.ones_like(q)) / prior

@@ -123,14 +123,6 @@ def _is_fast_kernel(kernel: Kernel) -> bool:
     return isinstance(kernel, (UniformKernel, MaskKernel, HybridKernel))
 
 
-def _has_uniform_noise(kernel: InterpolatingKernel) -> bool:
-    if isinstance(kernel, MaskKernel):
-        return False
-    if isinstance(kernel, HybridKernel):
-        return kernel.B > 0.0
-    return True
-
-
 def _check_weighting(weighting: object, max_weight: object) -> None:
     if weighting not in GIDD_WEIGHTINGS:
         raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
@@ -179,13 +171,13 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
     t_ = t_.reshape(-1)
 
     assert isinstance(kernel, InterpolatingKernel)
-    alpha, a, b = kernel._coefficients(t_)
-    u = b / kernel._unif_count()
-    m_x0 = kernel._noise_at(x0, a, b)
-    m_xt = kernel._noise_at(x_t, a, b)
-    v_mask, v_unif = kernel._rate_coefficients(t_)
-    v = torch.where(kernel._is_mask(x_t), v_mask,
-                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    alpha, a, b = kernel.coefficients(t_)
+    u = b / kernel.num_uniform_states
+    m_x0 = kernel.noise_at(x0, a, b)
+    m_xt = kernel.noise_at(x_t, a, b)
+    v_mask, v_unif = kernel.rate_coefficients(t_)
+    v = torch.where(kernel.is_mask(x_t), v_mask,
+                    torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
     q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + m_xt
     if weighting == "dynamic":
         w = _dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
@@ -194,8 +186,8 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
         if weighting == "clip":
             w = w.clamp(0.0, max_weight)
     rows = _Rows(x0=x0, x_t=x_t, alpha=alpha, u=u, m_x0=m_x0, m_xt=m_xt, v=v, w=w,
-                 x0_is_mask=kernel._is_mask(x0), xt_is_mask=kernel._is_mask(x_t),
-                 uniform_noise=_has_uniform_noise(kernel), mask_id=kernel.mask_id, dtype=dtype)
+                 x0_is_mask=kernel.is_mask(x0), xt_is_mask=kernel.is_mask(x_t),
+                 uniform_noise=kernel.has_uniform_noise, mask_id=kernel.mask_id, dtype=dtype)
     return rows, shape
 
 

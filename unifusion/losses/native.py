@@ -193,10 +193,10 @@ class _Interp:
     """
 
     def __init__(self, kernel: InterpolatingKernel, t: torch.Tensor, shape: torch.Size) -> None:
-        alpha, a, b = kernel._coefficients(t)
+        alpha, a, b = kernel.coefficients(t)
         alpha, a, b = (torch.broadcast_to(v, shape) for v in (alpha, a, b))
         self.log_alpha = torch.log(alpha)
-        self.m = kernel._noise_vector(a, b)                      # (..., S)
+        self.m = kernel.noise_vector(a, b)                      # (..., S)
         self.has_m = self.m > 0
         self.log_m = torch.log(torch.where(self.has_m, self.m, torch.ones_like(self.m)))  # 0 where m = 0 (unused)
 
@@ -245,11 +245,11 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     with Q_t = R_tᵀ (so Q_t(x_t, y) = R_t(y, x_t)) and s = exp(log_score) ``(..., S)``.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"log_score": log_score}, x0, x_t, t)
-    Q = kernel._rate_column(x_t, t)
+    Q = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         log_r = _interp_log_r(_Interp(kernel, t, x_t.shape), x0, x_t)
     else:
-        log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t)
+        log_r = _log_ratio_to_xt(kernel.log_marginal_of_ids(x0, t, dtype), x_t)
     # entries with no rate (Q = 0: the x_t entry, every entry of an unmasked token under the mask kernel) get the
     # harmless (r, s) = (1, 1): their term is dropped anyway, and an overflowing s there would poison the gradient
     used = Q > 0
@@ -352,11 +352,11 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
     x0, x_t = x0.expand(shape), x_t.expand(shape)
     if weighting == "dynamic":
         return _dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
-    alpha, a, b = kernel._coefficients(t_)
-    v_mask, v_unif = kernel._rate_coefficients(t_)
-    v = torch.where(kernel._is_mask(x_t), v_mask,
-                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
-    q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + kernel._noise_at(x_t, a, b)
+    alpha, a, b = kernel.coefficients(t_)
+    v_mask, v_unif = kernel.rate_coefficients(t_)
+    v = torch.where(kernel.is_mask(x_t), v_mask,
+                    torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + kernel.noise_at(x_t, a, b)
     w = torch.where(q0_xt > 0, v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt)), torch.zeros_like(v))
     return w.clamp(0.0, max_weight) if weighting == "clip" else w
 
@@ -390,7 +390,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
         if isinstance(kernel, GeneratorKernel):
             return _generator_d_t(kernel, log_x, x0, x_t, t)
         true = ReverseRate.true_conditional(kernel, x0, x_t, t)  # any other kernel: D_t from log-space rates
-        model = ReverseRate._from_log_ratio(kernel, x_t, t, safe_log(kernel._propagate(log_x.exp(), t)))
+        model = ReverseRate.from_log_marginal(kernel, x_t, t, safe_log(kernel.propagate(log_x.exp(), t)))
         return bregman_rate_loss(true, model)
 
     ip = _Interp(kernel, t, x_t.shape)
@@ -404,15 +404,15 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     has_delta = delta > 0
     z_x0 = (ip.log_alpha + torch.log(torch.where(has_delta, delta, torch.ones_like(delta)))
             - _gather(log_q_theta, x0))
-    l_x0 = torch.where(has_delta & ~kernel._is_mask(x0),
+    l_x0 = torch.where(has_delta & ~kernel.is_mask(x0),
                        _softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
     l = l.scatter(-1, x0.unsqueeze(-1), l_x0.unsqueeze(-1))
     # Σ_y f(q0, qθ) = KL since both sum to 1; r = q0 passed in log space, so a confidently wrong model (qθ(x0)
     # underflowing, ℓ = 10⁴) still gives q0 (ℓ − 1) + qθ instead of 0 · ∞
     kl = bregman_from_log_ratio(log_q_theta, l, log_r=log_q0).sum(-1)
-    v_mask, v_unif = kernel._rate_coefficients(t)
-    v = torch.where(kernel._is_mask(x_t), v_mask,
-                    torch.where(kernel._in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    v_mask, v_unif = kernel.rate_coefficients(t)
+    v = torch.where(kernel.is_mask(x_t), v_mask,
+                    torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
     log_q0_xt = _gather(log_q0, x_t)
     log_rho = _gather(l, x_t)
     possible = ~torch.isneginf(log_q0_xt)
@@ -446,8 +446,8 @@ def _generator_d_t(kernel: GeneratorKernel, log_x: torch.Tensor, x0: torch.Tenso
     log-space rates of :class:`~unifusion.rates.ReverseRate`. O(S²) per position: meant for small S, as
     :class:`~unifusion.kernels.GeneratorKernel` itself.
     """
-    P = kernel._P(kernel._sigma(t))  # (..., S, S), float64
-    R_in = kernel._rate_column(x_t, t)  # R_t(y, x_t) over sources y, 0 at y = x_t
+    P = kernel.transition_matrix(kernel.integrated_rate(t))  # (..., S, S), float64
+    R_in = kernel.rate_column(x_t, t)  # R_t(y, x_t) over sources y, 0 at y = x_t
     S = P.shape[-1]
     p = log_x.exp()
     q0 = P.gather(-2, x0[..., None, None].expand(*x0.shape, 1, S)).squeeze(-2)  # P[x0, ·]
@@ -483,7 +483,7 @@ def _generator_d_t(kernel: GeneratorKernel, log_x: torch.Tensor, x0: torch.Tenso
     d_t = torch.where(used, R_in * f, torch.zeros_like(f)).sum(-1)
     # x_t impossible under x0, or under the model: the generic log-space rates
     true = ReverseRate.true_conditional(kernel, x0, x_t, t)
-    model = ReverseRate._from_log_ratio(kernel, x_t, t, log_q_theta)
+    model = ReverseRate.from_log_marginal(kernel, x_t, t, log_q_theta)
     generic = bregman_rate_loss(true, model)
     return torch.where(possible, d_t, generic)
 
@@ -499,12 +499,12 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
     log_mu = x0_log_probs(kernel, h["mu_logits"])
-    R = kernel._rate_column(x_t, t)
+    R = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
     mu = log_mu.exp()
     s = _b_operator(kernel, mu, x_t, t, R)
-    log_r = _log_ratio_to_xt(kernel._log_marginal_ids(x0, t, dtype), x_t).scatter(-1, x_t.unsqueeze(-1), 0.0)
+    log_r = _log_ratio_to_xt(kernel.log_marginal_of_ids(x0, t, dtype), x_t).scatter(-1, x_t.unsqueeze(-1), 0.0)
     log_s = safe_log(s).scatter(-1, x_t.unsqueeze(-1), 0.0)
     return _weighted_sum(R, bregman_from_logs(log_r, log_s), x_t)
 

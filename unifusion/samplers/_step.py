@@ -23,12 +23,13 @@ from ._draws import BLOCK_SIZE, Generators, draw_from_logits, draw_rows, sample_
 def kernel_coefficients(kernel: Kernel, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(α_t, a_t, b_t) of an interpolating kernel (q_{t|0}(j|i) = α_t δ_ij + a_t e_mask + b_t u_U), else ``None``."""
     if isinstance(kernel, InterpolatingKernel):
-        return kernel._coefficients(t)
+        return kernel.coefficients(t)
     return None
 
 
 def stay_probability(kernel: InterpolatingKernel, p_b: torch.Tensor, x_t: torch.Tensor,
-                     coef_t: tuple[torch.Tensor, ...], coef_s: tuple[torch.Tensor, ...],
+                     coef_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     coef_s: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """P(z_s = x_t) of the mixture form of p̂_{s|t}: r q_s(b|x_θ) / (r q_s(b|x_θ) + w(b)), b = x_t, ``(B, L)``.
 
@@ -37,8 +38,8 @@ def stay_probability(kernel: InterpolatingKernel, p_b: torch.Tensor, x_t: torch.
     """
     alpha_t, alpha_s = coef_t[0], coef_s[0]
     r = alpha_t / alpha_s
-    q_s_b = alpha_s * p_b + kernel._noise_at(x_t, coef_s[1], coef_s[2])  # q_s(b | x_θ)
-    w_b = kernel._w(x_t, s, t, coef_t, coef_s).clamp_min(0.0)  # noise part of q_{t|s}(b | ·)
+    q_s_b = alpha_s * p_b + kernel.noise_at(x_t, coef_s[1], coef_s[2])  # q_s(b | x_θ)
+    w_b = kernel.transition_noise_at(x_t, coef_t, coef_s).clamp_min(0.0)  # noise part of q_{t|s}(b | ·)
     stay = r * q_s_b
     z = stay + w_b
     return torch.where(z > 0, stay / torch.where(z > 0, z, torch.ones_like(z)), torch.ones_like(z))
@@ -48,9 +49,9 @@ def noise_tokens(kernel: InterpolatingKernel, shape: torch.Size | tuple[int, ...
                  device: torch.device) -> torch.Tensor:
     """Uniform draws over the kernel's uniform-noise support U (all states, or all but the mask), int64 (one
     generator, or one per row: :func:`~unifusion.samplers._draws.draw_rows`)."""
-    n = kernel._unif_count()
+    n = kernel.num_uniform_states
     z = draw_rows(lambda size, g: torch.randint(0, n, size, generator=g, device=device), tuple(shape), generator)
-    if not kernel._uniform_over_all and kernel.mask_id is not None:
+    if not kernel.uniform_over_all and kernel.mask_id is not None:
         z = z + (z >= kernel.mask_id).long()
     return z
 
@@ -81,7 +82,7 @@ def bayesian_step(weights: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: t
     if not isinstance(kernel, InterpolatingKernel):  # dense fallback, O(S) per position through the kernel's hooks
         total = weights.sum(-1, keepdim=True)
         weights.div_(total.clamp_min(torch.finfo(weights.dtype).tiny))
-        post = kernel._posterior(weights, x_t, s, t)
+        post = kernel.posterior_from_probs(weights, x_t, s, t)
         return sample_weights(post, u[..., 2:], block_size=block_size)[0]
 
     noise = noise_tokens(kernel, (B, L), generator, weights.device)
@@ -108,7 +109,7 @@ def mix_step(kernel: InterpolatingKernel, draw: torch.Tensor, p_b: torch.Tensor,
              noise: torch.Tensor, u: torch.Tensor, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The mixture form of p̂_{s|t} given one draw from x_θ and x_θ(x_t): stay at x_t with the stay probability,
     else take the x_θ draw (probability α_s), the mask state (a_s) or the uniform ``noise`` token (b_s)."""
-    coef_t, coef_s = kernel._coefficients(t), kernel._coefficients(s)
+    coef_t, coef_s = kernel.coefficients(t), kernel.coefficients(s)
     stay = stay_probability(kernel, p_b, x_t, coef_t, coef_s, t, s)
     alpha_s, a_s, b_s = coef_s
     norm = alpha_s + a_s + b_s  # = 1 for the built-in kernels
@@ -124,10 +125,10 @@ def posterior_mixture(kernel: InterpolatingKernel, x0_probs: torch.Tensor, x_t: 
                       s: torch.Tensor) -> torch.Tensor:
     """The distribution :func:`bayesian_step` draws from, written densely ``(B, L, S)``: stay · e_{x_t} + (1 − stay)
     · q_s(·|x_θ). Equal to ``kernel.posterior(x0_probs, x_t, s, t)``; used by tests and for argmax final steps."""
-    coef_t, coef_s = kernel._coefficients(t), kernel._coefficients(s)
+    coef_t, coef_s = kernel.coefficients(t), kernel.coefficients(s)
     p_b = x0_probs.gather(-1, x_t.unsqueeze(-1)).squeeze(-1)
     stay = stay_probability(kernel, p_b, x_t, coef_t, coef_s, t, s).unsqueeze(-1)
     alpha_s, a_s, b_s = coef_s
-    q_s = alpha_s * x0_probs + kernel._noise_vector(a_s, b_s) * x0_probs.sum(-1, keepdim=True)
+    q_s = alpha_s * x0_probs + kernel.noise_vector(a_s, b_s) * x0_probs.sum(-1, keepdim=True)
     e_b = torch.zeros_like(q_s).scatter_(-1, x_t.unsqueeze(-1), 1.0)
     return stay * e_b + (1.0 - stay) * q_s

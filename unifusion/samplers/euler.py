@@ -131,11 +131,12 @@ def euler_step_probs(rates: torch.Tensor, x_t: torch.Tensor, dt: torch.Tensor | 
 def _clean_from_marginal(kernel: Kernel, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Invert the forward marginal: p_0 with q ∝ p_0 P_t, for non-negative ``q`` ``(..., S)`` (unnormalised ok)."""
     if isinstance(kernel, InterpolatingKernel):
-        alpha, a, b = kernel._coefficients(t)
-        m_t = kernel._noise_vector(a, b)  # (..., S); α_t + Σ m_t = 1 so Σ p_0 = Σ q
+        alpha, a, b = kernel.coefficients(t)
+        m_t = kernel.noise_vector(a, b)  # (..., S); α_t + Σ m_t = 1 so Σ p_0 = Σ q
         p0 = (q - m_t * q.sum(-1, keepdim=True)) / alpha.unsqueeze(-1)
     elif isinstance(kernel, GeneratorKernel):
-        P = kernel._P(kernel._sigma(t)).to(q.dtype)  # (S, S), or (..., S, S) for times per row / position
+        # (S, S), or (..., S, S) for times per row / position
+        P = kernel.transition_matrix(kernel.integrated_rate(t)).to(q.dtype)
         # p0 P = q for each position; solve_ex skips solve's check of ``info`` (a host read): P = exp(σ R̄) is
         # invertible for every σ
         p0 = torch.linalg.solve_ex(P, q.unsqueeze(-2), left=False)[0].squeeze(-2)
@@ -161,14 +162,14 @@ def clean_distribution_from_head(parameterization: str, head: Any, kernel: Kerne
         return torch.exp(x0_log_probs(kernel, head.to(dtype)))
     if parameterization == "m2s":
         mu = torch.exp(x0_log_probs(kernel, head.to(dtype)))
-        col = kernel._column(x_t, torch.zeros_like(t), t)  # q_{t|0}(x_t | a), (B, L, S)
+        col = kernel.transition_column(x_t, torch.zeros_like(t), t)  # q_{t|0}(x_t | a), (B, L, S)
         reach = col > 0
         return torch.where(reach, mu / torch.where(reach, col, torch.ones_like(col)), torch.zeros_like(mu))
     if parameterization == "sedd":
         score = torch.exp(head.to(dtype))
     else:
         rate = reverse_rate_from_head("ctmc", head, kernel, x_t, t)
-        R = kernel._rate_column(x_t, t).to(dtype)  # R_t(i, x_t)
+        R = kernel.rate_column(x_t, t).to(dtype)  # R_t(i, x_t)
         score = torch.where(R > 0, rate.rates.to(dtype) / torch.where(R > 0, R, torch.ones_like(R)),
                             torch.zeros_like(R))
     score = score.scatter(-1, x_t.unsqueeze(-1), 1.0)  # s(x_t) = q_t(x_t)/q_t(x_t)
@@ -183,7 +184,7 @@ def final_step(p0: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: torch.Ten
     if argmax:
         p = p0 / total.clamp_min(torch.finfo(p0.dtype).tiny).unsqueeze(-1)
         post = (posterior_mixture(kernel, p, x_t, t, s) if isinstance(kernel, InterpolatingKernel)
-                else kernel._posterior(p, x_t, s, t))
+                else kernel.posterior_from_probs(p, x_t, s, t))
         x_0 = post.argmax(-1)
     else:
         x_0 = bayesian_step(p0, x_t, kernel, t, s, generator, block_size=BLOCK_SIZE)
