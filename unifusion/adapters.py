@@ -554,10 +554,10 @@ class DiffusionLM(nn.Module):
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
+            from .kernels import check_kernel
             from .losses.fused_linear import fused_linear_diffusion_loss
-            from .rates import _check_kernel
 
-            V.check_model_kernel(self, _check_kernel(kernel))  # states and mask token (host metadata, no sync)
+            V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
             h = self._hidden(x_t, t, gamma, attention_mask, generator)

@@ -17,8 +17,8 @@ from typing import Literal, overload
 import torch
 
 from . import _validation as V
-from .kernels import Kernel
-from .rates import ReverseRate, _check_kernel, _setup
+from .kernels import Kernel, check_kernel
+from .rates import ReverseRate, prepare_rows
 
 __all__ = ["convert_x0_to", "CONVERSION_TARGETS"]
 
@@ -58,9 +58,9 @@ def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torc
     """
     if not isinstance(target, str) or target not in CONVERSION_TARGETS:
         raise ValueError(f"target: expected one of {CONVERSION_TARGETS}, got {target!r}")
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     p = V.check_distribution("x0_probs", x0_probs, kernel.num_states)
-    ids, t_, dtype = _setup(kernel, x_t, t, p)
+    ids, t_, dtype = prepare_rows(kernel, x_t, t, p)
     p = p.to(dtype)
     if target == "rate":
         return ReverseRate.from_x0(kernel, p, ids, t_)

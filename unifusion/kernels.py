@@ -33,7 +33,15 @@ from ._device import categorical
 from ._math import safe_log
 from .schedules import LinearSchedule, Schedule
 
-__all__ = ["Kernel", "InterpolatingKernel", "UniformKernel", "MaskKernel", "HybridKernel", "GeneratorKernel"]
+__all__ = ["Kernel", "InterpolatingKernel", "UniformKernel", "MaskKernel", "HybridKernel", "GeneratorKernel",
+           "check_kernel"]
+
+
+def check_kernel(kernel: object, name: str = "kernel") -> Kernel:
+    """``kernel`` if it is a unifusion :class:`Kernel`, else a ``TypeError`` naming the argument ``name``."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"{name}: expected a unifusion Kernel, got {type(kernel).__name__}")
+    return kernel
 
 
 def _check_num_states(num_states: object) -> int:

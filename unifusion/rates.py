@@ -21,15 +21,9 @@ import torch
 
 from . import _validation as V
 from ._math import safe_log
-from .kernels import Kernel
+from .kernels import Kernel, check_kernel
 
-__all__ = ["ReverseRate"]
-
-
-def _check_kernel(kernel: object) -> Kernel:
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
-    return kernel
+__all__ = ["ReverseRate", "b_operator", "prepare_rows", "x0_log_probs"]
 
 
 def _check_row(name: str, row: object, x_t: torch.Tensor, num_states: int) -> torch.Tensor:
@@ -48,7 +42,7 @@ def _check_row(name: str, row: object, x_t: torch.Tensor, num_states: int) -> to
     return row
 
 
-def _setup(kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor | float,
+def prepare_rows(kernel: Kernel, x_t: torch.Tensor, t: torch.Tensor | float,
            *rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     with V.batched_checks():
         ids = V.check_token_ids("x_t", x_t, kernel.num_states)
@@ -134,8 +128,8 @@ class ReverseRate:
     def true_conditional(cls, kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor,
                          t: torch.Tensor | float) -> ReverseRate:
         """R̂_t(x_t, i | x0) = R_t(i, x_t) q_{t|0}(i|x0) / q_{t|0}(x_t|x0) for clean ids ``x0`` ``(...)``."""
-        kernel = _check_kernel(kernel)
-        ids, t_, dtype = _setup(kernel, x_t, t)
+        kernel = check_kernel(kernel)
+        ids, t_, dtype = prepare_rows(kernel, x_t, t)
         x0 = V.check_token_ids("x0", x0, kernel.num_states)
         log_q0 = kernel.log_marginal_of_ids(x0, t_, dtype)
         return cls.from_log_marginal(kernel, ids, t_, log_q0)
@@ -144,9 +138,9 @@ class ReverseRate:
     def from_x0(cls, kernel: Kernel, x0_probs: torch.Tensor, x_t: torch.Tensor,
                 t: torch.Tensor | float) -> ReverseRate:
         """R̂_t(x_t, i | x_θ) = R_t(i, x_t) q_t(i|x_θ) / q_t(x_t|x_θ) for a clean-token distribution ``(..., S)``."""
-        kernel = _check_kernel(kernel)
+        kernel = check_kernel(kernel)
         p = V.check_distribution("x0_probs", x0_probs, kernel.num_states)
-        ids, t_, dtype = _setup(kernel, x_t, t, p)
+        ids, t_, dtype = prepare_rows(kernel, x_t, t, p)
         log_q = safe_log(kernel.propagate(p.to(dtype), t_))
         return cls.from_log_marginal(kernel, ids, t_, log_q)
 
@@ -154,9 +148,9 @@ class ReverseRate:
     def from_x0_logits(cls, kernel: Kernel, x0_logits: torch.Tensor, x_t: torch.Tensor,
                        t: torch.Tensor | float) -> ReverseRate:
         """As :meth:`from_x0` from unnormalised logits ``(..., S)`` (mask entry ignored), fully in log space."""
-        kernel = _check_kernel(kernel)
+        kernel = check_kernel(kernel)
         logits = V.check_head("x0_logits", x0_logits, kernel.num_states)
-        ids, t_, dtype = _setup(kernel, x_t, t, logits)
+        ids, t_, dtype = prepare_rows(kernel, x_t, t, logits)
         log_p = x0_log_probs(kernel, logits.to(dtype))
         log_q = kernel.log_propagate(log_p, t_)
         return cls.from_log_marginal(kernel, ids, t_, log_q)
@@ -165,8 +159,8 @@ class ReverseRate:
     def from_score(cls, kernel: Kernel, score: torch.Tensor, x_t: torch.Tensor,
                    t: torch.Tensor | float) -> ReverseRate:
         """SEDD: R̂_t(x_t, i) = R_t(i, x_t) s_i for a non-negative concrete score ``(..., S)`` (x_t entry ignored)."""
-        kernel = _check_kernel(kernel)
-        ids, t_, dtype = _setup(kernel, x_t, t, score)
+        kernel = check_kernel(kernel)
+        ids, t_, dtype = prepare_rows(kernel, x_t, t, score)
         score = _check_row("score", score, ids, kernel.num_states).to(dtype)
         score = _zero_at(score, ids)
         if V.validation_enabled() and score.numel() and bool((score < 0).any()):
@@ -182,12 +176,12 @@ class ReverseRate:
         ``mu`` ``(..., S)`` is a distribution over clean states. Rows whose forward rates into x_t all vanish are 0;
         a nonzero row at an x_t unreachable from some z with μ(z) > 0 raises ``ValueError`` (validation on).
         """
-        kernel = _check_kernel(kernel)
+        kernel = check_kernel(kernel)
         mu = V.check_distribution("mu", mu, kernel.num_states)
-        ids, t_, dtype = _setup(kernel, x_t, t, mu)
+        ids, t_, dtype = prepare_rows(kernel, x_t, t, mu)
         mu = mu.to(dtype)
         R = kernel.rate_column(ids, t_)
-        score = _b_operator(kernel, mu, ids, t_, R)
+        score = b_operator(kernel, mu, ids, t_, R)
         return cls(R * score, ids)
 
     @classmethod
@@ -215,7 +209,7 @@ def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def _b_operator(kernel: Kernel, mu: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+def b_operator(kernel: Kernel, mu: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                 R: torch.Tensor) -> torch.Tensor:
     """(B_{x_t,t} μ)_i = Σ_z μ(z) q_{t|0}(i|z)/q_{t|0}(x_t|z) ``(..., S)``, 0 on rows with R(·, x_t) ≡ 0."""
     col = kernel.transition_column(x_t, torch.zeros_like(t), t)  # q_{t|0}(x_t | z), (..., S)

@@ -18,10 +18,10 @@ from typing import Any, Literal
 import torch
 
 from . import _validation as V
-from .kernels import Kernel, MaskKernel
+from .kernels import Kernel, MaskKernel, check_kernel
 from .losses import native
 from .losses.fast import x0_head_loss
-from .rates import _check_kernel, x0_log_probs
+from .rates import x0_log_probs
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
@@ -201,7 +201,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         raise ValueError(f"step, bidirectional_prob: give one of them, got step={step!r} and bidirectional_prob="
                          f"{bidirectional_prob!r} (step anneals γ = min(1, step/anneal_steps); bidirectional_prob "
                          "sets γ directly)")
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     generator = V.check_generator(generator)
     V.check_model_kernel(model, kernel)
     x0 = V.check_tensor("x0", x0)

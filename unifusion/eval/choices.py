@@ -42,7 +42,7 @@ import torch
 
 from .._device import categorical, host_to_device
 from .._validation import batched_checks, check_generator, check_model_kernel, check_token_ids, validation
-from ..kernels import InterpolatingKernel, Kernel
+from ..kernels import InterpolatingKernel, Kernel, check_kernel
 from ..rates import x0_log_probs
 from .quality import _check_positive_int, _logits_of, _model_device, _progress
 
@@ -55,12 +55,6 @@ _T_CLAMP = 1.0 - 1e-6  # upper clamp of stratified times (float32 keeps them < 1
 
 # ---------------------------------------------------------------------------------------------------------------
 # argument checks
-
-
-def _check_kernel(kernel: object) -> Kernel:
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
-    return kernel
 
 
 def _as_ids(name: str, value: object, num_states: int, *, allow_empty: bool) -> torch.Tensor:
@@ -216,7 +210,7 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
     Returns:
         float64 ``(C,)`` scores.
     """
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     num_times = _check_positive_int("num_times", num_times)
     batch_size = _check_positive_int("batch_size", batch_size)
     generator = check_generator(generator)
@@ -255,7 +249,7 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
     Returns:
         float64 ``(C,)`` scores.
     """
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     num_times = _check_positive_int("num_times", num_times)
     batch_size = _check_positive_int("batch_size", batch_size)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
@@ -415,7 +409,7 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
             scorer = scorer.base_model
         bos = getattr(tokenizer, "bos_token_id", None)
     else:
-        kernel_ = _check_kernel(kernel)
+        kernel_ = check_kernel(kernel)
         check_model_kernel(model, kernel_)  # before the first example: mask token and number of states agree
         num_times_ = _check_positive_int("num_times", num_times if num_times is not None else
                                          (32 if method == "score" else 128))

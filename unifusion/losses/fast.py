@@ -41,10 +41,9 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
 from .._math import safe_log
-from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
-from ..rates import _check_kernel
+from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel, check_kernel
 from . import _x0_kernel, native
-from .native import GIDD_WEIGHTINGS, _dynamic_weight
+from .native import GIDD_WEIGHTINGS, dynamic_weight
 
 __all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES"]
 
@@ -180,7 +179,7 @@ def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None
                     torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
     q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + m_xt
     if weighting == "dynamic":
-        w = _dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
+        w = dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
     else:
         w = v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt))
         if weighting == "clip":
@@ -251,7 +250,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
         loss = uf.losses.x0_head_loss(model(x_t), x0, x_t, t, kernel)       # (B, L)
         (loss * attention_mask).sum().div(attention_mask.sum()).backward()
     """
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     _check_weighting(weighting, max_weight)
     _check_objective(objective, kernel)
     logits = V.check_tensor("x0_logits", x0_logits)

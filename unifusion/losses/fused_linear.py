@@ -34,8 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
 from .._device import host_to_device
-from ..kernels import Kernel
-from ..rates import _check_kernel
+from ..kernels import Kernel, check_kernel
 from . import _x0_kernel
 from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows
 
@@ -360,7 +359,7 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
         uf.losses.fused_linear_diffusion_loss(h, model.lm_head_weight, x0, x_t, t, kernel, reduction="mean",
                                               position_weight=mask).backward()
     """
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     _check_weighting(weighting, max_weight)
     _check_objective(objective, kernel)
     if reduction not in ("none", "sum", "mean"):

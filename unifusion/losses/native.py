@@ -19,8 +19,16 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
 from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
-from ..kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
-from ..rates import ReverseRate, _b_operator, _check_kernel
+from ..kernels import (
+    GeneratorKernel,
+    HybridKernel,
+    InterpolatingKernel,
+    Kernel,
+    MaskKernel,
+    UniformKernel,
+    check_kernel,
+)
+from ..rates import ReverseRate, b_operator
 from .bregman import bregman_rate_loss
 
 __all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
@@ -40,7 +48,7 @@ def _prepare(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x
 
 def _prepare_checked(kernel: object, heads: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor,
                      t: torch.Tensor | float) -> _Prepared:
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     S = kernel.num_states
     x0 = V.check_token_ids("x0", x0, S)
     x_t = V.check_token_ids("x_t", x_t, S)
@@ -276,7 +284,7 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 
 # ---------------------------------------------------------------------------------------------------- GIDD
-def _dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """GIDD's "dynamic" loss weights, unclipped ``(...)``, as GIDD's current code computes them
     (github.com/dvruette/gidd, ``GiddLoss`` at commit f67acc9, 2025-06-09):
 
@@ -320,7 +328,7 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
     * ``"clip"``: that clipped to [0, ``max_weight``] (GIDD's ``loss_weighting: clip``, max 2);
     * ``"dynamic"``: GIDD's dynamic weight (current code, github.com/dvruette/gidd ``GiddLoss`` at f67acc9) clipped
       to [0, ``max_weight``]: 2 at the mask, 1 at a uniform-noise token, (B/S)·exp((γ/2)·sigmoid(−t)) at a clean
-      token (B = 2^γ p_u/(1 − p_u), S counts the mask; see :func:`_dynamic_weight` for the uniform and mask kernels).
+      token (B = 2^γ p_u/(1 − p_u), S counts the mask; see :func:`dynamic_weight` for the uniform and mask kernels).
       ``max_weight=math.inf`` gives the raw (unclipped) weight.
 
     Interpolating kernels only (uniform, mask, hybrid). Computed in float64 whatever ``t``'s dtype.
@@ -333,7 +341,7 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
         raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
     if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
         raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
-    kernel = _check_kernel(kernel)
+    kernel = check_kernel(kernel)
     if not isinstance(kernel, InterpolatingKernel):
         raise TypeError(f"kernel: the GIDD weights are defined for interpolating kernels (uniform, mask, hybrid), "
                         f"got {type(kernel).__name__}")
@@ -351,7 +359,7 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
         raise ValueError(f"t: shape {tuple(t_.shape)} does not broadcast to x_t's shape {shape}") from None
     x0, x_t = x0.expand(shape), x_t.expand(shape)
     if weighting == "dynamic":
-        return _dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
+        return dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
     alpha, a, b = kernel.coefficients(t_)
     v_mask, v_unif = kernel.rate_coefficients(t_)
     v = torch.where(kernel.is_mask(x_t), v_mask,
@@ -372,7 +380,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
     ``weighting="elbo"`` uses w exactly (then the loss equals D_t); ``"clip"`` clips w to [0, ``max_weight``];
     ``"dynamic"`` uses GIDD's dynamic weights (1 on uniform-noise tokens, 2 on masks, (B/S)·exp((γ/2)·sigmoid(−t))
-    on clean tokens; GIDD's current code, see :func:`_dynamic_weight`) clipped to [0, ``max_weight``]. For a
+    on clean tokens; GIDD's current code, see :func:`dynamic_weight`) clipped to [0, ``max_weight``]. For a
     :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly, with log(r/s) formed
     without cancellation for a confident model (see :func:`_generator_d_t`).
 
@@ -422,7 +430,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     if weighting == "clip":
         w = w.clamp(0.0, max_weight)
     elif weighting == "dynamic":
-        w = _dynamic_weight(kernel, x0, x_t, t).clamp(0.0, max_weight)
+        w = dynamic_weight(kernel, x0, x_t, t).clamp(0.0, max_weight)
     loss = torch.where(v > 0, w * term, torch.zeros_like(term))
     # x_t impossible under x0: the true rates are 0 by convention, D_t is the model's exit rate
     exit_used = (v > 0) & ~possible
@@ -503,7 +511,7 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
     mu = log_mu.exp()
-    s = _b_operator(kernel, mu, x_t, t, R)
+    s = b_operator(kernel, mu, x_t, t, R)
     log_r = _log_ratio_to_xt(kernel.log_marginal_of_ids(x0, t, dtype), x_t).scatter(-1, x_t.unsqueeze(-1), 0.0)
     log_s = safe_log(s).scatter(-1, x_t.unsqueeze(-1), 0.0)
     return _weighted_sum(R, bregman_from_logs(log_r, log_s), x_t)

@@ -28,12 +28,6 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)
 ModelFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
-def check_kernel(kernel: object) -> Kernel:
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
-    return kernel
-
-
 def check_model(model: object) -> ModelFn:
     if not callable(model):
         raise TypeError(f"model: expected a callable (x_t (B, L), t (B,)) -> head, got {type(model).__name__}")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _validation as V
-from ..kernels import InterpolatingKernel, Kernel
+from ..kernels import InterpolatingKernel, Kernel, check_kernel
 from ._draws import BLOCK_SIZE, COMPILE_MIN_STATES, compiled_block_log_mass, x0_weights
 from ._setup import (
     ModelFn,
@@ -30,7 +30,6 @@ from ._setup import (
     check_dtype,
     check_eps,
     check_head_shape,
-    check_kernel,
     check_model,
     check_positive_int,
     check_sampling_options,

@@ -47,7 +47,7 @@ import torch
 from .. import _validation as V
 from .._math import safe_log
 from ..conversions import convert_x0_to
-from ..kernels import GeneratorKernel, InterpolatingKernel, Kernel
+from ..kernels import GeneratorKernel, InterpolatingKernel, Kernel, check_kernel
 from ..rates import ReverseRate, x0_log_probs
 from ._draws import BLOCK_SIZE, Generators, sample_weights, x0_weights
 from ._setup import (
@@ -56,7 +56,6 @@ from ._setup import (
     check_dtype,
     check_eps,
     check_head_shape,
-    check_kernel,
     check_model,
     check_positive_int,
     check_sampling_options,
