@@ -13,7 +13,6 @@ This mirrors ``torch.distributions.Distribution.set_default_validate_args``.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from ._device import host_to_device
+from .denoiser import ConvertedHead, Denoiser
 
 _VALIDATE = True
 
@@ -292,13 +292,10 @@ def unwrap_model(model: Any) -> Any:
 
 
 def is_diffusion_lm(model: Any) -> bool:
-    """Whether ``model`` (inside DDP/FSDP/DeepSpeed/compile wrappers) is a :class:`~unifusion.DiffusionLM`.
-
-    Looked up without importing :mod:`unifusion.adapters` (which builds on this module): when that module has not
-    been imported, no DiffusionLM exists yet.
-    """
-    adapters = sys.modules.get("unifusion.adapters")
-    return adapters is not None and isinstance(unwrap_model(model), adapters.DiffusionLM)
+    """Whether ``model`` (inside DDP/FSDP/DeepSpeed/compile wrappers) is a :class:`~unifusion.denoiser.Denoiser` (a
+    :class:`~unifusion.DiffusionLM`, say): a model that declares its states and mask token and takes the adapter's
+    options."""
+    return isinstance(unwrap_model(model), Denoiser)
 
 
 HEAD_ATTRIBUTE = "unifusion_parameterization"
@@ -311,10 +308,9 @@ _HEAD_NAMES = {"x0": "x0 logits", "sedd": "SEDD log scores", "m2s": "M2S posteri
 
 
 def converted_model(model: Any) -> Any:
-    """The :class:`~unifusion.samplers.euler.ConvertedModel` that ``model`` is (an :func:`x0_model_as` wrapper), or
-    ``None``; looked up without importing the samplers (which build on this module)."""
-    euler = sys.modules.get("unifusion.samplers.euler")
-    return model if euler is not None and isinstance(model, euler.ConvertedModel) else None
+    """``model`` if it is a :class:`~unifusion.denoiser.ConvertedHead` (an :func:`x0_model_as` wrapper), else
+    ``None``."""
+    return model if isinstance(model, ConvertedHead) else None
 
 
 def model_parameterization(model: Any) -> str | None:

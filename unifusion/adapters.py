@@ -63,6 +63,7 @@ from torch import nn
 from . import _validation as V
 from ._families import Family, family_for, supported_model_types
 from ._validation import validation_enabled
+from .denoiser import Denoiser
 
 __all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attention_mask"]
 
@@ -224,7 +225,7 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-class DiffusionLM(nn.Module):
+class DiffusionLM(nn.Module, Denoiser):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
     Build it with :func:`adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is the object you

@@ -47,6 +47,7 @@ import torch
 from .. import _validation as V
 from .._math import safe_log
 from ..conversions import convert_x0_to
+from ..denoiser import ConvertedHead
 from ..kernels import GeneratorKernel, InterpolatingKernel, Kernel, check_kernel
 from ..rates import ReverseRate, x0_log_probs
 from ._draws import BLOCK_SIZE, Generators, sample_weights, x0_weights
@@ -190,7 +191,7 @@ def final_step(p0: torch.Tensor, x_t: torch.Tensor, kernel: Kernel, t: torch.Ten
     return torch.where(total > 0, x_0, x_t)
 
 
-class ConvertedModel:
+class ConvertedModel(ConvertedHead):
     """An x0 model that returns the head of another parameterization (what :func:`x0_model_as` builds).
 
     Calling it maps ``(x_t (B, L), t)`` to the head (see :func:`x0_model_as`). It carries what it converts with —
