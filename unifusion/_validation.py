@@ -219,6 +219,20 @@ def _broadcasts(a: tuple[int, ...] | torch.Size, b: tuple[int, ...] | torch.Size
     return True
 
 
+def check_padding(name: str, attention_mask: torch.Tensor) -> None:
+    """Queue the padding rule's value check (no host sync of its own): every row of the ``(B, L)`` bool mask is
+    contiguous — all pads on the right or all on the left (``1 1 0 0`` / ``0 0 1 1``), no holes. Joins the enclosing
+    :func:`batched_checks` block (one sync for the whole call); nothing runs with validation
+    off. :meth:`DiffusionLM.forward` and :func:`~unifusion.diffusion_loss` (which runs the model unchecked) call it.
+    """
+    if not _VALIDATE or attention_mask.numel() == 0:
+        return
+    changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one change
+    fail_if((changes > 1).any(), lambda: (
+        f"{name}: expected contiguous padding (all pads on the right or all on the left of each row), got rows with "
+        f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
+
+
 def check_finite(name: str, value: torch.Tensor) -> None:
     if _VALIDATE and value.is_floating_point() and value.numel() > 0:
         fail_if(torch.isnan(value.detach()).any(), lambda: f"{name}: contains NaN")

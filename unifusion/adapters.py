@@ -62,7 +62,6 @@ from torch import nn
 
 from . import _validation as V
 from ._families import Family, family_for, supported_model_types
-from ._validation import validation_enabled
 from .denoiser import Denoiser
 
 __all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attention_mask"]
@@ -137,20 +136,6 @@ def annealed_attention_mask(
         band = (i[None, :] - i[:, None]).abs() < window
         A = A & band
     return A
-
-
-def _check_padding(name: str, attention_mask: torch.Tensor) -> None:
-    """Queue the padding rule's value check (no host sync of its own): every row of the ``(B, L)`` bool mask is
-    contiguous — all pads on the right or all on the left (``1 1 0 0`` / ``0 0 1 1``), no holes. Joins the enclosing
-    :func:`unifusion._validation.batched_checks` block (one sync for the whole call); nothing runs with validation
-    off. :meth:`DiffusionLM.forward` and :func:`~unifusion.diffusion_loss` (which runs the model unchecked) call it.
-    """
-    if not validation_enabled() or attention_mask.numel() == 0:
-        return
-    changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one change
-    V.fail_if((changes > 1).any(), lambda: (
-        f"{name}: expected contiguous padding (all pads on the right or all on the left of each row), got rows with "
-        f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
 
 
 def _block_mask(A: torch.Tensor) -> Any:
@@ -373,7 +358,7 @@ class DiffusionLM(nn.Module, Denoiser):
                     raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
                                      f"got {tuple(attention_mask.shape)}")
                 attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
-                _check_padding("attention_mask", attention_mask)
+                V.check_padding("attention_mask", attention_mask)
         return x_t, t, gamma, attention_mask
 
     def _attn_implementation(self) -> str:

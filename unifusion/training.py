@@ -219,8 +219,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             if tuple(attention_mask.shape) != (B, L):
                 raise ValueError(f"attention_mask: expected shape {(B, L)} like x0, got {tuple(attention_mask.shape)}")
             if V.is_diffusion_lm(model):  # the model runs unchecked below: its padding rule is checked here, batched
-                from .adapters import _check_padding
-                _check_padding("attention_mask", attention_mask.to(device=x0.device, dtype=torch.bool))
+                V.check_padding("attention_mask", attention_mask.to(device=x0.device, dtype=torch.bool))
         if t is not None:
             t = _times_per_sequence(t, x0)
     valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
