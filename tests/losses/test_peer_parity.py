@@ -21,7 +21,7 @@ import unifusion as uf
 from unifusion.samplers._step import posterior_mixture
 from unifusion.samplers.euler import clean_distribution_from_head, euler_step_probs, reverse_rate_from_head
 
-DATA = json.loads((Path(__file__).parent / "data" / "peers" / "reference_values.json").read_text())
+DATA = json.loads((Path(__file__).parents[1] / "data" / "peers" / "reference_values.json").read_text())
 CASES = {c["id"]: c for c in DATA["cases"]}
 DT = torch.float64
 TOL = 1e-10

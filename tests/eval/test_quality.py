@@ -12,7 +12,7 @@ from _hf_tiny import tiny_model
 
 from unifusion.eval import PerplexityResult, generative_perplexity, gpt2_tokenizer, retokenize, unigram_entropy
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 TEXTS = [
     "the cat sat on the mat .",

@@ -36,7 +36,7 @@ import unifusion as uf  # noqa: E402
 from unifusion.eval import fair_pmi_scores, nll_bound, run_multiple_choice, score_choices  # noqa: E402
 from unifusion.eval.harness import MODEL_ARGS, UnifusionLM, cli_main, request_seed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
 TASKS = DATA / "harness"
 ALL_TASKS = ["unifusion_tiny_mc", "unifusion_tiny_rolling", "unifusion_tiny_gen"]

@@ -15,7 +15,7 @@ from _hf_tiny import tiny_model
 import unifusion as uf
 from unifusion.eval import FrontierResult, frontier, generative_perplexity, plot_frontier
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

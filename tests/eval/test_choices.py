@@ -14,7 +14,7 @@ import unifusion as uf
 from unifusion.eval import ar_choice_nll, fair_pmi_scores, load_task, run_multiple_choice, score_choices
 from unifusion.eval.choices import _corrupt_span
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 S = 40
 
 
