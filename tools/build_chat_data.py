@@ -63,7 +63,8 @@ def conversation(k: int, parts: list[str]) -> list[dict[str, str]]:
                 {"role": "user", "content": "What comes next?"},
                 {"role": "assistant", "content": s2}]
     if kind == 2:
-        return [{"role": "user", "content": f'Which sentence of the Python documentation comes before this one? "{s2}"'},
+        question = f'Which sentence of the Python documentation comes before this one? "{s2}"'
+        return [{"role": "user", "content": question},
                 {"role": "assistant", "content": s1}]
     return [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": f'Continue: "{s1}"'},
