@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per row (a multiple of --block-size)")
     parser.add_argument("--block-size", type=int, default=32, help="block size K of the block-diffusion model")
     parser.add_argument("--packing", action="store_true", help="pack several conversations into each row")
+    parser.add_argument("--block-times", choices=["block", "sequence"], default="block",
+                        help="one diffusion time per block (default) or one per sequence")
     parser.add_argument("--kernel", choices=["mask", "uniform", "hybrid"], default="mask")
     parser.add_argument("--dist", choices=["ddp", "fsdp2", "none"], default=None,
                         help="parallelism (default: ddp when launched with several processes, else none)")
@@ -257,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             # γ: block-causal from the start, or annealed from causal over --anneal-steps updates
             schedule: dict[str, Any] = ({"step": step, "anneal_steps": args.anneal_steps} if args.anneal_steps
                                         else {"bidirectional_prob": 1.0})
+            generator = stream_generator(args.seed, step, 2 + i, device)  # corruption and times of this micro-batch
             with sync:
                 with autocast:
                     out = uf.diffusion_loss(wrapped, batch.input_ids, kernel, attention_mask=batch.attention_mask,
-                                            prompt_mask=batch.prompt_mask, fused=args.fused,
-                                            generator=stream_generator(args.seed, step, 2 + i, device), **schedule)
+                                            prompt_mask=batch.prompt_mask, block_times=args.block_times,
+                                            fused=args.fused, generator=generator, **schedule)
                 (out.loss.sum() * world / n_global).backward()
             loss_sum += out.loss.detach().sum()
         grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), args.clip if args.clip > 0 else float("inf"))
