@@ -112,6 +112,18 @@ def test_one_canvas_is_the_reference_forward_bit_for_bit(model):
     assert (logits[:, :P] == CARRY_LOGIT).sum() == 3 * P * (VOCAB - 1)
 
 
+def test_bf16_weights_give_the_reference_float32_logits():
+    model = wrap_diffusion_lm(tiny().to(torch.bfloat16))
+    x_t = tokens((2, 15), 12)
+    prompt = torch.arange(15)[None, :] < torch.tensor([[11], [7]])
+    with torch.no_grad():
+        plain = model(x_t, None, prompt_length=11)
+        ragged = model(x_t, None, prompt_mask=prompt, self_conditioning_logits=torch.zeros(2, 15, VOCAB))
+    ref = reference_logits(model, x_t[:, :11], x_t[:, 11:])
+    assert plain.dtype == torch.float32 and torch.equal(plain[:, 11:], ref)
+    assert ragged.dtype == torch.float32 and torch.isfinite(ragged).all()
+
+
 @pytest.mark.parametrize("layout", ["three_canvases", "ragged_prompts", "left_padding", "right_padding"])
 def test_each_canvas_sees_its_clean_prefix_and_itself(model, layout):
     """Canvas c of a row equals the reference decoder on (clean prefix = prompt + canvases < c, canvas c)."""

@@ -176,32 +176,33 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
             the clean token (:data:`CARRY_LOGIT` elsewhere) on prompt and padding columns; or the ``(B, L)`` loss.
         """
         generator = V.check_generator(generator)
-        fused = x0 is not None and kernel is not None
         if kernel is not None and x0 is None:
             raise ValueError("x0, kernel: the fused loss needs both (kernel alone is not enough)")
         x_t, context, attention_mask = self._check(x_t, t, x0, attention_mask, bidirectional_prob)
+        B, L = x_t.shape
+        if kernel is not None:
+            V.check_model_kernel(self, check_kernel(kernel))
+            if t is None:
+                raise ValueError("t: the fused loss needs the times (one per row)")
         layout = self._layout(x_t, prompt_mask, prompt_length, attention_mask)
         h = self._decode(x_t, context, layout, attention_mask, self_conditioning_logits, self_conditioning_prob,
                          generator)  # (B·n_c, width, d)
-        if not fused:
-            logits = self.logits_from_hidden(h)
-            carry = torch.full((*x_t.shape, self.vocab_size), CARRY_LOGIT, dtype=logits.dtype, device=x_t.device)
-            carry.scatter_(-1, context[..., None], 0.0)
-            return layout.unfold(logits, carry)
+        if kernel is None:
+            logits = self.logits_from_hidden(h)  # (B·n_c, width, V)
+            out = logits.new_full((B * L + 1, self.vocab_size), CARRY_LOGIT)
+            out[: B * L].scatter_(-1, context.reshape(-1, 1), 0.0)  # the point mass on the clean token
+            return layout.unfold(logits, out)
         from ..losses.fused_linear import fused_linear_diffusion_loss
 
-        V.check_model_kernel(self, check_kernel(kernel))
         assert x0 is not None
-        hidden = layout.unfold(h, h.new_zeros(*x_t.shape, h.shape[-1]))  # (B, L, d), 0 off the canvases
+        hidden = layout.unfold(h, h.new_zeros(B * L + 1, h.shape[-1]))  # (B, L, d), 0 off the canvases
         response = layout.response()
         weight = response if position_weight is None else response * position_weight
-        if t is None:
-            raise ValueError("t: the fused loss needs the times (one per row)")
-        times = _times(t, x_t)
+        t_pos = _times(t, x_t)[:, None].expand(B, L)
         return fused_linear_diffusion_loss(
-            hidden, self.lm_head_weight, x0, x_t, times[:, None].expand(x_t.shape), kernel, objective=objective,
-            weighting=weighting, max_weight=max_weight, final_logit_softcap=self.final_logit_softcap,
-            reduction=reduction, position_weight=weight)
+            hidden, self.lm_head_weight, x0, x_t, t_pos, kernel, objective=objective, weighting=weighting,
+            max_weight=max_weight, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
+            position_weight=weight)
 
     def hidden_states(self, x_t: torch.Tensor, t: Any = None, *, prompt_mask: torch.Tensor | None = None,
                       prompt_length: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -212,7 +213,7 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         x_t, context, attention_mask = self._check(x_t, t, x0, attention_mask, 1.0)
         layout = self._layout(x_t, prompt_mask, prompt_length, attention_mask)
         h = self._decode(x_t, context, layout, attention_mask, self_conditioning_logits, 0.0, None)
-        return layout.unfold(h, h.new_zeros(*x_t.shape, h.shape[-1]))
+        return layout.unfold(h, h.new_zeros(x_t.numel() + 1, h.shape[-1]))
 
     def loss(self, x_t: torch.Tensor, t: Any, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
         """The fused per-position loss: ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``."""
@@ -221,11 +222,11 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
     def conditioned_on(self, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None = None,
                        prompt_length: int | torch.Tensor | None = None) -> PromptConditioned:
         """An x0 callable ``(x_t, t) → logits`` with the prompt of the clean sequence ``x0 (B, L)`` (prompt and
-        response) fixed: it puts the clean prompt back into ``x_t`` and reads each canvas's clean prefix from ``x0``, for any function that calls a model as
-        ``model(x_t, t)`` on ``x0`` repeated along the batch (``n·B`` rows, row r is sequence ``r mod B``), such as
-        :func:`unifusion.eval.nll_bound`: with ``per_token=False`` it then returns the conditional bound on
-        ``−log p(response | prompt)`` (the prompt columns score exactly 0; ``C_ELBO`` is 0 for the linear schedule).
-        """
+        response) fixed: it puts the clean prompt back into ``x_t`` and reads each canvas's clean prefix from
+        ``x0``. For any function that calls a model as ``model(x_t, t)`` on ``x0`` repeated along the batch (``n·B``
+        rows, row r is sequence ``r mod B``), such as :func:`unifusion.eval.nll_bound`: with ``per_token=False``
+        that returns the conditional bound on ``−log p(response | prompt)`` (the prompt columns score exactly 0;
+        ``C_ELBO`` is 0 for the linear schedule)."""
         return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length)
 
     # -- internals ------------------------------------------------------------------------------------------------

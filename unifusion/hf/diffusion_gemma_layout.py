@@ -101,13 +101,13 @@ class CanvasLayout:
         rows = self.columns + self.length * torch.arange(B, device=self.columns.device)[:, None, None]
         return torch.where(self.valid, rows, B * self.length).reshape(-1)
 
-    def unfold(self, values: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-        """Place folded canvas values ``(B · n_c, width, ...)`` into ``fill (B, L, ...)`` at their columns (the other
-        columns keep ``fill``); differentiable in ``values``."""
-        B, L = fill.shape[:2]
-        flat = torch.cat([fill.reshape(B * L, *fill.shape[2:]), fill.new_zeros(1, *fill.shape[2:])])
-        flat = flat.index_copy(0, self.flat_rows(), values.reshape(-1, *values.shape[2:]).to(fill.dtype))
-        return flat[: B * L].view(fill.shape)
+    def unfold(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write folded canvas values ``(B · n_c, width, ...)`` into ``out (B · L + 1, ...)`` (in place, rows of
+        :meth:`flat_rows`; the other rows keep their contents, the last one is spare) and return ``(B, L, ...)``, a
+        view of ``out``. Differentiable in ``values``."""
+        B, L = self.columns.shape[0], self.length
+        out.index_copy_(0, self.flat_rows(), values.reshape(-1, *values.shape[2:]).to(out.dtype))
+        return out[: B * L].view(B, L, *out.shape[1:])
 
 
 def prompt_bounds(x_t: torch.Tensor, prompt_mask: Any, prompt_length: Any,
