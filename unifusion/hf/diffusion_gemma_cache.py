@@ -1,0 +1,109 @@
+"""The cached, step-by-step operations of DiffusionGemma decoding: prefill the prompt, denoise a canvas, commit it.
+
+A sampler that decodes canvas by canvas calls them in this order (what ``DiffusionGemmaForBlockDiffusion.generate``
+does, with the same calls, masks and position ids, so the logits are the reference's bit for bit)::
+
+    state = prefill(model, prompt_ids, attention_mask=mask)     # encoder over the prompt → KV cache
+    for each canvas:
+        logits = denoise(model, state, canvas, self_conditioning_logits=previous)   # (B, K, V), cache read only
+        ...                                                       # as many steps as the policy takes
+        commit(model, state, clean_canvas)                        # encoder over the canvas → appended to the cache
+
+``denoise`` of canvas c after committing canvases 0 … c − 1 computes what :meth:`DiffusionGemmaLM.forward` computes
+for canvas c with those canvases as the clean prefix (cached = uncached, to float rounding): a sliding-window layer
+sees the last ``W − 1`` cached tokens, a full layer all of them, and the canvas attends to itself bidirectionally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .diffusion_gemma import DiffusionGemmaLM
+
+__all__ = ["CanvasState", "commit", "denoise", "prefill"]
+
+
+@dataclass
+class CanvasState:
+    """What decoding carries between canvases.
+
+    Attributes:
+        cache: the transformers ``DynamicCache`` the encoder wrote (prompt and committed canvases).
+        attention_mask: ``(B, n)`` bool over the cached columns (False on left padding).
+        length: ``n``, columns cached so far; the next canvas has position ids ``n … n + K − 1``.
+        decoder_masks: the decoder's attention masks for the next canvas (built once per canvas, as generation does).
+    """
+
+    cache: Any
+    attention_mask: torch.Tensor
+    length: int
+    decoder_masks: dict[str, Any]
+
+    def positions(self, canvas_length: int) -> torch.Tensor:
+        """``(1, K)`` int32 position ids of the next canvas."""
+        device = self.attention_mask.device
+        return torch.arange(self.length, self.length + canvas_length, dtype=torch.int32, device=device)[None]
+
+
+def _encode(model: DiffusionGemmaLM, ids: torch.Tensor, state: CanvasState) -> None:
+    """Encoder over ``ids (B, n)`` at the columns after ``state.length - n``, appended to the cache, then the decoder
+    masks of the canvas after them."""
+    hf = model.base_model
+    B, n = ids.shape
+    positions = torch.arange(state.length - n, state.length, dtype=torch.int32, device=ids.device)[None]
+    shape_only = torch.empty((B, n, 0), dtype=model.dtype, device=ids.device)
+    masks = hf.model.encoder.create_masks_for_generate(
+        config=hf.config, inputs_embeds=shape_only, attention_mask=state.attention_mask, cache=state.cache,
+        position_ids=positions)
+    hf.model.encoder(input_ids=ids.clone(memory_format=torch.contiguous_format), attention_mask=masks,
+                     cache=state.cache, position_ids=positions)
+    K = model.canvas_length
+    state.decoder_masks = hf.model.decoder.create_diffusion_decoder_attention_mask(
+        config=hf.config, inputs_embeds=ids.new_empty((B, K, 1)), cache=state.cache,
+        decoder_attention_mask=F.pad(state.attention_mask, (0, K), value=True))
+
+
+@torch.no_grad()
+def prefill(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, *,
+            attention_mask: torch.Tensor | None = None) -> CanvasState:
+    """Encode the prompt ``(B, P)`` (left-padded where ``attention_mask`` is 0) into a fresh ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+        raise ValueError("prompt_ids: expected a (B, P) tensor of token ids with P >= 1")
+    B, P = prompt_ids.shape
+    if attention_mask is None:
+        mask = torch.ones((B, P), dtype=torch.bool, device=prompt_ids.device)
+    elif tuple(attention_mask.shape) != (B, P):
+        raise ValueError(f"attention_mask: expected shape ({B}, {P}) like prompt_ids")
+    else:
+        mask = attention_mask.to(prompt_ids.device, torch.bool)
+    state = CanvasState(cache=DynamicCache(config=model.text_config), attention_mask=mask, length=P,
+                        decoder_masks={})
+    _encode(model, prompt_ids, state)
+    return state
+
+
+def denoise(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor, *,
+            self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's soft-capped float32 logits ``(B, K, V)`` for ``canvas (B, K)`` against the cache (read only),
+    with the previous step's logits ``(B, K, V)`` as the self-conditioning signal (``None`` on a canvas's first
+    step)."""
+    K = canvas.shape[1]
+    out = model.base_model(decoder_input_ids=canvas, self_conditioning_logits=self_conditioning_logits,
+                           decoder_attention_mask=state.decoder_masks, cache=state.cache,
+                           decoder_position_ids=state.positions(K))
+    return out.logits
+
+
+@torch.no_grad()
+def commit(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor) -> None:
+    """Append the clean ``canvas (B, K)`` to the cache (one encoder forward at its positions)."""
+    B, K = canvas.shape
+    state.attention_mask = F.pad(state.attention_mask, (0, K), value=True)
+    state.length += K
+    _encode(model, canvas, state)
