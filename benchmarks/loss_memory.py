@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 import unifusion as uf
-from unifusion.adapters import DiffusionLM
+from unifusion.hf import DiffusionLM
 
 VARIANTS = ("forward+loss", "diffusion_loss", "diffusion_loss_fused", "sliced_logits", "float32_logits")
 BASELINE = "forward+loss"
@@ -167,8 +167,8 @@ class Case:
             return lambda: self._loss(model(self.x_t, self.t).float())
         if name == "sliced_logits":
             def sliced() -> torch.Tensor:
-                kwargs = model._net_inputs(self.x_t, self.t, 1.0, None, None)
-                return self._loss(model._hf(**kwargs).logits[:, :-1])  # (B, L, V) view of (B, L + 1, V)
+                kwargs = model.network_inputs(self.x_t, self.t)
+                return self._loss(model.hf_model(**kwargs).logits[:, :-1])  # (B, L, V) view of (B, L + 1, V)
             return sliced
         raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
 

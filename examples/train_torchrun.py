@@ -115,7 +115,7 @@ def load_ar_model(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.tiny or args.model is None:
         return tiny_ar_model(args.seed), None
     if args.model == "smollm2":
-        from unifusion.models import load_smollm2, load_smollm2_tokenizer
+        from unifusion.hf import load_smollm2, load_smollm2_tokenizer
         return load_smollm2(), load_smollm2_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

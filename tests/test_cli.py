@@ -187,7 +187,7 @@ def _sample(model_dir, capsys, *extra):
 
 
 def test_sample_and_eval_without_kernel_follow_one_rule_and_say_which(folders, tmp_path, capsys):
-    from unifusion.models import default_kernel
+    from unifusion.hf import default_kernel
 
     # a checkpoint with a mask token and no recorded kernel: mask on its mask token (not uniform, as before)
     rc, err = _sample(folders["dm"], capsys)

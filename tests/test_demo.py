@@ -65,8 +65,9 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds
     from transformers import PreTrainedTokenizerFast
 
     import unifusion as uf
-    from unifusion import _compile, demo, models
+    from unifusion import _compile, demo
     from unifusion import eval as uf_eval
+    from unifusion.hf import loading
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(Path(__file__).parent / "data" / "tiny_tokenizer")
 
@@ -81,7 +82,7 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds
         summary = [{"steps": n, "genppl_mean": 10.0, "entropy_mean": 3.0} for n in steps]
         return types.SimpleNamespace(summary=summary, paths={"samples": str(path)}, table=lambda: "(table)")
 
-    monkeypatch.setattr(models, "load_causal_lm", load_causal_lm)
+    monkeypatch.setattr(loading, "load_causal_lm", load_causal_lm)
     monkeypatch.setattr(uf_eval, "frontier", frontier)
     monkeypatch.setattr(uf, "compile_stats", compile_stats)
     monkeypatch.setattr(_compile, "blocking_seconds", blocking_seconds)

@@ -73,7 +73,7 @@ def _reload(folder: Path) -> uf.DiffusionLM:
     assert (folder / "model.safetensors").is_file() and (folder / "unifusion_config.json").is_file(), folder
     model = uf.DiffusionLM.from_pretrained(folder)
     assert model.mask_token_id is not None and type(model.kernel) is uf.UniformKernel, (folder, model.kernel)
-    assert type(uf.models.default_kernel(model)[0]) is uf.UniformKernel
+    assert type(uf.hf.default_kernel(model)[0]) is uf.UniformKernel
     return model
 
 

@@ -12,12 +12,13 @@ those rates; an x0 head converts exactly into the other three (Theorem 3.5).
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import Any
 
-from . import eval, losses, models, samplers
+from . import eval, hf, losses, samplers
 from ._compile import compile_stats, get_backend, set_backend, wait_for_compilation
 from ._validation import set_validation, validation, validation_enabled
-from .adapters import DiffusionLM, adapt_ar_model, anneal_schedule
 from .conversions import convert_x0_to
+from .hf import DiffusionLM, adapt_ar_model, anneal_schedule
 from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from .losses import bregman_rate_loss
 from .rates import ReverseRate
@@ -66,8 +67,8 @@ __all__ = [
     "diffusion_loss",
     "eval",
     "get_backend",
+    "hf",
     "losses",
-    "models",
     "samplers",
     "sample_times",
     "set_backend",
@@ -76,3 +77,12 @@ __all__ = [
     "validation_enabled",
     "wait_for_compilation",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # unifusion.adapters and unifusion.models: deprecated modules kept for one release (their names warn)
+    if name in ("adapters", "models"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 its config (``"kernel"``) and ``from_pretrained`` reads back, and the rule that picks a kernel when none is named
 (:func:`default_kernel`), shared by ``DiffusionLM.generate`` and the ``unifusion sample``/``eval`` commands.
 
-Re-exported by :mod:`unifusion.models`. It imports only the kernels and schedules, so the model wrapper and the
+Re-exported by :mod:`unifusion.hf`. It imports only the kernels and schedules, so the model wrapper and the
 loaders can both use it.
 """
 

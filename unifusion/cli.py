@@ -193,7 +193,7 @@ def _sampler_args(p: argparse.ArgumentParser) -> None:
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, kernel)``; the kernel by :func:`resolve_kernel`, announced on stderr with the reason."""
-    from .models import load_diffusion_model
+    from .hf.loading import load_diffusion_model
 
     device = _resolve_device(args.device)
     if getattr(args, "p_uniform", None) is not None and args.kernel != "hybrid":  # before loading anything
@@ -210,7 +210,7 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _load_judge(args: argparse.Namespace) -> tuple[Any, Any]:
-    from .models import load_causal_lm
+    from .hf.loading import load_causal_lm
 
     return load_causal_lm(args.judge, gguf_file=args.judge_gguf_file, device=_resolve_device(args.device),
                           arg="--judge")
@@ -384,7 +384,7 @@ def _add_eval_mc(sub: Any) -> None:
 
 def cmd_eval_mc(args: argparse.Namespace) -> int:
     from .eval import run_multiple_choice
-    from .models import load_causal_lm
+    from .hf.loading import load_causal_lm
 
     if args.method == "ar":
         model, tok = load_causal_lm(args.model, gguf_file=args.gguf_file, dtype=args.dtype,

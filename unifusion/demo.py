@@ -93,7 +93,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from . import _compile
     from .eval import frontier
-    from .models import load_causal_lm
+    from .hf.loading import load_causal_lm
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -233,7 +233,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         if step is None:
             gamma = 1.0
         else:
-            from .adapters import anneal_schedule
+            from .hf.attention import anneal_schedule
             gamma = anneal_schedule(step, anneal_steps)
     else:
         gamma = float(bidirectional_prob)

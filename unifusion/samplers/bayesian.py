@@ -47,7 +47,7 @@ class BayesianSampler:
 
     Args:
         model: callable ``(x_t (B, L) int64, t (B,) float) → x0 logits (B, L, num_states)``; a
-            :class:`~unifusion.adapters.DiffusionLM` qualifies (it attends bidirectionally by default). The logit of
+            :class:`~unifusion.hf.DiffusionLM` qualifies (it attends bidirectionally by default). The logit of
             a mask state is ignored (x_θ puts 0 there). bf16 logits are upcast.
         kernel: the forward kernel the model was trained with. Uniform, mask and hybrid kernels take the O(V) mixture
             step (see :mod:`unifusion.samplers._step`); other kernels (:class:`~unifusion.GeneratorKernel`) use

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from ...adapters import DiffusionLM
+from ...hf.model import DiffusionLM
 from ...kernels import Kernel
 
 _F = TypeVar("_F", bound=Callable[..., Any])

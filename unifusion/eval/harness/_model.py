@@ -11,9 +11,10 @@ import torch
 from lm_eval.api.model import LM
 
 from ... import _validation as V
-from ...adapters import DiffusionLM
+from ..._kernel_config import default_kernel
+from ...hf.loading import dtype_from_name
+from ...hf.model import DiffusionLM
 from ...kernels import Kernel, MaskKernel, UniformKernel
-from ...models import default_kernel, dtype_from_name
 from . import _distributed
 from ._args import (
     FALLBACK_MAX_LENGTH,

@@ -1,7 +1,7 @@
 """Facts about Hugging Face causal-LM families that the AR→diffusion adapter relies on.
 
-One registry, keyed by ``config.model_type``. Every fact the adapter (:mod:`unifusion.adapters`) needs about
-an architecture lives here and nowhere else:
+One registry, keyed by ``config.model_type``. Every fact the adapter (:class:`unifusion.hf.DiffusionLM`) needs
+about an architecture lives here and nowhere else:
 
 * ``mask_style``: how the family's attention reads a custom 4D mask ``(B, 1, L, L)``. ``"bool"`` (True =
   attend) is what ``sdpa`` honours; ``"additive"`` (0 = attend, ``finfo.min`` = blocked) is what ``eager``

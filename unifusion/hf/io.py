@@ -1,0 +1,231 @@
+"""Saving and loading adapted models: what
+:meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>` and
+:meth:`DiffusionLM.from_pretrained <unifusion.hf.DiffusionLM.from_pretrained>` do.
+
+A saved folder holds
+
+* ``unifusion_config.json`` (:data:`CONFIG_NAME`): the library version, the BOS and mask token ids, whether the mask
+  token was added, time conditioning, the family, the architecture class, the weights' dtype, the wrapped model's own
+  config (``base_config``) and, when known, the training kernel (``"kernel"``, see
+  :func:`unifusion.hf.kernel_config`). Unknown keys are ignored with a warning on load.
+* ``model.safetensors`` (:data:`WEIGHTS_NAME`): the wrapper's state dict, tied tensors stored once.
+* the tokenizer's files, when the model has a tokenizer (:data:`TOKENIZER_FILES` tell that one is there).
+
+Loading rebuilds the Hugging Face model from ``base_config`` without initialising weights, ties its embeddings and
+loads the file: bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _validation as V
+from .._kernel_config import kernel_config, kernel_from_config
+
+__all__ = ["CONFIG_KEYS", "CONFIG_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp", "from_pretrained",
+           "parse_dtype", "save_pretrained"]
+
+CONFIG_NAME = "unifusion_config.json"
+"""The file that marks a folder written by ``save_pretrained``."""
+
+WEIGHTS_NAME = "model.safetensors"
+"""The weights' file."""
+
+CONFIG_KEYS = frozenset({"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
+                         "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel"})
+"""The keys :data:`CONFIG_NAME` may hold; others are ignored with a warning."""
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
+"""Any of these in a folder means a tokenizer was saved there."""
+
+
+def parse_dtype(dtype: object) -> torch.dtype | None:
+    """``None``, a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``) → the dtype."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtype: expected a floating torch dtype or its name, got {dtype!r}")
+        dtype = value
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16) or its name, got {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating dtype, got {dtype}")
+    return dtype
+
+
+def config_stamp(model: Any, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The content of :data:`CONFIG_NAME` for ``model`` (a :class:`~unifusion.hf.DiffusionLM`), with the training
+    kernel's record ``kernel`` (:func:`~unifusion.hf.kernel_config`) when known."""
+    hf = model.hf_model
+    base_config = model.config.to_dict()
+    base_config.pop("quantization_config", None)  # GGUF-loaded models: store the dequantised weights plainly
+    dtype = hf.get_input_embeddings().weight.dtype
+    stamp = {
+        "unifusion_version": _library_version(),
+        "bos_token_id": model.bos_token_id,
+        "mask_token_id": model.mask_token_id,
+        "added_mask_token": model.added_mask_token,
+        "time_conditioning": model.time_conditioning,
+        "model_type": model.config.model_type,
+        "architecture": type(hf).__name__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "base_config": base_config,
+    }
+    if kernel is not None:  # only when known: a folder without it reads in older versions without a warning
+        stamp["kernel"] = kernel
+    return stamp
+
+
+def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
+                    kernel: Any = None) -> None:
+    """Write ``model`` (a :class:`~unifusion.hf.DiffusionLM`) to ``save_directory``; the arguments are those of
+    :meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>`. Everything is checked before
+    anything is written."""
+    from safetensors.torch import save_file
+
+    from ..kernels import Kernel
+
+    kernel = kernel if kernel is not None else model.kernel
+    kernel_entry = None
+    if kernel is not None:
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"kernel: expected a unifusion Kernel or None, got {type(kernel).__name__}")
+        V.check_model_kernel(model, kernel, who="save_pretrained")  # a Kernel that fits the model (mask id, S)
+        kernel_entry = kernel_config(kernel)
+        if kernel_entry is None:
+            warnings.warn(f"kernel: {kernel!r} cannot be recorded in {CONFIG_NAME} (only uniform, mask and hybrid "
+                          "kernels with a built-in schedule can); the saved model names no kernel", stacklevel=3)
+    tok = tokenizer if tokenizer is not None else model.tokenizer
+    if tok is not None and not callable(getattr(tok, "save_pretrained", None)):
+        raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
+                        f"{type(tok).__name__}")
+    if model.hf_model is not model.base_model:
+        raise TypeError(
+            "save_pretrained: the base model is a peft model; merge the adapters first "
+            "(adapt_ar_model(model.base_model.merge_and_unload(), ...)) or save them with peft")
+    path = Path(save_directory)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / CONFIG_NAME, "w") as f:
+        json.dump(config_stamp(model, kernel_entry), f, indent=2, sort_keys=True, default=str)
+    # Tied tensors (same storage, shape and stride) are stored once; every tensor is copied out contiguously, so
+    # parameters that are views into one flat buffer (DeepSpeed ZeRO-2, FSDP-gathered) save too.
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    if tok is not None:
+        tok.save_pretrained(str(path))
+
+
+def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str], *,
+                    dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                    load_tokenizer: bool = True) -> Any:
+    """Rebuild a model written by :func:`save_pretrained`; the arguments are those of
+    :meth:`DiffusionLM.from_pretrained <unifusion.hf.DiffusionLM.from_pretrained>`.
+
+    Args:
+        build: the wrapper class (:class:`~unifusion.hf.DiffusionLM`), called as ``build(hf_model, bos_token_id=...,
+            mask_token_id=..., time_conditioning=..., added_mask_token=...)``.
+        directory: the folder.
+        dtype: floating dtype of the weights; default the saved one.
+        device: where to put the model; default CPU.
+        load_tokenizer: load the tokenizer saved in the folder, if any.
+    """
+    import transformers
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
+    path = Path(directory)
+    weights_dtype = parse_dtype(dtype)
+    if not path.exists():
+        raise ValueError(f"directory: no such folder {str(path)!r}")
+    if not path.is_dir():
+        raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained, got the file "
+                         f"{str(path)!r}")
+    if not (path / CONFIG_NAME).is_file():
+        if (path / "config.json").is_file():
+            raise ValueError(
+                f"directory: {str(path)!r} is a plain Hugging Face model folder (config.json, no {CONFIG_NAME}); "
+                "load it with transformers and wrap it: adapt_ar_model(AutoModelForCausalLM.from_pretrained("
+                f"{str(path)!r}))")
+        raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained (holding "
+                         f"{CONFIG_NAME}), got {str(path)!r}")
+    with open(path / CONFIG_NAME) as f:
+        stamp = json.load(f)
+    unknown = sorted(set(stamp) - CONFIG_KEYS)
+    if unknown:
+        warnings.warn(f"{CONFIG_NAME}: ignoring unknown keys {unknown} (written by unifusion "
+                      f"{stamp.get('unifusion_version', '?')})", stacklevel=3)
+    base_config = dict(stamp["base_config"])
+    model_type = base_config.pop("model_type", stamp.get("model_type"))
+    config = AutoConfig.for_model(model_type, **base_config)
+    saved_dtype = parse_dtype(stamp.get("dtype", "float32"))
+    build_dtype = weights_dtype if weights_dtype is not None else saved_dtype
+    model_cls = getattr(transformers, stamp.get("architecture", ""), None)
+    with _no_init():
+        hf = (model_cls._from_config(config, dtype=build_dtype) if model_cls is not None
+              else AutoModelForCausalLM.from_config(config, dtype=build_dtype))
+    hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
+    model = build(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
+                  time_conditioning=stamp.get("time_conditioning", False),
+                  added_mask_token=stamp.get("added_mask_token", False))
+    state = load_file(str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # names left out of the file must be tied to a tensor that was loaded
+    params = dict(model.state_dict(keep_vars=True))
+    loaded_ptrs = {params[n].data_ptr() for n in state if n in params}
+    untied = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
+    if untied or unexpected:
+        raise ValueError(f"directory: {WEIGHTS_NAME} does not match the model (missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]})")
+    if device is not None:
+        model.to(device)
+    if stamp.get("kernel") is not None:  # the training kernel, recorded by save_pretrained
+        model.kernel = kernel_from_config(stamp["kernel"], model.num_states, model.mask_token_id,
+                                          name=f"{CONFIG_NAME}: kernel")
+    if load_tokenizer and any((path / name).is_file() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        try:
+            model.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:
+            warnings.warn(f"{str(path)!r}: the tokenizer files could not be loaded ({err}); model.tokenizer is "
+                          "None", stacklevel=3)
+    return model.eval()
+
+
+def _no_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+        return no_init_weights()
+    except ImportError:  # pragma: no cover - older transformers
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def _library_version() -> str:
+    try:
+        from .. import __version__
+        return str(__version__)
+    except ImportError:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("unifusion")
+        except PackageNotFoundError:
+            return "unknown"

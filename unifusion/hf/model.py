@@ -1,0 +1,507 @@
+"""A pretrained autoregressive (AR) causal LM as an x0-predicting diffusion model: :class:`DiffusionLM`.
+
+Implements paper §3.2 ("AR as the x0 model") and App. C.5 (Algorithm 1).
+
+**AR as the x0 model.** After a one-position shift, the AR next-token distribution for ``x^i`` given
+``x^{<i}`` is used as the clean-token prediction ``x_θ^i(· | x_t, t)``. :class:`DiffusionLM` prepends a BOS
+token, runs the network on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``, :mod:`unifusion.hf.layout`) and keeps
+outputs ``0 .. L − 1``: the prediction for position ``i`` is the network output at position ``i − 1`` (BOS for
+``i = 1``). With causal attention and a clean input, the logits are exactly the base model's next-token logits after
+``[BOS, x^1 .. x^{i−1}]``.
+
+**Attention** follows the annealed pattern of :mod:`unifusion.hf.attention` (``bidirectional_prob = γ``; inference
+uses ``γ = 1``). The BOS row is an ordinary row (its output predicts ``x^1``, so it must see the sequence when
+bidirectional); the BOS column is visible to every real query, since ``0 ≤ i``. A fully bidirectional call without
+padding or an active sliding window builds no mask (``is_causal=False``); :meth:`DiffusionLM.attention_path` tells
+which path a call takes.
+
+**Padding** (``attention_mask``, 1 = real token) must be contiguous: right padding or left padding; a padded row
+equals the unpadded one on its real positions (:mod:`unifusion.hf.layout`).
+
+Example::
+
+    import unifusion as uf
+    model = uf.adapt_ar_model(hf_model)                   # wraps, does not copy
+    logits = model(x_t, t, bidirectional_prob=uf.hf.anneal_schedule(step, 5000))   # (B, L, V)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _validation as V
+from ..denoiser import Denoiser
+from . import generation, io
+from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
+from .families import Family, family_for
+from .layout import shifted_layout
+from .time_embedding import TimeEmbedding
+
+__all__ = ["DiffusionLM", "unwrap_peft"]
+
+
+def unwrap_peft(model: nn.Module) -> Any:
+    """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``.
+
+    Typed ``Any``: a ``PreTrainedModel``'s methods (``get_input_embeddings``, ``config``, ...) are reached through
+    ``nn.Module.__getattr__`` for peft models and plain attributes otherwise; neither types usefully."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if hasattr(model, "peft_config") and callable(get_base_model):
+        return get_base_model()
+    return model
+
+
+class DiffusionLM(nn.Module, Denoiser):
+    """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
+
+    Build it with :func:`~unifusion.hf.adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is
+    the object you passed in (training the wrapper trains it).
+
+    Attributes:
+        base_model: the wrapped Hugging Face model (or peft model).
+        bos_token_id: the token prepended internally.
+        mask_token_id: the absorbing-state token for mask/hybrid kernels (``None`` when the model was adapted with
+            ``add_mask_token=False`` for uniform noise only).
+        vocab_size: number of input ids / logit columns (including an added mask token).
+        num_states: same as ``vocab_size`` (the state-space size ``S`` of the kernels).
+        family: the :class:`unifusion.hf.families.Family` entry used.
+        tokenizer: the tokenizer given to :func:`~unifusion.hf.adapt_ar_model` (or found by :meth:`from_pretrained`),
+            or ``None``; a plain attribute (not part of the state dict), written by :meth:`save_pretrained`.
+        kernel: the forward kernel the model was trained with, when known (set it, or pass ``kernel=`` to
+            :meth:`save_pretrained`), else ``None``; recorded in the saved config and restored by
+            :meth:`from_pretrained`. :meth:`generate` and ``unifusion sample``/``eval`` default to it
+            (:func:`unifusion.hf.default_kernel`: else mask on the mask token, else uniform).
+        dense_bidirectional_mask: ``False`` (default): fully bidirectional calls (``γ = 1``) without padding or an
+            active sliding window pass no mask and run the attention with ``is_causal=False`` (see
+            :meth:`attention_path`). ``True``: always pass the dense ``(B, 1, L + 1, L + 1)`` mask (the same
+            outputs; for comparisons and debugging).
+    """
+
+    _hf: Any  # the Hugging Face *ForCausalLM (peft unwrapped); Any: its methods are not typed through nn.Module
+    config: Any  # its PretrainedConfig
+
+    def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
+                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
+        super().__init__()
+        self.tokenizer: Any = tokenizer
+        self.kernel: Any = None  # the training kernel, when known (save_pretrained records it)
+        self.dense_bidirectional_mask: bool = False
+        self.base_model = base_model
+        hf = unwrap_peft(base_model)
+        object.__setattr__(self, "_hf", hf)  # not registered twice as a submodule
+        self.config = hf.config
+        self.family: Family = family_for(getattr(hf.config, "model_type", None))
+        self.bos_token_id = int(bos_token_id)
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
+        self.added_mask_token = bool(added_mask_token)
+        self.time_conditioning = bool(time_conditioning)
+        if self.time_conditioning:
+            emb = hf.get_input_embeddings().weight
+            self.time_embedding: TimeEmbedding | None = TimeEmbedding(emb.shape[1]).to(emb.device, emb.dtype)
+        else:
+            self.time_embedding = None
+
+    # -- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def hf_model(self) -> Any:
+        """The Hugging Face ``*ForCausalLM`` the wrapper runs: :attr:`base_model`, or the model inside it when that is
+        a peft model (its LoRA layers are injected in place). Typed ``Any``, as transformers' models type poorly."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model reads and logit columns it writes (``S``).
+
+        Read from the output layer's declared size (``out_features`` / ``num_embeddings``), which stays right when
+        the weight itself is a partitioned placeholder (DeepSpeed ZeRO-3).
+        """
+        head = self._hf.get_output_embeddings()
+        declared = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        weight_rows = int(head.weight.shape[0])
+        return int(declared) if declared and weight_rows in (0, declared) else weight_rows
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the input embeddings (where ``x_t`` must live)."""
+        return self._hf.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating dtype of the input embeddings (the weights' dtype)."""
+        return self._hf.get_input_embeddings().weight.dtype
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (tied tensors counted once), or only those with ``requires_grad``; with
+        ``exclude_embeddings``, without the weights of ``nn.Embedding`` layers (the token embeddings, and an output
+        head tied to them), as Hugging Face's ``num_parameters`` counts."""
+        for name, value in (("only_trainable", only_trainable), ("exclude_embeddings", exclude_embeddings)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters()
+                   if (p.requires_grad or not only_trainable) and id(p) not in skip)
+
+    @property
+    def num_states(self) -> int:
+        """The kernels' state-space size ``S`` (equals :attr:`vocab_size`)."""
+        return self.vocab_size
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output embedding matrix ``(V, d)``; logits = :meth:`logits_from_hidden` of :meth:`hidden_states`."""
+        return self._hf.get_output_embeddings().weight
+
+    @property
+    def lm_head_bias(self) -> torch.Tensor | None:
+        """The output bias ``(V,)`` or ``None`` (phi has one)."""
+        return getattr(self._hf.get_output_embeddings(), "bias", None)
+
+    @property
+    def logit_scale(self) -> float:
+        """Multiplier the family applies to ``lm_head`` output (granite: 1/logits_scaling, cohere: logit_scale)."""
+        return self.family.logit_scale(self.config)
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """Final logit soft-cap ``c`` (gemma2/3): logits = ``c · tanh(z / c)``; ``None`` when absent."""
+        return self.family.softcap(self.config)
+
+    # -- checks and the network's inputs ------------------------------------------------------------------------
+
+    def _check(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any
+               ) -> tuple[torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]:
+        if not isinstance(x_t, torch.Tensor):
+            raise TypeError(f"x_t: expected a (B, L) int64 tensor of token ids, got {type(x_t).__name__}")
+        if x_t.dim() != 2:
+            raise ValueError(f"x_t: expected shape (B, L), got {tuple(x_t.shape)}")
+        B, L = x_t.shape
+        if B == 0 or L == 0:
+            raise ValueError(f"x_t: expected a non-empty batch (B, L) with B, L >= 1, got {(B, L)}")
+        V.check_model_device(self, "x_t", x_t)
+        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)):
+            raise TypeError(f"bidirectional_prob: expected a float in [0, 1], got {type(bidirectional_prob).__name__}")
+        gamma = float(bidirectional_prob)
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob}")
+        # every value check in one host sync (none with validation off)
+        with V.batched_checks():
+            x_t = V.check_token_ids("x_t", x_t, self.vocab_size)
+            if t is not None:
+                t = V.check_sequence_times("t", t, (B, L), device=x_t.device)  # (B,)
+            elif self.time_conditioning:
+                raise ValueError("t: this model was adapted with time_conditioning=True and needs t of shape (B,), "
+                                 "got None")
+            if attention_mask is not None:
+                if not isinstance(attention_mask, torch.Tensor):
+                    raise TypeError(f"attention_mask: expected a ({B}, {L}) tensor, got "
+                                    f"{type(attention_mask).__name__}")
+                if attention_mask.shape != (B, L):
+                    raise ValueError(f"attention_mask: expected shape ({B}, {L}) matching x_t, "
+                                     f"got {tuple(attention_mask.shape)}")
+                attention_mask = attention_mask.to(device=x_t.device, dtype=torch.bool)
+                V.check_padding("attention_mask", attention_mask)
+        return x_t, t, gamma, attention_mask
+
+    def _strategy(self, pattern: AttentionPattern) -> AttentionStrategy:
+        return select_strategy(self.family, self.config, pattern, force_dense=self.dense_bidirectional_mask,
+                               dtype=self.dtype)
+
+    def attention_path(self, length: int, bidirectional_prob: float = 1.0, *, padded: bool = False) -> AttentionPath:
+        """How a call on ``length`` tokens attends: ``"causal"``, ``"non_causal"``, ``"mask"`` or ``"block_mask"``.
+
+        * ``"causal"``: γ = 0 without padding; the model's own causal (and windowed) attention, no mask from us.
+        * ``"non_causal"``: γ = 1 without padding or an active sliding window, on a family that honours
+          ``is_causal=False``; no mask tensor from us (SDPA ``attn_mask=None, is_causal=False``; flash-attention
+          ``causal=False``; flex attention gets transformers' own all-visible block mask, which has no partial
+          blocks).
+        * ``"mask"``: everything else with SDPA or eager attention; the dense boolean/additive ``(B, 1, L + 1, L + 1)``
+          mask of :func:`~unifusion.hf.annealed_attention_mask`.
+        * ``"block_mask"``: everything else with flex attention (``attn_implementation="flex_attention"``): the same
+          pattern as a ``torch.nn.attention.flex_attention.BlockMask`` (one per layer type with sliding windows).
+
+        Args:
+            length: ``L``, the number of tokens in ``x_t`` (the network runs ``L + 1`` positions).
+            bidirectional_prob: ``γ`` in ``[0, 1]``.
+            padded: whether an ``attention_mask`` is passed.
+
+        Raises:
+            ValueError: where the call itself would: the model runs flash attention (or another kernel that takes no
+                mask) and the call needs a mask (annealing, padding, an active sliding window).
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"length: expected a positive int, got {length!r}")
+        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)) \
+                or not 0.0 <= bidirectional_prob <= 1.0:
+            raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob!r}")
+        key_valid = torch.ones((1, length + 1), dtype=torch.bool) if padded else None  # only "padded" is read
+        pattern = AnnealedPattern(1, length + 1, float(bidirectional_prob), key_valid=key_valid)
+        return self._strategy(pattern).path
+
+    def network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+                       attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+                       ) -> dict[str, Any]:
+        """The keyword arguments :attr:`hf_model` gets for a call of :meth:`forward` with these arguments: the ids of
+        ``[BOS, x_t]`` (``L + 1`` positions; ``inputs_embeds`` with the time embedding added when the model is time
+        conditioned), ``position_ids`` with padding, ``use_cache=False`` and what :meth:`attention_path` passes
+        (nothing, ``is_causal=False``, or ``attention_mask``). ``hf_model(**network_inputs(...)).logits[:, :-1]``
+        equals ``forward(...)`` (same generator state)."""
+        generator = V.check_generator(generator)
+        x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        return self._network_inputs(x_t, t, gamma, attention_mask, generator)
+
+    def _network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float,
+                        attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
+        """:meth:`network_inputs` of checked arguments."""
+        layout = shifted_layout(x_t, self.bos_token_id, gamma, attention_mask=attention_mask, generator=generator)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if layout.position_ids is not None:
+            kwargs["position_ids"] = layout.position_ids
+        if self.time_embedding is not None:
+            assert t is not None
+            h = self._hf.get_input_embeddings()(layout.input_ids)  # (B, L+1, d)
+            kwargs["inputs_embeds"] = h + self.time_embedding(t)[:, None, :].to(h.dtype)
+        else:
+            kwargs["input_ids"] = layout.input_ids
+        kwargs.update(self._strategy(layout.pattern).kwargs(layout.pattern))
+        return kwargs
+
+    # -- the forward pass ---------------------------------------------------------------------------------------
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+                attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                x0: torch.Tensor | None = None, kernel: Any = None,
+                objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
+                weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
+                reduction: Literal["none", "sum", "mean"] = "none",
+                position_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
+
+        Args:
+            x_t: ``(B, L)`` int64 noisy token ids.
+            t: ``(B,)`` float times in ``(0, 1)``; required with time conditioning or a loss.
+            bidirectional_prob: ``γ`` in ``[0, 1]`` (0 causal, 1 fully bidirectional; see
+                :func:`~unifusion.hf.anneal_schedule`).
+            attention_mask: optional ``(B, L)`` padding mask, 1 = real token (right or left padding).
+            generator: random generator for the Bernoulli mask entries when ``0 < γ < 1``.
+            x0: clean tokens ``(B, L)``; with ``kernel``, return the loss instead of the logits.
+            kernel: the forward kernel of the loss.
+            objective: x0-head objective (see :func:`unifusion.losses.x0_head_loss`).
+            weighting: GIDD weighting of the loss.
+            max_weight: clip of the GIDD weights.
+            reduction: ``"none"`` (per-position loss times ``position_weight``), or ``"sum"``/``"mean"`` of the
+                weighted loss (see :func:`unifusion.losses.fused_linear_diffusion_loss`).
+            position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
+                gradient work); ones when ``None``.
+
+        Returns:
+            contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
+            ``[BOS, x_t]``; the output head runs on those ``L`` positions only), or with
+            ``x0``/``kernel`` the ``(B, L)`` float32 loss of
+            :func:`unifusion.losses.fused_linear_diffusion_loss`, computed from the hidden states without ever
+            holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
+        """
+        generator = V.check_generator(generator)
+        if x0 is not None or kernel is not None:
+            if x0 is None or kernel is None or t is None:
+                raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
+            from ..kernels import check_kernel
+            from ..losses.fused_linear import fused_linear_diffusion_loss
+
+            V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
+            x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+            assert t is not None
+            h = self._hidden(x_t, t, gamma, attention_mask, generator)
+            return fused_linear_diffusion_loss(
+                h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
+                weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
+                logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
+                position_weight=position_weight)
+        x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+
+    def _logits(self, kwargs: dict[str, Any], L: int) -> torch.Tensor:
+        """Contiguous ``(B, L, V)`` logits of the first ``L`` of the ``L + 1`` network positions.
+
+        The head runs on those positions only: the hidden states are sliced before it, not the logits after it (a
+        ``(B, L, V)`` view with row stride ``(L + 1) V`` would be copied whole by a loss reading rows, and its backward
+        would allocate a ``(B, L + 1, V)`` gradient). Families whose ``forward`` takes transformers'
+        ``logits_to_keep`` get ``slice(0, L)`` (their own head, post-processing and hooks run); others run the
+        backbone, then the head module and :meth:`logits_from_hidden`'s post-processing on ``h[:, :-1]``.
+        """
+        if _takes_logits_to_keep(self._hf.__class__):
+            logits = self._hf(**kwargs, logits_to_keep=slice(0, L)).logits  # (B, L, V)
+            if logits.shape[1] == L:
+                return logits
+            return logits[:, :L].contiguous()  # pragma: no cover - a family that ignores logits_to_keep
+        h = self._hf.base_model(**kwargs).last_hidden_state[:, :-1]  # (B, L, d)
+        return self._post_head(self._hf.get_output_embeddings()(h))
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+                      attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+                      ) -> torch.Tensor:
+        """Final hidden states ``(B, L, d)``, shifted like :meth:`forward`, before the output head.
+
+        ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state).
+        """
+        generator = V.check_generator(generator)
+        x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        return self._hidden(x_t, t, gamma, attention_mask, generator)
+
+    def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float, attention_mask: torch.Tensor | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+        kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator)
+        h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
+        return h[:, :-1]
+
+    def loss(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
+        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss), or its
+        weighted sum / mean with ``reduction=``, ``position_weight=``.
+
+        Same as ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``; under DDP/FSDP call the wrapper that way instead.
+        """
+        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.
+
+        ``z = (h W^T + b) · logit_scale``, then ``c · tanh(z / c)`` when the family soft-caps (gemma2/3).
+        """
+        return self._post_head(F.linear(h, self.lm_head_weight, self.lm_head_bias))
+
+    def _post_head(self, z: torch.Tensor) -> torch.Tensor:
+        """The family's post-processing of the head's output ``z``: the logit scale, then the soft-cap."""
+        scale = self.logit_scale
+        if scale != 1.0:
+            z = z * scale
+        c = self.final_logit_softcap
+        if c is not None:
+            z = torch.tanh(z / c) * c
+        return z
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
+                 num_steps: int = 64, kernel: Any = None, temperature: float = 1.0, top_p: float | None = None,
+                 top_k: int | None = None, eps: float = 1e-3,
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                 progress: bool = False) -> torch.Tensor:
+        """Continue ``prompt_ids`` by ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2).
+
+        The prompt is a fixed prefix: it is in ``z_t`` at every step and never changes; the ``N = num_steps`` posterior
+        steps generate the positions after it, bidirectionally (``γ = 1``).
+
+        Args:
+            prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
+                gives ``B = 1``).
+            max_new_tokens: number of tokens to generate after the prompt; or give
+            seq_len: the total length ``P + max_new_tokens`` (exactly one of the two).
+            num_steps: ``N ≥ 1`` model calls.
+            kernel: the forward kernel the model was trained with; default :attr:`kernel` when recorded, else
+                :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
+                (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
+            temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
+            top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
+            top_k: keep the ``k`` most likely tokens (``None``: off).
+            eps: ``ε``; sampling starts at ``t_0 = 1 − ε``.
+            generator: random generator on the model's device, for reproducible samples; or a list of ``B``
+                generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
+                generator=generator[b])`` whatever rows are beside it (:meth:`BayesianSampler.sample`).
+            progress: show a progress bar over the steps.
+
+        Returns:
+            ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns.
+
+        ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
+        device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, and a generator on another
+        device type than the model (or a number of per-row generators other than ``B``) are ``ValueError``s naming
+        the argument (``model``, ``prompt_ids``, ``generator``).
+        """
+        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len,
+                                   num_steps=num_steps, kernel=kernel, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, eps=eps, generator=generator, progress=progress)
+
+    # -- passthroughs -------------------------------------------------------------------------------------------
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode."""
+        enable = getattr(self._hf, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        (enable or self._hf.gradient_checkpointing_enable)(**kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Turn the wrapped model's gradient checkpointing off."""
+        disable = getattr(self._hf, "activation_checkpointing_disable", None)
+        (disable or self._hf.gradient_checkpointing_disable)()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether the wrapped model checkpoints activations."""
+        hf = self._hf
+        flag = getattr(type(hf), "is_activation_checkpointing", None)
+        return bool(hf.is_activation_checkpointing if flag is not None else hf.is_gradient_checkpointing)
+
+    # -- save / load --------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
+                        kernel: Any = None) -> None:
+        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory, and
+        the tokenizer's files next to them (:mod:`unifusion.hf.io`).
+
+        Args:
+            save_directory: the folder (created if missing).
+            tokenizer: a Hugging Face tokenizer to save with the model (``tokenizer.save_pretrained``); default the
+                one :func:`~unifusion.hf.adapt_ar_model` was given (:attr:`tokenizer`). With a tokenizer in the
+                folder, ``unifusion sample --model DIR`` and :meth:`from_pretrained` find it.
+            kernel: the forward kernel the model was trained with (default :attr:`kernel`), recorded in the config
+                as ``"kernel"`` (:func:`unifusion.hf.kernel_config`) so that :meth:`from_pretrained` restores
+                :attr:`kernel` and :meth:`generate` and ``unifusion sample``/``eval`` use it by default. Uniform,
+                mask and hybrid kernels with a built-in schedule can be recorded; another kernel warns and is not.
+        """
+        io.save_pretrained(self, save_directory, tokenizer, kernel=kernel)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None, load_tokenizer: bool = True) -> DiffusionLM:
+        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights), in eval mode, with its
+        recorded training kernel as :attr:`kernel` (``None`` when none was recorded).
+
+        Args:
+            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``).
+            dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default: the dtype they
+                were saved in.
+            device: where to put the model; default CPU.
+            load_tokenizer: load the tokenizer saved in the folder, if any, as :attr:`tokenizer`.
+
+        Raises:
+            ValueError: ``directory`` does not exist, is a plain Hugging Face model folder (load it with
+                transformers and wrap it with :func:`~unifusion.hf.adapt_ar_model`), is not a saved model at all, or
+                its weights do not match its config.
+        """
+        model: DiffusionLM = io.from_pretrained(cls, directory, dtype=dtype, device=device,
+                                                load_tokenizer=load_tokenizer)
+        return model
+
+    def extra_repr(self) -> str:
+        return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
+                f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
+                f"time_conditioning={self.time_conditioning}")
+
+
+@functools.cache
+def _takes_logits_to_keep(model_cls: Any) -> bool:
+    """Whether ``model_cls.forward`` names a ``logits_to_keep`` parameter: transformers' ``*ForCausalLM`` index the
+    hidden states with it before ``lm_head`` (every supported family in transformers 5). Older releases (an int-only
+    ``num_logits_to_keep``, or none) take :meth:`DiffusionLM._logits`'s backbone-then-head path."""
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
