@@ -69,7 +69,7 @@ from unifusion.chat import ChatBatch, collate_chats, load_python_docs_chats, tok
 def load_chat_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``: SmolLM2-135M-Instruct, a local HF folder, or (``--tiny``) a random 2-layer Llama
     over SmolLM2's vocabulary with SmolLM2's tokenizer and chat template."""
-    from unifusion.models import load_smollm2, load_smollm2_tokenizer
+    from unifusion.hf import load_smollm2, load_smollm2_tokenizer
 
     if args.model == "smollm2":
         tokenizer = load_smollm2_tokenizer()

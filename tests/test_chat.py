@@ -43,7 +43,7 @@ CHATML_GENERATION = (
 
 @pytest.fixture(scope="module")
 def smol():
-    from unifusion.models import load_smollm2_tokenizer
+    from unifusion.hf import load_smollm2_tokenizer
 
     return load_smollm2_tokenizer()
 

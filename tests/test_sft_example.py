@@ -62,7 +62,7 @@ def _losses(stdout: str) -> dict[int, tuple[float, float]]:
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from unifusion.models import load_smollm2_tokenizer
+    from unifusion.hf import load_smollm2_tokenizer
 
     return load_smollm2_tokenizer()
 

@@ -83,7 +83,7 @@ _probability = _checked(float, lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loading (the loaders live in unifusion.models)
+# loading (the loaders live in unifusion.hf.loading)
 
 
 def _resolve_device(name: str) -> str:
@@ -112,7 +112,7 @@ def make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) 
 
 
 def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = None) -> tuple[Any, str]:
-    """``(kernel, why)``: the kernel ``--kernel`` names, or, without one, :func:`unifusion.models.default_kernel`'s
+    """``(kernel, why)``: the kernel ``--kernel`` names, or, without one, :func:`unifusion.hf.default_kernel`'s
     rule (the kernel saved with the model, else mask on its mask token, else uniform) — the rule
     ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid`` only."""
     from ._kernel_config import default_kernel

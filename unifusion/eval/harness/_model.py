@@ -42,7 +42,7 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
         model: a live ``DiffusionLM`` instead of ``pretrained`` (periodic evaluation in a training script).
         tokenizer: a tokenizer object, or a folder to load one from.
         kernel: ``"mask"`` or ``"uniform"``, or a :class:`~unifusion.Kernel`; default: the library's one rule,
-            :func:`unifusion.models.default_kernel` (the kernel recorded with the model by ``save_pretrained``, else
+            :func:`unifusion.hf.default_kernel` (the kernel recorded with the model by ``save_pretrained``, else
             mask when the model has a mask token, else uniform). Checked against the model (states, mask token) here.
         method: ``"score"`` (K = 32, the paper's protocol; the default) or ``"fair_pmi"`` (K = 128) for
             ``loglikelihood``.
@@ -173,7 +173,7 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
 
     def _kernel(self, kernel: str | Kernel | None) -> Kernel:
         """``kernel=`` as a :class:`~unifusion.Kernel`: a Kernel as given, ``"mask"``/``"uniform"`` on the model's
-        states, ``None`` by :func:`unifusion.models.default_kernel` (the recorded kernel, else mask, else uniform)."""
+        states, ``None`` by :func:`unifusion.hf.default_kernel` (the recorded kernel, else mask, else uniform)."""
         if isinstance(kernel, Kernel):
             return kernel
         if kernel is None:
