@@ -11,5 +11,7 @@ generate, or a pair ``(ids, keep_mask)``.
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .euler import PARAMETERIZATIONS, ConvertedModel, EulerSampler, x0_model_as
+from .policy_sampler import BlockDenoiser, PolicyOutput, PolicySampler
 
-__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "ConvertedModel", "EulerSampler", "x0_model_as"]
+__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "BlockDenoiser", "ConvertedModel", "EulerSampler",
+           "PolicyOutput", "PolicySampler", "x0_model_as"]
