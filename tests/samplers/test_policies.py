@@ -249,3 +249,29 @@ def test_policies_check_their_kernel():
     for kernel in (mask_kernel, uf.HybridKernel(8, 7, p_uniform=0.2)):
         with pytest.raises(ValueError, match="policy: EntropyBound .* needs a uniform kernel"):
             EntropyBound(0.1).check_kernel(kernel)
+
+
+def test_policies_make_no_host_syncs():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _dispatch_count import DispatchCounter
+
+    from unifusion.samplers.policies.mask import mask_step
+
+    step = _random_step(seed=0)
+    logits = torch.randn(5, 9, 8)
+    undecided = step.undecided
+    for policy in (RandomOrder(), LowConfidence(), TopKMargin(), TopKEntropy(), ConfidenceThreshold(0.5)):
+        for randomness in (step.randomness, RowRandomness(tuple(torch.Generator() for _ in range(5)), None, 5)):
+            with DispatchCounter() as c:
+                mask_step(policy, logits, undecided, step.num_commit, randomness, mask_id=7, temperature=0.8,
+                          top_k=5, top_p=0.9)
+            assert c.syncs == 0, (policy, c.sync_ops)
+    policy = EntropyBound(0.5)
+    with DispatchCounter() as c:
+        entropy_bound_step(policy, logits, torch.zeros(5, 9, dtype=torch.long), undecided,
+                           policy.initial_history(5, 9, logits.device), step.randomness, step=1, num_steps=3,
+                           top_p=0.9)
+    assert c.syncs == 0, c.sync_ops

@@ -412,3 +412,26 @@ def test_bad_attention_masks():
     ragged[0, :3], ragged[1, :2] = 1, 1
     with pytest.raises(ValueError, match="prompt: the block path"):
         PolicySampler(HashModel(12, 11), MASK, LowConfidence()).sample(2, 8, prompt=ragged)
+
+
+@pytest.mark.parametrize("kernel,policy,options", CASES[:1] + CASES[4:6])
+@pytest.mark.parametrize("cached", [True, False])
+def test_one_host_sync_per_step(kernel, policy, options, cached):
+    """The setup reads back its checks, the rows' starts and the first output's check; each step reads back which rows
+    still run; a block adds at most three such reads (which rows start it, the read that finds none left, the rows
+    the block path commits); nothing else syncs, whatever the number of positions."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _dispatch_count import DispatchCounter
+
+    model = HashModel(kernel.num_states, kernel.mask_id)
+    sampler = PolicySampler(model if cached else XOnly(model), kernel, policy(), **options)
+    prompt = torch.tensor([1, 2] + [-1] * 14)
+    with DispatchCounter() as c:
+        sampler.sample(3, 16, prompt=prompt, generator=torch.Generator().manual_seed(0))
+    steps = sum(kind != "prefill" for kind, _, _ in model.calls)
+    num_blocks = math.ceil(14 / (options.get("block_size") or 14))
+    assert steps >= 3
+    assert c.syncs <= 3 + steps + 3 * num_blocks, c.sync_ops

@@ -3,6 +3,8 @@
 * :class:`BayesianSampler` — Algorithm 2's posterior (ancestral) steps under an x0 model, for any kernel.
 * :class:`EulerSampler` — τ-leaping on the reverse rates of an x0, SEDD, M2S or Neural-CTMC head, with the matching
   denoising final step; :func:`x0_model_as` turns an x0 model into any of those heads (Theorem 3.5).
+* :class:`PolicySampler` — block decoding with a decoding policy (:mod:`unifusion.samplers.policies`: LLaDA, Dream,
+  Fast-dLLM, DiffusionGemma), EOS stopping, tokens per forward.
 
 Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_FILL` (−1) at the positions to
 generate, or a pair ``(ids, keep_mask)``.

@@ -128,7 +128,7 @@ class _Run:
 
     def running(self, active: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The running rows, on the device and the host (the step's one host sync)."""
-        rows_host = active.cpu().nonzero().flatten().tolist()
+        rows_host = [i for i, running in enumerate(active.tolist()) if running]
         return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host
 
 
@@ -176,11 +176,10 @@ class PolicySampler:
         if not isinstance(use_cache, bool):
             raise TypeError(f"use_cache: expected a bool, got {type(use_cache).__name__}")
         self.blockwise = use_cache and isinstance(model, BlockDenoiser)
-        if not self.blockwise:
-            if not callable(model):
-                raise TypeError("model: expected an x0 callable (x_t (B, L), t (B,)) -> logits or a BlockDenoiser, "
-                                f"got {type(model).__name__}")
-            V.check_model_kernel(model, self.kernel, who="PolicySampler")
+        if not self.blockwise and not callable(model):
+            raise TypeError("model: expected an x0 callable (x_t (B, L), t (B,)) -> logits or a BlockDenoiser, got "
+                            f"{type(model).__name__}")
+        V.check_model_kernel(model, self.kernel, who="PolicySampler")
         self.model = model
 
     def __repr__(self) -> str:
@@ -260,10 +259,11 @@ class PolicySampler:
         starts, starts_host = R.row_starts(generated)  # the run's setup sync
         region = L - min(starts_host)
         width = self.block_size if self.block_size is not None else max(region, 1)
-        if self.policy.fixed_count and self.num_steps is not None and self.num_steps > min(width, region) > 0:
-            raise ValueError(f"num_steps: {type(self.policy).__name__} commits a fixed count per step, so a block of "
-                             f"{min(width, region)} generated positions takes at most {min(width, region)} steps, "
-                             f"got {self.num_steps}")
+        if self.block_size is None and self.policy.fixed_count and self.num_steps is not None \
+                and self.num_steps > region > 0:
+            raise ValueError(f"num_steps: {type(self.policy).__name__} commits a fixed count per step and, without "
+                             f"block_size, the block is the generated region ({region} positions), so it takes at "
+                             f"most {region} steps, got {self.num_steps}")
         num_blocks = max((L - s + width - 1) // width for s in starts_host)
         grid = R.BlockGrid(starts, starts_host, width, num_blocks, L)
         noise = kernel.mask_id if kernel.mask_id is not None else 0
