@@ -435,3 +435,31 @@ def test_one_host_sync_per_step(kernel, policy, options, cached):
     num_blocks = math.ceil(14 / (options.get("block_size") or 14))
     assert steps >= 3
     assert c.syncs <= 3 + steps + 3 * num_blocks, c.sync_ops
+
+
+@pytest.mark.parametrize("family", ["mask", "uniform"])
+def test_a_diffusion_lm_with_left_padded_prompts(family):
+    """A DiffusionLM takes the attention mask (its position ids skip the padding): each left-padded row equals the
+    row alone (on this CPU the tiny model's arithmetic does not change with the batch shape)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _hf_tiny import tiny_model
+
+    model = uf.adapt_ar_model(tiny_model("llama"))
+    S, m = model.num_states, model.mask_token_id
+    kernel, policy = (uf.MaskKernel(S, m), LowConfidence()) if family == "mask" else (uf.UniformKernel(S),
+                                                                                      EntropyBound(0.5))
+    prompt = torch.full((3, 16), -1)
+    prompt[:, :4] = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    sampler = PolicySampler(model, kernel, policy, num_steps=2, block_size=4)
+    out = sampler.sample(3, 16, prompt=prompt, attention_mask=mask, generator=_gens(range(3)), eos_token_id=2,
+                         return_dict=True)
+    assert out.num_forwards.tolist() == [6, 6, 6]
+    for b, pad in enumerate([2, 1, 0]):
+        single = sampler.sample(1, 16 - pad, prompt=prompt[b, pad:], generator=_gens([b]), eos_token_id=2)
+        assert torch.equal(single[0], out.sequences[b, pad:])
+    with pytest.raises(ValueError, match="kernel"):  # the model's own mask token
+        PolicySampler(model, uf.MaskKernel(S, 3), LowConfidence())

@@ -135,11 +135,18 @@ class EntropyBound(DecodingPolicy):
             raise ValueError(f"policy: EntropyBound renoises positions uniformly and needs a uniform kernel "
                              f"(UniformKernel, no mask state), got {type(kernel).__name__} ({hint})")
 
-    def temperature_at(self, step: int, num_steps: int, device: torch.device) -> torch.Tensor:
-        """T_c = t_min + (t_max − t_min) · c / N with c = N − step, a 0-d float32 tensor computed as the reference
-        does (int32 c divided by N, then float32 arithmetic), so the scaled logits match it bit for bit."""
-        c = torch.tensor(num_steps - step, dtype=torch.int32, device=device)
+    def temperatures(self, num_steps: int, device: torch.device) -> torch.Tensor:
+        """The schedule T_c = t_min + (t_max − t_min) · c / N for c = N, N − 1, …, 1 (steps 0 … N − 1), ``(N,)``
+        float32 on ``device``, with the reference's arithmetic (int32 c divided by N, then float32 operations), so the
+        scaled logits match it bit for bit. Built on the device (no host data copied)."""
+        c = torch.arange(num_steps, 0, -1, dtype=torch.int32, device=device)
         return self.t_min + ((self.t_max - self.t_min) * (c / num_steps))
+
+    def temperature_at(self, step: int, num_steps: int, device: torch.device) -> torch.Tensor:
+        """T at step ``step`` (0-based) of ``num_steps``, a 0-d float32 tensor on ``device`` (:meth:`temperatures`;
+        dividing by a device tensor, not a host scalar, matters on CUDA: a host scalar divisor becomes a multiply by
+        its reciprocal, one bit off the reference's division)."""
+        return self.temperatures(num_steps, device)[step]
 
     def accept(self, entropy: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
         """The accepted positions ``(B, K)`` bool: the eligible positions of lowest entropy, in ascending order, while
