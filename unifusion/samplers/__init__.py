@@ -3,6 +3,8 @@
 * :class:`BayesianSampler` — Algorithm 2's posterior (ancestral) steps under an x0 model, for any kernel.
 * :class:`EulerSampler` — τ-leaping on the reverse rates of an x0, SEDD, M2S or Neural-CTMC head, with the matching
   denoising final step; :func:`x0_model_as` turns an x0 model into any of those heads (Theorem 3.5).
+* :class:`PolicySampler` — block decoding with a decoding policy (:mod:`unifusion.samplers.policies`: LLaDA, Dream,
+  Fast-dLLM, DiffusionGemma), EOS stopping, tokens per forward.
 
 Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_FILL` (−1) at the positions to
 generate, or a pair ``(ids, keep_mask)``.
@@ -11,5 +13,7 @@ generate, or a pair ``(ids, keep_mask)``.
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .euler import PARAMETERIZATIONS, ConvertedModel, EulerSampler, x0_model_as
+from .policy_sampler import BlockDenoiser, PolicyOutput, PolicySampler
 
-__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "ConvertedModel", "EulerSampler", "x0_model_as"]
+__all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "BlockDenoiser", "ConvertedModel", "EulerSampler",
+           "PolicyOutput", "PolicySampler", "x0_model_as"]

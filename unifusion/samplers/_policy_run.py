@@ -1,0 +1,141 @@
+"""The setup and bookkeeping of :class:`~unifusion.samplers.PolicySampler` runs (private): token-id and attention-mask
+checks, the block grid, the time passed to the model, EOS stopping, and the run's per-row state.
+
+Nothing here reads a value back to the host except :func:`row_starts` (once per run) and the sampler's loop itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .. import _validation as V
+from .._device import host_to_device
+from ..kernels import InterpolatingKernel, Kernel
+from ..schedules import LinearSchedule
+
+TIME_EPS = 1e-3
+"""The times passed to the model are clamped to [ε, 1 − ε] (the samplers' default ε: t_0 = 1 − ε)."""
+
+
+def check_token_id(name: str, value: object, kernel: Kernel) -> int | None:
+    """``None`` or a clean token id: an int in ``[0, num_states)`` that is not the mask state."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected None or an int token id, got {type(value).__name__}")
+    if not 0 <= value < kernel.num_states:
+        raise ValueError(f"{name}: expected a token id in [0, {kernel.num_states}), got {value}")
+    if kernel.mask_id is not None and value == kernel.mask_id:
+        raise ValueError(f"{name}: is the kernel's mask id {value}; a generated token is never the mask state")
+    return value
+
+
+def takes_attention_mask(model: object) -> bool:
+    """Whether the model's ``forward`` (or the callable itself) accepts an ``attention_mask=`` keyword."""
+    fn = getattr(model, "forward", model)
+    try:
+        parameters = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True  # no signature to read: let the call decide
+    return "attention_mask" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def resolve_attention_mask(attention_mask: object, batch_size: int, seq_len: int, keep: torch.Tensor,
+                           device: torch.device) -> torch.Tensor | None:
+    """``attention_mask`` as ``(B, L)`` bool on ``device`` (True = a real token), or ``None``.
+
+    Accepted: bool or 0/1 integers of shape ``(B, P)``, ``(1, P)`` or ``(P,)`` with P ≤ L (a tokenizer's mask over
+    the prompt columns; the columns after P are real). Padding must be on the left (``0 … 0 1 … 1``) and only at
+    kept prompt positions. Value checks are queued (:func:`unifusion._validation.fail_if`).
+    """
+    if attention_mask is None:
+        return None
+    mask = V.check_tensor("attention_mask", attention_mask)
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"attention_mask: expected a bool or 0/1 integer tensor, got dtype {mask.dtype}")
+    given = tuple(mask.shape)
+    if mask.dim() == 1:
+        mask = mask[None]
+    if mask.dim() != 2 or mask.shape[0] not in (1, batch_size) or not 0 < mask.shape[1] <= seq_len:
+        raise ValueError(f"attention_mask: expected shape ({batch_size}, P) with P <= seq_len = {seq_len} (the "
+                         f"prompt columns; later columns are real tokens), got {given}")
+    mask = host_to_device(mask, device).ne(0).expand(batch_size, -1)
+    mask = torch.cat([mask, mask.new_ones((batch_size, seq_len - mask.shape[1]))], dim=1)
+    if V.validation_enabled():
+        V.fail_if((mask[:, 1:] < mask[:, :-1]).any(), lambda: (
+            "attention_mask: expected left padding (0 ... 0 1 ... 1 per row), got a row with a real token before a "
+            "pad"))
+        V.fail_if((~mask & ~keep).any(), lambda: (
+            "attention_mask: marks a position as padding where the prompt generates (-1 / keep_mask False); pads "
+            "are kept prompt positions holding the pad id"))
+    return mask
+
+
+@dataclass
+class BlockGrid:
+    """The blocks of a run: block b of row r covers columns ``starts[r] + b·width … + width − 1`` (clipped at L),
+    where ``starts[r]`` is the row's first generated column."""
+
+    starts: torch.Tensor  # (B,) int64 on the device
+    starts_host: list[int]
+    width: int  # K
+    num_blocks: int
+    seq_len: int
+
+    def columns(self, b: int) -> tuple[torch.Tensor, int]:
+        """``(cols (B, K_b), K_b)``: the columns of block ``b`` (K_b = its widest row), ``seq_len`` (a scratch
+        column) where a row's block ends before the others'."""
+        K_b = min(self.width, self.seq_len - min(self.starts_host) - b * self.width)
+        cols = self.starts.unsqueeze(-1) + b * self.width + torch.arange(K_b, device=self.starts.device)
+        return cols.clamp_max(self.seq_len), K_b
+
+
+def row_starts(generated: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Each row's first generated column (L for a row with none), on the device and on the host (one sync)."""
+    L = generated.shape[1]
+    first = torch.where(generated.any(-1), generated.int().argmax(-1), torch.full_like(generated[:, 0], L,
+                                                                                    dtype=torch.long))
+    starts = first.long()
+    return starts, starts.tolist()
+
+
+def noise_time(kernel: Kernel, fraction: torch.Tensor) -> torch.Tensor:
+    """The time t at which the kernel has noised the given fraction of positions, 1 − α_t = fraction, clamped to
+    [ε, 1 − ε] (:data:`TIME_EPS`), float32 ``(B,)``: what the model is told about the noise level of x_t.
+
+    Closed form for the linear schedule (t = fraction); otherwise 40 bisection steps on α_t (non-increasing)."""
+    fraction = fraction.double() if fraction.device.type != "mps" else fraction.float()
+    if isinstance(getattr(kernel, "schedule", None), LinearSchedule) or not isinstance(kernel, InterpolatingKernel):
+        t = fraction
+    else:
+        lo, hi = torch.zeros_like(fraction), torch.ones_like(fraction)
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            too_clean = 1.0 - kernel.coefficients(mid)[0] < fraction
+            lo, hi = torch.where(too_clean, mid, lo), torch.where(too_clean, hi, mid)
+        t = 0.5 * (lo + hi)
+    return t.clamp(TIME_EPS, 1.0 - TIME_EPS).float()
+
+
+def first_eos(tokens: torch.Tensor, generated: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(has (B,), index (B,))``: whether each row has EOS at a generated position, and the first such column."""
+    is_eos = (tokens == eos_id) & generated
+    return is_eos.any(-1), is_eos.int().argmax(-1)
+
+
+def eos_stop(tokens: torch.Tensor, undecided: torch.Tensor, generated: torch.Tensor, eos_id: int, fill_id: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EOS stopping for the rows given ``(B, L)``: a row is done when a generated position holds a decided EOS and
+    every generated position before it is decided. Returns ``(done (B,), first EOS column (B,), tokens,
+    undecided)`` with every generated position after the first EOS of a done row set to ``fill_id`` and decided
+    (kept prompt positions stay as they are)."""
+    L = tokens.shape[1]
+    has, first = first_eos(torch.where(undecided, -1, tokens), generated, eos_id)
+    col = torch.arange(L, device=tokens.device)
+    open_before = (undecided & (col < first.unsqueeze(-1))).any(-1)
+    done = has & ~open_before
+    after = done.unsqueeze(-1) & generated & (col > first.unsqueeze(-1))
+    return done, first, torch.where(after, fill_id, tokens), undecided & ~after

@@ -1,0 +1,453 @@
+"""Block decoding with a decoding policy: LLaDA's semi-autoregressive low-confidence decoding, Dream's margin and
+entropy orders, Fast-dLLM's threshold parallel decoding and DiffusionGemma's entropy-bound sampler, on any x0 model.
+
+The generated region of each row (from its first position the prompt does not keep) is cut into blocks of
+``block_size`` positions, decoded left to right. Within a block every step runs the model, draws a candidate token per
+position from x_θ (after temperature, top-k, top-p) and lets the policy (:mod:`unifusion.samplers.policies`) decide:
+
+* mask kernels: the policy commits some masked positions of the block (final); the block is done when none is left.
+  Positions of later blocks stay masked — the model sees them as mask tokens (LLaDA).
+* uniform kernels (:class:`~unifusion.samplers.policies.EntropyBound`): every step resamples the block (accepted
+  draws, uniform noise elsewhere) until the block is stable and confident or ``num_steps`` steps have run; the
+  block's tokens are the last argmax. Later blocks hold uniform noise.
+
+``num_steps`` is the number of steps per block: fixed-count policies commit ⌈r / steps left⌉ of the r masked
+positions per step (LLaDA's even split), adaptive ones may finish a block in fewer.
+
+Two ways to run the model:
+
+* any x0 callable ``model(x_t (B, L), t (B,)) → logits (B, L, S)`` (``attention_mask=`` is passed along when the
+  call gets one): every step runs the whole sequence;
+* a :class:`BlockDenoiser` (a model with its own "denoise this block against the clean prefix" path, e.g. a KV
+  cache): the prefix is handed over once, each step runs the current block only, and each finished block is
+  appended. The sampler's draws are the same on both paths.
+
+Example::
+
+    sampler = uf.samplers.PolicySampler(model, uf.MaskKernel(V, mask_id), LowConfidence(), num_steps=8,
+                                        block_size=32)
+    out = sampler.sample(4, 160, prompt=prompt, generator=[torch.Generator().manual_seed(s) for s in range(4)],
+                         eos_token_id=eos, return_dict=True)
+    out.sequences, out.num_forwards, out.tokens_per_forward
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast, runtime_checkable
+
+import torch
+
+from .. import _validation as V
+from .._device import host_to_device
+from ..kernels import Kernel, check_kernel
+from . import _policy_run as R
+from ._setup import (
+    check_devices,
+    check_generators,
+    check_head_shape,
+    check_positive_int,
+    check_sampling_options,
+    resolve_device,
+    resolve_prompt,
+)
+from .policies.mask import mask_step
+from .policies.protocol import DecodingPolicy, MaskPolicy, RowRandomness
+from .policies.uniform import EntropyBound, entropy_bound_step
+
+__all__ = ["BlockDenoiser", "PolicyOutput", "PolicySampler"]
+
+
+@runtime_checkable
+class BlockDenoiser(Protocol):
+    """A model that denoises one block against a clean prefix it keeps itself (a KV cache, an encoder), which
+    :class:`PolicySampler` uses instead of calling the model on the whole sequence.
+
+    Every row's generated region must start at the same column P (left-pad prompts of different lengths). The
+    sampler calls :meth:`start_blocks` once, then for each block :meth:`denoise_block` at every step and, except
+    after the last block, :meth:`commit_block`. ``rows`` are indices into the batch given to :meth:`start_blocks`:
+    the rows still running (finished rows are dropped, and never come back once a row has stopped at EOS).
+    """
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
+        """Take the clean prefix ``(B, P)`` (``prefix_mask`` ``(B, P)`` bool: False at left padding; P may be 0);
+        return the state the other methods get."""
+
+    def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        """x0 logits ``(B_a, K, S)`` of the current block ``block`` ``(B_a, K)`` of ``rows`` ``(B_a,)``, which follows
+        the prefix and every committed block, at times ``t`` ``(B_a,)``. ``self_condition`` is ``None`` at a block's
+        first step, else the previous step's logits divided by its temperature ``(B_a, K, S)`` float32 (what
+        DiffusionGemma's decoder takes as self-conditioning)."""
+
+    def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Append the finished block ``(B_a, K)`` of ``rows`` to the prefix; return the new state."""
+
+
+@dataclass
+class PolicyOutput:
+    """What :meth:`PolicySampler.sample` returns with ``return_dict=True``.
+
+    Attributes:
+        sequences: ``(B, L)`` int64, prompt included.
+        num_forwards: ``(B,)`` int64, the model calls each row took part in.
+        tokens_per_forward: ``(B,)`` float32, generated tokens (up to and including the first EOS) / num_forwards
+            (0 for a row with nothing to generate).
+    """
+
+    sequences: torch.Tensor
+    num_forwards: torch.Tensor
+    tokens_per_forward: torch.Tensor
+
+
+@dataclass
+class _Run:
+    """The state of one :meth:`PolicySampler.sample` call; tensors over all B rows, tokens with one scratch column
+    (index L) where rows whose block ends early read and write."""
+
+    x: torch.Tensor  # (B, L + 1) int64
+    undecided: torch.Tensor  # (B, L + 1) bool: generated positions not final yet
+    generated: torch.Tensor  # (B, L) bool: positions the prompt does not keep
+    num_generated: torch.Tensor  # (B,) float
+    finished: torch.Tensor  # (B,) bool: stopped at EOS
+    eos_at: torch.Tensor  # (B,) int64: first EOS column of a finished row, else L
+    forwards: torch.Tensor  # (B,) int64
+    attention_mask: torch.Tensor | None
+    grid: R.BlockGrid
+    generator: Any  # None, one generator, or a tuple of B
+    block_state: Any = None  # the BlockDenoiser's state (None on the x0 path)
+    checked: bool = False  # the first model output has been checked
+
+    def randomness(self, rows: torch.Tensor, rows_host: list[int]) -> RowRandomness:
+        g = self.generator
+        if g is None or isinstance(g, torch.Generator):
+            return RowRandomness(g, rows, self.x.shape[0])
+        return RowRandomness(tuple(g[r] for r in rows_host), rows, self.x.shape[0])
+
+    def running(self, active: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The running rows, on the device and the host (the step's one host sync)."""
+        rows_host = [i for i, running in enumerate(active.tolist()) if running]
+        return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host
+
+
+class PolicySampler:
+    """Block decoding with a decoding policy (see the module docstring).
+
+    Args:
+        model: an x0 callable ``(x_t (B, L) int64, t (B,) float) → logits (B, L, S)``, or a :class:`BlockDenoiser`.
+        kernel: the forward kernel: a :class:`~unifusion.MaskKernel` for the mask policies, a
+            :class:`~unifusion.UniformKernel` for :class:`~unifusion.samplers.policies.EntropyBound`.
+        policy: a :class:`~unifusion.samplers.policies.DecodingPolicy`.
+        num_steps: steps per block (per sequence without blocks); default: the block size (one position per step for
+            fixed-count policies). At most ``block_size`` for fixed-count policies.
+        block_size: positions per block; ``None``: one block over each row's generated region.
+        temperature: T > 0; x_θ = softmax(logits / T) (for EntropyBound it multiplies the schedule).
+        top_k, top_p: truncation of x_θ after the temperature (as :class:`~unifusion.BayesianSampler`).
+        use_cache: use a :class:`BlockDenoiser` model's block path (``False``: call it as an x0 callable).
+
+    Randomness: one generator (or ``None``, the global one) draws every random tensor with the whole batch's shape,
+    rows that have finished included (the reference implementations' order); a list of ``batch_size`` generators
+    draws row by row, and then a row's tokens equal those of the row run alone, whatever its neighbours (with
+    left-padded prompts: the row without its padding). The model sees the running rows only; the times ``t`` it gets
+    are the noise levels of x_t (the fraction of a row's generated positions still at the noise state, through the
+    kernel's schedule, clamped to [1e-3, 1 − 1e-3]). One host sync per step (which rows still run).
+    """
+
+    def __init__(self, model: Any, kernel: Kernel, policy: DecodingPolicy, *, num_steps: int | None = None,
+                 block_size: int | None = None, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, use_cache: bool = True) -> None:
+        self.kernel = check_kernel(kernel)
+        if not isinstance(policy, DecodingPolicy):
+            raise TypeError(f"policy: expected a DecodingPolicy (uf.samplers.policies: LowConfidence(), "
+                            f"EntropyBound(bound), ...), got {type(policy).__name__}")
+        policy.check_kernel(self.kernel)
+        self.policy = policy
+        self.block_size = None if block_size is None else check_positive_int("block_size", block_size)
+        self.num_steps = None if num_steps is None else check_positive_int("num_steps", num_steps)
+        if policy.fixed_count and self.num_steps is not None and self.block_size is not None \
+                and self.num_steps > self.block_size:
+            raise ValueError(f"num_steps: {type(policy).__name__} commits a fixed count per step, so a block of "
+                             f"block_size = {self.block_size} takes at most {self.block_size} steps, got "
+                             f"{self.num_steps}")
+        self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
+                                                                          self.kernel.num_states)
+        if not isinstance(use_cache, bool):
+            raise TypeError(f"use_cache: expected a bool, got {type(use_cache).__name__}")
+        self.blockwise = use_cache and isinstance(model, BlockDenoiser)
+        if not self.blockwise and not callable(model):
+            raise TypeError("model: expected an x0 callable (x_t (B, L), t (B,)) -> logits or a BlockDenoiser, got "
+                            f"{type(model).__name__}")
+        V.check_model_kernel(model, self.kernel, who="PolicySampler")
+        self.model = model
+
+    def __repr__(self) -> str:
+        return (f"PolicySampler(kernel={self.kernel!r}, policy={self.policy!r}, num_steps={self.num_steps}, "
+                f"block_size={self.block_size}, temperature={self.temperature}, top_k={self.top_k}, "
+                f"top_p={self.top_p})")
+
+    def sample(self, batch_size: int, seq_len: int, *, prompt: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+               | None = None, attention_mask: torch.Tensor | None = None,
+               generator: torch.Generator | Sequence[torch.Generator] | None = None, eos_token_id: int | None = None,
+               pad_token_id: int | None = None, return_dict: bool = False,
+               progress: bool = False) -> torch.Tensor | PolicyOutput:
+        """Generate ``(batch_size, seq_len)`` int64 token ids (or a :class:`PolicyOutput`).
+
+        Args:
+            batch_size, seq_len: B and L.
+            prompt: as :meth:`BayesianSampler.sample`: a ``(B, L)`` tensor with ``-1`` where tokens are generated,
+                or a pair ``(ids, keep_mask)``; ``(L,)`` and ``(1, L)`` broadcast. Kept tokens never change.
+            attention_mask: for left-padded prompts of different lengths: ``(B, P)`` (P ≤ L, a tokenizer's mask over
+                the prompt columns; later columns count as real) or ``(B, L)``, 1 = real token, 0 = padding (at kept
+                prompt positions, on the left). Passed to the model as ``attention_mask=`` (``(B, L)`` bool).
+            generator: a ``torch.Generator``, ``None`` (the global generator) or ``batch_size`` of them, one per row.
+            eos_token_id: a row stops once a generated position holds EOS and every generated position before it is
+                decided (mask policies: after any step; EntropyBound: when a block ends); every later generated
+                position becomes EOS, or ``pad_token_id`` if given, and the row takes no further model calls.
+            pad_token_id: the fill after EOS (needs ``eos_token_id``).
+            return_dict: return a :class:`PolicyOutput` (sequences, num_forwards, tokens_per_forward).
+            progress: a tqdm bar over the blocks.
+        """
+        B = check_positive_int("batch_size", batch_size)
+        L = check_positive_int("seq_len", seq_len)
+        generators = check_generators(generator, B)
+        eos = R.check_token_id("eos_token_id", eos_token_id, self.kernel)
+        pad = R.check_token_id("pad_token_id", pad_token_id, self.kernel)
+        if pad is not None and eos is None:
+            raise ValueError("pad_token_id: fills the positions after EOS; pass eos_token_id too")
+        if not isinstance(return_dict, bool):
+            raise TypeError(f"return_dict: expected a bool, got {type(return_dict).__name__}")
+        dev, source = resolve_device(self.model, prompt, generators, None)
+        check_devices(self.model, generators, dev, source)
+        with torch.no_grad():
+            run = self._start(B, L, prompt, attention_mask, generators, dev)
+            blocks: Any = range(run.grid.num_blocks)
+            if progress:
+                from tqdm.auto import tqdm
+
+                blocks = tqdm(blocks, desc="blocks", total=run.grid.num_blocks)
+            for b in blocks:
+                if self.policy.family == "mask":
+                    self._mask_block(run, b, eos, pad)
+                else:
+                    self._uniform_block(run, b, eos, pad)
+                if run.block_state is not None and b + 1 < run.grid.num_blocks:
+                    self._commit(run, b)
+        sequences = run.x[:, :L].contiguous()
+        if not return_dict:
+            return sequences
+        col = torch.arange(L, device=dev)
+        tokens = (run.generated & (col <= run.eos_at.unsqueeze(-1))).sum(-1)
+        rate = tokens.float() / run.forwards.clamp_min(1).float()
+        return PolicyOutput(sequences=sequences, num_forwards=run.forwards, tokens_per_forward=rate)
+
+    # -- setup
+
+    def _start(self, B: int, L: int, prompt: object, attention_mask: object, generators: Any,
+               dev: torch.device) -> _Run:
+        kernel = self.kernel
+        with V.batched_checks():  # the run's value checks, read back once
+            kept = resolve_prompt(prompt, B, L, kernel, dev)
+            ids = kept[0] if kept is not None else torch.zeros((B, L), dtype=torch.long, device=dev)
+            keep = kept[1] if kept is not None else torch.zeros((B, L), dtype=torch.bool, device=dev)
+            mask = R.resolve_attention_mask(attention_mask, B, L, keep, dev)
+        if mask is not None and not self.blockwise and not R.takes_attention_mask(self.model):
+            raise TypeError("attention_mask: the model does not take an attention_mask= keyword, so it cannot ignore "
+                            "the padding; pass prompts without padding or a model that takes the mask")
+        generated = ~keep
+        starts, starts_host = R.row_starts(generated)  # the run's setup sync
+        region = L - min(starts_host)
+        width = self.block_size if self.block_size is not None else max(region, 1)
+        if self.block_size is None and self.policy.fixed_count and self.num_steps is not None \
+                and self.num_steps > region > 0:
+            raise ValueError(f"num_steps: {type(self.policy).__name__} commits a fixed count per step and, without "
+                             f"block_size, the block is the generated region ({region} positions), so it takes at "
+                             f"most {region} steps, got {self.num_steps}")
+        num_blocks = max((L - s + width - 1) // width for s in starts_host)
+        grid = R.BlockGrid(starts, starts_host, width, num_blocks, L)
+        noise = kernel.mask_id if kernel.mask_id is not None else 0
+        x = torch.cat([torch.where(generated, noise, ids), ids.new_zeros((B, 1))], dim=1)
+        undecided = torch.cat([generated, generated.new_zeros((B, 1))], dim=1)
+        run = _Run(x=x, undecided=undecided, generated=generated, num_generated=generated.sum(-1).float(),
+                   finished=torch.zeros(B, dtype=torch.bool, device=dev),
+                   eos_at=torch.full((B,), L, dtype=torch.long, device=dev),
+                   forwards=torch.zeros(B, dtype=torch.long, device=dev), attention_mask=mask, grid=grid,
+                   generator=generators)
+        if self.blockwise:
+            if len(set(starts_host)) > 1:
+                raise ValueError("prompt: the block path of a BlockDenoiser needs every row's generated region to "
+                                 f"start at the same column, got {sorted(set(starts_host))[:4]}; left-pad prompts of "
+                                 "different lengths (attention_mask)")
+            P = starts_host[0]
+            prefix_mask = mask[:, :P] if mask is not None else keep.new_ones((B, P))
+            with V.validation(False):
+                run.block_state = self.model.start_blocks(ids[:, :P], prefix_mask)
+        elif self.policy.family == "uniform" and num_blocks > 1:
+            self._fill_later_blocks(run)
+        return run
+
+    def _fill_later_blocks(self, run: _Run) -> None:
+        """Uniform noise at the generated positions after each row's first block, on the x0 path (the model sees the
+        whole sequence; each block's own canvas is drawn when the block starts). The filler comes from a generator
+        seeded by a hash of the run's generator state (per row with per-row generators), so it consumes none of the
+        run's draws: both model paths, and DiffusionGemma's reference, see the same random stream."""
+        grid, L, dev = run.grid, run.grid.seq_len, run.x.device
+        counts = [max(L - s - grid.width, 0) for s in grid.starts_host]
+        n, S = max(counts), self.kernel.num_states
+        g = run.generator
+        if g is None or isinstance(g, torch.Generator):
+            filler = _derived_generator(g, dev)
+            noise = torch.randint(0, S, (len(counts), n), generator=filler, device=dev)
+        else:  # each row draws its own count: the same draws as the row alone
+            noise = torch.stack([torch.nn.functional.pad(torch.randint(
+                0, S, (1, c), generator=_derived_generator(gr, dev), device=dev)[0], (0, n - c)) for c, gr in
+                zip(counts, g)])
+        cols = (grid.starts + grid.width).unsqueeze(-1) + torch.arange(n, device=dev)
+        ok = (cols < L) & run.generated.gather(1, cols.clamp_max(L - 1))
+        current = run.x.gather(1, cols.clamp_max(L))
+        run.x.scatter_(1, torch.where(ok, cols, L), torch.where(ok, noise, current))
+
+    # -- model calls
+
+    def _logits(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
+                self_condition: torch.Tensor | None) -> torch.Tensor:
+        """x0 logits ``(B_a, K, S)`` at the block columns ``cols`` of ``rows``."""
+        S, L = self.kernel.num_states, run.grid.seq_len
+        Ba, K = cols.shape
+        with V.validation(False):  # the sampler's own tokens and times: valid by construction
+            if run.block_state is not None:
+                head = self.model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows, self_condition)
+                shape = (Ba, K)
+            else:
+                kwargs = {} if run.attention_mask is None else {"attention_mask": run.attention_mask[rows]}
+                head = self.model(run.x[rows, :L], t, **kwargs)
+                shape = (Ba, L)
+        if not run.checked:  # the first output: checked once (a host sync)
+            head = check_head_shape("model", head, *shape, S)
+            V.check_finite("model output", head)
+            run.checked = True
+        if run.block_state is None:
+            head = head.gather(1, cols.clamp_max(L - 1).unsqueeze(-1).expand(-1, -1, S))
+        return head
+
+    def _commit(self, run: _Run, b: int) -> None:
+        cols, _ = run.grid.columns(b)
+        rows, rows_host = run.running(~run.finished)
+        if rows_host:
+            with V.validation(False):
+                run.block_state = self.model.commit_block(run.block_state, run.x[rows].gather(1, cols[rows]), rows)
+
+    def _times(self, run: _Run, rows: torch.Tensor, clean_in_block: torch.Tensor | None = None) -> torch.Tensor:
+        noised = run.undecided[rows].sum(-1).float()
+        if clean_in_block is not None:
+            noised = noised - clean_in_block.sum(-1).float()
+        return R.noise_time(self.kernel, noised / run.num_generated[rows].clamp_min(1.0))
+
+    def _finish_eos(self, run: _Run, rows: torch.Tensor, eos: int | None, pad: int | None) -> None:
+        if eos is None:
+            return
+        L = run.grid.seq_len
+        done, first, tokens, undecided = R.eos_stop(run.x[rows, :L], run.undecided[rows, :L], run.generated[rows],
+                                                    eos, pad if pad is not None else eos)
+        run.x[rows, :L] = tokens
+        run.undecided[rows, :L] = undecided
+        run.finished[rows] |= done
+        run.eos_at[rows] = torch.where(done, first, run.eos_at[rows])
+
+    # -- the two families
+
+    def _mask_block(self, run: _Run, b: int, eos: int | None, pad: int | None) -> None:
+        policy = cast(MaskPolicy, self.policy)
+        cols, K_b = run.grid.columns(b)
+        fixed = policy.fixed_count or self.num_steps is not None
+        max_steps = (self.num_steps or K_b) if fixed else K_b
+        previous: tuple[torch.Tensor, list[int]] | None = None
+        for n in range(max_steps):
+            block_und = run.undecided.gather(1, cols)
+            rows, rows_host = run.running(~run.finished & block_und.any(-1))
+            if not rows_host:
+                return
+            cols_r, und_r = cols[rows], block_und[rows]
+            logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host))
+            run.forwards[rows] += 1
+            left = und_r.sum(-1)
+            num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
+            tokens, commit = mask_step(policy, logits, und_r, num_commit, run.randomness(rows, rows_host),
+                                       mask_id=self.kernel.mask_id, temperature=self.temperature, top_k=self.top_k,
+                                       top_p=self.top_p)
+            x_r, u_r = run.x[rows], run.undecided[rows]
+            x_r.scatter_(1, cols_r, torch.where(commit, tokens, x_r.gather(1, cols_r)))
+            u_r.scatter_(1, cols_r, und_r & ~commit)
+            run.x[rows], run.undecided[rows] = x_r, u_r
+            self._finish_eos(run, rows, eos, pad)
+            if run.block_state is not None:
+                previous = (logits.float() / self.temperature, rows_host)
+
+    def _uniform_block(self, run: _Run, b: int, eos: int | None, pad: int | None) -> None:
+        policy = cast(EntropyBound, self.policy)
+        B = run.x.shape[0]
+        cols, K_b = run.grid.columns(b)
+        eligible = run.undecided.gather(1, cols)  # (B, K_b)
+        alive, alive_host = run.running(~run.finished & eligible.any(-1))
+        if not alive_host:
+            return
+        S = self.kernel.num_states
+        canvas = run.randomness(alive, alive_host).randint(S, (K_b,), run.x.device)  # the block's x_t at t = 1
+        x_a, cols_a = run.x[alive], cols[alive]
+        x_a.scatter_(1, cols_a, torch.where(eligible[alive], canvas, x_a.gather(1, cols_a)))
+        run.x[alive] = x_a
+        num_steps = self.num_steps or K_b
+        history = policy.initial_history(B, K_b, run.x.device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=run.x.device)
+        argmax = run.x.gather(1, cols)
+        accepted = torch.zeros_like(eligible)
+        previous: tuple[torch.Tensor, list[int]] | None = None
+        alive_mask = torch.zeros_like(stopped).index_fill_(0, alive, True)
+        for n in range(num_steps):
+            rows, rows_host = run.running(alive_mask & ~stopped)
+            if not rows_host:
+                break
+            cols_r, x_r = cols[rows], run.x[rows]
+            logits = self._logits(run, rows, cols_r, self._times(run, rows, accepted[rows]),
+                                  _carry(previous, rows_host))
+            run.forwards[rows] += 1
+            step = entropy_bound_step(policy, logits, x_r.gather(1, cols_r), eligible[rows], history[rows],
+                                      run.randomness(rows, rows_host), step=n, num_steps=num_steps,
+                                      temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+            x_r.scatter_(1, cols_r, step.canvas)
+            run.x[rows] = x_r
+            argmax[rows], history[rows] = step.argmax, step.history
+            stopped[rows], accepted[rows] = step.stop, step.accepted & eligible[rows]
+            if run.block_state is not None:
+                previous = (step.logits, rows_host)
+        # the block's tokens: the argmax of each row's last step
+        x_a, u_a, el_a = run.x[alive], run.undecided[alive], eligible[alive]
+        x_a.scatter_(1, cols_a, torch.where(el_a, argmax[alive], x_a.gather(1, cols_a)))
+        u_a.scatter_(1, cols_a, u_a.gather(1, cols_a) & ~el_a)
+        run.x[alive], run.undecided[alive] = x_a, u_a
+        self._finish_eos(run, alive, eos, pad)
+
+
+def _carry(previous: tuple[torch.Tensor, list[int]] | None, rows_host: list[int]) -> torch.Tensor | None:
+    """The previous step's scaled logits for the rows running now (a subset of the previous step's rows)."""
+    if previous is None:
+        return None
+    logits, before = previous
+    if before == rows_host:
+        return logits
+    where = {r: i for i, r in enumerate(before)}
+    return logits[host_to_device(torch.tensor([where[r] for r in rows_host]), logits.device)]
+
+
+def _derived_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded by a hash of ``generator``'s current state (the global one's for ``None``):
+    a function of that state that draws nothing from it."""
+    if generator is not None:
+        state = generator.get_state()
+    elif device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+    else:
+        state = torch.get_rng_state()
+    seed = int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest(), "little") >> 1
+    return torch.Generator(device=device).manual_seed(seed)
