@@ -69,7 +69,7 @@ __all__ = ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attenti
 CONFIG_NAME = "unifusion_config.json"
 WEIGHTS_NAME = "model.safetensors"
 _CONFIG_KEYS = {"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token", "time_conditioning",
-                "model_type", "architecture", "dtype", "base_config", "kernel"}
+                "model_type", "architecture", "dtype", "base_config", "kernel", "block_size"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,8 +240,11 @@ class DiffusionLM(nn.Module, Denoiser):
     config: Any  # its PretrainedConfig
 
     def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
-                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
+                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None,
+                 block_size: int | None = None) -> None:
         super().__init__()
+        # block diffusion (unifusion.hf.blocks): None = one bidirectional block over the whole sequence
+        self.block_size: int | None = _blocks().check_block_size(block_size)
         self.tokenizer: Any = tokenizer
         self.kernel: Any = None  # the training kernel, when known (save_pretrained records it)
         self.dense_bidirectional_mask: bool = False
@@ -261,6 +264,11 @@ class DiffusionLM(nn.Module, Denoiser):
             self.time_embedding = None
 
     # -- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def hf_model(self) -> Any:
+        """The wrapped Hugging Face ``*ForCausalLM`` (the peft model's base when :attr:`base_model` is a peft model)."""
+        return self._hf
 
     @property
     def vocab_size(self) -> int:
@@ -510,7 +518,7 @@ class DiffusionLM(nn.Module, Denoiser):
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -528,6 +536,9 @@ class DiffusionLM(nn.Module, Denoiser):
                 weighted loss (see :func:`unifusion.losses.fused_linear_diffusion_loss`).
             position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
                 gradient work); ones when ``None``.
+            clean: block models only (:attr:`block_size`): the clean tokens x_0 ``(B, L)`` of the block-causal
+                layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. With one block
+                (``block_size >= L``) it is unused: the plain bidirectional forward.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
@@ -537,6 +548,11 @@ class DiffusionLM(nn.Module, Denoiser):
             holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
         """
         generator = V.check_generator(generator)
+        if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
+            routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
+                                         objective, weighting, max_weight, reduction, position_weight)
+            if routed is not None:
+                return routed
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
@@ -554,6 +570,42 @@ class DiffusionLM(nn.Module, Denoiser):
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._logits(self._net_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+
+    def _block_forward(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any,
+                       generator: torch.Generator | None, clean: Any, x0: Any, kernel: Any, objective: Any,
+                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any) -> torch.Tensor | None:
+        """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
+        call is the plain one (one block)."""
+        blocks = _blocks()
+        if self.block_size is None:
+            raise ValueError("clean: only a block model (adapt_ar_model(..., block_size=K)) takes clean tokens")
+        x_t, _, gamma, attention_mask = self._check(x_t, None, bidirectional_prob, attention_mask)
+        B, L = x_t.shape
+        if self.block_size >= L:
+            return None
+        nb = blocks.num_blocks(L, self.block_size)
+        with V.batched_checks():
+            clean = V.check_token_ids("clean", clean, self.vocab_size)
+            if tuple(clean.shape) != (B, L):
+                raise ValueError(f"clean: expected shape {(B, L)} like x_t, got {tuple(clean.shape)}")
+            t_blocks = None if t is None else blocks.block_times(t, B, nb, x_t.device)
+        if t_blocks is None and (self.time_conditioning or x0 is not None or kernel is not None):
+            raise ValueError("t: needed with time conditioning and for the fused loss, got None")
+        if x0 is None and kernel is None:
+            return blocks.block_logits(self, self._hf, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        if x0 is None or kernel is None:
+            raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
+        from .kernels import check_kernel
+        from .losses.fused_linear import fused_linear_diffusion_loss
+
+        V.check_model_kernel(self, check_kernel(kernel))
+        assert t_blocks is not None
+        h = blocks.block_hidden_states(self, self._hf, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        return fused_linear_diffusion_loss(
+            h, self.lm_head_weight, x0, x_t, blocks.expand_block_times(t_blocks, L, self.block_size), kernel,
+            objective=objective, weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
+            logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
+            position_weight=position_weight)
 
     def _logits(self, kwargs: dict[str, Any], L: int) -> torch.Tensor:
         """Contiguous ``(B, L, V)`` logits of the first ``L`` of the ``L + 1`` network positions: the output head runs
@@ -741,6 +793,8 @@ class DiffusionLM(nn.Module, Denoiser):
         }
         if kernel is not None:  # only when known: a folder without it reads in older versions without a warning
             stamp["kernel"] = kernel
+        if self.block_size is not None:  # block models only: a plain model's folder is unchanged
+            stamp["block_size"] = self.block_size
         return stamp
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
@@ -856,7 +910,7 @@ class DiffusionLM(nn.Module, Denoiser):
         hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
         model = cls(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
                     time_conditioning=stamp.get("time_conditioning", False),
-                    added_mask_token=stamp.get("added_mask_token", False))
+                    added_mask_token=stamp.get("added_mask_token", False), block_size=stamp.get("block_size"))
         state = load_file(str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
         missing, unexpected = model.load_state_dict(state, strict=False)
         # names left out of the file must be tied to a tensor that was loaded
@@ -886,7 +940,8 @@ class DiffusionLM(nn.Module, Denoiser):
     def extra_repr(self) -> str:
         return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
                 f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
-                f"time_conditioning={self.time_conditioning}")
+                f"time_conditioning={self.time_conditioning}"
+                + (f", block_size={self.block_size}" if self.block_size is not None else ""))
 
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
@@ -960,8 +1015,8 @@ def _library_version() -> str:
 
 
 def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_token_id: int | None = None,
-                   time_conditioning: bool = False, add_mask_token: bool = True, tokenizer: Any = None
-                   ) -> DiffusionLM:
+                   time_conditioning: bool = False, add_mask_token: bool = True, tokenizer: Any = None,
+                   block_size: int | None = None) -> DiffusionLM:
     """Wrap a pretrained Hugging Face causal LM as a shifted x0 predictor (paper §3.2).
 
     Args:
@@ -979,10 +1034,14 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         tokenizer: the model's Hugging Face tokenizer, kept as ``result.tokenizer`` (a plain attribute, not state)
             and written by :meth:`DiffusionLM.save_pretrained`, so the saved folder works with
             ``unifusion sample --model DIR``. It is not changed: an added mask token has no text form.
+        block_size: ``K`` for block diffusion (:mod:`unifusion.hf.blocks`): :func:`~unifusion.diffusion_loss` then
+            trains every block of K tokens at once, each seeing the clean blocks before it and its own noisy tokens;
+            saved and restored with the model. ``None`` (default): one bidirectional block over the whole sequence.
 
     Returns:
         A :class:`DiffusionLM`; ``result.base_model`` is ``model``.
     """
+    block_size = _blocks().check_block_size(block_size)
     if isinstance(model, DiffusionLM):
         warnings.warn("adapt_ar_model: the model is already a DiffusionLM; returning it unchanged", stacklevel=2)
         return model
@@ -1025,7 +1084,14 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
                         f"{type(tokenizer).__name__}")
     return DiffusionLM(model, bos_token_id=bos_token_id, mask_token_id=mask_token_id,
-                       time_conditioning=time_conditioning, added_mask_token=added, tokenizer=tokenizer)
+                       time_conditioning=time_conditioning, added_mask_token=added, tokenizer=tokenizer,
+                       block_size=block_size)
+
+
+def _blocks() -> Any:
+    """The block-diffusion module (imported lazily: it is a layer above this one)."""
+    from .hf import blocks
+    return blocks
 
 
 def _check_id(name: str, value: Any, vocab_size: int) -> None:
