@@ -579,7 +579,11 @@ class DiffusionLM(nn.Module, Denoiser):
         blocks = _blocks()
         if self.block_size is None:
             raise ValueError("clean: only a block model (adapt_ar_model(..., block_size=K)) takes clean tokens")
-        x_t, _, gamma, attention_mask = self._check(x_t, None, bidirectional_prob, attention_mask)
+        if t is None and self.time_conditioning:
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
+        # t is checked by blocks.block_times below (it may be one time per block): _check gets a placeholder
+        x_t, _, gamma, attention_mask = self._check(x_t, None if t is None else 0.5, bidirectional_prob,
+                                                    attention_mask)
         B, L = x_t.shape
         if self.block_size >= L:
             return None

@@ -151,22 +151,6 @@ def _block_size(model: Any, length: int) -> int | None:
     return None if K is None or K >= length else int(K)
 
 
-def _check_prompt_mask(prompt_mask: object, valid: torch.Tensor) -> torch.Tensor:
-    """The scored positions ``valid ∧ ¬prompt_mask`` ``(B, L)`` (checks queued in the caller's batched block)."""
-    if not isinstance(prompt_mask, torch.Tensor):
-        raise TypeError(f"prompt_mask: expected a (B, L) bool tensor, got {type(prompt_mask).__name__}")
-    if prompt_mask.dtype != torch.bool:
-        raise TypeError(f"prompt_mask: expected dtype torch.bool (True = prompt token), got {prompt_mask.dtype}")
-    if tuple(prompt_mask.shape) != tuple(valid.shape):
-        raise ValueError(f"prompt_mask: expected shape {tuple(valid.shape)} like x0, got {tuple(prompt_mask.shape)}")
-    scored = valid & ~prompt_mask.to(valid.device)
-    if V.validation_enabled():
-        V.fail_if((~scored.any(-1)).any(), lambda: (
-            "prompt_mask: covers every real token of rows "
-            f"{(~scored.any(-1)).nonzero().flatten().tolist()[:8]}; each row needs at least one token to score"))
-    return scored
-
-
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                    step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
@@ -271,7 +255,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                 t, B, _blocks().num_blocks(L, block), x0.device)
         valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
         if prompt_mask is not None:
-            scored = _check_prompt_mask(prompt_mask, valid)
+            scored = V.check_prompt_mask(prompt_mask, valid)
     if t is None and block is not None:
         nb = _blocks().num_blocks(L, block)
         if block_times == "block":
