@@ -354,3 +354,25 @@ def test_flex_block_mask_skips_empty_tiles() -> None:
     assert isinstance(bm, BlockMask)
     tiles = bm.to_dense()[0, 0]  # (q tiles, kv tiles): 1 where a tile is computed
     assert tiles.float().mean() < 0.6  # clean→noisy, noisy→later clean and other blocks' tiles are skipped
+
+
+@pytest.mark.parametrize("kernel_name", ["uniform", "mask", "hybrid", "generator"])
+def test_every_kernel_with_per_block_times(kernel_name: str) -> None:
+    """Per-block times reach the corruption and the loss of every kernel family; fused = unfused."""
+    model, x0 = _model(4), _x0(2, 10)
+    if kernel_name == "hybrid":
+        kernel = uf.HybridKernel(VOCAB, MASK_ID, p_uniform=0.3)
+    elif kernel_name == "generator":
+        R = torch.rand(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.05
+        R.fill_diagonal_(0.0)
+        R -= torch.diag(R.sum(-1))
+        kernel = uf.GeneratorKernel(R)
+    else:
+        kernel = _kernel(kernel_name)
+    t = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.6, 0.95]])
+    ref = _loss(model, x0, kernel, t)
+    assert torch.isfinite(ref.loss).all() and (ref.loss > 0).any()
+    if kernel_name != "generator":  # the fused loss takes the interpolating kernels only
+        torch.testing.assert_close(_loss(model, x0, kernel, t, fused=True).loss, ref.loss, rtol=1e-4, atol=1e-5)
+    if kernel_name == "mask":  # the corruption follows each block's time: more masks in later blocks
+        assert (ref.x_t[:, :4] == MASK_ID).float().mean() < (ref.x_t[:, 8:] == MASK_ID).float().mean()
