@@ -50,8 +50,8 @@ import torch
 from .. import _validation as V
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
-           "expand_block_times", "block_attention_mask", "block_hidden_states", "block_logits", "prefill",
-           "denoise_block", "commit_block"]
+           "expand_block_times", "draw_bernoulli", "block_attention_mask", "block_hidden_states", "block_logits",
+           "prefill", "denoise_block", "commit_block"]
 
 
 def check_block_size(value: object, name: str = "block_size") -> int | None:
@@ -164,10 +164,19 @@ def _mask_mod(layout: BlockLayout, gamma: float, key_valid: torch.Tensor | None,
     return mask_mod
 
 
+def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """The annealed mask's extra entries inside the blocks, ``(B, nb, K + 1, K + 1)`` bool ~ Bernoulli(γ): entry
+    ``[b, blk, i, j]`` lets offset i of block blk see offset j (row b)."""
+    K = layout.block_size
+    shape = (batch_size, layout.num_blocks, K + 1, K + 1)
+    return torch.rand(shape, generator=generator, device=layout.internal.device) < gamma
+
+
 def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float, *,
                          key_valid: torch.Tensor | None = None, window: int | None = None,
                          generator: torch.Generator | None = None, style: str = "bool",
-                         dtype: torch.dtype = torch.float32) -> Any:
+                         dtype: torch.dtype = torch.float32, bernoulli: torch.Tensor | None = None) -> Any:
     """The block layout's attention mask: ``style="bool"`` a dense ``(B, 1, N, N)`` bool (True = attend),
     ``"additive"`` the same as ``dtype`` (0 / finfo.min), ``"block"`` a flex-attention ``BlockMask``.
 
@@ -176,12 +185,13 @@ def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float, *,
         key_valid: ``(B, N)`` bool, False for padded stream positions.
         window: sliding window w on position ids, or ``None``.
         generator: for the Bernoulli(γ) entries (``0 < γ < 1``), on the layout's device.
+        bernoulli: those entries drawn already (:func:`draw_bernoulli`), e.g. to share them between the full and
+            the windowed layers' masks; ``generator`` is then unused.
     """
     device = layout.internal.device
-    K, nb = layout.block_size, layout.num_blocks
     extra = None
     if 0.0 < gamma < 1.0:
-        extra = torch.rand((batch_size, nb, K + 1, K + 1), generator=generator, device=device) < gamma
+        extra = bernoulli if bernoulli is not None else draw_bernoulli(layout, batch_size, gamma, generator)
     mod = _mask_mod(layout, gamma, key_valid, extra, window)
     N = layout.size
     if style == "block":
@@ -283,13 +293,12 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
         raise ValueError(f"generator: is on {generator.device} but x_t is on {x_t.device}; the annealed mask is drawn "
                          f"on x_t's device, so pass torch.Generator(device={str(x_t.device)!r})")
     dtype = hf.get_input_embeddings().weight.dtype
-    state = generator.get_state() if generator is not None and window is not None and 0.0 < gamma < 1.0 else None
+    # drawn once: the windowed and the full layers see the same Bernoulli entries
+    extra = draw_bernoulli(lay, B, gamma, generator) if 0.0 < gamma < 1.0 else None
 
     def pattern(w: int | None) -> Any:
-        if state is not None:  # the same Bernoulli draws for the windowed and the full layers
-            generator.set_state(state)  # type: ignore[union-attr]
-        return block_attention_mask(lay, B, gamma, key_valid=key_valid, window=w, generator=generator, style=style,
-                                    dtype=dtype)
+        return block_attention_mask(lay, B, gamma, key_valid=key_valid, window=w, style=style, dtype=dtype,
+                                    bernoulli=extra)
 
     kwargs["attention_mask"] = _masks_for(model, pattern, window)
     h = hf.base_model(**kwargs).last_hidden_state  # (B, N, d)
