@@ -327,9 +327,13 @@ def test_layout_and_ragged_rule() -> None:
 
 
 @torch.no_grad()
-def test_flex_attention_block_mask_matches_sdpa() -> None:
+def test_flex_attention_block_mask_matches_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch._dynamo
     from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+    # Inductor's CPU flex template fails on dynamic sizes (module docstring): keep every shape static
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
 
     K, L = 4, 10
     sdpa, flex = _model(K), _model(K, attn="flex_attention")
@@ -339,6 +343,12 @@ def test_flex_attention_block_mask_matches_sdpa() -> None:
         ref = sdpa(x_t, t, clean=x0, bidirectional_prob=gamma, generator=torch.Generator().manual_seed(3))
         out = flex(x_t, t, clean=x0, bidirectional_prob=gamma, generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the cache helpers on flex attention: the same logits as the training forward
+    full = flex(x_t, t, clean=x0)
+    state = blocks.prefill(flex, x0[:, :4])
+    torch.testing.assert_close(blocks.denoise_block(flex, state, x_t[:, 4:8]), full[:, 4:8], rtol=1e-5, atol=1e-5)
+    state = blocks.commit_block(flex, state, x0[:, 4:8])
+    torch.testing.assert_close(blocks.denoise_block(flex, state, x_t[:, 8:]), full[:, 8:], rtol=1e-5, atol=1e-5)
     lay = blocks.block_layout(L, K)
     bm = blocks.block_attention_mask(lay, 2, 0.5, generator=torch.Generator().manual_seed(3), style="block")
     assert isinstance(bm, BlockMask)

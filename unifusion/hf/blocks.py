@@ -30,6 +30,9 @@ that of the block's time.
 **Attention implementations**: SDPA gets a dense boolean ``(B, 1, N, N)`` mask (``N = C + L + nb``), eager attention
 its additive form, flex attention a ``BlockMask`` built by :func:`create_block_mask` from the layout's ``mask_mod``
 (no dense pattern is made; skipped tiles cost nothing in the kernel). Flash attention takes no mask: a ``ValueError``.
+On the CPU, Inductor's flex-attention template fails to compile once a second shape makes dynamo mark the sizes
+dynamic (a C++ error naming ``cur_kvSplitSize``): with flex attention on the CPU, run the cache helpers (whose shapes
+change every block) with ``torch._dynamo.config.automatic_dynamic_shapes = False``, or use SDPA there.
 
 **Cached decoding** (:func:`prefill`, :func:`denoise_block`, :func:`commit_block`): the cache holds the clean stream
 exactly as training writes it, a denoising step runs a block's ``k + 1`` noisy positions against it, so cached and
@@ -362,7 +365,8 @@ def prefill(model: Any, clean_ids: torch.Tensor) -> BlockCache:
     """Write the clean prefix ``clean_ids`` ``(B, n)`` (``n ≥ 0``; e.g. the prompt) into a fresh ``DynamicCache``.
 
     The cache gets the ``n`` positions ``[bos, clean_ids[:, :-1]]`` (causal, position ids ``0 … n − 1``); the last
-    token is the next block's anchor. Returns a :class:`BlockCache`.
+    token is the next block's anchor. Every row has the same prefix length (no padding). Returns a
+    :class:`BlockCache`.
     """
     from transformers import DynamicCache
 
@@ -418,6 +422,8 @@ def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: obj
             from torch.nn.attention.flex_attention import create_block_mask
 
             P = A[:, 0].contiguous()
+            if P.device.type == "cpu" and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static(P)  # Inductor's CPU flex template fails on symbolic sizes of a capture
             return create_block_mask(lambda b, h, qi, ki: P[b, qi, ki], B, None, k + 1, cached + k + 1,
                                      device=x.device)
         return A
