@@ -1,6 +1,6 @@
 """The Quickstart demo as a script: same as `unifusion demo` (`unifusion demo --help` says what it does).
 
-    python examples/quickstart.py --train-seconds 300 --steps 16 64 --out unifusion-demo
+    python examples/quickstart.py --train-seconds 300 --block-size 16 --out unifusion-demo
 """
 
 import sys

