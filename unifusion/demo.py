@@ -229,10 +229,12 @@ def _ar_decode(judge: Any, prompt: torch.Tensor, new_tokens: int, temperature: f
 
 
 @torch.no_grad()
-def _run_variant(run_one: Any, prompts: torch.Tensor, seed: int) -> tuple[list[torch.Tensor], int, float]:
+def _run_variant(run_one: Any, prompts: torch.Tensor, seed: int, name: str) -> tuple[list[torch.Tensor], int, float]:
     """Continue each prompt alone (batch 1, the latency setting): (continuations, forwards, wall seconds)."""
+    from tqdm.auto import tqdm
+
     outs, forwards, seconds = [], 0, 0.0
-    for i in range(len(prompts)):
+    for i in tqdm(range(len(prompts)), desc=name, unit="prompt", leave=False):
         torch.manual_seed(seed + i)
         start = time.perf_counter()
         tokens, n = run_one(prompts[i:i + 1], seed + i)
@@ -335,7 +337,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     prompt_texts = tokenizer.batch_decode(prompts.cpu())
     for name, variant, one in runs:
-        outs, forwards, seconds = _run_variant(one, prompts, args.seed)
+        outs, forwards, seconds = _run_variant(one, prompts, args.seed, name)
         texts = tokenizer.batch_decode(torch.stack(outs))
         genppl = float(uf.eval.generative_perplexity(texts, judge, judge_tok, progress=False))
         entropy = float(uf.eval.unigram_entropy(uf.eval.retokenize(texts, ent_tok)).mean())
