@@ -297,7 +297,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. adapt into a block-diffusion model ---------------------------------------------------------------
     model = uf.adapt_ar_model(hf_model, add_mask_token=args.kernel == "mask", block_size=K)
-    kernel = (uf.MaskKernel(model.num_states, int(model.mask_token_id)) if args.kernel == "mask"
+    mask_id = model.mask_token_id  # the added mask token (None for uniform noise)
+    kernel = (uf.MaskKernel(model.num_states, mask_id) if mask_id is not None
               else uf.UniformKernel(model.num_states))  # α_t = 1 − t
     print(f"[2/3] adapting to block diffusion: {args.kernel} kernel, blocks of {K}, GIDD loss, one time per block, "
           f"attention annealed causal → block-causal over the first half of a {args.train_seconds:.0f} s budget"
