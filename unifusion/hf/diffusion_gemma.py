@@ -229,6 +229,54 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         ``C_ELBO`` is 0 for the linear schedule)."""
         return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length)
 
+    def with_prompt(self, prompt_length: int) -> PromptFixed:
+        """An x0 callable ``(x_t (B, L), t, attention_mask=None) → logits (B, L, V)`` whose first ``prompt_length``
+        columns are the prompt (left padding included, where ``attention_mask`` is 0): what samplers that call a model
+        as ``model(x_t, t)`` need (:class:`~unifusion.BayesianSampler`, :class:`~unifusion.samplers.PolicySampler`
+        with ``use_cache=False``). Every canvas's clean prefix is read from ``x_t`` (exact when the response fits one
+        canvas; otherwise the later canvases see the earlier ones as they stand, noisy included)."""
+        return PromptFixed(self, prompt_length)
+
+    # -- block decoding (the BlockDenoiser protocol of PolicySampler) -----------------------------------------------
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
+        """Encode the clean prefix ``(B, P)`` (``prefix_mask`` False at left padding) into a fresh KV cache; returns
+        the :class:`~unifusion.hf.diffusion_gemma_cache.CanvasState`. Blocks are canvases: use ``block_size =
+        canvas_length``."""
+        from .diffusion_gemma_cache import prefill
+
+        return prefill(self, prefix, attention_mask=prefix_mask)
+
+    def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's soft-capped float32 logits ``(B_a, K, V)`` of the canvas ``block`` of ``rows`` against the
+        cache, with ``self_condition`` (the previous step's temperature-scaled logits, cast to the weights' dtype as
+        generation does) as the self-conditioning signal; ``t`` is not used (the model has no time input)."""
+        from .diffusion_gemma_cache import denoise, select_rows
+
+        view = select_rows(self, state, rows.tolist())
+        return denoise(self, view, block, self_conditioning_logits=self_condition)
+
+    def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Append the finished canvas ``block`` ``(B_a, K)`` of ``rows`` to the cache (one encoder forward); rows not
+        in ``rows`` are dropped from the state for good."""
+        from .diffusion_gemma_cache import commit, select_rows
+
+        select_rows(self, state, rows.tolist(), copy_cache=False)
+        commit(self, state, block)
+        return state
+
+    def generate(self, prompt_ids: torch.Tensor, generation_config: Any = None, *,
+                 attention_mask: torch.Tensor | None = None, generator: Any = None, policy: Any = None,
+                 return_dict: bool = False, parity: bool = False) -> Any:
+        """Generate canvas by canvas with :class:`~unifusion.samplers.PolicySampler` and (by default)
+        :class:`~unifusion.samplers.policies.EntropyBound` built from transformers'
+        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma_generation.generate`."""
+        from .diffusion_gemma_generation import generate
+
+        return generate(self, prompt_ids, generation_config, attention_mask=attention_mask, generator=generator,
+                        policy=policy, return_dict=return_dict, parity=parity)
+
     # -- internals ------------------------------------------------------------------------------------------------
 
     def _check(self, x_t: Any, t: Any, x0: Any, attention_mask: Any, bidirectional_prob: Any
@@ -436,6 +484,24 @@ class PromptConditioned:
         n = x_t.shape[0] // self.x0.shape[0]
         x0, prompt = self.x0.repeat(n, 1), self.prompt_mask.repeat(n, 1)
         return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0)
+
+
+class PromptFixed:
+    """``model`` with the first ``prompt_length`` columns as the prompt: ``(x_t (B, L), t, attention_mask=None) →
+    logits`` (see :meth:`DiffusionGemmaLM.with_prompt`)."""
+
+    def __init__(self, model: DiffusionGemmaLM, prompt_length: int) -> None:
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
+            raise ValueError(f"prompt_length: expected an int >= 1 (the prompt's columns), got {prompt_length!r}")
+        self.model, self.prompt_length = model, prompt_length
+        self.num_states, self.mask_token_id, self.kernel = model.num_states, None, model.kernel
+
+    def __call__(self, x_t: torch.Tensor, t: Any = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, L = x_t.shape
+        prompt = (torch.arange(L, device=x_t.device) < self.prompt_length)[None].expand(B, L)
+        if attention_mask is not None:
+            prompt = prompt & attention_mask.to(device=x_t.device, dtype=torch.bool)
+        return self.model(x_t, t, prompt_mask=prompt, attention_mask=attention_mask)
 
 
 def _times(t: Any, x_t: torch.Tensor) -> torch.Tensor:
