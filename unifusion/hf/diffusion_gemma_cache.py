@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .diffusion_gemma import DiffusionGemmaLM
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
 
 __all__ = ["CanvasState", "commit", "denoise", "prefill", "select_rows"]
 

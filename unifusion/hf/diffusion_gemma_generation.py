@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .diffusion_gemma_cache import CanvasState, commit, prefill
 
-if TYPE_CHECKING:
-    from .diffusion_gemma import DiffusionGemmaLM
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
 
 __all__ = ["DEFAULTS", "DiffusionGemmaOutput", "GenerationSettings", "generate", "resolve_settings"]
 
@@ -178,7 +177,8 @@ def _row_generators(generator: Any, batch_size: int, device: torch.device) -> li
             raise ValueError(f"generator: expected {batch_size} torch.Generators (one per row), got {len(generator)}")
         return list(generator)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected None, a torch.Generator or a list of them, got {type(generator).__name__}")
+        raise TypeError(f"generator: expected None, a torch.Generator or a list of them, got "
+                        f"{type(generator).__name__}")
     seeds = [int(torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None
                                else "cpu")) for _ in range(batch_size)]
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
