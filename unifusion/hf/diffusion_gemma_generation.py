@@ -295,11 +295,12 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
     if not return_dict:
         return seq
     new_tokens = seq[:, P:]
-    if parity:
-        count = ((new_tokens != s.pad_token_id).sum(-1) if s.pad_token_id is not None
-                 else torch.full((B,), new_tokens.shape[1], device=dev))
+    if parity:  # the reference's arithmetic (integer counts over int32 passes)
+        count: Any = ((new_tokens != s.pad_token_id).sum(-1) if s.pad_token_id is not None
+                      else new_tokens.shape[1])
+        rate = (count / forwards.int()).float()
     else:
         col = torch.arange(P, seq.shape[1], device=dev)
         count = ((eos_at[:, None] < 0) | (col[None] <= eos_at[:, None])).sum(-1)
-    rate = count.float() / forwards.clamp_min(1).float()
+        rate = count.float() / forwards.clamp_min(1).float()
     return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=forwards, cache=state.cache)
