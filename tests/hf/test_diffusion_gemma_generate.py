@@ -268,3 +268,29 @@ def test_generation_config_checks(model):
     out = model.generate(prompt, GenerationConfig(max_new_tokens=5, max_denoising_steps=2),
                          policy=EntropyBound(float("inf"), confidence_threshold=None), return_dict=True)
     assert out.sequences.shape == (1, 9) and out.num_forwards.tolist() == [4]
+
+
+# -- fine-tuning through diffusion_loss ----------------------------------------------------------------------------
+
+
+def test_diffusion_loss_with_prompt_mask_through_conditioned_on(model):
+    """uf.diffusion_loss(model.conditioned_on(x0, prompt_mask=pm), x0, kernel, prompt_mask=pm) is the wrapper's own
+    fused loss on the same x_t (0 on the prompt and on padding), and its gradients reach the weights."""
+    x0 = tokens((2, 15), 30)
+    prompt = torch.arange(15)[None, :] < torch.tensor([[5], [9]])
+    mask = torch.ones(2, 15, dtype=torch.bool)
+    mask[1, -2:] = False  # right padding
+    t = torch.tensor([0.3, 0.8])
+    scorer = model.conditioned_on(x0, prompt_mask=prompt, attention_mask=mask)
+    out = uf.diffusion_loss(scorer, x0, model.kernel, prompt_mask=prompt, attention_mask=mask, t=t,
+                            generator=torch.Generator().manual_seed(0))
+    assert (out.loss[prompt] == 0).all() and (out.loss[~mask] == 0).all() and out.num_tokens == 10 + 4
+    fused = model(out.x_t, t, prompt_mask=prompt, attention_mask=mask, x0=x0, kernel=model.kernel)
+    torch.testing.assert_close(out.loss, fused, rtol=1e-5, atol=1e-5)
+    out.loss.sum().backward()
+    assert model.lm_head_weight.grad is not None and torch.isfinite(model.lm_head_weight.grad).all()
+    model.zero_grad(set_to_none=True)
+    sc = model.conditioned_on(x0, prompt_mask=prompt, attention_mask=mask, self_conditioning_prob=1.0,
+                              generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert not torch.equal(sc(out.x_t, t), scorer(out.x_t, t))  # the second pass sees the first's logits

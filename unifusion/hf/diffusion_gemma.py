@@ -220,14 +220,21 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def conditioned_on(self, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None = None,
-                       prompt_length: int | torch.Tensor | None = None) -> PromptConditioned:
+                       prompt_length: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                       self_conditioning_prob: float = 0.0, generator: torch.Generator | None = None
+                       ) -> PromptConditioned:
         """An x0 callable ``(x_t, t) → logits`` with the prompt of the clean sequence ``x0 (B, L)`` (prompt and
         response) fixed: it puts the clean prompt back into ``x_t`` and reads each canvas's clean prefix from
         ``x0``. For any function that calls a model as ``model(x_t, t)`` on ``x0`` repeated along the batch (``n·B``
         rows, row r is sequence ``r mod B``), such as :func:`unifusion.eval.nll_bound`: with ``per_token=False``
         that returns the conditional bound on ``−log p(response | prompt)`` (the prompt columns score exactly 0;
-        ``C_ELBO`` is 0 for the linear schedule)."""
-        return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length)
+        ``C_ELBO`` is 0 for the linear schedule). Fine-tuning: ``uf.diffusion_loss(model.conditioned_on(x0,
+        prompt_mask=pm, self_conditioning_prob=p), x0, kernel, prompt_mask=pm)`` is the GIDD loss of the canvas
+        factorisation, 0 on the prompt (``attention_mask``, ``self_conditioning_prob`` and ``generator`` are passed to
+        every call)."""
+        return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length,
+                                 attention_mask=attention_mask, self_conditioning_prob=self_conditioning_prob,
+                                 generator=generator)
 
     def with_prompt(self, prompt_length: int) -> PromptFixed:
         """An x0 callable ``(x_t (B, L), t, attention_mask=None) → logits (B, L, V)`` whose first ``prompt_length``
@@ -469,10 +476,13 @@ class PromptConditioned:
     :meth:`DiffusionGemmaLM.conditioned_on`)."""
 
     def __init__(self, model: DiffusionGemmaLM, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None,
-                 prompt_length: int | torch.Tensor | None) -> None:
+                 prompt_length: int | torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                 self_conditioning_prob: float = 0.0, generator: torch.Generator | None = None) -> None:
         if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
             raise ValueError("x0: expected a (B, L) tensor of token ids")
         self.model, self.x0 = model, x0
+        self.attention_mask, self.generator = attention_mask, generator
+        self.self_conditioning_prob = _check_probability("self_conditioning_prob", self_conditioning_prob)
         self.num_states = model.num_states
         B, L = x0.shape
         if prompt_mask is None:
@@ -483,7 +493,9 @@ class PromptConditioned:
     def __call__(self, x_t: torch.Tensor, t: Any = None) -> torch.Tensor:
         n = x_t.shape[0] // self.x0.shape[0]
         x0, prompt = self.x0.repeat(n, 1), self.prompt_mask.repeat(n, 1)
-        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0)
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(n, 1)
+        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0, attention_mask=mask,
+                          self_conditioning_prob=self.self_conditioning_prob, generator=self.generator)
 
 
 class PromptFixed:
