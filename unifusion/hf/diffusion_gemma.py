@@ -167,9 +167,13 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
                 first (no-grad) pass; ``0`` runs one pass. Drawn with ``generator``.
             bidirectional_prob: ``1`` (the decoder is bidirectional by design); accepted for the Denoiser interface.
             generator: randomness for ``self_conditioning_prob``.
-            kernel, objective, weighting, max_weight, reduction, position_weight: the fused loss of
-                :func:`unifusion.losses.fused_linear_diffusion_loss` on the decoder's hidden states; prompt and
-                padding columns get weight 0.
+            kernel: with ``x0``: return the fused loss of :func:`unifusion.losses.fused_linear_diffusion_loss` on
+                the decoder's hidden states under this kernel; prompt and padding columns get weight 0.
+            objective: the fused loss's objective.
+            weighting: the fused loss's weighting.
+            max_weight: the fused loss's weight clip.
+            reduction: the fused loss's reduction.
+            position_weight: ``(B, L)`` weights of the fused loss's positions (times the response mask).
 
         Returns:
             float32 ``(B, L, V)`` logits: the decoder's soft-capped logits on response columns, the point mass on
