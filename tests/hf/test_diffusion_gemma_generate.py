@@ -146,10 +146,17 @@ def test_policy_sampler_runs_on_the_wrapper_as_the_reference(sharp_model):
     alone = sampler.sample(1, P + n, prompt=ids[1:], generator=[torch.Generator().manual_seed(6)])
     assert torch.equal(pair[1:], alone)
     # EOS: a row stops, drops out of the cache, the others go on
-    eos = int(out.sequences[0, P + 2])
+    eos = int(pair[0, P + 2])
+    gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
     stopped = sampler.sample(2, P + n, prompt=ids, generator=gens, eos_token_id=eos, pad_token_id=0,
                              return_dict=True)
     assert stopped.sequences.shape == (2, P + n)
+    for row in range(2):  # each row: its tokens without EOS stopping, up to its first EOS, then pad
+        free = pair[row, P:]
+        cut = int((free == eos).int().argmax()) if (free == eos).any() else n - 1
+        assert torch.equal(stopped.sequences[row, P:P + cut + 1], free[:cut + 1])
+        assert (stopped.sequences[row, P + cut + 1:] == 0).all()
+    assert stopped.num_forwards[0] < stopped.num_forwards[1]  # row 0 left the cache after its first canvas
 
 
 def test_x0_callable_samplers(sharp_model):

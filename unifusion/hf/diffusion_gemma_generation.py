@@ -18,8 +18,9 @@ Two modes:
   every returned token (the last canvas committed); the temperature goes from ``t_max`` at the first step to ``t_min``
   at the last; each row draws from its own generator (seeded from the global generator, or from ``generator``, in row
   order), so a row's tokens do not depend on the rows beside it; a finished row takes no further decoder passes and
-  no draws; its positions after EOS hold ``pad_token_id`` (EOS without one); EOS and pad fall back to the text
-  config's; bad settings raise ``ValueError`` naming them.
+  no draws (its fill canvases are still committed, in the batch's encoder pass, so the returned cache covers every
+  row); its positions after EOS hold ``pad_token_id`` (EOS without one); EOS and pad fall back to the text config's;
+  bad settings raise ``ValueError`` naming them.
 """
 
 from __future__ import annotations
