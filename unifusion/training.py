@@ -267,7 +267,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
         x_t = torch.where(scored, x_t, x0)
         valid = scored
-    block_kwargs = {} if block is None else {"clean": x0}
+    block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
+    if getattr(V.unwrap_model(model), "conditions_on_prompt", False):  # e.g. DiffusionGemma: the prompt is encoded
+        block_kwargs["prompt_mask"] = prompt_mask
 
     if bidirectional_prob is None:
         if step is None:
@@ -299,8 +301,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                                    bidirectional_prob=gamma)
     with V.validation(False):
         if V.is_diffusion_lm(model):
+            clean = {"x0": x0} if "prompt_mask" in block_kwargs else {}
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                           **block_kwargs)
+                           **block_kwargs, **clean)
         else:
             logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):
