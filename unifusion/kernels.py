@@ -44,14 +44,6 @@ def check_kernel(kernel: object, name: str = "kernel") -> Kernel:
     return kernel
 
 
-def _check_num_states(num_states: object) -> int:
-    if isinstance(num_states, bool) or not isinstance(num_states, int):
-        raise TypeError(f"num_states: expected a positive int, got {type(num_states).__name__}")
-    if num_states < 1:
-        raise ValueError(f"num_states: expected a positive int, got {num_states}")
-    return num_states
-
-
 def _broadcast(name_a: str, a: torch.Size, name_b: str, b: torch.Size) -> tuple[int, ...]:
     try:
         return tuple(torch.broadcast_shapes(a, b))
@@ -393,7 +385,7 @@ class UniformKernel(InterpolatingKernel):
     """
 
     def __init__(self, num_states: int, schedule: Schedule | None = None) -> None:
-        self.num_states = _check_num_states(num_states)
+        self.num_states = V.check_positive_int("num_states", num_states)
         self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
         self.mask_id = None
 
@@ -424,7 +416,7 @@ class MaskKernel(InterpolatingKernel):
     uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:
-        self.num_states = _check_num_states(num_states)
+        self.num_states = V.check_positive_int("num_states", num_states)
         if isinstance(mask_id, bool) or not isinstance(mask_id, int):
             raise TypeError(f"mask_id: expected an int, got {type(mask_id).__name__}")
         if not 0 <= mask_id < num_states:
@@ -472,7 +464,7 @@ class HybridKernel(InterpolatingKernel):
     uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, p_uniform: float, gamma: float = 1.0) -> None:
-        self.num_states = _check_num_states(num_states)
+        self.num_states = V.check_positive_int("num_states", num_states)
         if num_states < 2:
             raise ValueError(f"num_states: a hybrid kernel needs at least 2 states, got {num_states}")
         if isinstance(mask_id, bool) or not isinstance(mask_id, int):

@@ -40,8 +40,7 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
     multi-process run, seed ``generator`` identically on every rank and pass ``rank`` and ``world_size``. Times are
     capped at 1 − 1e-6 so every kernel stays finite.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    V.check_positive_int("batch_size", batch_size)
     generator = V.check_generator(generator)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min: expected a float in (0, 1), got {t_min!r}")
@@ -117,9 +116,9 @@ def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t:
                     kernel: Kernel, weighting: str, max_weight: float) -> torch.Tensor:
     """The objective's own published loss on the converted x0 head (slow, straightforward; for tests and demos)."""
     if objective == "gidd":
-        return native.gidd_loss(logits, x0, x_t, t, kernel, weighting=weighting, max_weight=max_weight)
+        return native.reference_gidd_loss(logits, x0, x_t, t, kernel, weighting=weighting, max_weight=max_weight)
     if objective == "mdlm":
-        return native.mdlm_loss(logits, x0, x_t, t, kernel)
+        return native.reference_mdlm_loss(logits, x0, x_t, t, kernel)
     heads = _x0_head_to(objective, logits, kernel, x_t, t)
     if objective == "sedd":
         return native.sedd_loss(heads[0], x0, x_t, t, kernel)
