@@ -37,8 +37,8 @@ from .._device import host_to_device
 from .._validation import check_token_ids
 from ..kernels import InterpolatingKernel, Kernel
 from ..losses.fast import x0_head_loss
-from ..losses.native import gidd_loss as reference_gidd_loss
-from .quality import _check_positive_int, _logits_of
+from ..losses.native import reference_gidd_loss
+from ._shared import logits_of
 
 __all__ = ["nll_bound", "prior_kl"]
 
@@ -116,13 +116,13 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
     """
     if not isinstance(kernel, Kernel):
         raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
-    num_times = _check_positive_int("num_times", num_times)
+    num_times = V.check_positive_int("num_times", num_times)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
     if not isinstance(reference, bool):
         raise TypeError(f"reference: expected a bool, got {type(reference).__name__}")
     if batch_size is not None:
-        batch_size = _check_positive_int("batch_size", batch_size)
+        batch_size = V.check_positive_int("batch_size", batch_size)
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
         raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
                          f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
@@ -166,7 +166,7 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         with V.validation(False):
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
             x_t = torch.where(valid_n, x_t, x_0n)
-            logits = _logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
+            logits = logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
             D_t = loss(logits, x_0n, x_t, t[:, None], kernel)  # (n B, L), = D_t exactly: one time per row
         del logits
         D_t = torch.where(valid_n, D_t.double(), torch.zeros((), dtype=torch.float64, device=x_0.device))

@@ -31,7 +31,8 @@ from ..kernels import (
 from ..rates import ReverseRate, b_operator
 from .bregman import bregman_rate_loss
 
-__all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
+__all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
+           "dynamic_weight", "GIDD_WEIGHTINGS"]
 
 GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
 
@@ -269,12 +270,12 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 # ---------------------------------------------------------------------------------------------------- MDLM
 @_input_precision
-def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
-              kernel: MaskKernel) -> torch.Tensor:
+def reference_mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+                        kernel: MaskKernel) -> torch.Tensor:
     """MDLM (App. A, eq. loss-mdlm), per position ``(...)``: (−α_t'/(1 − α_t)) · (−log x_θ(x0)) at masked positions,
-    0 elsewhere. Mask kernel only."""
+    0 elsewhere. Mask kernel only. The float64 reference of :func:`unifusion.losses.mdlm_loss`."""
     if not isinstance(kernel, MaskKernel):
-        raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
+        raise TypeError(f"kernel: reference_mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
     _, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
     log_x, _ = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     weight = -kernel.schedule.alpha_prime(t) / kernel.schedule.one_minus_alpha(t)
@@ -319,7 +320,7 @@ def dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch
 
 def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float, kernel: Kernel,
                      weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0) -> torch.Tensor:
-    """The per-position weight λ that :func:`gidd_loss` (and every x0-head loss) multiplies its bracket with,
+    """The per-position weight λ that :func:`reference_gidd_loss` (and every x0-head loss) multiplies its bracket with,
     ``(...)`` float64 (x0, x_t int64 ``(...)``, t broadcasting to them):
 
     * ``"elbo"``: w_t(x_t, x0) = R_t(·, x_t) / q_{t|0}(x_t | x0), the forward rate into x_t (the same from every
@@ -370,9 +371,9 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
 
 
 @_input_precision
-def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
-              kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
-              max_weight: float = 2.0) -> torch.Tensor:
+def reference_gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+                        kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
+                        max_weight: float = 2.0) -> torch.Tensor:
     """GIDD's loss (App. A, eq. loss-gidd), per position ``(...)``:
 
     w_t(x_t, x0) [KL(q_t(·|x0) ‖ q_t(·|x_θ)) + ρ − log ρ − 1],   ρ = q_t(x_t|x0)/q_t(x_t|x_θ),
@@ -384,7 +385,8 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly, with log(r/s) formed
     without cancellation for a confident model (see :func:`_generator_d_t`).
 
-    Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient.
+    Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient. The float64
+    reference of :func:`unifusion.losses.gidd_loss`.
     """
     if weighting not in GIDD_WEIGHTINGS:
         raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
@@ -594,3 +596,20 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     cat = bregman_from_logs(log_r_hat, log_r_theta).sum(-1)
     lam_hat = torch.exp(log_lam_hat)
     return poisson + torch.where(has_jump, lam_hat * cat, torch.zeros_like(cat))
+
+
+_RENAMED = {"gidd_loss": "reference_gidd_loss", "mdlm_loss": "reference_mdlm_loss"}
+
+
+def __getattr__(name: str) -> object:
+    """``gidd_loss`` / ``mdlm_loss``: the references under their former names, for one release (a
+    ``DeprecationWarning``); ``unifusion.losses.gidd_loss`` / ``mdlm_loss`` are the fast losses with the same values."""
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"unifusion.losses.native.{name} is deprecated and will be removed in the next release; use "
+                      f"unifusion.losses.native.{new} (the same function; also unifusion.losses.{new}), or "
+                      f"unifusion.losses.{name} (the fast loss, same values)", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
