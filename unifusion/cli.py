@@ -248,14 +248,14 @@ def _add_sample(sub: Any) -> None:
 def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval.frontier import _make_sampler, decode_samples
+    from .eval.frontier import decode_samples, make_sampler
 
     model, tok, kernel = _load_model(args)
     device = next(model.parameters()).device
     kw: dict[str, Any] = {"temperature": args.temperature}
     if args.top_p is not None:
         kw["top_p"] = args.top_p
-    sampler = _make_sampler(args.sampler, model, kernel, args.steps, kw)
+    sampler = make_sampler(args.sampler, model, kernel, args.steps, kw)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     chunks = []
     for k in range(0, args.num_samples, args.batch_size):
