@@ -15,10 +15,9 @@ import math
 from typing import Literal
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
-from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
+from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, log_softmax, safe_log, softplus
 from ..kernels import (
     GeneratorKernel,
     HybridKernel,
@@ -28,7 +27,7 @@ from ..kernels import (
     UniformKernel,
     check_kernel,
 )
-from ..rates import ReverseRate, b_operator
+from ..rates import ReverseRate, b_operator, x0_log_probs
 from .bregman import bregman_rate_loss
 
 __all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
@@ -112,49 +111,6 @@ def _gather(row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return row.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
-class _LogSoftmax(torch.autograd.Function):
-    """log-softmax over the last dim whose gradient is exact at the most likely entry j as well.
-
-    Autograd's ∂/∂l_z = g_z − p_z Σ_y g_y is, at z = j with p_j ≈ 1, a difference of two nearly equal numbers (its
-    true value is O(1 − p_j)); since the entries of each row sum to zero (the output is invariant to adding a constant
-    to the logits), the entry at j is computed as −Σ_{z≠j} instead. Entries at −inf (a mask state) get gradient 0.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        out = torch.log_softmax(logits, dim=-1)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
-        (out,) = ctx.saved_tensors
-        excluded = torch.isneginf(out)
-        grad_out = torch.where(excluded, torch.zeros_like(grad_out), grad_out)
-        grad = grad_out - out.exp() * grad_out.sum(-1, keepdim=True)
-        grad = torch.where(excluded, torch.zeros_like(grad), grad)
-        j = out.argmax(-1, keepdim=True)
-        return grad.scatter(-1, j, -grad.scatter(-1, j, 0.0).sum(-1, keepdim=True))
-
-
-def _log_softmax(logits: torch.Tensor, exclude: torch.Tensor | int | None = None) -> torch.Tensor:
-    """log-softmax over the last dim with the ids ``exclude`` (an int, or ids ``(...)`` one per row) at −inf
-    (probability 0, no gradient), exact gradient at the most likely entry (:class:`_LogSoftmax`)."""
-    if isinstance(exclude, int):
-        index = torch.full((1,), exclude, dtype=torch.long, device=logits.device)  # filled there: no host copy
-        logits = logits.index_fill(-1, index, float("-inf"))
-    elif exclude is not None:
-        logits = logits.scatter(-1, exclude.unsqueeze(-1), float("-inf"))
-    return _LogSoftmax.apply(logits)
-
-
-def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
-    """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS), as
-    :func:`unifusion.rates.x0_log_probs`, with the exact gradient of :class:`_LogSoftmax`."""
-    return _log_softmax(logits, kernel.mask_id)
-
-
 def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log x_θ ``(..., S)``, δ = 1 − x_θ(x0) ``(...)``) from logits, exact for a confident model.
 
@@ -163,7 +119,7 @@ def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> 
     log x_θ(x0) ≈ −δ once δ is below it (float64: δ < 1e-16, logit gaps of ~40 nats), and the losses of such rows are
     O(δ) and need δ to full relative precision.
     """
-    log_x = x0_log_probs(kernel, logits)
+    log_x = x0_log_probs(kernel, logits, exact_gradient=True)
     idx = x0.unsqueeze(-1)
     delta = log_x.scatter(-1, idx, float("-inf")).exp().sum(-1)
     near = delta < 0.5
@@ -185,14 +141,6 @@ def _weighted_sum(weight: torch.Tensor, terms: torch.Tensor, x_t: torch.Tensor) 
     return prod.scatter(-1, x_t.unsqueeze(-1), 0.0).sum(-1)
 
 
-# ---------------------------------------------------------------------------------------------------- accuracy helpers
-def _softplus(z: torch.Tensor) -> torch.Tensor:
-    """log(1 + e^z), exact to rounding for every z (torch's softplus switches to z above a threshold)."""
-    pos = z > 0
-    return torch.where(pos, z.clamp_min(0) + torch.log1p(torch.exp(-z.clamp_min(0))),
-                       torch.log1p(torch.exp(z.clamp_max(0))))
-
-
 class _Interp:
     """log-space pieces of an interpolating kernel q(y) = α p(y) + m(y), relative to the noise mass m.
 
@@ -212,7 +160,7 @@ class _Interp:
     def log_q_over_m(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(q/m) = log(1 + α p/m) where m > 0 (0 elsewhere, unused)."""
         z = self.log_alpha.unsqueeze(-1) + log_p - self.log_m
-        return torch.where(self.has_m, _softplus(torch.where(self.has_m, z, torch.zeros_like(z))),
+        return torch.where(self.has_m, softplus(torch.where(self.has_m, z, torch.zeros_like(z))),
                            torch.zeros_like(z))
 
     def log_q(self, log_p: torch.Tensor, log_q_over_m: torch.Tensor) -> torch.Tensor:
@@ -415,7 +363,7 @@ def reference_gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Te
     z_x0 = (ip.log_alpha + torch.log(torch.where(has_delta, delta, torch.ones_like(delta)))
             - _gather(log_q_theta, x0))
     l_x0 = torch.where(has_delta & ~kernel.is_mask(x0),
-                       _softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
+                       softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
     l = l.scatter(-1, x0.unsqueeze(-1), l_x0.unsqueeze(-1))
     # Σ_y f(q0, qθ) = KL since both sum to 1; r = q0 passed in log space, so a confidently wrong model (qθ(x0)
     # underflowing, ℓ = 10⁴) still gives q0 (ℓ − 1) + qθ instead of 0 · ∞
@@ -508,7 +456,7 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
-    log_mu = x0_log_probs(kernel, h["mu_logits"])
+    log_mu = x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
     R = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
@@ -588,7 +536,7 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     log_lam_hat = torch.logsumexp(log_true, dim=-1)
     log_lam = h["log_exit_rate"]
     poisson = bregman_from_logs(log_lam_hat, log_lam)
-    log_r_theta = _log_softmax(h["jump_logits"], x_t)
+    log_r_theta = log_softmax(h["jump_logits"], x_t, exact_gradient=True)
     has_jump = ~torch.isneginf(log_lam_hat)
     log_r_hat = log_true - torch.where(has_jump, log_lam_hat, torch.zeros_like(log_lam_hat)).unsqueeze(-1)
     log_r_hat = torch.where(has_jump.unsqueeze(-1), log_r_hat, torch.full_like(log_r_hat, float("-inf")))
@@ -601,15 +549,25 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
 _RENAMED = {"gidd_loss": "reference_gidd_loss", "mdlm_loss": "reference_mdlm_loss"}
 
 
-def __getattr__(name: str) -> object:
-    """``gidd_loss`` / ``mdlm_loss``: the references under their former names, for one release (a
-    ``DeprecationWarning``); ``unifusion.losses.gidd_loss`` / ``mdlm_loss`` are the fast losses with the same values."""
-    if name in _RENAMED:
-        import warnings
+def _exact_x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
+    return x0_log_probs(kernel, logits, exact_gradient=True)
 
+
+def __getattr__(name: str) -> object:
+    """Former names, for one release (a ``DeprecationWarning``): ``gidd_loss`` / ``mdlm_loss`` are
+    :func:`reference_gidd_loss` / :func:`reference_mdlm_loss` (``unifusion.losses.gidd_loss`` / ``mdlm_loss`` are the
+    fast losses, same values); ``x0_log_probs`` is ``unifusion.rates.x0_log_probs(..., exact_gradient=True)``."""
+    import warnings
+
+    if name in _RENAMED:
         new = _RENAMED[name]
         warnings.warn(f"unifusion.losses.native.{name} is deprecated and will be removed in the next release; use "
                       f"unifusion.losses.native.{new} (the same function; also unifusion.losses.{new}), or "
                       f"unifusion.losses.{name} (the fast loss, same values)", DeprecationWarning, stacklevel=2)
         return globals()[new]
+    if name == "x0_log_probs":
+        warnings.warn("unifusion.losses.native.x0_log_probs is deprecated and will be removed in the next release; "
+                      "use unifusion.rates.x0_log_probs(kernel, logits, exact_gradient=True)", DeprecationWarning,
+                      stacklevel=2)
+        return _exact_x0_log_probs
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
