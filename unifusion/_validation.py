@@ -480,7 +480,7 @@ def check_prompt_mask(prompt_mask: object, valid: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"prompt_mask: expected shape {tuple(valid.shape)} like x0, got {tuple(prompt_mask.shape)}")
     check_not_meta("prompt_mask", prompt_mask)
     scored = valid & ~host_to_device(prompt_mask, valid.device)
-    if _VALIDATE:
+    if validation_enabled():
         empty = ~scored.any(-1)
         fail_if(empty.any(), lambda: (
             f"prompt_mask: covers every real token of rows {empty.nonzero().flatten().tolist()[:8]}; each row needs "
