@@ -34,7 +34,11 @@ from ._math import safe_log
 from .schedules import LinearSchedule, Schedule
 
 __all__ = ["Kernel", "InterpolatingKernel", "UniformKernel", "MaskKernel", "HybridKernel", "GeneratorKernel",
-           "check_kernel"]
+           "check_kernel", "MAX_TIME"]
+
+MAX_TIME = 1.0 - 1e-6
+"""The largest time the package's own time draws reach (training times, stratified evaluation times): every kernel
+stays finite there, and float32 keeps it below 1."""
 
 
 def check_kernel(kernel: object, name: str = "kernel") -> Kernel:

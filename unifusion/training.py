@@ -20,14 +20,13 @@ import torch
 from . import _validation as V
 from .conversions import log_heads_from_x0_logits
 from .hf import blocks
-from .kernels import Kernel, MaskKernel, check_kernel
+from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from .losses import native
 from .losses.fast import x0_head_loss
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
 OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
-_T_MAX = 1.0 - 1e-6
 
 
 def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool = True,
@@ -61,7 +60,7 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
         else:
             frac = torch.rand(batch_size, generator=generator, device=dev, dtype=torch.float64)
     t = t_min + (1.0 - t_min) * frac
-    return t.clamp(max=_T_MAX).to(dtype)
+    return t.clamp(max=MAX_TIME).to(dtype)
 
 
 @dataclass

@@ -49,7 +49,7 @@ from .._validation import (
     check_token_ids,
     validation,
 )
-from ..kernels import InterpolatingKernel, Kernel, check_kernel
+from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..rates import x0_log_probs
 from ._shared import input_device, logits_of, progress_bar
 
@@ -57,7 +57,6 @@ __all__ = ["score_choices", "fair_pmi_scores", "ar_choice_nll", "run_multiple_ch
            "MultipleChoiceResult"]
 
 _T_MAX = 1.0 - 1e-3  # where t_1 = 1 of the standard grid is evaluated
-_T_CLAMP = 1.0 - 1e-6  # upper clamp of stratified times (float32 keeps them < 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def stratified_times(num_times: int, t_min: float, generator: torch.Generator | 
     """Fair-PMI's stratified times t_k = t_min + (1 − t_min)(k − u)/K with one u ~ U(0, 1), ``(K,)`` float64."""
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=device)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=device)
-    return (t_min + (1.0 - t_min) * (k - u) / num_times).clamp(t_min, _T_CLAMP)
+    return (t_min + (1.0 - t_min) * (k - u) / num_times).clamp(t_min, MAX_TIME)
 
 
 def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .._validation import check_model_kernel, check_positive_int
-from ..kernels import Kernel
+from ..kernels import Kernel, check_kernel
 from ._shared import input_device, progress_bar
 from .quality import generative_perplexity, gpt2_tokenizer, unigram_entropy
 
@@ -184,8 +184,7 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     seq_len = check_positive_int("seq_len", seq_len)
     batch_size = check_positive_int("batch_size", batch_size)
     judge_batch_size = check_positive_int("judge_batch_size", judge_batch_size)
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    kernel = check_kernel(kernel)
     if not isinstance(resume, bool):
         raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
     if not isinstance(label, str) or not label:
