@@ -27,7 +27,8 @@ from ..kernels import (
     UniformKernel,
     check_kernel,
 )
-from ..rates import ReverseRate, b_operator, x0_log_probs
+from ..rates import ReverseRate, b_operator
+from ..rates import x0_log_probs as _x0_log_probs  # private here: native.x0_log_probs is a deprecated alias
 from .bregman import bregman_rate_loss
 
 __all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
@@ -119,7 +120,7 @@ def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> 
     log x_θ(x0) ≈ −δ once δ is below it (float64: δ < 1e-16, logit gaps of ~40 nats), and the losses of such rows are
     O(δ) and need δ to full relative precision.
     """
-    log_x = x0_log_probs(kernel, logits, exact_gradient=True)
+    log_x = _x0_log_probs(kernel, logits, exact_gradient=True)
     idx = x0.unsqueeze(-1)
     delta = log_x.scatter(-1, idx, float("-inf")).exp().sum(-1)
     near = delta < 0.5
@@ -456,7 +457,7 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
-    log_mu = x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
+    log_mu = _x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
     R = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
@@ -550,7 +551,7 @@ _RENAMED = {"gidd_loss": "reference_gidd_loss", "mdlm_loss": "reference_mdlm_los
 
 
 def _exact_x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
-    return x0_log_probs(kernel, logits, exact_gradient=True)
+    return _x0_log_probs(kernel, logits, exact_gradient=True)
 
 
 def __getattr__(name: str) -> object:
