@@ -189,7 +189,7 @@ def _sample(model_dir, capsys, *extra):
 def test_sample_and_eval_without_kernel_follow_one_rule_and_say_which(folders, tmp_path, capsys):
     from unifusion.hf import default_kernel
 
-    # a checkpoint with a mask token and no recorded kernel: mask on its mask token (not uniform, as before)
+    # a checkpoint with a mask token and no recorded kernel: mask on its mask token
     rc, err = _sample(folders["dm"], capsys)
     assert rc == 0
     assert "unifusion sample: kernel MaskKernel(num_states=" in err and "mask_id=2" in err

@@ -21,12 +21,11 @@ from . import _validation as V
 from .conversions import log_heads_from_x0_logits
 from .hf import blocks
 from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
-from .losses import native
-from .losses.fast import x0_head_loss
+from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
-OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
+OBJECTIVES = X0_HEAD_OBJECTIVES  # every objective trains an x0 head
 
 
 def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool = True,

@@ -32,9 +32,18 @@ from ..rates import x0_log_probs as _x0_log_probs  # private here: native.x0_log
 from .bregman import bregman_rate_loss
 
 __all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
-           "dynamic_weight", "GIDD_WEIGHTINGS"]
+           "dynamic_weight", "check_weighting", "GIDD_WEIGHTINGS"]
 
 GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
+
+
+def check_weighting(weighting: object, max_weight: object) -> None:
+    """``weighting`` one of :data:`GIDD_WEIGHTINGS` and ``max_weight`` a positive number (the GIDD weights' clip), else
+    a ``ValueError`` naming the argument."""
+    if weighting not in GIDD_WEIGHTINGS:
+        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
+    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
+        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
 
 
 # (kernel, heads by name, x0, x_t, t broadcast to x_t's shape, compute dtype)
@@ -287,10 +296,7 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
 
         w = uf.losses.gidd_loss_weight(x0, x_t, t, uf.HybridKernel(S, S - 1, 0.1), "dynamic")   # (B, L)
     """
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    check_weighting(weighting, max_weight)
     kernel = check_kernel(kernel)
     if not isinstance(kernel, InterpolatingKernel):
         raise TypeError(f"kernel: the GIDD weights are defined for interpolating kernels (uniform, mask, hybrid), "
@@ -337,10 +343,7 @@ def reference_gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Te
     Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient. The float64
     reference of :func:`unifusion.losses.gidd_loss`.
     """
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    check_weighting(weighting, max_weight)
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
     log_x, delta = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     if not isinstance(kernel, InterpolatingKernel):
