@@ -256,6 +256,16 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_state_id(name: str, value: object, num_states: int) -> int:
+    """One state id, an ``int`` in ``[0, num_states)`` (a bool is not one): ``TypeError`` / ``ValueError`` naming
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not 0 <= value < num_states:
+        raise ValueError(f"{name}: expected an id in [0, {num_states}), got {value}")
+    return value
+
+
 COMPUTE_DTYPES = (torch.float32, torch.float64)
 """The dtypes an argument ``dtype=`` may choose for the arithmetic (posteriors, conversions)."""
 
