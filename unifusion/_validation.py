@@ -256,13 +256,13 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def check_state_id(name: str, value: object, num_states: int) -> int:
-    """One state id, an ``int`` in ``[0, num_states)`` (a bool is not one): ``TypeError`` / ``ValueError`` naming
-    ``name``."""
+def check_token_id(name: str, value: object, num_states: int) -> int:
+    """One token id, an ``int`` in ``[0, num_states)`` (a bool is not one): ``TypeError`` / ``ValueError`` naming
+    ``name``. :func:`check_token_ids` checks a tensor of them."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected an int token id, got {type(value).__name__}")
     if not 0 <= value < num_states:
-        raise ValueError(f"{name}: expected an id in [0, {num_states}), got {value}")
+        raise ValueError(f"{name}: expected a token id in [0, {num_states}), got {value}")
     return value
 
 

@@ -418,7 +418,7 @@ class MaskKernel(InterpolatingKernel):
 
     def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:
         self.num_states = V.check_positive_int("num_states", num_states)
-        self.mask_id = V.check_state_id("mask_id", mask_id, num_states)
+        self.mask_id = V.check_token_id("mask_id", mask_id, num_states)
         if num_states < 2:
             raise ValueError(f"num_states: a mask kernel needs at least 2 states, got {num_states}")
         self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
@@ -464,7 +464,7 @@ class HybridKernel(InterpolatingKernel):
         self.num_states = V.check_positive_int("num_states", num_states)
         if num_states < 2:
             raise ValueError(f"num_states: a hybrid kernel needs at least 2 states, got {num_states}")
-        V.check_state_id("mask_id", mask_id, num_states)
+        V.check_token_id("mask_id", mask_id, num_states)
         for name, val in (("p_uniform", p_uniform), ("gamma", gamma)):
             if isinstance(val, bool) or not isinstance(val, (int, float)):
                 raise TypeError(f"{name}: expected a float, got {type(val).__name__}")
