@@ -55,7 +55,7 @@ def make_variant(name: str, logits, x0, t, g):
     kernel = _kernel(name, V)
     x_t = kernel.sample(x0, t, generator=g)
     weighting = "dynamic" if name.endswith("dynamic") else "elbo"
-    loss_fn = fast.gidd_loss if name.startswith("fast") else native.gidd_loss
+    loss_fn = fast.gidd_loss if name.startswith("fast") else native.reference_gidd_loss
 
     def run():
         z = logits.detach().requires_grad_()

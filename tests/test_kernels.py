@@ -248,9 +248,10 @@ def test_generator_kernel_copies_its_matrices_to_a_device_once() -> None:
     R = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
     kernel = uf.GeneratorKernel(R.clone())
     ids, t = torch.arange(S, device="meta"), torch.full((S,), 0.5, device="meta")
-    copies = [count_syncs(kernel._rate_column, ids, t)[1].sync_ops["copy to device"] for _ in range(3)]
+    copies = [count_syncs(kernel.rate_column, ids, t)[1].sync_ops["copy to device"] for _ in range(3)]
     assert copies == [1, 0, 0]
-    assert count_syncs(kernel._prior, None, torch.float32, torch.device("meta"))[1].sync_ops["copy to device"] == 1
+    prior = count_syncs(kernel.noise_distribution, None, torch.float32, torch.device("meta"))[1]
+    assert prior.sync_ops["copy to device"] == 1
     rates = kernel.rate_into(torch.arange(S), torch.full((S,), 0.5))  # float32, through the cached float32 copy
     kernel.generator.mul_(2.0)  # changed in place: the cached copy is stale and replaced
     torch.testing.assert_close(kernel.rate_into(torch.arange(S), torch.full((S,), 0.5)), 2.0 * rates)

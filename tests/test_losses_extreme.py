@@ -197,7 +197,7 @@ def grid(spec: Spec, S: int, gaps=GAPS, times=TIMES, seed: int = 0, per_style: i
 def reference(kernel, logits64, x0, x_t, t, weighting):
     """Float64 reference value ``(N,)`` and gradient ``(N, S)``."""
     l = logits64.clone().requires_grad_()
-    loss = native.gidd_loss(l, x0, x_t, t, kernel, weighting=weighting, max_weight=2.0)
+    loss = native.reference_gidd_loss(l, x0, x_t, t, kernel, weighting=weighting, max_weight=2.0)
     loss.sum().backward()
     return loss.detach(), l.grad
 

@@ -137,6 +137,23 @@ def test_validation_switch_skips_value_checks_only(kernel: uf.Kernel) -> None:
         uf.set_validation(1)  # type: ignore[arg-type]
 
 
+def test_the_switch_lives_in_unifusion_validation(kernel: uf.Kernel) -> None:
+    """unifusion.validation holds the switch; the package's checks read it there."""
+    from unifusion import _validation
+    from unifusion.validation import set_validation, validation, validation_enabled
+
+    with validation(False):
+        assert not validation_enabled() and not _validation.validation_enabled() and not uf.validation_enabled()
+        kernel.marginal(torch.tensor([1]), 1.5)  # not checked
+    set_validation(False)
+    try:
+        kernel.marginal(torch.tensor([1]), 1.5)
+    finally:
+        set_validation(True)
+    with pytest.raises(ValueError, match="open interval"):
+        kernel.marginal(torch.tensor([1]), 1.5)
+
+
 # ---------------------------------------------------------------------------------------------------- model vs kernel
 def test_check_model_kernel_names_both_mask_ids():
     from _hf_tiny import tiny_model

@@ -494,7 +494,7 @@ def test_each_generator_is_on_the_device_of_its_draws(tokenizer, monkeypatch):
         return torch.zeros(prompts.shape[0], prompts.shape[1] + max_new, dtype=torch.long)
 
     monkeypatch.setattr(_loglikelihood, "nll_bound", fake_nll_bound)
-    monkeypatch.setattr(_loglikelihood, "_corrupt_span", fake_corrupt)
+    monkeypatch.setattr(_loglikelihood, "corrupt_span", fake_corrupt)
     monkeypatch.setattr(_loglikelihood.RowPool, "add", lambda self, block: block.owner.done(
         block.kind, False if block.kind == "greedy" else torch.zeros(block.x_t.shape[0], block.answer_ids.numel())))
     monkeypatch.setattr(UnifusionLM, "_sample", fake_sample)

@@ -262,7 +262,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
     if not _is_fast_kernel(kernel):
         if weighting != "elbo":
             raise ValueError(f"weighting: only 'elbo' is defined for {type(kernel).__name__}, got {weighting!r}")
-        return native.gidd_loss(logits, x0, x_t, t, kernel)
+        return native.reference_gidd_loss(logits, x0, x_t, t, kernel)
     dtype = V.compute_dtype(logits)
     rows, shape = _prepare_rows(kernel, tuple(logits.shape[:-1]), x0, x_t, t, dtype, logits.device,
                                 weighting, float(max_weight))
