@@ -33,6 +33,7 @@ The whole method on a real pretrained model, on a laptop-class CPU:
 
 How long: about 1 min of loading and perplexity, the training budget (default 300 s), then 1-3 min of sampling and
 scoring at the defaults on a 2-core CPU; minutes less on a GPU. For a quick look: --train-seconds 30 --steps 16.
+It uses torch's CPU threads as they are (all cores by default; OMP_NUM_THREADS=N unifusion demo for fewer).
 """
 
 
@@ -52,7 +53,6 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="where to train and sample")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
     parser.add_argument("--out", default="unifusion-demo", help="output folder")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     return parser
 
 
@@ -95,8 +95,6 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     from .eval import frontier
     from .models import load_causal_lm
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
