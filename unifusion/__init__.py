@@ -14,9 +14,9 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import eval, losses, models, samplers
-from .backend import compile_stats, get_backend, set_backend, wait_for_compilation
 from ._validation import set_validation, validation, validation_enabled
 from .adapters import DiffusionLM, adapt_ar_model, anneal_schedule
+from .backend import compile_stats, get_backend, set_backend, wait_for_compilation
 from .conversions import convert_x0_to
 from .kernels import GeneratorKernel, HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
 from .losses import bregman_rate_loss

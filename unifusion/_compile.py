@@ -48,9 +48,8 @@ STATS = {"compiled": 0, "seconds": 0.0}
 # cache with the same graph, a unit test say) were small; chunk size 1 keeps them parallel over rows at any size.
 BASE_OPTIONS: dict[str, Any] = {"cpp.min_chunk_size": 1}
 
-# what a failed compilation raises (Dynamo/Inductor wrap backend failures; a missing compiler, Triton or a graph break
-# under fullgraph=True shows up as one of these); the eager rerun tells a compiler failure from bad inputs, which raise
-# there too
+# what a failed compilation raises (Dynamo/Inductor wrap backend failures; a missing compiler or Triton shows up as
+# one of these); the eager rerun tells a compiler failure from bad inputs, which raise there too
 _COMPILER_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError, NotImplementedError)
 _copies: dict[tuple, Callable] = {}
 _first_call_done: set[tuple] = set()
@@ -64,9 +63,10 @@ def chooses_compiled(num_logits: int) -> bool:
 
 
 def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) -> Callable:
-    """The ``torch.compile``d copy of ``fn`` for ``key`` (static configuration): one graph (``fullgraph=True``: a
-    graph break is a compiler failure), dynamic shapes, :data:`BASE_OPTIONS` updated by ``options``. Nothing
-    compiles until the copy is first called.
+    """The ``torch.compile``d copy of ``fn`` for ``key`` (static configuration), with dynamic shapes and
+    :data:`BASE_OPTIONS` updated by ``options``. Nothing compiles until the copy is first called. (The hot paths
+    trace as one graph each, which tests/test_losses_fast.py checks; ``fullgraph`` is not demanded here because
+    Dynamo declines to run compiled code under a caller's ``TorchDispatchMode``, and then runs ``fn`` as it is.)
 
     Each copy gets its own code object, so Dynamo's per-code recompile limit is not shared between the
     configurations a process uses (dtypes, devices, kernel families).
@@ -77,7 +77,7 @@ def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) ->
         name = f"{fn.__name__}_{len(_copies)}"
         copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
                                   fn.__closure__)
-        out = torch.compile(copy, dynamic=True, fullgraph=True, options={**BASE_OPTIONS, **(options or {})})
+        out = torch.compile(copy, dynamic=True, options={**BASE_OPTIONS, **(options or {})})
         _copies[full_key] = out
     return out
 
