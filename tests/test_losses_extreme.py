@@ -47,7 +47,7 @@ Nothing else: a confidently right model's loss (e.g. 1e-17 at gap 20 and t = 1e-
 returns 0) is exact to 1e-6, because 1 − p(x0) is summed from the other tokens rather than taken from p(x0) ≈ 1, and
 so is the gradient at the most likely token; the rounding of l − max, which a float32 softmax (and ``F.cross_entropy``)
 carries as a relative error of up to 2^{−24} |l − max| in e^{l − max} (6e-6 at 104 nats), is compensated for float32
-logits (``_x0_kernel._exp_minus_max``), and every per-row quantity is float64. For bf16 logits l − max is exact in
+logits (``_x0_math.exp_minus_max``), and every per-row quantity is float64. For bf16 logits l − max is exact in
 float32 unless one of the two lies within 2^{−16} |l − max| of zero (a logit within ~1e-3 of 0, tens of nats below the
 maximum); (F) measures that case, the one place where a bf16 row is held to 2^{−24} |l − max| instead of 1e-6.
 """
