@@ -219,7 +219,7 @@ class BlockedPasses:
         self.grad_dtype = logits.dtype
         self.consts = constants(dtype, logits.device)
         self.col = column_ids(logits.shape[-1], dtype, logits.device)
-        self.mx = torch.empty(0)
+        self.mx: torch.Tensor | None = None  # the row maxima (element dtype), from pass 1 or saved statistics
 
     def each(self, pass_name: str, job: Callable[[int, int], None]) -> None:
         """``job(a, b)`` on the blocks [a, b) of rows of the pass ``pass_name``, in order."""
@@ -228,11 +228,15 @@ class BlockedPasses:
         for a, b in zip(edges[:-1], edges[1:]):
             job(a, b)
 
-    def _exp_off(self, a: int, b: int, mx_blk: torch.Tensor | None,
+    def _exp_off(self, a: int, b: int, own_max: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(M, d, d_lo, P) of the rows a … b − 1 (M from the block when ``mx_blk`` is ``None``)."""
+        """(M, d, d_lo, P) of the rows a … b − 1 (M from the block with ``own_max``, else that of pass 1)."""
         l = compute_logits(self.logits[a:b], self.col, self.mask_id, self.dtype)
-        mx_blk = l.amax(-1) if mx_blk is None else mx_blk
+        if own_max:
+            mx_blk = l.amax(-1)
+        else:
+            assert self.mx is not None  # pass 1 or use_max ran first
+            mx_blk = self.mx[a:b]
         return (mx_blk, *exp_off_max(self.logits.dtype, l, mx_blk, self.dtype))
 
     def max_and_sum(self, rdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +245,7 @@ class BlockedPasses:
         s_off = torch.empty(N, dtype=rdt, device=device)
 
         def job(a: int, b: int) -> None:
-            mx_blk, d, _, P = self._exp_off(a, b, None)
+            mx_blk, d, _, P = self._exp_off(a, b, own_max=True)
             below = d < 0
             del d  # one (rows, S) temporary fewer at the peak
             mx[a:b] = mx_blk
@@ -266,7 +270,7 @@ class BlockedPasses:
         k_e, log_k = scale.k_e, scale.log_k
 
         def job(a: int, b: int) -> None:
-            _, d, d_lo, P = self._exp_off(a, b, self.mx[a:b])
+            _, d, d_lo, P = self._exp_off(a, b)
             at_x0 = self.col == x0_ids[a:b].unsqueeze(-1)
             out = noise_sums(d, d_lo, P, at_x0, k_e[a:b], None if log_k is None else (log_k[0][a:b], log_k[1][a:b]),
                              u_pos[a:b], *self.consts, need_loss, need_c, self.dtype)
@@ -282,7 +286,7 @@ class BlockedPasses:
         assert grad is not None  # the eager runner always passes the gradient's buffer
 
         def job(a: int, b: int) -> None:
-            _, d, _, P = self._exp_off(a, b, self.mx[a:b])
+            _, d, _, P = self._exp_off(a, b)
             below = d < 0
             del d
             grad[a:b] = grad_block(below, P, factors[:, a:b], u_pos[a:b], uniform_noise, grad.dtype)
