@@ -63,10 +63,10 @@ def _no_tf32():
 
 @pytest.fixture(params=["eager", "compiled"])
 def backend(request):
-    previous = uf.get_backend()
-    uf.set_backend(request.param)
+    previous = uf.backend.get_backend()
+    uf.backend.set_backend(request.param)
     yield request.param
-    uf.set_backend(previous)
+    uf.backend.set_backend(previous)
 
 
 def _batch(kernel: uf.Kernel, n: int, seed: int = 0):
@@ -200,8 +200,8 @@ def test_more_than_2_to_the_31_logits(name):
     """A bf16 batch of 8,200 × 262,144 = 2.15·10⁹ logits (> 2³¹ − 1), compiled: Inductor's Triton kernels index it
     with 64-bit integers (they use 32 bits only behind a guard that every size fits). The rows past the 2³¹-th
     logit — where 32-bit offsets would wrap — agree with the same rows computed on their own. About 17 GiB."""
-    previous = uf.get_backend()
-    uf.set_backend("compiled")
+    previous = uf.backend.get_backend()
+    uf.backend.set_backend("compiled")
     try:
         V, N = 262_144, 8_200
         assert N * V > 2**31
@@ -211,13 +211,13 @@ def test_more_than_2_to_the_31_logits(name):
         t = torch.rand(N, device=DEV, generator=g) * 0.98 + 0.01
         x_t = kernel.sample(x0, t, generator=g)
         logits = torch.randn(N, V, device=DEV, generator=g).to(torch.bfloat16).requires_grad_()
-        with uf.validation(False):
+        with uf.validation.validation(False):
             loss = uf.losses.gidd_loss(logits, x0, x_t, t, kernel)
             loss.sum().backward()
         tail = slice(N - 16, N)  # starts at row 8184: logit 8184 · 2^18 > 2^31
         assert (N - 16) * V > 2**31
         part = logits.detach()[tail].clone().requires_grad_()
-        with uf.validation(False):
+        with uf.validation.validation(False):
             loss_part = uf.losses.gidd_loss(part, x0[tail], x_t[tail], t[tail], kernel)
             loss_part.sum().backward()
         torch.testing.assert_close(loss[tail].detach(), loss_part.detach(), rtol=1e-5,
@@ -225,7 +225,7 @@ def test_more_than_2_to_the_31_logits(name):
         torch.testing.assert_close(logits.grad[tail].float(), part.grad.float(), rtol=1e-2, atol=1e-6)
         assert torch.isfinite(loss).all() and torch.isfinite(logits.grad[-1].float()).all()
     finally:
-        uf.set_backend(previous)
+        uf.backend.set_backend(previous)
         torch.cuda.empty_cache()
 
 
@@ -600,14 +600,14 @@ def test_the_harness_runs_its_three_request_types_on_cuda():
 # ----------------------------------------------------------------------------------------- compiled vs eager
 def test_compiled_backend_matches_eager_on_cuda():
     """The compiled backend really compiles on the device (no fallback warning) and agrees with eager."""
-    previous = uf.get_backend()
+    previous = uf.backend.get_backend()
     kernel = _kernel("hybrid", 4096)
     logits64, x0, x_t, t, scale = _batch(kernel, n=128, seed=4)
     h, W, *_ = _head_inputs(kernel, N=128, d=48, seed=4)
     results = {}
     try:
         for backend in ("eager", "compiled"):
-            uf.set_backend(backend)
+            uf.backend.set_backend(backend)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # "torch.compile failed ...; running eagerly"
                 L = logits64.float().to(DEV).requires_grad_()
@@ -617,9 +617,9 @@ def test_compiled_backend_matches_eager_on_cuda():
                 fused = fused_linear_diffusion_loss(hh, WW, x0.to(DEV), x_t.to(DEV), t.float().to(DEV), kernel,
                                                     chunk_size=48)
                 (fused * scale.float().to(DEV)).sum().backward()
-            assert uf.get_backend() == backend  # a failed compilation would have switched to eager
+            assert uf.backend.get_backend() == backend  # a failed compilation would have switched to eager
             results[backend] = [x.detach().cpu() for x in (loss, L.grad, fused, hh.grad, WW.grad)]
     finally:
-        uf.set_backend(previous)
+        uf.backend.set_backend(previous)
     for a, b in zip(results["compiled"], results["eager"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))

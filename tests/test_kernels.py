@@ -140,8 +140,8 @@ def _assert_same_kernel(a: uf.Kernel, b: uf.Kernel, tol: float = 1e-12) -> None:
                            b.posterior(p.expand(S, S), ids, _t(s), _t(t))) <= tol
 
 
-@pytest.mark.parametrize("schedule", [uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(0.01)], ids=repr)
-def test_generator_forms_reproduce_structured_kernels(schedule: uf.Schedule) -> None:
+@pytest.mark.parametrize("schedule", [uf.schedules.LinearSchedule(), uf.schedules.CosineSchedule(), uf.schedules.LogLinearSchedule(0.01)], ids=repr)
+def test_generator_forms_reproduce_structured_kernels(schedule: uf.schedules.Schedule) -> None:
     S, m = 6, 2
     uniform = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
     _assert_same_kernel(uf.GeneratorKernel(uniform, schedule=schedule), uf.UniformKernel(S, schedule))

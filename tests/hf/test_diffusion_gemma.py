@@ -364,7 +364,7 @@ def test_reference_generate_is_reproduced_token_for_token(model, seed, case):
 
 def test_save_and_load_round_trip(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER))
-    kernel = uf.UniformKernel(VOCAB, uf.LogLinearSchedule(eps=1e-3))
+    kernel = uf.UniformKernel(VOCAB, uf.schedules.LogLinearSchedule(eps=1e-3))
     model = wrap_diffusion_lm(tiny(seed=4), tokenizer=tokenizer, kernel=kernel)
     model.save_pretrained(tmp_path / "m")
     loaded = DiffusionGemmaLM.from_pretrained(tmp_path / "m")

@@ -143,10 +143,10 @@ def test_loss_gradients_match_finite_differences(name: str, kind: str) -> None:
 # ------------------------------------------------------------------------------------------------ low precision
 LOW_KERNELS = {
     "uniform": lambda: uf.UniformKernel(50),
-    "uniform-cosine": lambda: uf.UniformKernel(50, uf.CosineSchedule()),
-    "uniform-loglinear": lambda: uf.UniformKernel(50, uf.LogLinearSchedule()),
+    "uniform-cosine": lambda: uf.UniformKernel(50, uf.schedules.CosineSchedule()),
+    "uniform-loglinear": lambda: uf.UniformKernel(50, uf.schedules.LogLinearSchedule()),
     "mask": lambda: uf.MaskKernel(50, 3),
-    "mask-cosine": lambda: uf.MaskKernel(50, 3, uf.CosineSchedule()),
+    "mask-cosine": lambda: uf.MaskKernel(50, 3, uf.schedules.CosineSchedule()),
     "hybrid": lambda: uf.HybridKernel(50, 3, 0.3, 1.0),
     "generator": lambda: uf.GeneratorKernel(ref.random_generator_matrix(6, torch.Generator().manual_seed(0))),
 }
