@@ -14,7 +14,8 @@ every finished row.
 Sections (each a table on stdout and a list of rows in the JSON):
 
 * ``loss_vs_cross_entropy`` — ``uf.losses.gidd_loss`` (uniform and mask kernels) forward + backward on bf16 logits
-  ``(N, V)`` against ``F.cross_entropy`` on the same logits, under ``uf.backend.set_backend("eager")`` and ``"compiled"``.
+  ``(N, V)`` against ``F.cross_entropy`` on the same logits, under
+``uf.backend.set_backend("eager")`` and ``"compiled"``.
   Goal: loss / CE time ≤ 1.0×.
 * ``fused_vs_alternatives`` — ``fused_linear_diffusion_loss`` (hidden ``(N, d)``, head ``(V, d)``, bf16) forward +
   backward against materialised logits ``h @ W.T`` + cross-entropy (and + ``gidd_loss``), Liger-Kernel's fused linear
@@ -34,7 +35,8 @@ counted; the call's temporaries and the gradients it produces are. The sampling 
 ``torch.inference_mode`` and report no memory. ``--dry-run`` runs the same timing code with host-clock events
 (:class:`CpuOps` standing in for :class:`CudaOps`) on the CPU and reports no memory (``null``).
 
-Validation (``uf.validation.set_validation``): rows time the hot paths with the argument checks off — as ``diffusion_loss`` runs
+Validation (``uf.validation.set_validation``): rows time the hot paths with the argument checks off —
+as ``diffusion_loss`` runs
 the loss after its one batched check, and as a tuned training loop runs — and every section adds a row with the
 defaults a user meets (checks on, with their host read-backs): the first kernel of (a) at each V, the fused loss of
 (b), the sampler at the first step count in (c). Each row records ``"validation"``; the ratios and goals use the rows

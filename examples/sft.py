@@ -165,8 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     parser.add_argument("--fused", action="store_true", help="the fused linear loss (no (B, L, V) logits)")
     parser.add_argument("--backend", choices=["eager", "compiled"], default="eager",
-                        help="unifusion's loss/sampler backend (uf.backend.set_backend); never 'auto', whose background "
-                             "compilation makes runs timing-dependent")
+                        help="unifusion's loss/sampler backend (uf.backend.set_backend)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--out", default="unifusion-sft", help="output folder (the model goes to OUT/final)")

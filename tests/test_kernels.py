@@ -10,6 +10,7 @@ import torch
 from reference import DT, KINDS
 
 import unifusion as uf
+from unifusion.schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
 
 N = 20  # random instances per check
 
@@ -140,8 +141,8 @@ def _assert_same_kernel(a: uf.Kernel, b: uf.Kernel, tol: float = 1e-12) -> None:
                            b.posterior(p.expand(S, S), ids, _t(s), _t(t))) <= tol
 
 
-@pytest.mark.parametrize("schedule", [uf.schedules.LinearSchedule(), uf.schedules.CosineSchedule(), uf.schedules.LogLinearSchedule(0.01)], ids=repr)
-def test_generator_forms_reproduce_structured_kernels(schedule: uf.schedules.Schedule) -> None:
+@pytest.mark.parametrize("schedule", [LinearSchedule(), CosineSchedule(), LogLinearSchedule(0.01)], ids=repr)
+def test_generator_forms_reproduce_structured_kernels(schedule: Schedule) -> None:
     S, m = 6, 2
     uniform = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
     _assert_same_kernel(uf.GeneratorKernel(uniform, schedule=schedule), uf.UniformKernel(S, schedule))

@@ -320,7 +320,8 @@ def test_losses_bounds_and_draws_copy_no_host_data_to_the_device(meta_device, ke
         "prior": lambda: kernel.prior(None, device="meta"),
         "x0_log_probs": lambda: uf.rates.x0_log_probs(kernel, META_EMBEDDING),
     }
-    if isinstance(kernel, uf.kernels.InterpolatingKernel):  # the fused loss's forward (its backward reads g: documented)
+    # the fused loss's forward (its backward reads g: documented)
+    if isinstance(kernel, uf.kernels.InterpolatingKernel):
         calls["fused_linear_diffusion_loss"] = lambda: uf.losses.fused_linear_diffusion_loss(
             torch.randn(16, 8, device="meta"), torch.randn(META_STATES, 8, device="meta"), x0.reshape(-1),
             x0.reshape(-1), torch.full((16,), 0.5, device="meta"), kernel)

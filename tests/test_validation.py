@@ -1,4 +1,5 @@
-"""Bad input raises ValueError / TypeError naming the argument; uf.validation.validation(False) skips value checks only."""
+"""Bad input raises ValueError / TypeError naming the argument; ``uf.validation.validation(False)`` skips value
+checks only."""
 
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ def test_the_switch_lives_in_unifusion_validation(kernel: uf.Kernel) -> None:
     from unifusion.validation import set_validation, validation, validation_enabled
 
     with validation(False):
-        assert not validation_enabled() and not _validation.validation_enabled() and not uf.validation.validation_enabled()
+        assert not validation_enabled() and not _validation.validation_enabled()
+        assert not uf.validation.validation_enabled()
         kernel.marginal(torch.tensor([1]), 1.5)  # not checked
     set_validation(False)
     try:

@@ -490,7 +490,8 @@ def test_sedd_analytic_and_denoiser_steps(case_id):
     column = K.marginal(torch.arange(S), t_)[:, x_t].T  # q_{t|0}(x_t | a), (6, S)
     torch.testing.assert_close(_normalise(p0 * column), peer, rtol=TOL, atol=1e-30)
     final = K.posterior(p0 / p0.sum(-1, keepdim=True), x_t, 0.0, t_)  # what EulerSampler's final step draws from
-    if isinstance(K.schedule, uf.schedules.GeometricSchedule):  # unifusion lands on t = 0 (σ = σ_min = 1e-4), SEDD on σ = 0
+    # unifusion lands on t = 0 (σ = σ_min = 1e-4), SEDD on σ = 0
+    if isinstance(K.schedule, uf.schedules.GeometricSchedule):
         assert float((final - peer).abs().max()) > 1e-6
     else:
         torch.testing.assert_close(final, peer, rtol=TOL, atol=1e-30)
