@@ -1,7 +1,7 @@
 """The Quickstart's main job: block diffusion from a pretrained model, decoded with the KV cache next to the AR
 model's own samples. End to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); the whole pipeline on
 a tiny random model (seconds); its training budget, which leaves out the seconds a step spends compiling (a fake
-clock); its help text; and the compile_stats / blocking_seconds numbers of the background compiler."""
+clock); and its help text."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from _auto_backend import fresh_auto_backend
 from _hf_tiny import tiny_model
 
 ROW_FIELDS = {"name", "policy", "steps_per_block", "forwards", "tokens_per_forward", "wall_seconds", "genppl",
@@ -148,69 +146,3 @@ def test_demo_help_names_the_block_decoding_options(capsys):
                  "--train-seconds", "--seq-len", "--model", "--device", "--out"):
         assert flag in text, flag
     assert "KV cache" in text and "GenPPL" in text and "SmolLM2-135M-Instruct" in text
-
-
-# ------------------------------------------------------------------------------------------------ what it reports
-@pytest.fixture
-def fake_compiler(monkeypatch):
-    """unifusion._compile with fresh bookkeeping, a 100-element threshold, and a torch.compile stand-in whose
-    compiled copies wait for ``gate`` (their first call stands for compiling)."""
-    from unifusion import _compile
-
-    fresh_auto_backend(monkeypatch)
-    gate = threading.Event()
-
-    def fake_compile(fn, dynamic=None, options=None):
-        def run(*args):
-            gate.wait(10)
-            return ("compiled", fn(*args))
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    yield _compile, gate
-    gate.set()
-    _compile.wait_for_compilation(10)
-
-
-def _call(_compile, x, key):
-    return _compile.run(_double, key, lambda fn: fn(x), lambda: ("eager", _double(x)), work=x.numel(),
-                        warmup=lambda fn: fn(x[:2].clone()))
-
-
-def _double(x):
-    return x * 2
-
-
-def test_compile_stats_counts_pending_seconds_and_the_callers_wait(fake_compiler):
-    """compile_stats: a background compilation still running is "pending" with its seconds so far (growing); the
-    "compiled" backend's first call (which compiles in the caller's thread) counts as compiled, and
-    blocking_seconds is that wait — what the demo leaves out of its budget."""
-    import time
-
-    import unifusion as uf
-
-    _compile, gate = fake_compiler
-    x = torch.arange(200.0)
-    assert _call(_compile, x, ("a",))[0] == "eager" and _call(_compile, x, ("a",))[0] == "eager"  # starts compiling
-    time.sleep(0.05)
-    first = uf.compile_stats()
-    assert first["pending"] == 1 and first["compiled"] == 0 and first["seconds"] >= 0.05
-    time.sleep(0.05)
-    assert uf.compile_stats()["seconds"] >= first["seconds"] + 0.05  # still counting
-    assert _compile.blocking_seconds() == 0.0  # "auto" never makes the caller wait
-    gate.set()
-    assert _compile.wait_for_compilation(10)
-    done = uf.compile_stats()
-    assert done["pending"] == 0 and done["compiled"] == 1 and done["seconds"] >= 0.1
-
-    gate.clear()
-    uf.set_backend("compiled")
-    threading.Timer(0.1, gate.set).start()
-    assert _call(_compile, x, ("b",))[0] == "compiled"  # waited for the gate in this thread: ~0.1 s
-    assert _compile.blocking_seconds() >= 0.09
-    stats = uf.compile_stats()
-    assert stats["compiled"] == 2 and stats["pending"] == 0
-    assert stats["seconds"] >= done["seconds"] + _compile.blocking_seconds() - 1e-9
-    waited = _compile.blocking_seconds()
-    assert _call(_compile, x, ("b",))[0] == "compiled" and _compile.blocking_seconds() == waited  # once per config
