@@ -1,0 +1,217 @@
+"""DiffusionLM.generate with a decoding policy (unifusion.hf.generation) and the cached decoders
+(unifusion.hf.decoding): the policy path is PolicySampler's, left padding with the tokenizer's mask, the padding and
+length checks, EOS defaults, the approximate dual cache (refresh 1 = uncached; K + 1 positions per cached step), and
+the save-time tokenizer warning — on tiny random models (tests/_hf_tiny.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _hf_tiny import VOCAB, tiny_model
+
+import unifusion as uf
+from unifusion.hf import adapt_ar_model
+from unifusion.samplers import PolicySampler
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence, RandomOrder
+
+MASK_ID = 3
+EOS = 2  # the tiny config's eos_token_id
+PAD = 0  # the tiny config's pad_token_id
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _model(seed: int = 0, **kw):
+    return adapt_ar_model(tiny_model("llama", seed=seed, **kw), mask_token_id=MASK_ID).eval()
+
+
+def _prompt(B: int = 2, P: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (B, P), generator=torch.Generator().manual_seed(seed))
+
+
+def _gens(B: int, seed: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + r) for r in range(B)]
+
+
+class BackboneCalls:
+    """Counts the positions of every call of the Hugging Face backbone (a forward pre-hook)."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        self.handle = model.hf_model.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        self.lengths.append(int(x.shape[1]))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def test_policy_path_is_the_policy_sampler_on_the_model() -> None:
+    model = _model()
+    prompt = _prompt(2, 4)
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    out = model.generate(prompt, max_new_tokens=8, policy=LowConfidence(), num_steps=4, block_size=4,
+                         eos_token_id=None, generator=torch.Generator().manual_seed(1))
+    full = torch.cat([prompt, torch.full((2, 8), -1)], 1)
+    ref = PolicySampler(model, kernel, LowConfidence(), num_steps=4, block_size=4).sample(
+        2, 12, prompt=full, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out, ref)
+    assert torch.equal(out[:, :4], prompt) and not (out == MASK_ID).any()
+
+
+@pytest.mark.parametrize("refresh", [None, 1, 3])
+def test_left_padding_with_the_mask_equals_each_row_alone(refresh) -> None:
+    """A left-padded batch with the tokenizer's attention_mask and per-row generators: each row equals the row run
+    alone (x0 path and the approximate cache, whose decisions are per row too)."""
+    model = _model()
+    short, long = _prompt(1, 2, seed=1), _prompt(1, 5, seed=2)
+    batch = torch.cat([torch.cat([torch.full((1, 3), PAD), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=8, policy=RandomOrder(), num_steps=4, block_size=4, eos_token_id=None,
+              cache_refresh=refresh)
+    out = model.generate(batch, attention_mask=mask, generator=_gens(2), **kw)
+    alone0 = model.generate(short, generator=_gens(1, 0), **kw)
+    alone1 = model.generate(long, generator=_gens(1, 1), **kw)
+    assert torch.equal(out[0, 3:], alone0[0])
+    assert torch.equal(out[1], alone1[0])
+
+
+def test_ambiguous_padding_without_a_mask_is_refused() -> None:
+    model = _model()
+    batch = torch.cat([torch.cat([torch.full((1, 2), PAD), _prompt(1, 2)], 1), _prompt(1, 4, seed=3)])
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(batch, max_new_tokens=4, num_steps=2)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(batch, max_new_tokens=4, policy=LowConfidence())
+    right = torch.cat([torch.cat([_prompt(1, 2), torch.full((1, 2), PAD)], 1), _prompt(1, 4, seed=3)])
+    with pytest.raises(ValueError, match="right-padded"):
+        model.generate(right, max_new_tokens=4, num_steps=2)
+    # an explicit mask of ones says the pads are text
+    out = model.generate(batch, max_new_tokens=4, num_steps=2, attention_mask=torch.ones_like(batch))
+    assert out.shape == (2, 8)
+
+
+def test_policy_none_takes_the_attention_mask() -> None:
+    """The full-sequence sampler with a left-padded batch: the model is called with the padding mask (so the padded
+    row's tokens do not depend on its pads' ids)."""
+    model = _model()
+    short = _prompt(1, 2, seed=1)
+    mask = torch.tensor([[0, 0, 1, 1]])
+    a = model.generate(torch.cat([torch.full((1, 2), PAD), short], 1), attention_mask=mask, max_new_tokens=4,
+                       num_steps=3, generator=torch.Generator().manual_seed(0))
+    b = model.generate(torch.cat([torch.full((1, 2), 7), short], 1), attention_mask=mask, max_new_tokens=4,
+                       num_steps=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a[:, 2:], b[:, 2:])
+
+
+def test_length_beyond_the_positions_is_a_value_error() -> None:
+    model = _model()  # max_position_embeddings = 128
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(_prompt(1, 4), seq_len=128, num_steps=2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(_prompt(1, 4), max_new_tokens=200, policy=LowConfidence())
+    assert model.generate(_prompt(1, 4), seq_len=127, num_steps=1).shape == (1, 127)
+
+
+def test_eos_defaults_to_the_config_with_a_policy_and_stops_rows() -> None:
+    model = _model()
+    with torch.no_grad():  # make EOS the most likely token everywhere
+        model.hf_model.lm_head.weight[EOS] += 5.0 * model.hf_model.model.norm.weight.sign()
+    out = model.generate(_prompt(2, 3), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4,
+                         return_dict=True, generator=torch.Generator().manual_seed(0))
+    seq = out.sequences
+    for r in range(2):
+        gen = seq[r, 3:]
+        first = int((gen == EOS).int().argmax())
+        assert (gen == EOS).any() and (gen[first:] == EOS).all()
+    assert torch.allclose(out.tokens_per_forward * out.num_forwards.float(),
+                          ((seq[:, 3:] != EOS).sum(-1) + 1).float().clamp_max(8))
+    # no EOS with policy=None unless asked
+    plain = model.generate(_prompt(2, 3), max_new_tokens=8, num_steps=4, generator=torch.Generator().manual_seed(0))
+    filled = model.generate(_prompt(2, 3), max_new_tokens=8, num_steps=4, eos_token_id=EOS, pad_token_id=PAD,
+                            generator=torch.Generator().manual_seed(0))
+    for r in range(2):
+        gen, got = plain[r, 3:], filled[r, 3:]
+        if (gen == EOS).any():
+            first = int((gen == EOS).int().argmax())
+            assert torch.equal(got[:first + 1], gen[:first + 1]) and (got[first + 1:] == PAD).all()
+        else:
+            assert torch.equal(got, gen)
+
+
+def test_refresh_every_step_is_the_uncached_computation() -> None:
+    model = _model()
+    prompt = _prompt(2, 5)
+    kw = dict(max_new_tokens=12, policy=ConfidenceThreshold(0.2), block_size=4, eos_token_id=None,
+              generator=_gens(2, 5))
+    uncached = model.generate(prompt, **kw)
+    kw["generator"] = _gens(2, 5)
+    assert torch.equal(model.generate(prompt, cache_refresh=1, **kw), uncached)
+
+
+def test_approximate_cache_runs_one_block_between_refreshes() -> None:
+    """With cache_refresh=N, a block's first step and every N-th run the whole sequence (L + 1 positions); every
+    other backbone call sees the block's K + 1 positions only."""
+    model = _model()
+    P, new, K = 5, 12, 4
+    calls = BackboneCalls(model)
+    try:
+        out = model.generate(_prompt(1, P), max_new_tokens=new, policy=LowConfidence(), num_steps=4, block_size=K,
+                             eos_token_id=None, cache_refresh=2, return_dict=True,
+                             generator=torch.Generator().manual_seed(0))
+    finally:
+        calls.close()
+    L = P + new
+    assert calls.lengths == [L + 1, K + 1] * 2 * (new // K)
+    assert int(out.num_forwards[0]) == 4 * (new // K)
+
+
+def test_approximate_cache_drift_is_bounded_on_a_tiny_model() -> None:
+    """The approximate cache changes some tokens (it is not exact), but the prompt and shapes hold; the measured
+    agreement with uncached decoding is reported by benchmarks/decoding.py."""
+    model = _model()
+    prompt = _prompt(4, 5)
+    kw = dict(max_new_tokens=16, policy=LowConfidence(), num_steps=4, block_size=8, eos_token_id=None)
+    uncached = model.generate(prompt, generator=_gens(4), **kw)
+    cached = model.generate(prompt, generator=_gens(4), cache_refresh=4, **kw)
+    assert cached.shape == uncached.shape and torch.equal(cached[:, :5], prompt)
+    agree = (cached[:, 5:] == uncached[:, 5:]).float().mean()
+    assert agree > 0.25  # a random tiny model: loose; the real model's number is in the benchmark
+
+
+def test_bad_cache_arguments() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=0)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=2, use_cache=False)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, block_size=2, num_steps=2)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), eos_token_id="first")
+    no_mask = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        no_mask.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=2,
+                         kernel=uf.MaskKernel(no_mask.num_states, 3))
+
+
+def test_save_pretrained_without_a_tokenizer_warns(tmp_path) -> None:
+    model = _model()
+    with pytest.warns(UserWarning, match="tokenizer"):
+        model.save_pretrained(tmp_path / "m")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.save_pretrained(tmp_path / "t")  # a tokenizer is already there
