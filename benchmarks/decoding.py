@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.9])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--approx", action="store_true", help="also the approximate dual cache of a bidirectional model")
+    parser.add_argument("--approx", action="store_true",
+                        help="also the approximate dual cache of a bidirectional model")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, N = 32, P = 8, K = 8, one repeat")
     args = parser.parse_args()
     if args.quick:
@@ -79,60 +80,75 @@ def main() -> None:
     torch.set_grad_enabled(False)
     hf, _ = _tiny() if args.quick else _smollm2(getattr(torch, args.dtype))
     K, P = args.block_size, args.prompt_len
-    plain = adapt_ar_model(hf)
-    try:
-        block = adapt_ar_model(hf, block_size=K)  # type: ignore[call-arg]
+    plain = adapt_ar_model(hf)  # adds the mask token (the embeddings grow by one row, in place)
+    try:  # the same weights and mask token as a block model
+        block = adapt_ar_model(hf, mask_token_id=plain.mask_token_id, block_size=K)  # type: ignore[call-arg]
     except TypeError:  # a unifusion without block models
         block = None
     prompt = torch.randint(10, int(hf.config.vocab_size), (1, P), generator=torch.Generator().manual_seed(0))
-    rows: list[tuple[int, str, float, str, float, float | None]] = []
+    rows: list[Row] = []
     for N in args.new_tokens:
-        def ar() -> Any:
-            return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
-                               do_sample=False, use_cache=True, pad_token_id=0)
+        rows += _measure(N, args, hf, plain, block, prompt)
+    _print(rows)
 
-        t_ar, _ = _best(ar, args.repeats)
-        rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
-        steps = max(N // 4, 1)
-        t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
-                                                 generator=torch.Generator().manual_seed(0)), args.repeats)
-        per_forward = t_full / steps
-        rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
-        model = block if block is not None else plain
-        tag = f"block {K} + cache" if block is not None else f"no block model: bidirectional, blocks of {K}"
-        commits = -(-N // K) - 1 if block is not None else 0
-        for r in args.rates:
-            def fixed(r: int = r) -> Any:
-                return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
-                                      eos_token_id=None, return_dict=True, block_size=None if block else K,
-                                      generator=torch.Generator().manual_seed(0))
 
-            t, out = _best(fixed, args.repeats)
-            f = int(out.num_forwards[0])
-            rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
-                         per_forward * f))
-        for tau in args.thresholds:
-            def thr(tau: float = tau) -> Any:
-                return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
-                                      return_dict=True, block_size=None if block else K,
-                                      generator=torch.Generator().manual_seed(0))
+Row = tuple[int, str, float, str, float, "float | None"]
 
-            t, out = _best(thr, args.repeats)
-            f = int(out.num_forwards[0])
-            rows.append((N, f"{tag}, thr {tau}", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
-                         per_forward * f))
-        if args.approx:
-            def approx(refresh: int | None) -> Any:
-                return plain.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // 4, 1),
-                                      block_size=K, eos_token_id=None, return_dict=True, cache_refresh=refresh,
-                                      generator=torch.Generator().manual_seed(0))
 
-            t, out = _best(lambda: approx(max(K // 4, 1)), args.repeats)
-            exact = approx(None).sequences
-            agree = float((out.sequences[:, P:] == exact[:, P:]).float().mean())
-            f = int(out.num_forwards[0])
-            rows.append((N, f"dual cache (approx), 4/fwd, {agree:.0%} = uncached", t, str(f),
-                         float(out.tokens_per_forward[0]), per_forward * f))
+def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.Tensor) -> list[Row]:
+    """The table's rows for N new tokens."""
+    K, P = args.block_size, args.prompt_len
+    rows: list[Row] = []
+    def ar() -> Any:
+        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
+                           do_sample=False, use_cache=True, pad_token_id=0)
+
+    t_ar, _ = _best(ar, args.repeats)
+    rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
+    steps = max(N // 4, 1)
+    t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
+                                             generator=torch.Generator().manual_seed(0)), args.repeats)
+    per_forward = t_full / steps
+    rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
+    model = block if block is not None else plain
+    tag = f"block {K} + cache" if block is not None else f"no block model: bidirectional, blocks of {K}"
+    commits = -(-N // K) - 1 if block is not None else 0
+    for r in args.rates:
+        def fixed(r: int = r) -> Any:
+            return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
+                                  eos_token_id=None, return_dict=True, block_size=None if block else K,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(fixed, args.repeats)
+        f = int(out.num_forwards[0])
+        rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+                     per_forward * f))
+    for tau in args.thresholds:
+        def thr(tau: float = tau) -> Any:
+            return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
+                                  return_dict=True, block_size=None if block else K,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(thr, args.repeats)
+        f = int(out.num_forwards[0])
+        rows.append((N, f"{tag}, thr {tau}", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+                     per_forward * f))
+    if args.approx:
+        def approx(refresh: int | None) -> Any:
+            return plain.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // 4, 1),
+                                  block_size=K, eos_token_id=None, return_dict=True, cache_refresh=refresh,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(lambda: approx(max(K // 4, 1)), args.repeats)
+        exact = approx(None).sequences
+        agree = float((out.sequences[:, P:] == exact[:, P:]).float().mean())
+        f = int(out.num_forwards[0])
+        rows.append((N, f"dual cache (approx), 4/fwd, {agree:.0%} = uncached", t, str(f),
+                     float(out.tokens_per_forward[0]), per_forward * f))
+    return rows
+
+
+def _print(rows: list[Row]) -> None:
     ar_time = {N: t for N, name, t, *_ in rows if name.startswith("AR")}
     print(f"{'N':>5}  {'decoder':<48} {'wall s':>8} {'forwards':>12} {'tok/fwd':>8} {'vs AR':>7} {'vs full':>8}")
     for N, name, t, forwards, rate, full in rows:
