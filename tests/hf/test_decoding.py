@@ -215,3 +215,109 @@ def test_save_pretrained_without_a_tokenizer_warns(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.save_pretrained(tmp_path / "t")  # a tokenizer is already there
+
+
+# -- the exact block cache (BlockCacheDecoder) against the block computation written out without a cache
+
+
+class UncachedBlocks:
+    """x0 callable: for every block of K after column P, one forward of [clean stream (bos, x[:s-1]) | anchor x[s-1] |
+    x_t of the block] with the block-causal mask (clean causal, the block bidirectional over itself and the clean
+    prefix) — the computation the cache reproduces, written with no cache at all."""
+
+    def __init__(self, model, P: int, K: int) -> None:
+        self.model, self.P, self.K = model, P, K
+        self.num_states = model.num_states
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        model, (B, L) = self.model, x_t.shape
+        out = torch.zeros(B, L, model.num_states)
+        bos = torch.full((B, 1), model.bos_token_id)
+        for s in range(self.P, L, self.K):
+            k = min(self.K, L - s)
+            ids = torch.cat([bos, x_t[:, :s + k]], 1)  # clean stream = internal [bos, x[:s-1]], then anchor, block
+            n = s + k + 1
+            A = torch.ones(n, n, dtype=torch.bool).tril()
+            A[s:, s:] = True
+            h = model.hf_model.base_model(input_ids=ids, position_ids=torch.arange(n)[None].expand(B, n),
+                                          attention_mask=A[None, None].expand(B, 1, n, n)).last_hidden_state
+            out[:, s:s + k] = model.logits_from_hidden(h[:, s:s + k])
+        return out
+
+
+@pytest.mark.parametrize("policy", [LowConfidence(), ConfidenceThreshold(0.3), RandomOrder()])
+@pytest.mark.parametrize("P", [0, 3, 4])
+def test_block_cache_equals_the_uncached_block_computation(policy, P) -> None:
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    K, L, B = 4, P + 10, 3  # a ragged last block
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    prompt = torch.cat([_prompt(B, P), torch.full((B, L - P), -1)], 1)
+    kw = dict(num_steps=2, block_size=K)
+    cached = PolicySampler(BlockCacheDecoder(model), kernel, policy, **kw).sample(
+        B, L, prompt=prompt, generator=_gens(B))
+    uncached = PolicySampler(UncachedBlocks(model, P, K), kernel, policy, **kw).sample(
+        B, L, prompt=prompt, generator=_gens(B))
+    assert torch.equal(cached, uncached)
+
+
+def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
+    """Rows that stop at EOS leave the cache (later calls have fewer rows); a left-padded row equals the row alone."""
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    with torch.no_grad():
+        model.hf_model.lm_head.weight[EOS] += 1.5 * model.hf_model.model.norm.weight.sign()
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    short, long = _prompt(1, 2, seed=1), _prompt(1, 4, seed=2)
+    L = 4 + 12
+    batch = torch.cat([torch.cat([torch.full((1, 2), PAD), short], 1), long])
+    prompt = torch.cat([batch, torch.full((2, 12), -1)], 1)
+    sampler = PolicySampler(BlockCacheDecoder(model), kernel, LowConfidence(), num_steps=4, block_size=4)
+    out = sampler.sample(2, L, prompt=prompt, attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+                         generator=_gens(2), eos_token_id=EOS, return_dict=True)
+    alone0 = sampler.sample(1, L - 2, prompt=torch.cat([short, torch.full((1, 12), -1)], 1), generator=_gens(1, 0),
+                            eos_token_id=EOS, return_dict=True)
+    alone1 = sampler.sample(1, L, prompt=prompt[1:], generator=_gens(1, 1), eos_token_id=EOS, return_dict=True)
+    assert torch.equal(out.sequences[0, 2:], alone0.sequences[0]) and torch.equal(out.sequences[1], alone1.sequences[0])
+    assert out.num_forwards.tolist() == [int(alone0.num_forwards[0]), int(alone1.num_forwards[0])]
+
+
+def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    P, K, new = 6, 4, 12
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    calls = BackboneCalls(model)
+    try:
+        out = PolicySampler(BlockCacheDecoder(model), kernel, LowConfidence(), num_steps=2, block_size=K).sample(
+            2, P + new, prompt=torch.cat([_prompt(2, P), torch.full((2, new), -1)], 1), generator=_gens(2),
+            return_dict=True)
+    finally:
+        calls.close()
+    assert calls.lengths[0] == P  # the prefill
+    assert max(calls.lengths[1:]) == K + 1
+    steps = [n for n in calls.lengths[1:] if n == K + 1]
+    commits = [n for n in calls.lengths[1:] if n == K]
+    assert len(steps) == int(out.num_forwards[0]) == 2 * (new // K) and len(commits) == new // K - 1
+
+
+@pytest.mark.parametrize("P", [0, 4])
+def test_block_cache_equals_uncached_under_uniform_noise(P) -> None:
+    """EntropyBound (uniform noise): the block is resampled every step; cached == uncached token for token."""
+    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.samplers.policies import EntropyBound
+
+    model = adapt_ar_model(tiny_model("llama"), add_mask_token=False).eval()
+    with torch.no_grad():
+        model.hf_model.lm_head.weight.mul_(8.0)  # confident enough for the stopping rule to fire sometimes
+    K, L, B = 4, P + 12, 2
+    kernel = uf.UniformKernel(model.num_states)
+    prompt = torch.cat([_prompt(B, P), torch.full((B, L - P), -1)], 1)
+    runs = [PolicySampler(m, kernel, EntropyBound(1.0), num_steps=4, block_size=K).sample(
+        B, L, prompt=prompt, generator=_gens(B), return_dict=True)
+        for m in (BlockCacheDecoder(model), UncachedBlocks(model, P, K))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert torch.equal(runs[0].num_forwards, runs[1].num_forwards)
