@@ -35,10 +35,11 @@ def local_loss(model, x0, mask, times, kernel, indices):
 
 def main() -> None:
     mode = sys.argv[1]
+    block_size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a block-diffusion model (unifusion.hf.blocks)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3).train()
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=block_size).train()
     kernel = uf.UniformKernel(model.num_states)
     g = torch.Generator().manual_seed(0)
     x0 = torch.randint(4, model.num_states, (GLOBAL_BATCH, L), generator=g)

@@ -445,3 +445,24 @@ def check_model_device(model: Any, name: str, tensor: torch.Tensor | torch.devic
     if where != device and not (where.type == device.type and (device.index is None or where.index is None)):
         raise ValueError(f"{name}: is on {where} but the model's parameters are on {device}; move it with "
                          f".to({str(device)!r})")
+
+
+def check_prompt_mask(prompt_mask: object, valid: torch.Tensor) -> torch.Tensor:
+    """The scored positions ``valid ∧ ¬prompt_mask`` ``(B, L)`` of a prompt-masked (SFT) loss or bound.
+
+    ``prompt_mask`` must be a bool tensor (True = prompt token) of ``valid``'s shape; a row whose real tokens are all
+    prompt is a ``ValueError`` (queued under :func:`batched_checks`; not checked with validation off)."""
+    if not isinstance(prompt_mask, torch.Tensor):
+        raise TypeError(f"prompt_mask: expected a (B, L) bool tensor, got {type(prompt_mask).__name__}")
+    if prompt_mask.dtype != torch.bool:
+        raise TypeError(f"prompt_mask: expected dtype torch.bool (True = prompt token), got {prompt_mask.dtype}")
+    if tuple(prompt_mask.shape) != tuple(valid.shape):
+        raise ValueError(f"prompt_mask: expected shape {tuple(valid.shape)} like x0, got {tuple(prompt_mask.shape)}")
+    check_not_meta("prompt_mask", prompt_mask)
+    scored = valid & ~host_to_device(prompt_mask, valid.device)
+    if _VALIDATE:
+        empty = ~scored.any(-1)
+        fail_if(empty.any(), lambda: (
+            f"prompt_mask: covers every real token of rows {empty.nonzero().flatten().tolist()[:8]}; each row needs "
+            "at least one token outside the prompt to score"))
+    return scored

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from . import _validation as V
+from .hf import blocks
 from .kernels import Kernel, MaskKernel, check_kernel
 from .losses import native
 from .losses.fast import x0_head_loss
@@ -72,7 +73,8 @@ class DiffusionLossOutput:
         loss: per-token losses ``(B, L)``, 0 at padding (float32, float64 for float64 logits).
         mask: ``(B, L)`` float, 1 on tokens that count.
         num_tokens: scalar tensor, ``mask.sum()`` — all-reduce it for a global normaliser.
-        t: times ``(B,)``; x_t: corrupted tokens ``(B, L)``; bidirectional_prob: γ used for the attention mask.
+        t: times ``(B,)`` (``(B, nb)``, one per block, for a block model); x_t: corrupted tokens ``(B, L)``;
+            bidirectional_prob: γ used for the attention mask.
     """
 
     loss: torch.Tensor
@@ -137,6 +139,14 @@ def _times_per_sequence(t: object, x0: torch.Tensor) -> torch.Tensor:
     return t_.reshape(-1).expand(B) if t_.numel() == 1 else t_.reshape(B)
 
 
+def _block_size(model: Any, length: int) -> int | None:
+    """The block size K of a block model when it splits ``length`` tokens into several blocks, else ``None``."""
+    if not V.is_diffusion_lm(model):
+        return None
+    K = getattr(V.unwrap_model(model), "block_size", None)
+    return None if K is None or K >= length else int(K)
+
+
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                    step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
@@ -144,7 +154,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    t: torch.Tensor | None = None, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
                    max_weight: float = 2.0, t_min: float = 1e-3,
                    bidirectional_prob: float | None = None, fused: bool = False,
-                   reference: bool = False) -> DiffusionLossOutput:
+                   reference: bool = False, prompt_mask: torch.Tensor | None = None,
+                   block_times: Literal["block", "sequence"] = "block") -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
 
     Args:
@@ -171,6 +182,18 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
             (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
             for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
+
+        prompt_mask: optional ``(B, L)`` bool, True on prompt tokens (supervised fine-tuning): they stay clean in
+            ``x_t`` at every time, are seen by every prediction that may see them, score exactly 0 and do not count
+            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt.
+        block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
+            ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
+            ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
+
+    **Block models** (``adapt_ar_model(..., block_size=K)`` with ``K < L``) are trained block-causally in one forward
+    (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
+    noisy tokens of block b, the loss is Σ_b D_t(block b | clean prefix); ``step`` anneals the attention inside each
+    block from causal to bidirectional. With ``K ≥ L`` the model is the plain one (the same code path and draws).
 
     ``reference=True`` instead converts the head into each objective's own coordinates and evaluates the published
     loss there (:mod:`unifusion.losses.native`; slow, the same values).
@@ -220,14 +243,31 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                 raise ValueError(f"attention_mask: expected shape {(B, L)} like x0, got {tuple(attention_mask.shape)}")
             if V.is_diffusion_lm(model):  # the model runs unchecked below: its padding rule is checked here, batched
                 V.check_padding("attention_mask", attention_mask.to(device=x0.device, dtype=torch.bool))
+        block = _block_size(model, L)  # K < L for a block model, else None (the plain path)
+        if block_times not in ("block", "sequence"):
+            raise ValueError(f"block_times: expected 'block' or 'sequence', got {block_times!r}")
         if t is not None:
-            t = _times_per_sequence(t, x0)
-    valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
+            t = _times_per_sequence(t, x0) if block is None else blocks.block_times(
+                t, B, blocks.num_blocks(L, block), x0.device)
+        valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
+        if prompt_mask is not None:
+            scored = V.check_prompt_mask(prompt_mask, valid)
+    if t is None and block is not None:
+        nb = blocks.num_blocks(L, block)
+        if block_times == "block":
+            t = sample_times(B * nb, t_min=t_min, generator=generator, device=x0.device).view(B, nb)
+        else:
+            t = sample_times(B, t_min=t_min, generator=generator, device=x0.device)[:, None].expand(B, nb)
     if t is None:
         t = sample_times(B, t_min=t_min, generator=generator, device=x0.device)
+    t_tokens = t if block is None else blocks.expand_block_times(t, L, block)  # (B,) or (B, L)
     with V.validation(False):
-        x_t = kernel.sample(x0, t, generator=generator)  # t (B,): one time per row
+        x_t = kernel.sample(x0, t_tokens, generator=generator)  # one time per row, or per position (blocks)
     x_t = torch.where(valid, x_t, x0)
+    if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
+        x_t = torch.where(scored, x_t, x0)
+        valid = scored
+    block_kwargs = {} if block is None else {"clean": x0}
 
     if bidirectional_prob is None:
         if step is None:
@@ -252,13 +292,15 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         with V.validation(False):
             loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
                          x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
-                         position_weight=None if attention_mask is None else valid)
+                         position_weight=None if attention_mask is None and prompt_mask is None else valid,
+                         **block_kwargs)
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
     with V.validation(False):
         if V.is_diffusion_lm(model):
-            logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator)
+            logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
+                           **block_kwargs)
         else:
             logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):
@@ -268,7 +310,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
 
     # bf16 logits go to the loss as they are: it computes in float32 internally (no (B, L, V) float32 copy)
     dtype = V.compute_dtype(logits)
-    t_pos = t.to(dtype)[:, None].expand(B, L)
+    t_pos = t.to(dtype)[:, None].expand(B, L) if block is None else t_tokens.to(dtype)
     with V.validation(False):  # inputs were validated above; skip the syncing re-checks inside
         if head == "mu":
             loss = native.m2s_loss(logits, x0, x_t, t_pos, kernel)

@@ -715,3 +715,30 @@ def test_model_args_from_strings_and_defaults(model, tokenizer, checkpoint):
         UnifusionLM(model=no_mask, tokenizer=tokenizer, kernel="mask")
     assert request_seed(0, "x", "a") == request_seed(0, "x", "a") != request_seed(1, "x", "a")
     assert 0 <= request_seed(0, "x", "a") < 2 ** 63
+
+
+def test_loglikelihood_of_a_block_model_runs_the_block_layout(model, tokenizer):
+    """A block model gets the clean rows [context, answer]; one block (K >= the row length) is the plain model."""
+    docs = [json.loads(line) for line in (TASKS / "mc.jsonl").read_text().splitlines()]
+    requests = [_request(doc["input"], " " + c, doc_id=d, task_name="mc") for d, doc in enumerate(docs[:2])
+                for c in doc["choices"]]
+    plain = UnifusionLM(model=model, tokenizer=tokenizer, num_times=4, seed=3).loglikelihood(requests)
+    one_block = uf.adapt_ar_model(model.base_model, tokenizer=tokenizer, mask_token_id=model.mask_token_id,
+                                  block_size=1000).eval()
+    assert UnifusionLM(model=one_block, tokenizer=tokenizer, num_times=4, seed=3).loglikelihood(requests) == plain
+    block = uf.adapt_ar_model(model.base_model, tokenizer=tokenizer, mask_token_id=model.mask_token_id,
+                              block_size=2).eval()
+    seen = []
+    forward = block.forward
+
+    def spy(x_t, t, **kwargs):
+        seen.append((x_t, kwargs.get("clean")))
+        return forward(x_t, t, **kwargs)
+
+    block.forward = spy
+    got = UnifusionLM(model=block, tokenizer=tokenizer, num_times=4, seed=3).loglikelihood(requests)
+    assert got != plain and all(math.isfinite(v) for v, _ in got)
+    for x_t, clean in seen:  # clean rows: the context as in x_t, the answer clean where x_t holds noise
+        assert clean is not None and clean.shape == x_t.shape
+    c, a = _ids(tokenizer, requests[0].args[0]), _ids(tokenizer, requests[0].args[1])
+    assert seen[0][1][0].tolist() == c + a

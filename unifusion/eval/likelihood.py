@@ -47,6 +47,14 @@ LOGITS_PER_CALL = 1 << 26
 """Default budget of one model call of :func:`nll_bound`: logits (rows × L × S) it may produce (256 MiB in float32)."""
 
 
+def _is_block_model(model: Any, length: int) -> bool:
+    """Whether ``model`` is a block DiffusionLM that splits ``length`` tokens into several blocks."""
+    if not V.is_diffusion_lm(model):
+        return False
+    K = getattr(V.unwrap_model(model), "block_size", None)
+    return K is not None and K < length
+
+
 def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
     """C_ELBO per position: KL(q_{1|0}(·|x0) ‖ p_prior), float64 ``(...)`` for ids ``x0 (...)``.
 
@@ -70,8 +78,12 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
 def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
               generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
               t_min: float = 0.0, per_token: bool = True, reference: bool = False,
-              batch_size: int | None = None) -> torch.Tensor:
+              batch_size: int | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Proposition 3.2's upper bound on −log p_θ(x0), per sequence, float64 ``(B,)``.
+
+    For a block model (``adapt_ar_model(..., block_size=K)``, K < L) it is the block bound
+    Σ_b ∫ D_t(block b | clean prefix) dt + C_ELBO ≥ −Σ_b log p_θ(x_b | x_<b) (one forward of the block-causal layout of
+    :mod:`unifusion.hf.blocks` per time; every block at the same time, which estimates the same sum of integrals).
 
     bound = ∫_0^1 E[Σ_i D_t^i] dt + C_ELBO, estimated with ``num_times`` stratified times (module docstring).
 
@@ -91,6 +103,9 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             :func:`~unifusion.losses.x0_head_loss` (slower; the same values to float32 rounding, float64 rounding
             for float64 logits, and the same draws for the same generator state and ``batch_size``). For checking
             the fast path.
+        prompt_mask: optional ``(B, L)`` bool, True on prompt tokens: the *conditional* bound on
+            −log p_θ(x0[¬prompt] | x0[prompt]). Prompt tokens are clean in x_t at every time, contribute no D_t and
+            no C_ELBO, and are not counted by ``per_token``. Each row needs a real token outside the prompt.
         batch_size: rows per model call, each row one sequence at one time: ``max(1, batch_size // B)`` times go
             into a call (at least one: a batch is never split). Default: as many as keep a call's logits within
             :data:`LOGITS_PER_CALL` elements (one time per call with ``reference=True``). The draws depend on it
@@ -127,6 +142,9 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             raise ValueError(f"attention_mask: expected a tensor of shape {tuple(x_0.shape)} like x0")
         attention_mask = host_to_device(attention_mask, x_0.device)  # once, not once per model call
         valid = attention_mask.to(torch.bool)
+    if prompt_mask is not None:
+        valid = V.check_prompt_mask(prompt_mask, valid)  # the conditional bound: prompt clean, unscored
+    clean = _is_block_model(model, L)
 
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
     u = torch.rand(B, generator=generator, dtype=torch.float64, device=x_0.device)  # (B,)
@@ -142,7 +160,9 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         t = times[first:first + per_call].reshape(-1)  # (n B,): row r is sequence r mod B
         n = t.shape[0] // B
         x_0n, valid_n = x_0.repeat(n, 1), valid.repeat(n, 1)  # (n B, L)
-        extra = {} if attention_mask is None else {"attention_mask": attention_mask.repeat(n, 1)}
+        extra: dict[str, Any] = {} if attention_mask is None else {"attention_mask": attention_mask.repeat(n, 1)}
+        if clean:
+            extra["clean"] = x_0n
         with V.validation(False):
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
             x_t = torch.where(valid_n, x_t, x_0n)

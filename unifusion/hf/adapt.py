@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blocks import check_block_size
 from .families import family_for, supported_model_types
 from .model import DiffusionLM, unwrap_peft
 
@@ -16,8 +17,8 @@ __all__ = ["adapt_ar_model"]
 
 
 def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_token_id: int | None = None,
-                   time_conditioning: bool = False, add_mask_token: bool = True, tokenizer: Any = None
-                   ) -> DiffusionLM:
+                   time_conditioning: bool = False, add_mask_token: bool = True, tokenizer: Any = None,
+                   block_size: int | None = None) -> DiffusionLM:
     """Wrap a pretrained Hugging Face causal LM as a shifted x0 predictor (paper §3.2).
 
     Args:
@@ -35,10 +36,14 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         tokenizer: the model's Hugging Face tokenizer, kept as ``result.tokenizer`` (a plain attribute, not state)
             and written by :meth:`DiffusionLM.save_pretrained`, so the saved folder works with
             ``unifusion sample --model DIR``. It is not changed: an added mask token has no text form.
+        block_size: ``K`` for block diffusion (:mod:`unifusion.hf.blocks`): :func:`~unifusion.diffusion_loss` then
+            trains every block of K tokens at once, each seeing the clean blocks before it and its own noisy tokens;
+            saved and restored with the model. ``None`` (default): one bidirectional block over the whole sequence.
 
     Returns:
         A :class:`DiffusionLM`; ``result.base_model`` is ``model``.
     """
+    block_size = check_block_size(block_size)
     if isinstance(model, DiffusionLM):
         warnings.warn("adapt_ar_model: the model is already a DiffusionLM; returning it unchanged", stacklevel=2)
         return model
@@ -81,7 +86,8 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
                         f"{type(tokenizer).__name__}")
     return DiffusionLM(model, bos_token_id=bos_token_id, mask_token_id=mask_token_id,
-                       time_conditioning=time_conditioning, added_mask_token=added, tokenizer=tokenizer)
+                       time_conditioning=time_conditioning, added_mask_token=added, tokenizer=tokenizer,
+                       block_size=block_size)
 
 
 def _first_id(value: Any) -> int | None:

@@ -39,7 +39,8 @@ WEIGHTS_NAME = "model.safetensors"
 """The weights' file."""
 
 CONFIG_KEYS = frozenset({"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
-                         "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel"})
+                         "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel",
+                         "block_size"})
 """The keys :data:`CONFIG_NAME` may hold; others are ignored with a warning."""
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
@@ -82,6 +83,8 @@ def config_stamp(model: Any, kernel: dict[str, Any] | None = None) -> dict[str, 
     }
     if kernel is not None:  # only when known: a folder without it reads in older versions without a warning
         stamp["kernel"] = kernel
+    if model.block_size is not None:  # block models only: a plain model's folder is unchanged
+        stamp["block_size"] = model.block_size
     return stamp
 
 
@@ -188,7 +191,7 @@ def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str]
     hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
     model = build(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
                   time_conditioning=stamp.get("time_conditioning", False),
-                  added_mask_token=stamp.get("added_mask_token", False))
+                  added_mask_token=stamp.get("added_mask_token", False), block_size=stamp.get("block_size"))
     state = load_file(str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
     missing, unexpected = model.load_state_dict(state, strict=False)
     # names left out of the file must be tied to a tensor that was loaded

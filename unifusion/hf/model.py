@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import _validation as V
 from ..denoiser import Denoiser
-from . import generation, io
+from . import blocks, generation, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .families import Family, family_for
 from .layout import shifted_layout
@@ -88,8 +88,11 @@ class DiffusionLM(nn.Module, Denoiser):
     config: Any  # its PretrainedConfig
 
     def __init__(self, base_model: nn.Module, *, bos_token_id: int, mask_token_id: int | None,
-                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None) -> None:
+                 time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None,
+                 block_size: int | None = None) -> None:
         super().__init__()
+        # block diffusion (unifusion.hf.blocks): None = one bidirectional block over the whole sequence
+        self.block_size: int | None = blocks.check_block_size(block_size)
         self.tokenizer: Any = tokenizer
         self.kernel: Any = None  # the training kernel, when known (save_pretrained records it)
         self.dense_bidirectional_mask: bool = False
@@ -281,7 +284,7 @@ class DiffusionLM(nn.Module, Denoiser):
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -300,6 +303,9 @@ class DiffusionLM(nn.Module, Denoiser):
                 weighted loss (see :func:`unifusion.losses.fused_linear_diffusion_loss`).
             position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
                 gradient work); ones when ``None``.
+            clean: block models only (:attr:`block_size`): the clean tokens x_0 ``(B, L)`` of the block-causal
+                layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. With one block
+                (``block_size >= L``) it is unused: the plain bidirectional forward.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
@@ -309,6 +315,11 @@ class DiffusionLM(nn.Module, Denoiser):
             holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
         """
         generator = V.check_generator(generator)
+        if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
+            routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
+                                         objective, weighting, max_weight, reduction, position_weight)
+            if routed is not None:
+                return routed
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
@@ -326,6 +337,45 @@ class DiffusionLM(nn.Module, Denoiser):
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+
+    def _block_forward(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any,
+                       generator: torch.Generator | None, clean: Any, x0: Any, kernel: Any, objective: Any,
+                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any) -> torch.Tensor | None:
+        """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
+        call is the plain one (one block)."""
+        if self.block_size is None:
+            raise ValueError("clean: only a block model (adapt_ar_model(..., block_size=K)) takes clean tokens")
+        if t is None and self.time_conditioning:
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
+        # t is checked by blocks.block_times below (it may be one time per block): _check gets a placeholder
+        x_t, _, gamma, attention_mask = self._check(x_t, None if t is None else 0.5, bidirectional_prob,
+                                                    attention_mask)
+        B, L = x_t.shape
+        if self.block_size >= L:
+            return None
+        nb = blocks.num_blocks(L, self.block_size)
+        with V.batched_checks():
+            clean = V.check_token_ids("clean", clean, self.vocab_size)
+            if tuple(clean.shape) != (B, L):
+                raise ValueError(f"clean: expected shape {(B, L)} like x_t, got {tuple(clean.shape)}")
+            t_blocks = None if t is None else blocks.block_times(t, B, nb, x_t.device)
+        if t_blocks is None and (self.time_conditioning or x0 is not None or kernel is not None):
+            raise ValueError("t: needed with time conditioning and for the fused loss, got None")
+        if x0 is None and kernel is None:
+            return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        if x0 is None or kernel is None:
+            raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
+        from ..kernels import check_kernel
+        from ..losses.fused_linear import fused_linear_diffusion_loss
+
+        V.check_model_kernel(self, check_kernel(kernel))
+        assert t_blocks is not None
+        h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        return fused_linear_diffusion_loss(
+            h, self.lm_head_weight, x0, x_t, blocks.expand_block_times(t_blocks, L, self.block_size), kernel,
+            objective=objective, weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
+            logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
+            position_weight=position_weight)
 
     def _logits(self, kwargs: dict[str, Any], L: int) -> torch.Tensor:
         """Contiguous ``(B, L, V)`` logits of the first ``L`` of the ``L + 1`` network positions.
@@ -519,7 +569,8 @@ class DiffusionLM(nn.Module, Denoiser):
     def extra_repr(self) -> str:
         return (f"family={self.family.model_type}, bos_token_id={self.bos_token_id}, "
                 f"mask_token_id={self.mask_token_id}, num_states={self.num_states}, "
-                f"time_conditioning={self.time_conditioning}")
+                f"time_conditioning={self.time_conditioning}"
+                + (f", block_size={self.block_size}" if self.block_size is not None else ""))
 
 
 @functools.cache

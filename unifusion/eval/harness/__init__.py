@@ -26,6 +26,9 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
 * ``loglikelihood_rolling(text)`` returns −(Proposition 3.2's upper bound on −log p_θ(text)) in nats: a lower bound
   on the log-likelihood, from :func:`~unifusion.eval.nll_bound` with ``nll_times`` stratified times, over disjoint
   windows of ``max_length`` tokens (each window scored without the previous one as context).
+  Block models (``adapt_ar_model(..., block_size=K)``): ``loglikelihood`` runs the block-causal forward with the clean
+  row ``[context, answer]`` (an answer token's prediction sees the clean blocks before its own and the noisy tokens of
+  its block), and ``loglikelihood_rolling`` the block bound (:func:`~unifusion.eval.nll_bound`).
 * ``generate_until(context, gen_kwargs)``: the Bayesian sampler of :meth:`~unifusion.DiffusionLM.generate`
   (Algorithm 2) with the context as a fixed prefix, ``max_gen_toks`` new tokens, ``num_steps`` steps, ended at the
   tokenizer's EOS token and truncated at the first ``until`` string. ``do_sample=False`` (the harness's default when

@@ -1,0 +1,437 @@
+"""Block diffusion on a shifted AR model: block-causal training in one forward, and the KV-cache helpers.
+
+A block model (``adapt_ar_model(..., block_size=K)``) cuts the L tokens into ``nb = ⌈L / K⌉`` blocks; block b is
+tokens ``[bK, min((b+1)K, L))``. **Ragged rule**: when K does not divide L the *last* block is shorter
+(``L − (nb − 1)K`` tokens); every other block has K tokens. With ``K ≥ L`` there is one block and the model is the
+plain bidirectional :class:`~unifusion.adapters.DiffusionLM` (the same code path, bit for bit).
+
+**Which inputs each prediction sees.** The plain model runs ``[bos, y_0 … y_{L−1}]`` and its output at internal
+position i predicts ``x_0[i]``. The block layout is one forward over two streams side by side, ``[clean | noisy]``:
+
+* **clean stream**, ``C = (nb − 1)K`` positions: internal positions ``0 … C − 1`` with inputs
+  ``[bos, x_0[0] … x_0[C − 2]]`` at position ids ``0 … C − 1``; clean → clean attention is causal (the AR model).
+* **noisy stream**, per block ``k_b + 1`` positions (``L + nb`` in all): the *anchor* (input ``x_0[bK − 1]``, bos
+  for b = 0) at position id ``bK``, then ``x_t[bK … bK + k_b − 1]`` at ids ``bK + 1 … bK + k_b``. The outputs at the
+  first ``k_b`` of them predict tokens ``bK … bK + k_b − 1``; the last output is dropped (its input is still seen).
+* **mask**: a noisy query of block b sees the clean positions with id ``< bK`` (inputs bos, ``x_0[< bK − 1]``), and
+  the positions of its own block (anchor ``x_0[bK − 1]`` and ``x_t`` of the block) — causally at ``γ = 0``, causal plus
+  Bernoulli(γ) extra entries for ``0 < γ < 1`` (drawn per sequence, block, query and key), all of them at ``γ = 1``.
+  Nothing of later blocks, nothing noisy of other blocks; clean queries never see noisy keys.
+
+So the prediction of token ``bK + j`` sees exactly ``x_0[< bK]`` and (at γ = 1) ``x_t`` of block b, including the
+token's own noisy state. At ``K = 1``, ``γ = 0`` the anchor sees only the clean prefix: the AR model's prediction.
+
+**Padding** (``attention_mask``) follows the plain model's rule (contiguous, right or left; bos just before the
+first real token, position ids counting real tokens): padded keys are blocked, every query sees itself.
+**Sliding windows** apply on position ids: key j is visible from query i only if also ``|pos_i − pos_j| < w``.
+**Time conditioning**: clean positions get the embedding of ``t = 0``, a block's noisy positions (anchor included)
+that of the block's time.
+
+**Attention implementations**: SDPA gets a dense boolean ``(B, 1, N, N)`` mask (``N = C + L + nb``), eager attention
+its additive form, flex attention a ``BlockMask`` built by :func:`create_block_mask` from the layout's ``mask_mod``
+(no dense pattern is made; skipped tiles cost nothing in the kernel). Flash attention takes no mask: a ``ValueError``.
+On the CPU, Inductor's flex-attention template fails to compile once a second shape makes dynamo mark the sizes
+dynamic (a C++ error naming ``cur_kvSplitSize``): with flex attention on the CPU, run the cache helpers (whose shapes
+change every block) with ``torch._dynamo.config.automatic_dynamic_shapes = False``, or use SDPA there.
+
+**Cached decoding** (:func:`prefill`, :func:`denoise_block`, :func:`commit_block`): the cache holds the clean stream
+exactly as training writes it, a denoising step runs a block's ``k + 1`` noisy positions against it, so cached and
+uncached computations agree::
+
+    state = prefill(model, prompt_ids)                     # cache of [bos, prompt[:-1]], anchor prompt[-1]
+    logits = denoise_block(model, state, x_t_block, t)     # (B, k, V); the cache is left as it was
+    state = commit_block(model, state, block_tokens)       # appends the block to the clean stream
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _validation as V
+from .attention import mask_style
+
+__all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
+           "expand_block_times", "draw_bernoulli", "block_attention_mask", "block_hidden_states", "block_logits",
+           "prefill", "denoise_block", "commit_block"]
+
+
+def check_block_size(value: object, name: str = "block_size") -> int | None:
+    """``None`` or a positive int (``TypeError``/``ValueError`` naming ``name`` otherwise)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int or None, got {value}")
+    return value
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    """``nb = ⌈L / K⌉`` (the last block is shorter when K does not divide L)."""
+    return -(-length // block_size)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where every position of the ``[clean | noisy]`` stream comes from (all ``(N,)`` int64 on one device).
+
+    Attributes:
+        length: L.  block_size: K.  num_blocks: nb.  num_clean: C = (nb − 1)K.
+        internal: the internal position q (of ``[bos, y_0 … y_{L−1}]``) of each stream position.
+        block: the block of each noisy position, −1 for clean ones.
+        offset: offset inside its block (0 = anchor) for noisy positions, 0 for clean ones.
+        predict: ``(L,)`` the stream position whose output predicts token i (``C + i + i // K``).
+    """
+
+    length: int
+    block_size: int
+    num_blocks: int
+    num_clean: int
+    internal: torch.Tensor
+    block: torch.Tensor
+    offset: torch.Tensor
+    predict: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """N = C + L + nb stream positions."""
+        return self.num_clean + self.length + self.num_blocks
+
+
+def block_layout(length: int, block_size: int, device: torch.device | str | None = None) -> BlockLayout:
+    """The stream layout for L tokens in blocks of K (module docstring); vectorised, no loop over blocks."""
+    L, K = length, block_size
+    nb = num_blocks(L, K)
+    C = (nb - 1) * K
+    n = torch.arange(L + nb, device=device)
+    blk = torch.clamp(n // (K + 1), max=nb - 1)  # every block but the last has K + 1 positions
+    off = n - blk * (K + 1)
+    i = torch.arange(L, device=device)
+    return BlockLayout(
+        length=L, block_size=K, num_blocks=nb, num_clean=C,
+        internal=torch.cat([torch.arange(C, device=device), blk * K + off]),
+        block=torch.cat([torch.full((C,), -1, device=device, dtype=torch.long), blk]),
+        offset=torch.cat([torch.zeros(C, device=device, dtype=torch.long), off]),
+        predict=C + i + i // K)
+
+
+def block_times(t: object, batch_size: int, nb: int, device: torch.device) -> torch.Tensor:
+    """Times of a block model call as ``(B, nb)``: a float or 0-d tensor, ``(B,)`` or ``(B, 1)`` (one per sequence,
+    repeated over the blocks) or ``(B, nb)`` (one per block). Values are checked as :func:`check_time` does."""
+    t_ = V.check_time("t", t, device=device, shape=(batch_size, nb))
+    if t_.dim() == 2 and tuple(t_.shape) == (batch_size, nb):
+        return t_
+    if t_.numel() in (1, batch_size) and (t_.dim() < 2 or t_.shape[1] == 1):
+        return t_.reshape(-1, 1).expand(batch_size, nb) if t_.numel() == batch_size else \
+            t_.reshape(1, 1).expand(batch_size, nb)
+    raise ValueError(f"t: a block model takes one time per sequence (a float, ({batch_size},) or ({batch_size}, 1)) "
+                     f"or one per block ({batch_size}, {nb}), got shape {tuple(t_.shape)}")
+
+
+def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Per-block times ``(B, nb)`` → per-position times ``(B, L)`` (token i gets the time of block ``i // K``)."""
+    idx = torch.arange(length, device=t.device) // block_size
+    return t[:, idx]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the mask, from the layout
+
+
+def _mask_mod(layout: BlockLayout, gamma: float, key_valid: torch.Tensor | None, extra: torch.Tensor | None,
+              window: int | None) -> Any:
+    """``mask_mod(b, h, q, kv) -> bool`` of the block layout (module docstring); works on broadcast index tensors
+    (the dense mask) and under flex attention's vmap (the ``BlockMask``). ``extra``: ``(B, nb, K+1, K+1)`` Bernoulli(γ)
+    entries for ``0 < γ < 1``."""
+    q_of, blk_of, off_of, K = layout.internal, layout.block, layout.offset, layout.block_size
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        bq, bk, qq, qk = blk_of[qi], blk_of[ki], q_of[qi], q_of[ki]
+        to_clean = (bk < 0) & torch.where(bq < 0, qk <= qq, qk < bq * K)
+        same = (bk >= 0) & (bq == bk)
+        if gamma <= 0.0:
+            same = same & (qk <= qq)
+        elif gamma < 1.0:
+            assert extra is not None
+            same = same & ((qk <= qq) | extra[b, bq.clamp_min(0), off_of[qi], off_of[ki]])
+        allowed = to_clean | same
+        if key_valid is not None:
+            allowed = allowed & key_valid[b, ki]
+        allowed = allowed | (qi == ki)
+        if window is not None:
+            allowed = allowed & ((qq - qk).abs() < window)
+        return allowed
+
+    return mask_mod
+
+
+def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """The annealed mask's extra entries inside the blocks, ``(B, nb, K + 1, K + 1)`` bool ~ Bernoulli(γ): entry
+    ``[b, blk, i, j]`` lets offset i of block blk see offset j (row b)."""
+    K = layout.block_size
+    shape = (batch_size, layout.num_blocks, K + 1, K + 1)
+    return torch.rand(shape, generator=generator, device=layout.internal.device) < gamma
+
+
+def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float, *,
+                         key_valid: torch.Tensor | None = None, window: int | None = None,
+                         generator: torch.Generator | None = None, style: str = "bool",
+                         dtype: torch.dtype = torch.float32, bernoulli: torch.Tensor | None = None) -> Any:
+    """The block layout's attention mask: ``style="bool"`` a dense ``(B, 1, N, N)`` bool (True = attend),
+    ``"additive"`` the same as ``dtype`` (0 / finfo.min), ``"block"`` a flex-attention ``BlockMask``.
+
+    Args:
+        layout: :func:`block_layout`.  batch_size: B.  gamma: γ in [0, 1].
+        key_valid: ``(B, N)`` bool, False for padded stream positions.
+        window: sliding window w on position ids, or ``None``.
+        generator: for the Bernoulli(γ) entries (``0 < γ < 1``), on the layout's device.
+        bernoulli: those entries drawn already (:func:`draw_bernoulli`), e.g. to share them between the full and
+            the windowed layers' masks; ``generator`` is then unused.
+    """
+    device = layout.internal.device
+    extra = None
+    if 0.0 < gamma < 1.0:
+        extra = bernoulli if bernoulli is not None else draw_bernoulli(layout, batch_size, gamma, generator)
+    mod = _mask_mod(layout, gamma, key_valid, extra, window)
+    N = layout.size
+    if style == "block":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        per_row = key_valid is not None or extra is not None
+        return create_block_mask(mod, batch_size if per_row else None, None, N, N, device=device)
+    i = torch.arange(N, device=device)
+    b = torch.arange(batch_size, device=device)[:, None, None]
+    A = mod(b, None, i[None, :, None], i[None, None, :])  # (B or 1, N, N)
+    A = A.expand(batch_size, N, N)[:, None]  # (B, 1, N, N)
+    if style == "additive":
+        return torch.zeros(A.shape, dtype=dtype, device=device).masked_fill_(~A, torch.finfo(dtype).min)
+    return A
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the forward
+
+
+def _internal(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The plain model's internal sequence ``[bos, seq]`` ``(B, L + 1)`` (bos before the first real token under left
+    padding), its key validity and position ids (``None`` without padding)."""
+    B, L = seq.shape
+    bos = torch.full((B, 1), model.bos_token_id, dtype=seq.dtype, device=seq.device)
+    if attention_mask is None:
+        return torch.cat([bos, seq], dim=1), None, None
+    p = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1) leading pads
+    j = torch.arange(L + 1, device=seq.device)[None, :]
+    ids = torch.where(j < p, torch.cat([seq, bos], 1), torch.where(j == p, bos, torch.cat([bos, seq], 1)))
+    ones = torch.ones((B, 1), dtype=torch.bool, device=seq.device)
+    valid = torch.where(j < p, False, torch.where(j == p, True, torch.cat([ones, attention_mask], 1)))
+    return ids, valid, (valid.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _embed(model: Any, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -> dict[str, Any]:
+    """``input_ids=`` or, with time conditioning, ``inputs_embeds=`` (embedding + time embedding per position)."""
+    if model.time_embedding is None:
+        return {"input_ids": ids}
+    assert t_pos is not None
+    h = hf.get_input_embeddings()(ids)  # (B, n, d)
+    e = model.time_embedding(t_pos.reshape(-1)).view(*t_pos.shape, -1)
+    return {"inputs_embeds": h + e.to(h.dtype)}
+
+
+def _masks_for(model: Any, pattern_fn: Any, window: int | None) -> Any:
+    """The ``attention_mask=`` argument: one mask, or one per layer type when the family windows some layers."""
+    if window is None:
+        return pattern_fn(None)
+    if model.family.window == "all_layers":
+        return pattern_fn(window)
+    return {"full_attention": pattern_fn(None), "sliding_attention": pattern_fn(window)}
+
+
+def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
+                        gamma: float, attention_mask: torch.Tensor | None = None,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """Final hidden states ``(B, L, d)`` of the noisy stream's prediction positions (one forward over
+    ``[clean | noisy]``; module docstring). Inputs are assumed checked (``DiffusionLM.forward`` checks them).
+
+    Args:
+        model: the block :class:`~unifusion.adapters.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
+        x_t: ``(B, L)`` noisy tokens.  t: ``(B, nb)`` block times or ``None`` (no time conditioning).
+        clean: ``(B, L)`` clean tokens x_0.  gamma: γ.  attention_mask: ``(B, L)`` bool or ``None``.
+    """
+    B, L = x_t.shape
+    K = int(model.block_size)
+    lay = block_layout(L, K, x_t.device)
+    cin, valid, pos = _internal(model, clean, attention_mask)
+    nin, _, _ = _internal(model, x_t, attention_mask)
+    q = lay.internal  # (N,)
+    C = lay.num_clean
+    noisy_q = q[C:]
+    anchor = (lay.offset[C:] == 0)[None, :]
+    ids = torch.cat([cin[:, :C], torch.where(anchor, cin[:, noisy_q], nin[:, noisy_q])], dim=1)  # (B, N)
+    kwargs: dict[str, Any] = {"use_cache": False}
+    kwargs["position_ids"] = (q[None, :] if pos is None else pos[:, q]).expand(B, -1)
+    t_pos = None
+    if t is not None:
+        t_pos = torch.cat([torch.zeros((B, C), dtype=t.dtype, device=t.device), t[:, lay.block[C:]]], dim=1)
+    kwargs.update(_embed(model, hf, ids, t_pos))
+    window = model.family.sliding_window(model.config)
+    style = mask_style(model.family, model.config, "block-causal training")
+    key_valid = None if valid is None else valid[:, q]
+    if generator is not None and 0.0 < gamma < 1.0 and generator.device.type != x_t.device.type:
+        raise ValueError(f"generator: is on {generator.device} but x_t is on {x_t.device}; the annealed mask is drawn "
+                         f"on x_t's device, so pass torch.Generator(device={str(x_t.device)!r})")
+    dtype = hf.get_input_embeddings().weight.dtype
+    # drawn once: the windowed and the full layers see the same Bernoulli entries
+    extra = draw_bernoulli(lay, B, gamma, generator) if 0.0 < gamma < 1.0 else None
+
+    def pattern(w: int | None) -> Any:
+        return block_attention_mask(lay, B, gamma, key_valid=key_valid, window=w, style=style, dtype=dtype,
+                                    bernoulli=extra)
+
+    kwargs["attention_mask"] = _masks_for(model, pattern, window)
+    h = hf.base_model(**kwargs).last_hidden_state  # (B, N, d)
+    return h[:, lay.predict]  # (B, L, d)
+
+
+def block_logits(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor, gamma: float,
+                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+    """Logits ``(B, L, V)`` of :func:`block_hidden_states` (the output head on the L prediction positions only)."""
+    h = block_hidden_states(model, hf, x_t, t, clean, gamma, attention_mask, generator)
+    return model.logits_from_hidden(h)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cached decoding: the clean stream in a KV cache, one block's noisy positions against it
+
+
+@dataclass
+class BlockCache:
+    """State of cached block decoding.
+
+    Attributes:
+        cache: a transformers ``DynamicCache`` holding the clean stream's ``length`` positions (inputs
+            ``[bos, x_0[0] … x_0[length − 2]]`` at position ids ``0 … length − 1``).
+        anchor: ``(B,)`` the last committed token ``x_0[length − 1]`` (bos when nothing is committed): the input of
+            the next block's anchor position.
+        length: the number of committed clean tokens (the next block starts at token ``length``).
+    """
+
+    cache: Any
+    anchor: torch.Tensor
+    length: int
+
+
+def _hf_of(model: Any) -> Any:
+    hf = model.hf_model
+    return hf
+
+
+def _check_ids(name: str, ids: object, model: Any, batch: int | None = None) -> torch.Tensor:
+    ids_ = V.check_token_ids(name, ids, model.vocab_size)
+    if ids_.dim() != 2 or (batch is not None and ids_.shape[0] != batch):
+        want = "(B, n)" if batch is None else f"({batch}, k)"
+        raise ValueError(f"{name}: expected token ids of shape {want}, got {tuple(ids_.shape)}")
+    V.check_model_device(model, name, ids_)
+    return ids_
+
+
+def _clean_forward(model: Any, state: BlockCache, inputs: torch.Tensor) -> None:
+    """Append ``inputs`` ``(B, n)`` to the clean stream in the cache, causally (the AR model's own mask)."""
+    B, n = inputs.shape
+    hf = _hf_of(model)
+    pos = torch.arange(state.length, state.length + n, device=inputs.device)[None].expand(B, n)
+    t0 = torch.zeros((B, n), device=inputs.device) if model.time_embedding is not None else None
+    hf.base_model(**_embed(model, hf, inputs, t0), position_ids=pos, cache=state.cache, use_cache=True)
+
+
+@torch.no_grad()
+def prefill(model: Any, clean_ids: torch.Tensor) -> BlockCache:
+    """Write the clean prefix ``clean_ids`` ``(B, n)`` (``n ≥ 0``; e.g. the prompt) into a fresh ``DynamicCache``.
+
+    The cache gets the ``n`` positions ``[bos, clean_ids[:, :-1]]`` (causal, position ids ``0 … n − 1``); the last
+    token is the next block's anchor. Every row has the same prefix length (no padding). Returns a
+    :class:`BlockCache`.
+    """
+    from transformers import DynamicCache
+
+    ids = _check_ids("clean_ids", clean_ids, model)
+    B, n = ids.shape
+    bos = torch.full((B, 1), model.bos_token_id, dtype=torch.long, device=ids.device)
+    state = BlockCache(cache=DynamicCache(), anchor=bos[:, 0], length=0)
+    if n == 0:
+        return state
+    _clean_forward(model, state, torch.cat([bos, ids[:, :-1]], dim=1))
+    return BlockCache(cache=state.cache, anchor=ids[:, -1], length=n)
+
+
+@torch.no_grad()
+def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: object = None, *,
+                  bidirectional_prob: float = 1.0) -> torch.Tensor:
+    """x0 logits ``(B, k, V)`` for the block of tokens ``length … length + k − 1`` from its noisy tokens
+    ``x_t_block`` ``(B, k)``: one forward of the block's ``k + 1`` noisy positions (anchor, ``x_t_block``) at position
+    ids ``length … length + k`` against the cached clean stream, within the block causally at γ = 0 and fully at
+    γ = 1 (``0 < γ < 1`` is a training-time device, not taken here). The cache is left as it was.
+
+    Equals the block's rows of ``model(x_t, t, clean=x_0)`` for the same tokens (a training forward).
+    """
+    hf = _hf_of(model)
+    x = _check_ids("x_t_block", x_t_block, model, batch=int(state.anchor.shape[0]))
+    B, k = x.shape
+    if bidirectional_prob not in (0.0, 1.0):
+        raise ValueError(f"bidirectional_prob: expected 0 (causal) or 1 (bidirectional), got {bidirectional_prob!r}")
+    n = state.length
+    ids = torch.cat([state.anchor[:, None], x], dim=1)  # (B, k + 1)
+    pos = torch.arange(n, n + k + 1, device=x.device)
+    t_pos = None
+    if model.time_embedding is not None:
+        if t is None:
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
+        t_pos = V.check_sequence_times("t", t, (B, k), device=x.device).reshape(B, 1).expand(B, k + 1)
+    window = model.family.sliding_window(model.config)
+    style = mask_style(model.family, model.config, "a cached block step")
+    cached = int(state.cache.get_seq_length())
+    keys = torch.cat([torch.arange(cached, device=x.device), pos])  # position ids of the keys (cache, then block)
+    dtype = hf.get_input_embeddings().weight.dtype
+
+    def pattern(w: int | None) -> Any:
+        A = torch.ones(k + 1, cached + k + 1, dtype=torch.bool, device=x.device)
+        if bidirectional_prob == 0.0:
+            A[:, cached:] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=x.device).tril()
+        if w is not None:
+            A = A & ((pos[:, None] - keys[None, :]).abs() < w)
+        A = A[None, None].expand(B, 1, k + 1, cached + k + 1)
+        if style == "additive":
+            return torch.zeros(A.shape, dtype=dtype, device=x.device).masked_fill_(~A, torch.finfo(dtype).min)
+        if style == "block":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            P = A[:, 0].contiguous()
+            if P.device.type == "cpu" and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static(P)  # Inductor's CPU flex template fails on symbolic sizes of a capture
+            return create_block_mask(lambda b, h, qi, ki: P[b, qi, ki], B, None, k + 1, cached + k + 1,
+                                     device=x.device)
+        return A
+
+    out = hf.base_model(**_embed(model, hf, ids, t_pos), position_ids=pos[None].expand(B, -1),
+                        attention_mask=_masks_for(model, pattern, window), cache=state.cache,
+                        use_cache=True)
+    state.cache.crop(-(k + 1))  # the block's keys were appended: drop them (a negative crop removes the last ones)
+    return model.logits_from_hidden(out.last_hidden_state[:, :k])
+
+
+@torch.no_grad()
+def commit_block(model: Any, state: BlockCache, tokens: torch.Tensor) -> BlockCache:
+    """Append the decoded block ``tokens`` ``(B, k)`` to the clean stream: one causal forward of the inputs
+    ``[anchor, tokens[:, :-1]]`` at position ids ``length … length + k − 1``. Returns the new :class:`BlockCache`
+    (the same ``cache`` object, grown by k; ``anchor = tokens[:, -1]``)."""
+    ids = _check_ids("tokens", tokens, model, batch=int(state.anchor.shape[0]))
+    B, k = ids.shape
+    if k == 0:
+        return state
+    _clean_forward(model, state, torch.cat([state.anchor[:, None], ids[:, :-1]], dim=1))
+    return BlockCache(cache=state.cache, anchor=ids[:, -1], length=state.length + k)
