@@ -321,3 +321,68 @@ def test_block_cache_equals_uncached_under_uniform_noise(P) -> None:
         for m in (BlockCacheDecoder(model), UncachedBlocks(model, P, K))]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert torch.equal(runs[0].num_forwards, runs[1].num_forwards)
+
+
+# -- generate on a block model: the exact cache against the block-causal training forward
+
+
+def _block_model(mask: bool = True, K: int = 4):
+    hf = tiny_model("llama")
+    if mask:
+        return adapt_ar_model(hf, mask_token_id=MASK_ID, block_size=K).eval()
+    return adapt_ar_model(hf, add_mask_token=False, block_size=K).eval()
+
+
+@pytest.mark.parametrize("policy", ["low_confidence", "threshold", "random", "entropy_bound"])
+@pytest.mark.parametrize("P", [0, 4, 8])
+def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
+    """use_cache=True (prefill, K + 1 positions per step, one forward per commit) gives the tokens of
+    use_cache=False (every step the block-causal training forward, model(x_t, t, clean=x_t)), for mask policies and
+    EntropyBound under uniform noise; prompts whose length is a multiple of K (where the two cut the same blocks)."""
+    from unifusion.samplers.policies import make_policy
+
+    uniform = policy == "entropy_bound"
+    model = _block_model(mask=not uniform)
+    if uniform:
+        with torch.no_grad():
+            model.hf_model.lm_head.weight.mul_(8.0)
+    B = 3
+    prompt = _prompt(B, P) if P else torch.zeros((B, 0), dtype=torch.long)
+    kw = dict(max_new_tokens=10, policy=make_policy(policy, threshold=0.3 if policy == "threshold" else None),
+              num_steps=2 if not uniform else 4, eos_token_id=None, return_dict=True)
+    cached = model.generate(prompt, generator=_gens(B), **kw)
+    uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert torch.equal(cached.num_forwards, uncached.num_forwards)
+
+
+def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -> None:
+    model = _block_model(K=4)
+    P, new = 8, 16
+    calls = BackboneCalls(model)
+    try:
+        out = model.generate(_prompt(2, P), max_new_tokens=new, policy=ConfidenceThreshold(0.5), eos_token_id=None,
+                             return_dict=True, generator=_gens(2))
+    finally:
+        calls.close()
+    assert calls.lengths[0] == P and max(calls.lengths[1:]) <= 4 + 1
+    assert sum(n == 5 for n in calls.lengths) == int(out.num_forwards.max())
+    # the uncached path runs the two-stream forward over the whole sequence at every step
+    calls = BackboneCalls(model)
+    try:
+        model.generate(_prompt(2, P), max_new_tokens=new, policy=ConfidenceThreshold(0.5), eos_token_id=None,
+                       generator=_gens(2), use_cache=False)
+    finally:
+        calls.close()
+    L, nb = P + new, (P + new) // 4
+    assert set(calls.lengths) == {2 * L - 4 + nb}
+
+
+def test_block_model_arguments() -> None:
+    model = _block_model(K=4)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=8)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
+    out = model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4)
+    assert out.shape == (1, 12)
