@@ -116,7 +116,9 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
             f"prompt_ids: expected clean token ids in [0, {num_states})"
             + (f" other than the mask id {kernel.mask_id}" if kernel.mask_id is not None else "")
             + f", got values in [{int(prompt_ids.min())}, {int(prompt_ids.max())}]"))
-    if attention_mask is None:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.numel() and bool(attention_mask.ne(0).all()):
+        attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
+    elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
     eos = _resolve_eos(model, eos_token_id, policy)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions

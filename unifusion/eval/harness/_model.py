@@ -29,7 +29,7 @@ from ._args import (
     as_top_k,
     as_top_p,
 )
-from ._generation import GenerationRequests
+from ._generation import GenerationRequests, decoding_options
 from ._loglikelihood import LoglikelihoodRequests
 
 
@@ -59,7 +59,10 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
             none). Contexts and prompts are cut from the left, with a warning that counts them.
         max_gen_toks: cap on the new tokens of a ``generate_until`` request (default: none, so the task's
             ``max_gen_toks``, else 256). The sampler fills the whole canvas at every step, so its cost grows with it.
-        num_steps: sampler steps of ``generate_until`` (default 64).
+        num_steps: sampler steps of ``generate_until`` (default 64); with a ``policy``, steps per block (default:
+            the block size).
+        policy, block_size, threshold, cache_refresh: ``generate_until``'s block decoding
+            (:class:`~unifusion.eval.harness.DecodingOptions`); ``policy=None`` keeps the Bayesian sampler.
         do_sample: sample (at ``temperature``) when a task's ``gen_kwargs`` set neither ``do_sample`` nor a
             temperature; default ``False`` (argmax x_θ, the harness's convention).
         temperature: sampling temperature when the task's ``gen_kwargs`` set none.
@@ -81,10 +84,11 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
     def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
                  kernel: str | Kernel | None = None, method: str | None = None, fair_pmi: Any = None,
                  num_times: Any = None, null_context: str = "Answer:", check_greedy: Any = True,
-                 nll_times: Any = 128, max_length: Any = None, max_gen_toks: Any = None, num_steps: Any = 64,
+                 nll_times: Any = 128, max_length: Any = None, max_gen_toks: Any = None, num_steps: Any = None,
                  do_sample: Any = False, temperature: Any = 1.0, top_p: Any = None, top_k: Any = None,
                  seed: Any = 0, seeding: str = "request", batch_size: Any = 64, max_batch_size: Any = None,
-                 device: str | None = None, dtype: str | torch.dtype | None = None, **unused: Any) -> None:
+                 device: str | None = None, dtype: str | torch.dtype | None = None, policy: Any = None,
+                 block_size: Any = None, threshold: Any = None, cache_refresh: Any = None, **unused: Any) -> None:
         super().__init__()
         if unused:
             raise TypeError(f"model_args: unknown argument(s) {sorted(unused)}; the arguments are "
@@ -137,7 +141,9 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
                              f"{self.model_max_length} tokens (its position limit minus the BOS position the adapter "
                              "prepends)")
         self.max_gen_toks = None if max_gen_toks is None else as_int("max_gen_toks", max_gen_toks)
-        self.num_steps = as_int("num_steps", num_steps)
+        self.num_steps = 64 if num_steps is None else as_int("num_steps", num_steps)
+        self.decoding = decoding_options(policy, block_size, threshold, cache_refresh,
+                                         None if num_steps is None else self.num_steps)
         self.do_sample = as_bool("do_sample", do_sample)
         self.temperature = as_temperature(temperature)
         if self.temperature == 0.0:
