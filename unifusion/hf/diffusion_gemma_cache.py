@@ -16,15 +16,16 @@ sees the last ``W − 1`` cached tokens, a full layer all of them, and the canva
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .diffusion_gemma import DiffusionGemmaLM
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
 
-__all__ = ["CanvasState", "commit", "denoise", "prefill"]
+__all__ = ["CanvasState", "commit", "denoise", "prefill", "select_rows"]
 
 
 @dataclass
@@ -36,12 +37,17 @@ class CanvasState:
         attention_mask: ``(B, n)`` bool over the cached columns (False on left padding).
         length: ``n``, columns cached so far; the next canvas has position ids ``n … n + K − 1``.
         decoder_masks: the decoder's attention masks for the next canvas (built once per canvas, as generation does).
+        rows: the rows of the batch given to :func:`prefill` that the state holds, in order (all of them unless
+            :func:`select_rows` dropped some).
+        views: row subsets of this state built by :func:`select_rows` (``copy=True``) since the last commit.
     """
 
     cache: Any
     attention_mask: torch.Tensor
     length: int
     decoder_masks: dict[str, Any]
+    rows: list[int] = field(default_factory=list)
+    views: dict[tuple[int, ...], CanvasState] = field(default_factory=dict)
 
     def positions(self, canvas_length: int) -> torch.Tensor:
         """``(1, K)`` int32 position ids of the next canvas."""
@@ -61,10 +67,17 @@ def _encode(model: DiffusionGemmaLM, ids: torch.Tensor, state: CanvasState) -> N
         position_ids=positions)
     hf.model.encoder(input_ids=ids.clone(memory_format=torch.contiguous_format), attention_mask=masks,
                      cache=state.cache, position_ids=positions)
-    K = model.canvas_length
+    _decoder_masks(model, state)
+
+
+def _decoder_masks(model: DiffusionGemmaLM, state: CanvasState) -> None:
+    """The decoder masks of the next canvas (what generation builds once per canvas)."""
+    hf, K = model.base_model, model.canvas_length
+    B = state.attention_mask.shape[0]
     state.decoder_masks = hf.model.decoder.create_diffusion_decoder_attention_mask(
-        config=hf.config, inputs_embeds=ids.new_empty((B, K, 1)), cache=state.cache,
-        decoder_attention_mask=F.pad(state.attention_mask, (0, K), value=True))
+        config=hf.config, inputs_embeds=state.attention_mask.new_empty((B, K, 1), dtype=torch.long),
+        cache=state.cache, decoder_attention_mask=F.pad(state.attention_mask, (0, K), value=True))
+    state.views = {}
 
 
 @torch.no_grad()
@@ -83,7 +96,7 @@ def prefill(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, *,
     else:
         mask = attention_mask.to(prompt_ids.device, torch.bool)
     state = CanvasState(cache=DynamicCache(config=model.text_config), attention_mask=mask, length=P,
-                        decoder_masks={})
+                        decoder_masks={}, rows=list(range(B)))
     _encode(model, prompt_ids, state)
     return state
 
@@ -94,6 +107,8 @@ def denoise(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor, *
     with the previous step's logits ``(B, K, V)`` as the self-conditioning signal (``None`` on a canvas's first
     step)."""
     K = canvas.shape[1]
+    if self_conditioning_logits is not None:
+        self_conditioning_logits = self_conditioning_logits.to(model.dtype)  # as generation feeds them back
     out = model.base_model(decoder_input_ids=canvas, self_conditioning_logits=self_conditioning_logits,
                            decoder_attention_mask=state.decoder_masks, cache=state.cache,
                            decoder_position_ids=state.positions(K))
@@ -107,3 +122,31 @@ def commit(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor) ->
     state.attention_mask = F.pad(state.attention_mask, (0, K), value=True)
     state.length += K
     _encode(model, canvas, state)
+
+
+def select_rows(model: DiffusionGemmaLM, state: CanvasState, rows: list[int], *, copy_cache: bool = True
+                ) -> CanvasState:
+    """The state restricted to ``rows`` (ids of the rows given to :func:`prefill`, a subset of ``state.rows`` in
+    its order). ``copy_cache=True``: a new state over a copy of the cache (kept in ``state.views`` until the next
+    commit, so the rows still running in a canvas share one copy); ``False``: ``state`` itself shrinks (rows that
+    will never run again)."""
+    if rows == state.rows:
+        return state
+    key = tuple(rows)
+    if copy_cache and key in state.views:
+        return state.views[key]
+    where = {r: i for i, r in enumerate(state.rows)}
+    missing = [r for r in rows if r not in where]
+    if missing:
+        raise ValueError(f"rows: the state holds rows {state.rows}, not {missing}")
+    index = torch.tensor([where[r] for r in rows], dtype=torch.long, device=state.attention_mask.device)
+    cache = copy.deepcopy(state.cache) if copy_cache else state.cache
+    cache.batch_select_indices(index)
+    target = CanvasState(cache=cache, attention_mask=state.attention_mask[index], length=state.length,
+                         decoder_masks={}, rows=list(rows)) if copy_cache else state
+    if not copy_cache:
+        state.attention_mask, state.rows = state.attention_mask[index], list(rows)
+    _decoder_masks(model, target)
+    if copy_cache:
+        state.views[key] = target
+    return target

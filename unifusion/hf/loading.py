@@ -13,6 +13,7 @@ from .adapt import adapt_ar_model
 from .embedded import load_smollm2, load_smollm2_tokenizer
 from .io import CONFIG_NAME
 from .model import DiffusionLM
+from .registry import load_registered, registered_model_type
 
 __all__ = ["dtype_from_name", "load_causal_lm", "load_diffusion_model"]
 
@@ -53,7 +54,8 @@ def load_causal_lm(spec: str, *, gguf_file: str | None = None, dtype: str = "flo
 
 def load_diffusion_model(spec: str, *, kernel: str | None = None, gguf_file: str | None = None,
                          tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly.
+    """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly; or ``(wrapper,
+    tokenizer)`` for a checkpoint folder of a native diffusion LM in :mod:`unifusion.hf.registry` (DiffusionGemma).
 
     On-the-fly adaptation adds a mask token for ``mask``/``hybrid`` kernels; for ``uniform`` or ``None`` (no kernel
     named) it keeps the vocabulary (``add_mask_token=False``: no absorbing state, ``model.mask_token_id is None``).
@@ -61,6 +63,12 @@ def load_diffusion_model(spec: str, *, kernel: str | None = None, gguf_file: str
     from transformers import AutoTokenizer
 
     path = Path(spec)
+    if registered_model_type(path) is not None:
+        native: Any = load_registered(path, dtype=dtype_from_name(dtype), device=device)
+        tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer is not None else native.tokenizer
+        if tok is None:
+            raise ValueError(f"--tokenizer: no tokenizer saved in {spec!r}; pass --tokenizer PATH")
+        return native, tok
     if path.is_dir() and (path / CONFIG_NAME).is_file():
         model = DiffusionLM.from_pretrained(path, dtype=dtype_from_name(dtype), device=device,
                                             load_tokenizer=tokenizer is None)

@@ -3,20 +3,27 @@
 An autoregressive model is *adapted* (:func:`unifusion.adapt_ar_model`); a model that already is a diffusion LM is
 *wrapped*: :func:`wrap_diffusion_lm` looks its ``config.model_type`` up here and returns the registered wrapper, an
 x0 :class:`~unifusion.denoiser.Denoiser` with its kernel. DiffusionGemma (``"diffusion_gemma"``) is registered; a
-third party registers another family with :func:`register_diffusion_lm`.
+third party registers another family with :func:`register_diffusion_lm`. A checkpoint folder of a registered family
+(its ``config.json`` names the ``model_type``) loads with :func:`load_registered`, which is how
+:func:`unifusion.hf.load_diffusion_model`, the command line and the lm-eval harness (``pretrained=DIR``) read it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..denoiser import Denoiser
 
-__all__ = ["register_diffusion_lm", "supported_diffusion_lms", "wrap_diffusion_lm"]
+__all__ = ["load_registered", "registered_model_type", "register_diffusion_lm", "supported_diffusion_lms",
+           "wrap_diffusion_lm"]
 
 Wrapper = Callable[..., Denoiser]
+Loader = Callable[..., Denoiser]
 
 
 def _wrap_diffusion_gemma(model: Any, **kwargs: Any) -> Denoiser:
@@ -34,7 +41,14 @@ def _wrap_diffusion_gemma(model: Any, **kwargs: Any) -> Denoiser:
     return DiffusionGemmaLM(model, **kwargs)
 
 
+def _load_diffusion_gemma(directory: Any, **kwargs: Any) -> Denoiser:
+    from .diffusion_gemma import DiffusionGemmaLM
+
+    return DiffusionGemmaLM.from_pretrained(directory, **kwargs)
+
+
 _REGISTRY: dict[str, Wrapper] = {"diffusion_gemma": _wrap_diffusion_gemma}
+_LOADERS: dict[str, Loader] = {"diffusion_gemma": _load_diffusion_gemma}
 
 
 def supported_diffusion_lms() -> list[str]:
@@ -42,16 +56,46 @@ def supported_diffusion_lms() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def register_diffusion_lm(model_type: str, wrapper: Wrapper) -> None:
+def register_diffusion_lm(model_type: str, wrapper: Wrapper, *, loader: Loader | None = None) -> None:
     """Register ``wrapper(model, **kwargs) -> Denoiser`` for models whose ``config.model_type`` is ``model_type``
-    (replacing an earlier entry with a warning)."""
+    (replacing an earlier entry with a warning), and optionally ``loader(directory, *, dtype=None, device=None) ->
+    Denoiser`` for its checkpoint folders (:func:`load_registered`)."""
     if not isinstance(model_type, str) or not model_type:
         raise TypeError(f"model_type: expected a non-empty str, got {model_type!r}")
     if not callable(wrapper):
         raise TypeError(f"wrapper: expected a callable (model, **kwargs) -> Denoiser, got {type(wrapper).__name__}")
+    if loader is not None and not callable(loader):
+        raise TypeError(f"loader: expected a callable (directory, **kwargs) -> Denoiser, got {type(loader).__name__}")
     if model_type in _REGISTRY:
         warnings.warn(f"register_diffusion_lm: replacing the wrapper of {model_type!r}", stacklevel=2)
     _REGISTRY[model_type] = wrapper
+    _LOADERS.pop(model_type, None)
+    if loader is not None:
+        _LOADERS[model_type] = loader
+
+
+def registered_model_type(directory: str | os.PathLike[str]) -> str | None:
+    """The ``model_type`` of the checkpoint folder's ``config.json`` when a loader is registered for it, else
+    ``None`` (not a folder, no ``config.json``, or another model type such as an AR model or a saved DiffusionLM)."""
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in _LOADERS else None
+
+
+def load_registered(directory: str | os.PathLike[str], **kwargs: Any) -> Denoiser:
+    """Load a checkpoint folder of a registered family (e.g. a DiffusionGemma folder, plain or written by
+    :meth:`DiffusionGemmaLM.save_pretrained <unifusion.hf.diffusion_gemma.DiffusionGemmaLM.save_pretrained>`) with
+    its loader; ``kwargs`` (``dtype=``, ``device=``, ...) go to it. ``ValueError`` if no loader takes the folder."""
+    model_type = registered_model_type(directory)
+    if model_type is None:
+        raise ValueError(f"directory: {str(directory)!r} is not a checkpoint folder of a registered diffusion LM "
+                         f"(config.json with model_type in {sorted(_LOADERS)})")
+    return _LOADERS[model_type](directory, **kwargs)
 
 
 def wrap_diffusion_lm(model: Any, **kwargs: Any) -> Denoiser:

@@ -14,6 +14,7 @@ from ... import _validation as V
 from ..._kernel_config import default_kernel
 from ...hf.loading import dtype_from_name
 from ...hf.model import DiffusionLM
+from ...hf.registry import load_registered, registered_model_type
 from ...kernels import Kernel, MaskKernel, UniformKernel
 from . import _distributed
 from ._args import (
@@ -29,17 +30,22 @@ from ._args import (
     as_top_k,
     as_top_p,
 )
+from ._common import evaluating
+from ._conditional import ConditionalRequests, is_prefix_conditioned
 from ._generation import GenerationRequests, decoding_options
 from ._loglikelihood import LoglikelihoodRequests
 
 
-class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
-    """lm-evaluation-harness model for a :class:`~unifusion.DiffusionLM` (see :mod:`unifusion.eval.harness`).
+class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests, LM):
+    """lm-evaluation-harness model for a :class:`~unifusion.DiffusionLM`, or a native diffusion LM of
+    :mod:`unifusion.hf.registry` (DiffusionGemma) (see :mod:`unifusion.eval.harness`).
 
     Args:
-        pretrained: a folder written by ``DiffusionLM.save_pretrained`` (its tokenizer is loaded from the same folder
-            unless ``tokenizer`` is given).
-        model: a live ``DiffusionLM`` instead of ``pretrained`` (periodic evaluation in a training script).
+        pretrained: a folder written by ``DiffusionLM.save_pretrained``, or a checkpoint folder of a registered
+            native diffusion LM (a DiffusionGemma folder, plain or written by ``DiffusionGemmaLM.save_pretrained``),
+            loaded through the registry (its tokenizer is loaded from the same folder unless ``tokenizer`` is given).
+        model: a live ``DiffusionLM`` or ``DiffusionGemmaLM`` instead of ``pretrained`` (periodic evaluation in a
+            training script).
         tokenizer: a tokenizer object, or a folder to load one from.
         kernel: ``"mask"`` or ``"uniform"``, or a :class:`~unifusion.Kernel`; default: the library's one rule,
             :func:`unifusion.hf.default_kernel` (the kernel recorded with the model by ``save_pretrained``, else
@@ -96,8 +102,9 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
         if (pretrained is None) == (model is None):
             raise ValueError("pretrained: give exactly one of pretrained=DIR (a saved DiffusionLM) and model= (a live "
                              "DiffusionLM)")
-        if model is not None and not isinstance(model, DiffusionLM):
-            raise TypeError(f"model: expected a unifusion DiffusionLM, got {type(model).__name__}")
+        if model is not None and not (isinstance(model, DiffusionLM) or is_prefix_conditioned(model)):
+            raise TypeError(f"model: expected a unifusion DiffusionLM or a wrapped diffusion LM "
+                            f"(unifusion.hf.wrap_diffusion_lm), got {type(model).__name__}")
         if dtype == "auto":  # the harness's hf-model habit: keep the saved dtype
             dtype = None
         if dtype is not None and not isinstance(dtype, (str, torch.dtype)):
@@ -109,7 +116,9 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
         device, self._rank, self._world_size = _distributed.join_processes(device, model)
         if self._world_size > 1:
             self.accelerator = _distributed.Collectives(self.all_gather, self.barrier)
-        if pretrained is not None:
+        if pretrained is not None and registered_model_type(pretrained) is not None:
+            model = load_registered(pretrained, dtype=torch_dtype, device=device)
+        elif pretrained is not None:
             model = DiffusionLM.from_pretrained(pretrained, dtype=torch_dtype, device=device)
         elif model is not None:
             if device is not None:
@@ -117,6 +126,7 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
             if torch_dtype is not None:
                 model = model.to(torch_dtype)
         self.model = model
+        self.conditional = is_prefix_conditioned(model)
         self.tokenizer = self._tokenizer(tokenizer, pretrained)
         self.kernel = self._kernel(kernel)
         V.check_model_kernel(self.model, self.kernel)  # a wrong mask id fails here, not at the first request
@@ -128,6 +138,9 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
                 raise ValueError(f"fair_pmi: {fair_pmi!r} contradicts method={method!r}; give one of the two")
             method = wanted
         self.method = method if method is not None else "score"
+        if self.conditional and self.method != "score":
+            raise ValueError(f"method: {type(model).__name__} scores a continuation by the conditional bound on "
+                             f"-log p(continuation | context); method={self.method!r} does not apply to it")
         self.num_times = as_int("num_times", num_times if num_times is not None else
                                 (32 if self.method == "score" else 128))
         self.null_context = str(null_context)
@@ -144,6 +157,9 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
         self.num_steps = 64 if num_steps is None else as_int("num_steps", num_steps)
         self.decoding = decoding_options(policy, block_size, threshold, cache_refresh,
                                          None if num_steps is None else self.num_steps)
+        if self.conditional and self.decoding.policy is not None:
+            raise ValueError(f"policy: {type(model).__name__} samples with its own sampler (generate_until uses its "
+                             "generate); leave policy, block_size, threshold and cache_refresh unset")
         self.do_sample = as_bool("do_sample", do_sample)
         self.temperature = as_temperature(temperature)
         if self.temperature == 0.0:
@@ -196,12 +212,38 @@ class UnifusionLM(LoglikelihoodRequests, GenerationRequests, LM):
 
     def _position_limit(self) -> int:
         """Tokens the model takes after the BOS the adapter prepends: its config's position limit − 1."""
-        config = getattr(self.model, "config", None)
+        config: Any = getattr(self.model, "config", None)
+        if callable(getattr(config, "get_text_config", None)):
+            config = config.get_text_config()
         for key in POSITION_KEYS:
             limit = getattr(config, key, None)
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 1:
                 return limit - 1
         return FALLBACK_MAX_LENGTH
+
+    # ------------------------------------------------------------------------------------------------ requests
+    @evaluating
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``(−score, is_greedy)`` per request (:meth:`LoglikelihoodRequests.loglikelihood`); a native diffusion LM:
+        ``(−conditional bound, is_greedy)`` (:mod:`unifusion.eval.harness._conditional`)."""
+        if self.conditional:
+            return self._conditional_loglikelihood(requests, disable_tqdm)
+        return super().loglikelihood(requests, disable_tqdm)
+
+    @evaluating
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """−(the bound on −log p_θ(text)) per request (:meth:`LoglikelihoodRequests.loglikelihood_rolling`; a native
+        diffusion LM: each window given BOS)."""
+        if self.conditional:
+            return self._conditional_rolling(requests, disable_tqdm)
+        return super().loglikelihood_rolling(requests, disable_tqdm)
+
+    def _sample(self, prompts: torch.Tensor, max_new: int, generators: Any, *, temperature: float,
+                top_k: int | None, top_p: float | None, decoding: Any = None) -> torch.Tensor:
+        if self.conditional:  # the model's own sampler (its temperature schedule; no top-k/top-p)
+            return self._conditional_sample(prompts, max_new, generators)
+        return super()._sample(prompts, max_new, generators, temperature=temperature, top_k=top_k, top_p=top_p,
+                               decoding=decoding)
 
     # ------------------------------------------------------------------------------------------------ harness API
     @property

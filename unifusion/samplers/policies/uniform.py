@@ -91,6 +91,9 @@ class EntropyBound(DecodingPolicy):
         stability_threshold: steps over which the argmax must not change before a block may stop (0: always stable).
         confidence_threshold: a block stops once its mean entropy falls below this (> 0); ``None`` never stops early
             (every block takes ``num_steps`` steps).
+        reach_t_min: ``False`` (the reference's schedule): T_c = t_min + (t_max − t_min) · c / N for c = N … 1, so the
+            last step has t_min + (t_max − t_min)/N; ``True``: T_c = t_min + (t_max − t_min) · (c − 1)/(N − 1), from
+            t_max at the first step to t_min at the last (t_max when N = 1).
 
     Used with :class:`~unifusion.samplers.PolicySampler` and a :class:`~unifusion.UniformKernel`: ``num_steps`` is
     the reference's ``max_denoising_steps`` and ``block_size`` its ``canvas_length``; the sampler's ``temperature``
@@ -104,7 +107,7 @@ class EntropyBound(DecodingPolicy):
     fixed_count = False
 
     def __init__(self, bound: float, *, t_max: float = 0.8, t_min: float = 0.4, stability_threshold: int = 1,
-                 confidence_threshold: float | None = 0.005) -> None:
+                 confidence_threshold: float | None = 0.005, reach_t_min: bool = False) -> None:
         self.bound = _check_nonnegative("bound", bound, allow_inf=True)
         self.t_max = _check_nonnegative("t_max", t_max)
         self.t_min = _check_nonnegative("t_min", t_min)
@@ -122,10 +125,14 @@ class EntropyBound(DecodingPolicy):
             if confidence_threshold <= 0.0:
                 raise ValueError(f"confidence_threshold: expected a float > 0 or None, got {confidence_threshold}")
         self.confidence_threshold = confidence_threshold
+        if not isinstance(reach_t_min, bool):
+            raise TypeError(f"reach_t_min: expected a bool, got {type(reach_t_min).__name__}")
+        self.reach_t_min = reach_t_min
 
     def __repr__(self) -> str:
         return (f"EntropyBound(bound={self.bound}, t_max={self.t_max}, t_min={self.t_min}, "
-                f"stability_threshold={self.stability_threshold}, confidence_threshold={self.confidence_threshold})")
+                f"stability_threshold={self.stability_threshold}, confidence_threshold={self.confidence_threshold}"
+                + (", reach_t_min=True)" if self.reach_t_min else ")"))
 
     def check_kernel(self, kernel: Kernel) -> None:
         if not isinstance(kernel, InterpolatingKernel) or kernel.mask_id is not None:
@@ -138,8 +145,13 @@ class EntropyBound(DecodingPolicy):
     def temperatures(self, num_steps: int, device: torch.device) -> torch.Tensor:
         """The schedule T_c = t_min + (t_max − t_min) · c / N for c = N, N − 1, …, 1 (steps 0 … N − 1), ``(N,)``
         float32 on ``device``, with the reference's arithmetic (int32 c divided by N, then float32 operations), so the
-        scaled logits match it bit for bit. Built on the device (no host data copied)."""
+        scaled logits match it bit for bit. Built on the device (no host data copied). With ``reach_t_min``:
+        c − 1 over N − 1 instead (t_max, …, t_min)."""
         c = torch.arange(num_steps, 0, -1, dtype=torch.int32, device=device)
+        if self.reach_t_min:
+            c, num_steps = c - 1, max(num_steps - 1, 1)
+            if c.numel() == 1:
+                c = c + 1  # one step: t_max
         return self.t_min + ((self.t_max - self.t_min) * (c / num_steps))
 
     def temperature_at(self, step: int, num_steps: int, device: torch.device) -> torch.Tensor:

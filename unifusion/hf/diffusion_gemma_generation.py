@@ -1,0 +1,307 @@
+"""What :meth:`DiffusionGemmaLM.generate <unifusion.hf.diffusion_gemma.DiffusionGemmaLM.generate>` does: transformers'
+``DiffusionGemmaForBlockDiffusion.generate`` rebuilt on unifusion's own decoding loop.
+
+Canvas by canvas (canvas = block of ``K = canvas_length`` tokens): the prompt is encoded into the KV cache once, each
+canvas is decoded by :class:`~unifusion.samplers.PolicySampler` with :class:`~unifusion.samplers.policies.EntropyBound`
+(uniform-noise renoising at every step, entropy-bounded acceptance, linear temperature schedule, stable-and-confident
+stopping) against the cache, its tokens are the last step's argmax, EOS ends a row, and the canvas is committed to the
+cache (one encoder pass) before the next one. The settings come from transformers' ``DiffusionGemmaGenerationConfig``
+(unset fields: the model's ``generation_config``, then the reference's defaults).
+
+Two modes:
+
+* ``parity=True`` reproduces the reference token for token under the same global seed (or one shared generator):
+  the same random draws in the same order with the whole batch's shapes, EOS-finished rows kept running on their pad
+  canvases as the reference runs them, its temperature schedule, output rounded up to whole canvases, the last canvas
+  not committed to the returned cache, EOS and pad from the generation config only.
+* the default fixes what the reference gets wrong: the output is cut at ``max_new_tokens``; the returned cache holds
+  every returned token (the last canvas committed); the temperature goes from ``t_max`` at the first step to ``t_min``
+  at the last; each row draws from its own generator (seeded from the global generator, or from ``generator``, in row
+  order), so a row's tokens do not depend on the rows beside it; a finished row takes no further decoder passes and
+  no draws (its fill canvases are still committed, in the batch's encoder pass, so the returned cache covers every
+  row); its positions after EOS hold ``pad_token_id`` (EOS without one); EOS and pad fall back to the text config's;
+  bad settings raise ``ValueError`` naming them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .diffusion_gemma_cache import CanvasState, commit, prefill
+
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
+
+__all__ = ["DEFAULTS", "DiffusionGemmaOutput", "GenerationSettings", "generate", "resolve_settings"]
+
+DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4,
+                            "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005}
+"""The reference's defaults for unset fields (``DiffusionGemmaGenerationConfig._get_default_generation_params``)."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The resolved, checked settings of one :func:`generate` call."""
+
+    max_new_tokens: int
+    max_length: int | None  # the reference's MaxLengthCriteria (set only from the config's max_length)
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    stability_threshold: int
+    confidence_threshold: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+
+@dataclass
+class DiffusionGemmaOutput:
+    """What :func:`generate` returns with ``return_dict=True``.
+
+    Attributes:
+        sequences: ``(B, P + n)`` int64, prompt included.
+        tokens_per_forward: ``(B,)`` float32, generated tokens / the decoder passes the row took part in (default:
+            tokens up to and including the first EOS; parity: the reference's count, every non-pad new token).
+        num_forwards: ``(B,)`` int64, decoder passes per row.
+        cache: the transformers ``DynamicCache`` (default: every column of ``sequences``; parity: all but the last
+            canvas, as the reference returns it).
+    """
+
+    sequences: torch.Tensor
+    tokens_per_forward: torch.Tensor
+    num_forwards: torch.Tensor
+    cache: Any
+
+
+def _field(config: Any, model_config: Any, name: str) -> Any:
+    for source in (config, model_config):
+        value = getattr(source, name, None) if source is not None else None
+        if value is not None:
+            return value
+    return None
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
+    values = [] if value is None else [value] if isinstance(value, int) else list(value)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab_size}), got {value!r}")
+    return tuple(values)
+
+
+def resolve_settings(model: DiffusionGemmaLM, generation_config: Any, prompt_length: int, *,
+                     parity: bool = False) -> GenerationSettings:
+    """The settings of a call: each field from ``generation_config``, else the model's ``generation_config``, else
+    :data:`DEFAULTS` (``entropy_bound`` from ``sampler_config``); ``max_length`` replaces ``max_new_tokens`` when the
+    latter is the default 256 (the reference's rule). Outside parity mode EOS and pad fall back to the text config's
+    ids. Raises ``ValueError`` naming the field (the reference raises ``AttributeError`` for bad thresholds)."""
+    own = getattr(model.base_model, "generation_config", None)
+    get: dict[str, Any] = {name: _field(generation_config, own, name) for name in (
+        "max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+        "confidence_threshold", "eos_token_id", "pad_token_id")}
+    sampler = _field(generation_config, own, "sampler_config")
+    bound = sampler.get("entropy_bound") if isinstance(sampler, dict) else getattr(sampler, "entropy_bound", None)
+    get["entropy_bound"] = bound
+    for name, value in DEFAULTS.items():
+        if get[name] is None:
+            get[name] = value
+    for name in ("max_new_tokens", "max_denoising_steps"):
+        if isinstance(get[name], bool) or not isinstance(get[name], int) or get[name] < 1:
+            raise ValueError(f"generation_config.{name}: expected an int >= 1, got {get[name]!r}")
+    max_length = get["max_length"]
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= prompt_length:
+            raise ValueError(f"generation_config.max_length: expected an int > the prompt's length {prompt_length}, "
+                             f"got {max_length!r}")
+        if get["max_new_tokens"] == DEFAULTS["max_new_tokens"]:
+            get["max_new_tokens"] = max_length - prompt_length
+    for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+        value = get[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"generation_config.{name}: expected a finite float >= 0, got {value!r}")
+    if get["confidence_threshold"] <= 0:
+        raise ValueError(f"generation_config.confidence_threshold: expected a float > 0, got "
+                         f"{get['confidence_threshold']!r}")
+    if get["t_max"] < get["t_min"] or get["t_max"] <= 0 or (parity and get["t_max"] == get["t_min"]):
+        raise ValueError(f"generation_config.t_max: expected t_max > 0 and t_max {'>' if parity else '>='} t_min = "
+                         f"{get['t_min']}, got {get['t_max']!r}")
+    stability = get["stability_threshold"]
+    if isinstance(stability, bool) or not isinstance(stability, int) or stability < 0:
+        raise ValueError(f"generation_config.stability_threshold: expected an int >= 0, got {stability!r}")
+    eos, pad = get["eos_token_id"], get["pad_token_id"]
+    if not parity:
+        text = model.text_config
+        eos = eos if eos is not None else getattr(text, "eos_token_id", None)
+        pad = pad if pad is not None else getattr(text, "pad_token_id", None)
+    V = model.vocab_size
+    pad_ids = _token_ids(pad, "generation_config.pad_token_id", V)
+    if len(pad_ids) > 1:
+        raise ValueError(f"generation_config.pad_token_id: expected one token id, got {pad!r}")
+    return GenerationSettings(
+        max_new_tokens=get["max_new_tokens"], max_length=max_length, max_denoising_steps=get["max_denoising_steps"],
+        entropy_bound=float(get["entropy_bound"]), t_min=float(get["t_min"]), t_max=float(get["t_max"]),
+        stability_threshold=stability, confidence_threshold=float(get["confidence_threshold"]),
+        eos_token_ids=_token_ids(eos, "generation_config.eos_token_id", V),
+        pad_token_id=pad_ids[0] if pad_ids else None)
+
+
+class _CanvasStream:
+    """The :class:`~unifusion.samplers.BlockDenoiser` of one canvas: ``start_blocks`` hands the sampler the live
+    cache (the prefix is already in it), ``denoise_block`` runs the decoder for the sampler's rows (indices into
+    ``rows``, the batch rows of this canvas)."""
+
+    def __init__(self, model: DiffusionGemmaLM, state: CanvasState) -> None:
+        self.model, self.state = model, state
+        self.num_states = model.num_states
+        self.rows = torch.arange(0)
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CanvasState:
+        return self.state
+
+    def denoise_block(self, state: CanvasState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        return self.model.denoise_block(state, block, t, self.rows.to(rows.device)[rows], self_condition)
+
+    def commit_block(self, state: CanvasState, block: torch.Tensor, rows: torch.Tensor) -> CanvasState:
+        raise RuntimeError("one canvas per sampler call: nothing to commit inside it")  # never called
+
+
+def _row_generators(generator: Any, batch_size: int, device: torch.device) -> list[torch.Generator]:
+    """One generator per row: the given list, or seeds drawn in row order from ``generator`` (``None``: the global
+    CPU generator)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch_size or not all(isinstance(g, torch.Generator) for g in generator):
+            raise ValueError(f"generator: expected {batch_size} torch.Generators (one per row), got {len(generator)}")
+        return list(generator)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected None, a torch.Generator or a list of them, got "
+                        f"{type(generator).__name__}")
+    seeds = [int(torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None
+                               else "cpu")) for _ in range(batch_size)]
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+def _check_prompt(model: DiffusionGemmaLM, prompt_ids: Any, attention_mask: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape \
+            or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids: expected a non-empty (B, P) integer tensor of token ids, got {got}")
+    prompt_ids = prompt_ids.to(model.device, torch.long)
+    if bool(((prompt_ids < 0) | (prompt_ids >= model.vocab_size)).any()):
+        raise ValueError(f"prompt_ids: expected token ids in [0, {model.vocab_size})")
+    if attention_mask is None:
+        return prompt_ids, None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != prompt_ids.shape:
+        raise ValueError(f"attention_mask: expected a {tuple(prompt_ids.shape)} tensor like prompt_ids")
+    mask = attention_mask.to(model.device).bool()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+        raise ValueError("attention_mask: expected left padding (0 ... 0 1 ... 1 per row, the last column real)")
+    return prompt_ids, mask
+
+
+@torch.no_grad()
+def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_config: Any = None, *,
+             attention_mask: torch.Tensor | None = None, generator: Any = None, policy: Any = None,
+             return_dict: bool = False, parity: bool = False) -> torch.Tensor | DiffusionGemmaOutput:
+    """Generate after ``prompt_ids`` ``(B, P)`` canvas by canvas (see the module docstring for the two modes).
+
+    Args:
+        model: the :class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM`.
+        prompt_ids: ``(B, P)`` token ids (left-padded where ``attention_mask`` is 0).
+        generation_config: a transformers ``DiffusionGemmaGenerationConfig`` (or any object with its fields);
+            ``None``: the model's ``generation_config``, then the reference's defaults.
+        attention_mask: ``(B, P)``, 1 = real token, 0 = left padding.
+        generator: parity: ``None`` (the global generator of the prompt's device) or one ``torch.Generator`` drawn
+            with the whole batch's shapes; default: per-row generators seeded in row order from this one (``None``:
+            the global CPU generator), or a list of ``B`` generators used as they are.
+        policy: a uniform-noise :class:`~unifusion.samplers.policies.DecodingPolicy` to use instead of the
+            :class:`~unifusion.samplers.policies.EntropyBound` built from the config (not with ``parity``).
+        return_dict: return a :class:`DiffusionGemmaOutput`.
+        parity: reproduce the reference, defects included.
+    """
+    from ..samplers.policies import EntropyBound
+    from ..samplers.policy_sampler import PolicySampler
+
+    if not isinstance(parity, bool) or not isinstance(return_dict, bool):
+        raise TypeError("parity, return_dict: expected bools")
+    prompt_ids, mask = _check_prompt(model, prompt_ids, attention_mask)
+    B, P = prompt_ids.shape
+    K, dev = model.canvas_length, prompt_ids.device
+    s = resolve_settings(model, generation_config, P, parity=parity)
+    if policy is None:
+        policy = EntropyBound(s.entropy_bound, t_max=s.t_max, t_min=s.t_min,
+                              stability_threshold=s.stability_threshold,
+                              confidence_threshold=s.confidence_threshold, reach_t_min=not parity)
+    elif parity:
+        raise ValueError("policy, parity: parity mode reproduces the reference's own sampler; give one or the other")
+    if parity:
+        if isinstance(generator, (list, tuple)):
+            raise ValueError("generator: parity mode draws from one stream with the whole batch's shapes, as the "
+                             "reference does; pass None or one torch.Generator")
+        gens: Any = generator
+    else:
+        gens = _row_generators(generator, B, dev)
+    state = prefill(model, prompt_ids, attention_mask=mask)
+    stream = _CanvasStream(model, state)
+    sampler = PolicySampler(stream, model.kernel, policy, num_steps=s.max_denoising_steps, block_size=K)
+    eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=dev)
+    fill = s.pad_token_id if s.pad_token_id is not None else (s.eos_token_ids[0] if s.eos_token_ids else None)
+    seq = prompt_ids
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos_at = torch.full((B,), -1, dtype=torch.long, device=dev)  # first EOS column of a finished row (default)
+    forwards = torch.zeros(B, dtype=torch.long, device=dev)
+    for c in range(math.ceil(s.max_new_tokens / K)):
+        if c:
+            commit(model, state, seq[:, -K:])
+        run = list(range(B)) if parity else [b for b, f in enumerate(finished.tolist()) if not f]
+        stream.rows = torch.tensor(run, dtype=torch.long, device=dev)
+        block = torch.cat([seq[run], seq.new_full((len(run), K), -1)], dim=1)
+        out = sampler.sample(len(run), block.shape[1], prompt=block, return_dict=True,
+                             generator=gens if parity else [gens[b] for b in run])
+        assert not isinstance(out, torch.Tensor)
+        new = seq.new_full((B, K), fill if fill is not None else 0)
+        new[run] = out.sequences[:, -K:]
+        counted = ~finished if parity else torch.ones_like(finished)
+        forwards[run] += torch.where(counted[run], out.num_forwards, 0)
+        is_eos = torch.isin(new, eos)
+        now = is_eos.any(-1) & ~finished
+        after = is_eos.cumsum(-1) > 0
+        after &= ~((is_eos.cumsum(-1) == 1) & is_eos)  # after the first EOS
+        if parity:
+            now = is_eos.any(-1)
+            if s.max_length is not None and seq.shape[1] + K >= s.max_length:
+                now = torch.ones_like(now)
+            if s.pad_token_id is not None and bool((finished | now).any()):
+                new[finished] = s.pad_token_id  # rows finished before: the whole canvas
+                if bool(now.any()):  # every row: the tokens after its first EOS (EOS read after the line above)
+                    e = torch.isin(new, eos)
+                    new[(e.cumsum(-1) > 0) & ~((e.cumsum(-1) == 1) & e)] = s.pad_token_id
+        elif fill is not None:
+            new[finished] = fill
+            new[now[:, None] & after] = fill
+            eos_at = torch.where(now, seq.shape[1] + is_eos.int().argmax(-1), eos_at)
+        finished |= now
+        seq = torch.cat([seq, new], dim=1)
+        if bool(finished.all()):
+            break
+    if not parity:
+        seq = seq[:, : P + s.max_new_tokens]
+        if seq.shape[1] > state.length:
+            commit(model, state, seq[:, state.length:])
+    if not return_dict:
+        return seq
+    new_tokens = seq[:, P:]
+    if parity:  # the reference's arithmetic (integer counts over int32 passes)
+        count: Any = ((new_tokens != s.pad_token_id).sum(-1) if s.pad_token_id is not None
+                      else new_tokens.shape[1])
+        rate = (count / forwards.int()).float()
+    else:
+        col = torch.arange(P, seq.shape[1], device=dev)
+        count = ((eos_at[:, None] < 0) | (col[None] <= eos_at[:, None])).sum(-1)
+        rate = count.float() / forwards.clamp_min(1).float()
+    return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=forwards, cache=state.cache)
