@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    uf.set_validation(False)
+    uf.validation.set_validation(False)
     if args.child is not None and not args.cold:  # compile on small inputs, below the peak the real inputs set
         make_variant(args.child, *make_inputs(16, args.d, 1024))()
     h, W, x0, t, g = make_inputs(args.n, args.d, args.v)

@@ -14,7 +14,8 @@ every finished row.
 Sections (each a table on stdout and a list of rows in the JSON):
 
 * ``loss_vs_cross_entropy`` — ``uf.losses.gidd_loss`` (uniform and mask kernels) forward + backward on bf16 logits
-  ``(N, V)`` against ``F.cross_entropy`` on the same logits, under ``uf.set_backend("eager")`` and ``"compiled"``.
+  ``(N, V)`` against ``F.cross_entropy`` on the same logits, under
+``uf.backend.set_backend("eager")`` and ``"compiled"``.
   Goal: loss / CE time ≤ 1.0×.
 * ``fused_vs_alternatives`` — ``fused_linear_diffusion_loss`` (hidden ``(N, d)``, head ``(V, d)``, bf16) forward +
   backward against materialised logits ``h @ W.T`` + cross-entropy (and + ``gidd_loss``), Liger-Kernel's fused linear
@@ -34,7 +35,8 @@ counted; the call's temporaries and the gradients it produces are. The sampling 
 ``torch.inference_mode`` and report no memory. ``--dry-run`` runs the same timing code with host-clock events
 (:class:`CpuOps` standing in for :class:`CudaOps`) on the CPU and reports no memory (``null``).
 
-Validation (``uf.set_validation``): rows time the hot paths with the argument checks off — as ``diffusion_loss`` runs
+Validation (``uf.validation.set_validation``): rows time the hot paths with the argument checks off —
+as ``diffusion_loss`` runs
 the loss after its one batched check, and as a tuned training loop runs — and every section adds a row with the
 defaults a user meets (checks on, with their host read-backs): the first kernel of (a) at each V, the fused loss of
 (b), the sampler at the first step count in (c). Each row records ``"validation"``; the ratios and goals use the rows
@@ -209,8 +211,8 @@ class Timer:
 
 
 def _backend_state() -> dict[str, Any]:
-    """What actually ran: ``uf.get_backend()`` now, and ``uf.compile_stats()``."""
-    return {"backend_after": uf.get_backend(), "compile_stats": uf.compile_stats()}
+    """What actually ran: ``uf.backend.get_backend()`` now, and ``uf.backend.compile_stats()``."""
+    return {"backend_after": uf.backend.get_backend(), "compile_stats": uf.backend.compile_stats()}
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:
@@ -319,8 +321,8 @@ def _bench_loss_v(N: int, V: int, backends: list[str], kernel_names: list[str], 
     configs.append((backends[-1], next(iter(kernels)), True))
     for backend, name, validation in configs:
         def run(backend: str = backend, name: str = name, validation: bool = validation) -> dict[str, Any]:
-            uf.set_backend(backend)
-            with uf.validation(validation):
+            uf.backend.set_backend(backend)
+            with uf.validation.validation(validation):
                 return timer.measure(make(name), reset=reset)
 
         row = rec.row({"backend": backend, "loss": f"gidd_{name}", "validation": validation, "N": N, "V": V}, run)
@@ -459,9 +461,9 @@ def bench_fused(cfg: argparse.Namespace, device: torch.device, timer: Timer, rec
         def measure(run: Callable[[], None] = run, backend: str = backend, validation: bool = validation,
                     check: Callable[[], torch.Tensor] | None = check) -> dict[str, Any]:
             if backend != "-":
-                uf.set_backend(backend)
+                uf.backend.set_backend(backend)
             extra = {} if check is None else {"rel_err_vs_ce": _check_close_to_ce(check, ce_sum)}
-            with uf.validation(validation):
+            with uf.validation.validation(validation):
                 return {**timer.measure(run, reset=reset), **extra}
 
         row = rec.row(fields, measure)
@@ -506,7 +508,7 @@ def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer, 
     base = GPT2LMHeadModel(config).to(device=device, dtype=cfg.model_dtype).eval()
     L = cfg.seq_len
     bos = torch.tensor([[config.bos_token_id]], device=device)
-    uf.set_backend(cfg.sample_backend)
+    uf.backend.set_backend(cfg.sample_backend)
 
     def ar() -> torch.Tensor:
         return base.generate(bos, attention_mask=torch.ones_like(bos), max_new_tokens=L, min_new_tokens=L,
@@ -542,7 +544,7 @@ def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer, 
         tt = torch.full((1,), 0.5, device=device)
 
         def forward() -> dict[str, Any]:
-            with uf.validation(False):
+            with uf.validation.validation(False):
                 return timer.measure(lambda: model(x, tt), memory=False)
 
         fwd_row = rec.row({"method": "adapted forward (1, L)", "steps": 1, "validation": False}, forward)
@@ -556,7 +558,7 @@ def bench_sampling(cfg: argparse.Namespace, device: torch.device, timer: Timer, 
             def sample(N: int = N, validation: bool = validation) -> dict[str, Any]:  # a failure is the row's
                 sampler = uf.BayesianSampler(model, kernel, num_steps=N)
                 g = torch.Generator(device=device).manual_seed(0)
-                with uf.validation(validation):
+                with uf.validation.validation(validation):
                     return checked(lambda: sampler.sample(1, L, generator=g), ids_check)()
 
             rec.row({"method": "BayesianSampler (uniform)", "steps": N, "validation": validation}, sample)
@@ -672,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     # Validation: the rows time the hot paths with the argument checks off (as diffusion_loss runs the loss after
     # its one batched check, and as a tuned loop runs); each section adds a row with the defaults a user meets
     # (validation on: the checks' host read-backs included), marked "validation": true.
-    uf.set_validation(False)
+    uf.validation.set_validation(False)
     results: dict[str, Any] = {"device": info, "loss_vs_cross_entropy": [], "fused_vs_alternatives": [],
                                "sampling_vs_ar": []}
 

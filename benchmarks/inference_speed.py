@@ -69,7 +69,7 @@ def main() -> None:
                              do_sample=False, use_cache=True, pad_token_id=pad)
 
     rows: list[tuple[str, str, float]] = []
-    with torch.inference_mode(), uf.validation(False):
+    with torch.inference_mode(), uf.validation.validation(False):
         out = ar()
         assert out.shape[1] == L + 1, f"generate produced {out.shape[1] - 1} tokens, expected {L}"
         rows.append((f"{args.model} (AR, KV cache)", "--", _memory.time_calls(ar, args.repeats)))

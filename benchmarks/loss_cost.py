@@ -1,18 +1,32 @@
 """Cost of the x0-head losses against F.cross_entropy on the same logits (forward + backward).
 
     python benchmarks/loss_cost.py [--n 2048] [--v 49152] [--dtype float32|bfloat16] [--reps 5] [--cold]
+                                   [--backend auto|compiled|eager] [--fresh]
 
-Time: best of ``--reps`` interleaved runs in this process. Memory: peak RSS increase of one run in a fresh process
-per variant (benchmarks/_memory.py), after a warm-up call on small inputs that compiles the fast losses
-(``--cold``: without it, so the one-off memory of compiling counts too). 2 threads (torch.set_num_threads(2)),
-validation off for every variant. Baseline: ``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
+Default mode. Time: best of ``--reps`` interleaved runs in this process. Memory: peak RSS increase of one run in a
+fresh process per variant (benchmarks/_memory.py), after a warm-up call on small inputs that compiles the fast losses
+(``--cold``: without it, so the one-off memory of compiling counts too). The fast losses run on ``--backend``
+(default: the library's ``"auto"``, which compiles calls of at least ``unifusion.backend.AUTO_MIN_LOGITS`` logits,
+as the default N = 2048, V = 49,152 is); the header says which implementation each call ran.
+
+``--fresh``: what a new user meets. Every variant runs in its own fresh process on the library's default setting (or
+``--backend``), without a warm-up: the first call (which may compile) is reported apart, time is the median of calls
+2-4, memory the peak RSS increase of call 2 over the resident size before it (Linux: the peak is reset through
+``/proc/self/clear_refs``). Targets (issue 22): at most 1.5× the time and memory of ``F.cross_entropy``.
+
+Both: 2 threads (torch.set_num_threads(2)), validation off for every variant. Baseline:
+``F.cross_entropy(logits, x0, reduction="none").sum().backward()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _memory  # noqa: E402
 
 import unifusion as uf  # noqa: E402
+from unifusion import backend  # noqa: E402
 from unifusion.losses import fast, native  # noqa: E402
 
 VARIANTS = ["cross_entropy", "fast_uniform", "fast_mask", "fast_hybrid", "fast_uniform_dynamic",
             "native_uniform"]
+_FRESH_MARK = "FRESH_JSON "
 
 
 def _kernel(name: str, V: int):
@@ -55,12 +71,66 @@ def make_variant(name: str, logits, x0, t, g):
     kernel = _kernel(name, V)
     x_t = kernel.sample(x0, t, generator=g)
     weighting = "dynamic" if name.endswith("dynamic") else "elbo"
-    loss_fn = fast.gidd_loss if name.startswith("fast") else native.gidd_loss
+    loss_fn = fast.gidd_loss if name.startswith("fast") else native.reference_gidd_loss
 
     def run():
         z = logits.detach().requires_grad_()
         loss_fn(z, x0, x_t, t, kernel, weighting).sum().backward()
     return run
+
+
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def fresh_child(name: str, N: int, V: int, dtype: torch.dtype) -> None:
+    """One variant in this (fresh) process: first call, then calls 2-4 timed and call 2's peak memory."""
+    logits, x0, t, g = make_inputs(N, V, dtype)
+    run = make_variant(name, logits, x0, t, g)
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    with open("/proc/self/clear_refs", "w") as refs:  # reset the peak (VmHWM) to the current RSS
+        refs.write("5")
+    before = _status_bytes("VmRSS")
+    times = []
+    for i in range(3):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        if i == 0:
+            peak = _status_bytes("VmHWM") - before
+    print(_FRESH_MARK + json.dumps({"first_s": first, "steady_s": statistics.median(times), "peak_bytes": peak,
+                                    "backend": backend.get_backend(), "compile_stats": backend.compile_stats()}))
+
+
+def fresh(names: list[str], args: argparse.Namespace) -> None:
+    """Each variant in its own fresh process (default setting unless --backend); the ratios to cross-entropy."""
+    env = dict(os.environ)
+    env.pop("UNIFUSION_BACKEND", None)
+    if args.backend is not None:
+        env["UNIFUSION_BACKEND"] = args.backend
+    rows = {}
+    for name in names:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fresh-child", name, "--n", str(args.n),
+                               "--v", str(args.v), "--dtype", args.dtype], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name}: child failed\n{proc.stderr[-3000:]}")
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(_FRESH_MARK))
+        rows[name] = json.loads(line[len(_FRESH_MARK):])
+    base = rows["cross_entropy"]
+    print(f"N={args.n} V={args.v} dtype={args.dtype} threads=2, a fresh process per variant, setting "
+          f"{args.backend or 'default'}; steady: median of calls 2-4; memory: call 2's peak RSS increase")
+    print(f"{'variant':24s} {'first s':>8s} {'steady s':>9s} {'x CE':>6s} {'peak MiB':>9s} {'x CE':>6s}  compiled")
+    for name, row in rows.items():
+        print(f"{name:24s} {row['first_s']:8.3f} {row['steady_s']:9.3f} {row['steady_s'] / base['steady_s']:6.2f} "
+              f"{row['peak_bytes'] / 2**20:9.1f} {row['peak_bytes'] / max(base['peak_bytes'], 1):6.2f}  "
+              f"{row['compile_stats']['compiled']} in {row['compile_stats']['seconds']:.0f} s")
 
 
 def main() -> None:
@@ -70,14 +140,28 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--backend", default=None, choices=["auto", "compiled", "eager"],
+                    help="how the fast losses run (default: the library's default, 'auto')")
     ap.add_argument("--cold", action="store_true", help="count the one-off memory of compiling (no warm-up)")
+    ap.add_argument("--fresh", action="store_true", help="a fresh process per variant, no warm-up (see above)")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--fresh-child", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    uf.set_validation(False)
+    uf.validation.set_validation(False)
     dtype = getattr(torch, args.dtype)
+    if args.fresh_child is not None:
+        fresh_child(args.fresh_child, args.n, args.v, dtype)
+        return
+    names = args.variants.split(",")
+    if args.fresh:
+        fresh(names, args)
+        return
+    if args.backend is not None:
+        backend.set_backend(args.backend)
     if args.child is not None and not args.cold:  # compile on small inputs, below the peak the real inputs set
-        make_variant(args.child, *make_inputs(16, 1024, dtype))()
+        with backend.using("compiled" if backend.runs_compiled(args.n * args.v) else "eager"):
+            make_variant(args.child, *make_inputs(16, 1024, dtype))()
     logits, x0, t, g = make_inputs(args.n, args.v, dtype)
     if args.child is not None:
         run = make_variant(args.child, logits, x0, t, g)
@@ -85,15 +169,18 @@ def main() -> None:
         run()
         _memory.report()
         return
-    names = args.variants.split(",")
     # memory first: a child inherits the parent's ru_maxrss at fork, so the parent must still be small
     child_args = ["--n", str(args.n), "--v", str(args.v), "--dtype", args.dtype] + (["--cold"] if args.cold else [])
+    if args.backend is not None:
+        child_args += ["--backend", args.backend]
     mem = {name: _memory.measure(os.path.abspath(__file__), name, *child_args) for name in names}
     runs = {name: make_variant(name, logits, x0, t, g) for name in names}
+    ran = "compiled" if backend.runs_compiled(args.n * args.v) else "eager"
     _memory.time_and_print(runs, mem, "cross_entropy", args.reps,
-                           f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} (time: best of reps; "
-                           f"memory: peak RSS increase, own process, {'cold' if args.cold else 'after a warm-up'})",
-                           warmup=True)
+                           f"N={args.n} V={args.v} dtype={args.dtype} threads=2 reps={args.reps} setting "
+                           f"{backend.get_backend()} (the fast losses ran {ran}) (time: best of reps; memory: peak "
+                           f"RSS increase, own process, {'cold' if args.cold else 'after a warm-up'})", warmup=True)
+
 
 if __name__ == "__main__":
     main()

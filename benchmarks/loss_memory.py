@@ -218,7 +218,7 @@ def logits_bytes(case: Case, dtype: str) -> int:
 def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    uf.set_backend(args.backend)
+    uf.backend.set_backend(args.backend)
     model = adapted(smollm2_shaped(args.layers, args.vocab), args.kernel).to(device)
     case = Case(model, args.batch_size, args.seq_len, args.kernel)
     run = case.step(args.child, args.dtype, args.mode)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", choices=("eager", "compiled", "auto"), default=None,
-                   help="uf.set_backend for the loss (default: eager on the CPU, compiled on CUDA)")
+                   help="uf.backend.set_backend for the loss (default: eager on the CPU, compiled on CUDA)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)

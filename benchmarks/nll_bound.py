@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    uf.set_validation(False)
-    uf.set_backend("eager")
+    uf.validation.set_validation(False)
+    uf.backend.set_backend("eager")
 
     model = _model(args.model)
     kernel = uf.UniformKernel(model.num_states)

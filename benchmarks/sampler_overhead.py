@@ -95,7 +95,7 @@ def measure(name: str, B: int, L: int, steps: int, repeats: int, rounds: int, ke
         cases["Euler step (x0)"] = lambda: euler.sample(B, L, generator=g)
     per_call = {k: (steps if k.startswith(("Bayesian", "Euler", "forward, N")) else 1) for k in cases}
     results: dict[str, list[float]] = {k: [] for k in cases}
-    with torch.inference_mode(), uf.validation(False):
+    with torch.inference_mode(), uf.validation.validation(False):
         for _ in range(rounds):
             for k, fn in cases.items():
                 results[k].append(_memory.time_calls(fn, repeats if per_call[k] == 1 else 1, reduce=min) / per_call[k])

@@ -176,7 +176,8 @@ def environment() -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=no", "--", "../unifusion", ".", "../pyproject.toml")
     return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
             "torch": torch.__version__, "transformers": transformers.__version__, "unifusion": uf.__version__,
-            "python": platform.python_version(), "backend": uf.get_backend(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "backend": uf.backend.get_backend(),
+            "threads": torch.get_num_threads(),
             "cpu": cpu, "cpu_count": __import__("os").cpu_count()}
 
 
@@ -630,7 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/claims", help="output folder (JSON results, checkpoint, plots)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (smoke test)")
     parser.add_argument("--backend", choices=["eager", "compiled"], default="eager",
-                        help="how the fused losses and samplers run (uf.set_backend); never 'auto', whose switch "
+                        help="how the fused losses and samplers run (uf.backend.set_backend); never 'auto', whose "
+                             "switch "
                              "to the compiled copy depends on the machine's load")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (results are bit-reproducible for a fixed count; default torch's)")
@@ -687,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.experiment == "report":
         run_report(args)
         return 0
-    uf.set_backend(args.backend)  # fixed, so results do not depend on when a background compilation finishes
+    uf.backend.set_backend(args.backend)  # fixed, so results do not depend on when a background compilation finishes
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -165,8 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
     parser.add_argument("--fused", action="store_true", help="the fused linear loss (no (B, L, V) logits)")
     parser.add_argument("--backend", choices=["eager", "compiled"], default="eager",
-                        help="unifusion's loss/sampler backend (uf.set_backend); never 'auto', whose background "
-                             "compilation makes runs timing-dependent")
+                        help="unifusion's loss/sampler backend (uf.backend.set_backend)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--out", default="unifusion-sft", help="output folder (the model goes to OUT/final)")
@@ -203,7 +202,7 @@ def save_final(folder: Path, wrapped: torch.nn.Module, inner: uf.DiffusionLM, sk
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    uf.set_backend(args.backend)
+    uf.backend.set_backend(args.backend)
     mode = args.dist or ("ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "none")
     rank, world, _, device = setup_distributed(mode)
     is_main = rank == 0

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if stage == 3:
         # ZeRO-3 leaves a 0-row placeholder where the output matrix was, so DiffusionLM.vocab_size reads 0 outside the
         # lm_head's own forward; skip the (host-syncing) token-id range checks that would compare against it.
-        uf.set_validation(False)
+        uf.validation.set_validation(False)
     skeleton = copy.deepcopy(model).to("meta") if is_main else None  # receives the weights at export time
     if is_main:
         print(f"model {type(model.base_model).__name__} {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "

@@ -28,9 +28,9 @@ KINDS = ("uniform", "mask", "hybrid", "generator", "generator+schedule")
 
 
 # ---------------------------------------------------------------------------------------------------- instances
-def random_schedule(g: torch.Generator) -> uf.Schedule:
+def random_schedule(g: torch.Generator) -> uf.schedules.Schedule:
     k = int(torch.randint(0, 3, (1,), generator=g))
-    return [uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(1e-3)][k]
+    return [uf.schedules.LinearSchedule(), uf.schedules.CosineSchedule(), uf.schedules.LogLinearSchedule(1e-3)][k]
 
 
 def random_kernel(kind: str, S: int, g: torch.Generator) -> uf.Kernel:

@@ -1,13 +1,35 @@
 """Test-session defaults.
 
-Most tests run the fused hot paths eagerly: compiling every configuration the suite touches (dtypes, kernel
-families, subprocess launchers under torchrun) would add minutes, and the library's default, ``"auto"``, compiles in
-background threads whose timing would vary from run to run. ``"auto"`` is tested in tests/test_compile.py; the
-compiled backend is exercised explicitly where it matters: tests/test_losses_fast.py and tests/test_samplers.py
-run their accuracy tests on both backends, tests/test_fused_linear.py compares them.
-``UNIFUSION_BACKEND=compiled python -m pytest`` runs the whole suite compiled.
+Most tests run the fused hot paths eagerly (``UNIFUSION_BACKEND=eager``, inherited by subprocesses): compiling every
+configuration the suite touches (dtypes, kernel families, subprocess launchers under torchrun) would add many
+minutes on a machine with an empty Inductor cache. The compiled path is tested on a few small configurations that
+every compiled test shares (one compiled copy per configuration per process, see :data:`COMPILED_CONFIGS`); a test
+that asks for ``"compiled"`` should use one of them. ``"auto"``, the library's default, is tested in
+tests/test_compile.py. ``UNIFUSION_BACKEND=compiled python -m pytest`` runs the whole suite compiled.
+
+Every test gets the backend setting back as it found it (:func:`_restore_backend`), so a test may call
+``unifusion.backend.set_backend`` freely.
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("UNIFUSION_BACKEND", "eager")
+
+COMPILED_CONFIGS = {
+    "hybrid-mid": "uniform noise and a mask column inside the logits (HybridKernel, mask id S // 2), float32 logits",
+    "mask-last": "mask kernel with the mask state last (sliced off the logits), float32 logits",
+}
+"""The configurations of the fast x0-head loss that compiled tests use: for each, the loss pass (loss + row
+statistics), the gradient pass from statistics and the fused linear loss's in-place pass (loss + gradient +
+statistics). Float32 times and per-position weights, at least two rows (Dynamo specialises sizes 0 and 1)."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend():
+    from unifusion import backend
+
+    previous = backend.get_backend()
+    yield
+    backend.set_backend(previous)

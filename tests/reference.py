@@ -31,13 +31,13 @@ KINDS = ("uniform", "mask", "hybrid", "generator", "generator_scheduled")
 
 
 # ---------------------------------------------------------------------------------------------------------- factory
-def random_schedule(gen: torch.Generator) -> uf.Schedule:
+def random_schedule(gen: torch.Generator) -> uf.schedules.Schedule:
     k = int(torch.randint(0, 3, (1,), generator=gen))
     if k == 0:
-        return uf.LinearSchedule()
+        return uf.schedules.LinearSchedule()
     if k == 1:
-        return uf.CosineSchedule()
-    return uf.LogLinearSchedule(eps=float(10 ** (-1 - 3 * torch.rand((), generator=gen, dtype=DT))))
+        return uf.schedules.CosineSchedule()
+    return uf.schedules.LogLinearSchedule(eps=float(10 ** (-1 - 3 * torch.rand((), generator=gen, dtype=DT))))
 
 
 def random_generator_matrix(S: int, gen: torch.Generator) -> torch.Tensor:
@@ -94,7 +94,7 @@ def random_time(gen: torch.Generator, lo: float = 0.05, hi: float = 0.95) -> flo
 
 
 # ---------------------------------------------------------------------------------------------------------- schedules
-def alpha_fn(schedule: uf.Schedule) -> Callable[[torch.Tensor], torch.Tensor]:
+def alpha_fn(schedule: uf.schedules.Schedule) -> Callable[[torch.Tensor], torch.Tensor]:
     """α_t of a schedule from its textbook definition (by type, not by calling the library)."""
     name = type(schedule).__name__
     if name == "LinearSchedule":

@@ -189,7 +189,7 @@ def _sample(model_dir, capsys, *extra):
 def test_sample_and_eval_without_kernel_follow_one_rule_and_say_which(folders, tmp_path, capsys):
     from unifusion.hf import default_kernel
 
-    # a checkpoint with a mask token and no recorded kernel: mask on its mask token (not uniform, as before)
+    # a checkpoint with a mask token and no recorded kernel: mask on its mask token
     rc, err = _sample(folders["dm"], capsys)
     assert rc == 0
     assert "unifusion sample: kernel MaskKernel(num_states=" in err and "mask_id=2" in err
@@ -224,3 +224,16 @@ def test_p_uniform_is_for_the_hybrid_kernel_only(folders, capsys):
     assert rc == 2 and "got --kernel mask" in err
     rc, err = _sample(folders["dm"], capsys, "--kernel", "hybrid", "--p-uniform", "0.3")
     assert rc == 0 and err == ""
+
+
+def test_make_kernel_moved_and_warns():
+    import unifusion.cli as cli
+
+    model = argparse.Namespace(num_states=9, mask_token_id=8)
+    with pytest.warns(DeprecationWarning, match="cli.make_kernel is deprecated"):
+        make_kernel = cli.make_kernel
+    assert type(make_kernel("hybrid", model)) is uf.HybridKernel and make_kernel("hybrid", model).p_uniform == 0.1
+    with pytest.raises(ValueError, match="--kernel: 'mask' needs a model with a mask token"):
+        make_kernel("mask", argparse.Namespace(num_states=9, mask_token_id=None))
+    with pytest.raises(ValueError, match=r"--kernel: expected one of \('uniform', 'mask', 'hybrid'\), got 'nope'"):
+        make_kernel("nope", model)

@@ -67,7 +67,7 @@ def test_m2s_is_undefined_at_unreachable_states() -> None:
     torch.testing.assert_close(mu[1:], torch.eye(5, dtype=DT)[1:])  # μ = e_{x_t} on unreachable rows
     # at the mask state μ is the posterior over clean tokens: x_θ itself (q_{t|0}(m|z) is the same for all z)
     torch.testing.assert_close(mu[0], x_theta[0], rtol=1e-15, atol=0)
-    with uf.validation(False):  # the reachability check reads values: skipped without validation
+    with uf.validation.validation(False):  # the reachability check reads values: skipped without validation
         uf.convert_x0_to("m2s", x_theta, kernel, x_t, 0.5)
 
 

@@ -63,10 +63,10 @@ def _no_tf32():
 
 @pytest.fixture(params=["eager", "compiled"])
 def backend(request):
-    previous = uf.get_backend()
-    uf.set_backend(request.param)
+    previous = uf.backend.get_backend()
+    uf.backend.set_backend(request.param)
     yield request.param
-    uf.set_backend(previous)
+    uf.backend.set_backend(previous)
 
 
 def _batch(kernel: uf.Kernel, n: int, seed: int = 0):
@@ -86,7 +86,7 @@ def _batch(kernel: uf.Kernel, n: int, seed: int = 0):
 
 def _reference(loss: str, logits64: torch.Tensor, x0, x_t, t, kernel, scale):
     L = logits64.detach().clone().requires_grad_()
-    fn = native.mdlm_loss if loss == "mdlm" else native.gidd_loss
+    fn = native.reference_mdlm_loss if loss == "mdlm" else native.reference_gidd_loss
     ref = fn(L, x0, x_t, t, kernel)
     (g,) = torch.autograd.grad((ref * scale).sum(), L)
     return ref.detach(), g
@@ -141,15 +141,15 @@ def test_fast_loss_bf16_matches_float64_of_the_rounded_logits(loss, name, S, bac
 @pytest.mark.parametrize("name", ["uniform", "mask", "hybrid"])
 def test_x0_head_loss_every_objective_and_weighting(name, objective, weighting, backend):
     """x0_head_loss on the device against the float64 reference: every objective of an x0 head is D_t (ELBO), and
-    the clip/dynamic weights replace w alike for every objective, so the reference is native.gidd_loss with the
-    same weighting."""
+    the clip/dynamic weights replace w alike for every objective, so the reference is native.reference_gidd_loss with
+    the same weighting."""
     if objective == "mdlm" and name != "mask":
         pytest.skip("objective='mdlm' needs the mask kernel")
     kernel = _kernel(name, 1000)
     logits64, x0, x_t, t, scale = _batch(kernel, n=128, seed=7)
     logits32 = logits64.float()
     L = logits32.double().requires_grad_()
-    ref = native.gidd_loss(L, x0, x_t, t, kernel, weighting, 1.5)
+    ref = native.reference_gidd_loss(L, x0, x_t, t, kernel, weighting, 1.5)
     (g_ref,) = torch.autograd.grad((ref * scale).sum(), L)
     Ld = logits32.to(DEV).requires_grad_()
     out = uf.losses.x0_head_loss(Ld, x0.to(DEV), x_t.to(DEV), t.float().to(DEV), kernel, objective=objective,
@@ -172,7 +172,7 @@ def test_reference_losses_of_the_other_heads_on_cuda(name):
     if kernel.mask_id is not None:
         logits64[:, kernel.mask_id] = -torch.inf
     p64 = torch.softmax(logits64, -1)
-    gidd_ref = native.gidd_loss(logits64, x0, x_t, t, kernel)
+    gidd_ref = native.reference_gidd_loss(logits64, x0, x_t, t, kernel)
 
     def losses(p: torch.Tensor, ids0: torch.Tensor, ids_t: torch.Tensor, tt: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {"sedd": native.sedd_loss(torch.log(uf.convert_x0_to("sedd", p, kernel, ids_t, tt)), ids0, ids_t, tt,
@@ -200,8 +200,8 @@ def test_more_than_2_to_the_31_logits(name):
     """A bf16 batch of 8,200 × 262,144 = 2.15·10⁹ logits (> 2³¹ − 1), compiled: Inductor's Triton kernels index it
     with 64-bit integers (they use 32 bits only behind a guard that every size fits). The rows past the 2³¹-th
     logit — where 32-bit offsets would wrap — agree with the same rows computed on their own. About 17 GiB."""
-    previous = uf.get_backend()
-    uf.set_backend("compiled")
+    previous = uf.backend.get_backend()
+    uf.backend.set_backend("compiled")
     try:
         V, N = 262_144, 8_200
         assert N * V > 2**31
@@ -211,13 +211,13 @@ def test_more_than_2_to_the_31_logits(name):
         t = torch.rand(N, device=DEV, generator=g) * 0.98 + 0.01
         x_t = kernel.sample(x0, t, generator=g)
         logits = torch.randn(N, V, device=DEV, generator=g).to(torch.bfloat16).requires_grad_()
-        with uf.validation(False):
+        with uf.validation.validation(False):
             loss = uf.losses.gidd_loss(logits, x0, x_t, t, kernel)
             loss.sum().backward()
         tail = slice(N - 16, N)  # starts at row 8184: logit 8184 · 2^18 > 2^31
         assert (N - 16) * V > 2**31
         part = logits.detach()[tail].clone().requires_grad_()
-        with uf.validation(False):
+        with uf.validation.validation(False):
             loss_part = uf.losses.gidd_loss(part, x0[tail], x_t[tail], t[tail], kernel)
             loss_part.sum().backward()
         torch.testing.assert_close(loss[tail].detach(), loss_part.detach(), rtol=1e-5,
@@ -225,7 +225,7 @@ def test_more_than_2_to_the_31_logits(name):
         torch.testing.assert_close(logits.grad[tail].float(), part.grad.float(), rtol=1e-2, atol=1e-6)
         assert torch.isfinite(loss).all() and torch.isfinite(logits.grad[-1].float()).all()
     finally:
-        uf.set_backend(previous)
+        uf.backend.set_backend(previous)
         torch.cuda.empty_cache()
 
 
@@ -241,7 +241,7 @@ def _head_inputs(kernel: uf.Kernel, N: int, d: int, seed: int = 0):
 
 def _head_reference(h, W, x0, x_t, t, kernel, scale):
     hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
-    ref = native.gidd_loss(hd @ Wd.T, x0, x_t, t, kernel)
+    ref = native.reference_gidd_loss(hd @ Wd.T, x0, x_t, t, kernel)
     gh, gw = torch.autograd.grad((ref * scale).sum(), (hd, Wd))
     return ref.detach(), gh, gw
 
@@ -345,7 +345,7 @@ def test_diffusion_loss_on_cuda_matches_cpu(family, kernel_kind, fused, backend)
     mask = out.mask.cpu().double()
     torch.testing.assert_close(mask, pad.double())
     logits = cpu_model(x_t, t, attention_mask=pad)
-    ref = native.gidd_loss(logits.double(), x0, x_t, t.double()[:, None].expand_as(x0), kernel) * mask
+    ref = native.reference_gidd_loss(logits.double(), x0, x_t, t.double()[:, None].expand_as(x0), kernel) * mask
     ref.sum().backward()
     ref = ref.detach()
     torch.testing.assert_close(out.loss.detach().cpu().double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
@@ -520,8 +520,8 @@ def test_nll_bound_on_cuda_matches_a_float64_cpu_recomputation_of_its_draws(kind
     assert bound.device.type == DEV and bound.dtype == torch.float64 and len(seen) == K
     model64 = copy.deepcopy(cpu_model).double()
     with torch.no_grad():
-        total = sum(native.gidd_loss(model64(x_t, t.double()), x0, x_t, t.double()[:, None].expand_as(x0),
-                                     kernel).sum(-1) for x_t, t in seen)
+        total = sum(native.reference_gidd_loss(model64(x_t, t.double()), x0, x_t, t.double()[:, None].expand_as(x0),
+                                               kernel).sum(-1) for x_t, t in seen)
     ref = total / K + prior_kl(kernel, x0).sum(-1)
     torch.testing.assert_close(bound.cpu(), ref, rtol=1e-4, atol=1e-6)
     again = nll_bound(gpu_model, x0.to(DEV), kernel, num_times=K, generator=torch.Generator(DEV).manual_seed(1),
@@ -600,14 +600,14 @@ def test_the_harness_runs_its_three_request_types_on_cuda():
 # ----------------------------------------------------------------------------------------- compiled vs eager
 def test_compiled_backend_matches_eager_on_cuda():
     """The compiled backend really compiles on the device (no fallback warning) and agrees with eager."""
-    previous = uf.get_backend()
+    previous = uf.backend.get_backend()
     kernel = _kernel("hybrid", 4096)
     logits64, x0, x_t, t, scale = _batch(kernel, n=128, seed=4)
     h, W, *_ = _head_inputs(kernel, N=128, d=48, seed=4)
     results = {}
     try:
         for backend in ("eager", "compiled"):
-            uf.set_backend(backend)
+            uf.backend.set_backend(backend)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # "torch.compile failed ...; running eagerly"
                 L = logits64.float().to(DEV).requires_grad_()
@@ -617,9 +617,9 @@ def test_compiled_backend_matches_eager_on_cuda():
                 fused = fused_linear_diffusion_loss(hh, WW, x0.to(DEV), x_t.to(DEV), t.float().to(DEV), kernel,
                                                     chunk_size=48)
                 (fused * scale.float().to(DEV)).sum().backward()
-            assert uf.get_backend() == backend  # a failed compilation would have switched to eager
+            assert uf.backend.get_backend() == backend  # a failed compilation would have switched to eager
             results[backend] = [x.detach().cpu() for x in (loss, L.grad, fused, hh.grad, WW.grad)]
     finally:
-        uf.set_backend(previous)
+        uf.backend.set_backend(previous)
     for a, b in zip(results["compiled"], results["eager"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))

@@ -1,7 +1,6 @@
 """The Quickstart's main job, end to end at a tiny budget on the real SmolLM2-135M (slow: ~1-2 minutes); and its
-training budget, which leaves out the steps taken while the fused loss compiles in the background and the wait for
-the compiler inside a step (UNIFUSION_BACKEND=compiled), and its report of compilations still running (a tiny model,
-a fake clock and fake compilations: seconds); and the compile_stats / blocking_seconds numbers that report reads."""
+training budget, which leaves out the seconds a step spends compiling (a tiny model, a fake clock and fake
+compilations: seconds)."""
 
 from __future__ import annotations
 
@@ -9,13 +8,11 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from _auto_backend import fresh_auto_backend
 from _hf_tiny import tiny_model
 
 
@@ -41,8 +38,8 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     assert len(samples) == 4 and all(isinstance(s["text"], str) for s in samples)
     assert "AR perplexity" in proc.stdout and "GenPPL" in proc.stdout
     # compiling is reported and kept out of the training budget (the suite runs eagerly: nothing compiled here)
-    assert set(metrics["compile"]) == {"compiled", "pending", "seconds"} and metrics["compile"]["compiled"] == 0
-    assert metrics["train_seconds_while_compiling"] == 0.0 and "of compiling" in proc.stdout
+    assert metrics["compile"] == {"compiled": 0, "seconds": 0.0} and metrics["train_seconds_compiling"] == 0.0
+    assert "s of it compiling" in proc.stdout
 
 
 class _Clock:
@@ -59,13 +56,11 @@ class _Clock:
             self.now += 1.0
 
 
-def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds=lambda: 0.0, budget="5",
-                   extra=()):
-    """run_demo on a tiny model with a fake clock, a fake compile_stats / blocking_seconds and a fake frontier."""
+def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, budget="5", extra=()):
+    """run_demo on a tiny model with a fake clock, a fake compile_stats and a fake frontier."""
     from transformers import PreTrainedTokenizerFast
 
-    import unifusion as uf
-    from unifusion import _compile, demo
+    from unifusion import backend, demo
     from unifusion import eval as uf_eval
     from unifusion.hf import loading
 
@@ -84,8 +79,7 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds
 
     monkeypatch.setattr(loading, "load_causal_lm", load_causal_lm)
     monkeypatch.setattr(uf_eval, "frontier", frontier)
-    monkeypatch.setattr(uf, "compile_stats", compile_stats)
-    monkeypatch.setattr(_compile, "blocking_seconds", blocking_seconds)
+    monkeypatch.setattr(backend, "compile_stats", compile_stats)
     monkeypatch.setattr(demo, "time", types.SimpleNamespace(time=clock.time))
     parser = demo.add_demo_arguments(argparse.ArgumentParser())
     out = tmp_path / "demo"
@@ -94,141 +88,34 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds
     return demo.run_demo(args), out
 
 
-def test_steps_taken_while_compiling_are_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
-    """run_demo with a 5 s budget on a tiny model, each training step taking 1 s of a fake clock, and a background
-    compilation pending for the first 3.5 s: the 3 steps that end while it is pending still train but are not
-    counted, so training stops after 8 steps (8 s, 5 s of them counted); metrics.json and the report say so."""
-    clock = _Clock()
-
-    def compile_stats():
-        pending = clock.now < 3.5
-        return {"compiled": 0 if pending else 1, "pending": int(pending), "seconds": clock.now if pending else 3.2}
-
-    metrics, out = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats)
-    assert metrics["train_steps"] == 8  # 3 while compiling + 5 counted
-    assert metrics["train_seconds"] == 8.0 and metrics["train_seconds_while_compiling"] == 3.0
-    assert metrics["train_seconds"] - metrics["train_seconds_while_compiling"] == 5.0  # the budget, exactly
-    assert metrics["train_seconds_waiting_for_compiler"] == 0.0
-    assert metrics["compile"] == {"compiled": 1, "pending": 0, "seconds": 3.2}
-    assert json.loads((out / "metrics.json").read_text())["train_seconds_while_compiling"] == 3.0
-    report = capsys.readouterr().out
-    assert ("8 steps" in report and "8 s of training, 3 s of it while the fused loss compiled in the background "
-            "(not counted in the 5 s budget); compiling: 1 configuration(s) done, 3 s of compiling so far"
-            in report), report
-
-
-def test_a_compilation_still_running_after_training_is_reported_with_its_seconds(tmp_path, monkeypatch, capsys):
-    """A background compilation that outlasts training (4 steps of 1 fake second, --max-train-steps 4; it started
-    0.7 s before training) is reported as still compiling with its seconds so far, not as "0 configuration(s), 0 s"
-    (compile_stats counts a pending configuration's seconds since it started)."""
-    clock = _Clock()
-
-    def compile_stats():
-        return {"compiled": 0, "pending": 1, "seconds": clock.now + 0.7}
-
-    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, budget="300",
-                                extra=("--max-train-steps", "4"))
-    assert metrics["train_steps"] == 4 and metrics["train_seconds_while_compiling"] == 4.0
-    assert metrics["compile"] == {"compiled": 0, "pending": 1, "seconds": 4.7}
-    report = capsys.readouterr().out
-    assert ("4 s of training, 4 s of it while the fused loss compiled in the background (not counted in the 300 s "
-            "budget); compiling: 0 configuration(s) done, 1 still compiling, 5 s of compiling so far") in report, report
-
-
 class _CompilingClock(_Clock):
-    """As :class:`_Clock`, with the first training step waiting 4 s for the compiler (UNIFUSION_BACKEND=compiled
-    compiles on the first call, inside the step)."""
+    """As :class:`_Clock`, with the first training step spending 4 s compiling (the first call of a configuration of
+    the fused loss compiles it inside the step)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.waited = 0.0
+        self.compiled = 0.0
 
     def hook(self, module, args, output) -> None:
-        if module.training and torch.is_grad_enabled() and self.waited == 0.0:
+        if module.training and torch.is_grad_enabled() and self.compiled == 0.0:
             self.now += 4.0
-            self.waited = 4.0
+            self.compiled = 4.0
         super().hook(module, args, output)
 
 
-def test_waiting_for_the_compiler_inside_a_step_is_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
-    """With the "compiled" backend the first step compiles in the training thread (4 s here) and then trains (1 s):
-    the 4 s are left out of the 3 s budget (3 steps, 7 s of wall time) and reported."""
+def test_seconds_spent_compiling_inside_a_step_are_not_counted_in_the_budget(tmp_path, monkeypatch, capsys):
+    """The first step compiles in the training thread (4 s here) and then trains (1 s): the 4 s are left out of the
+    3 s budget (3 steps, 7 s of wall time) and reported."""
     clock = _CompilingClock()
 
     def compile_stats():
-        return {"compiled": int(clock.waited > 0), "pending": 0, "seconds": clock.waited}
+        return {"compiled": int(clock.compiled > 0), "seconds": clock.compiled}
 
-    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, blocking_seconds=lambda: clock.waited,
-                                budget="3")
+    metrics, out = _run_tiny_demo(tmp_path, monkeypatch, clock, compile_stats, budget="3")
     assert metrics["train_steps"] == 3 and metrics["train_seconds"] == 7.0
-    assert metrics["train_seconds_waiting_for_compiler"] == 4.0 and metrics["train_seconds_while_compiling"] == 0.0
+    assert metrics["train_seconds_compiling"] == 4.0
+    assert metrics["compile"] == {"compiled": 1, "seconds": 4.0}
+    assert json.loads((out / "metrics.json").read_text())["train_seconds_compiling"] == 4.0
     report = capsys.readouterr().out
-    assert ("7 s of training, 0 s of it while the fused loss compiled in the background, 4 s waiting for the "
-            "compiler (not counted in the 3 s budget); compiling: 1 configuration(s) done, 4 s of compiling so far"
-            in report), report
-
-
-# ------------------------------------------------------------------------------------------------ what it reports
-@pytest.fixture
-def fake_compiler(monkeypatch):
-    """unifusion._compile with fresh bookkeeping, a 100-element threshold, and a torch.compile stand-in whose
-    compiled copies wait for ``gate`` (their first call stands for compiling)."""
-    from unifusion import _compile
-
-    fresh_auto_backend(monkeypatch)
-    gate = threading.Event()
-
-    def fake_compile(fn, dynamic=None, options=None):
-        def run(*args):
-            gate.wait(10)
-            return ("compiled", fn(*args))
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    yield _compile, gate
-    gate.set()
-    _compile.wait_for_compilation(10)
-
-
-def _call(_compile, x, key):
-    return _compile.run(_double, key, lambda fn: fn(x), lambda: ("eager", _double(x)), work=x.numel(),
-                        warmup=lambda fn: fn(x[:2].clone()))
-
-
-def _double(x):
-    return x * 2
-
-
-def test_compile_stats_counts_pending_seconds_and_the_callers_wait(fake_compiler):
-    """compile_stats: a background compilation still running is "pending" with its seconds so far (growing); the
-    "compiled" backend's first call (which compiles in the caller's thread) counts as compiled, and
-    blocking_seconds is that wait — what the demo leaves out of its budget."""
-    import time
-
-    import unifusion as uf
-
-    _compile, gate = fake_compiler
-    x = torch.arange(200.0)
-    assert _call(_compile, x, ("a",))[0] == "eager" and _call(_compile, x, ("a",))[0] == "eager"  # starts compiling
-    time.sleep(0.05)
-    first = uf.compile_stats()
-    assert first["pending"] == 1 and first["compiled"] == 0 and first["seconds"] >= 0.05
-    time.sleep(0.05)
-    assert uf.compile_stats()["seconds"] >= first["seconds"] + 0.05  # still counting
-    assert _compile.blocking_seconds() == 0.0  # "auto" never makes the caller wait
-    gate.set()
-    assert _compile.wait_for_compilation(10)
-    done = uf.compile_stats()
-    assert done["pending"] == 0 and done["compiled"] == 1 and done["seconds"] >= 0.1
-
-    gate.clear()
-    uf.set_backend("compiled")
-    threading.Timer(0.1, gate.set).start()
-    assert _call(_compile, x, ("b",))[0] == "compiled"  # waited for the gate in this thread: ~0.1 s
-    assert _compile.blocking_seconds() >= 0.09
-    stats = uf.compile_stats()
-    assert stats["compiled"] == 2 and stats["pending"] == 0
-    assert stats["seconds"] >= done["seconds"] + _compile.blocking_seconds() - 1e-9
-    waited = _compile.blocking_seconds()
-    assert _call(_compile, x, ("b",))[0] == "compiled" and _compile.blocking_seconds() == waited  # once per config
+    assert ("3 steps" in report and "7 s of training, 4 s of it compiling (not counted in the 3 s budget); compiled 1 "
+            "configuration(s) in 4 s" in report), report

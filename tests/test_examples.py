@@ -300,7 +300,7 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
 
 
 def test_paper_claims_adapt_honours_anneal_steps(monkeypatch, tmp_path):
-    """``adapt --anneal-steps N`` reaches the training loop (it used to be replaced by half the run)."""
+    """``adapt --anneal-steps N`` reaches the training loop, not a default derived from the run length."""
     module = _paper_claims_module()
     seen = []
 

@@ -10,6 +10,7 @@ import torch
 from reference import DT, KINDS
 
 import unifusion as uf
+from unifusion.schedules import CosineSchedule, LinearSchedule, LogLinearSchedule, Schedule
 
 N = 20  # random instances per check
 
@@ -140,8 +141,8 @@ def _assert_same_kernel(a: uf.Kernel, b: uf.Kernel, tol: float = 1e-12) -> None:
                            b.posterior(p.expand(S, S), ids, _t(s), _t(t))) <= tol
 
 
-@pytest.mark.parametrize("schedule", [uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(0.01)], ids=repr)
-def test_generator_forms_reproduce_structured_kernels(schedule: uf.Schedule) -> None:
+@pytest.mark.parametrize("schedule", [LinearSchedule(), CosineSchedule(), LogLinearSchedule(0.01)], ids=repr)
+def test_generator_forms_reproduce_structured_kernels(schedule: Schedule) -> None:
     S, m = 6, 2
     uniform = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
     _assert_same_kernel(uf.GeneratorKernel(uniform, schedule=schedule), uf.UniformKernel(S, schedule))
@@ -248,9 +249,10 @@ def test_generator_kernel_copies_its_matrices_to_a_device_once() -> None:
     R = torch.ones(S, S, dtype=DT) / S - torch.eye(S, dtype=DT)
     kernel = uf.GeneratorKernel(R.clone())
     ids, t = torch.arange(S, device="meta"), torch.full((S,), 0.5, device="meta")
-    copies = [count_syncs(kernel._rate_column, ids, t)[1].sync_ops["copy to device"] for _ in range(3)]
+    copies = [count_syncs(kernel.rate_column, ids, t)[1].sync_ops["copy to device"] for _ in range(3)]
     assert copies == [1, 0, 0]
-    assert count_syncs(kernel._prior, None, torch.float32, torch.device("meta"))[1].sync_ops["copy to device"] == 1
+    prior = count_syncs(kernel.noise_distribution, None, torch.float32, torch.device("meta"))[1]
+    assert prior.sync_ops["copy to device"] == 1
     rates = kernel.rate_into(torch.arange(S), torch.full((S,), 0.5))  # float32, through the cached float32 copy
     kernel.generator.mul_(2.0)  # changed in place: the cached copy is stale and replaced
     torch.testing.assert_close(kernel.rate_into(torch.arange(S), torch.full((S,), 0.5)), 2.0 * rates)

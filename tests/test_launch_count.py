@@ -1,6 +1,6 @@
-"""Launch counts and memory of the eager fallback (taken for the whole process when compiling fails; on a GPU every op
-is a kernel launch): the fast loss's forward + backward over a batch is its per-row math once plus a few ops per block
-of each element pass, not the whole function per block of rows.
+"""Launch counts and memory of the eager backend (what small calls run, and every call when compiling fails or is
+switched off; on a GPU every op is a kernel launch): the fast loss's forward + backward over a batch is its per-row
+math once plus a few ops per block of each element pass, not the whole function per block of rows.
 
 Counted with the dispatch counter (tests/_dispatch_count.py) in two ways: on the ``meta`` device, which takes the
 accelerators' block sizes and allocates and computes nothing, so the GPU shapes themselves (16,384 rows at
@@ -19,7 +19,9 @@ from _dispatch_count import DispatchCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import unifusion as uf
-from unifusion.losses import _x0_kernel, fast
+from unifusion import backend
+from unifusion.losses import _x0_passes, fast
+from unifusion.losses._x0_rows import RowTensors, X0Rows, prepare_x0_rows
 
 GiB = 2**30
 KERNELS = {"uniform": lambda V: uf.UniformKernel(V), "mask": lambda V: uf.MaskKernel(V, V - 1),
@@ -64,7 +66,7 @@ def _batch(N: int, V: int, kernel_name: str):
 def _launches(N: int, V: int, kernel_name: str) -> int:
     kernel, x0, x_t, t = _batch(N, V, kernel_name)
     logits = torch.randn(N, V, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    with uf.validation(False), DispatchCounter() as counter:
+    with uf.validation.validation(False), DispatchCounter() as counter:
         uf.losses.gidd_loss(logits, x0, x_t, t, kernel).sum().backward()
     assert torch.isfinite(logits.grad).all()
     return counter.launches
@@ -75,15 +77,16 @@ def _meta(N: int, V: int, kernel_name: str, dtype: torch.dtype = torch.bfloat16)
     public function's checks read them, and moved over)."""
     kernel, x0, x_t, t = _batch(N, V, kernel_name)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    rows, _ = fast._prepare_rows(kernel, (N,), x0, x_t, t, compute, torch.device("cpu"), "elbo", 2.0)
-    meta = fast._Rows(**{k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in vars(rows).items()})
+    rows, _ = prepare_x0_rows(kernel, (N,), x0, x_t, t, compute, torch.device("cpu"), "elbo", 2.0)
+    meta = X0Rows(RowTensors(*(v.to("meta") for v in rows.tensors)), rows.uniform_noise, rows.mask_id, rows.dtype,
+                  rows.num_logits)
     return torch.empty(N, V, device="meta", dtype=dtype).requires_grad_(), meta
 
 
 def _meta_launches(N: int, V: int, kernel_name: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """Ops of the fast loss's forward + backward on ``(N, V)`` logits on the meta device."""
     logits, rows = _meta(N, V, kernel_name, dtype)
-    with uf.validation(False), DispatchCounter() as counter:
+    with uf.validation.validation(False), DispatchCounter() as counter:
         fast._X0HeadLossFunction.apply(logits, rows).sum().backward()
     assert logits.grad is not None and logits.grad.shape == (N, V) and logits.grad.dtype == dtype
     return counter.launches
@@ -91,27 +94,21 @@ def _meta_launches(N: int, V: int, kernel_name: str, dtype: torch.dtype = torch.
 
 def _blocks(N: int, V: int, dtype: torch.dtype, pass_name: str) -> int:
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    return -(-N // _x0_kernel.eager_block_rows(torch.device("meta"), V, dtype, compute, pass_name))
+    return -(-N // _x0_passes.eager_block_rows(torch.device("meta"), V, dtype, compute, pass_name))
 
 
 @pytest.fixture
 def eager():
-    """Eager backend on one thread: on the CPU the eager blocks are otherwise spread over Python threads, whose ops
-    the (thread-local) dispatch counter does not see; on a GPU they run in the caller's thread."""
-    previous, threads = uf.get_backend(), torch.get_num_threads()
-    uf.set_backend("eager")
-    torch.set_num_threads(1)
-    yield
-    uf.set_backend(previous)
-    torch.set_num_threads(threads)
+    """The eager backend (the meta batches below are far above "auto"'s threshold)."""
+    backend.set_backend("eager")
 
 
 @pytest.mark.parametrize("kernel_name", ["uniform", "mask"])
 def test_accelerator_blocks_keep_launches_flat_in_the_number_of_rows(eager, monkeypatch, kernel_name):
     """With real numbers on the CPU and the accelerators' block sizes, 8 and 256 rows at V = 65,536 are one block per
     pass: the same ops (the per-row math runs once on whatever rows there are)."""
-    sizes = _x0_kernel.eager_block_rows
-    monkeypatch.setattr(_x0_kernel, "eager_block_rows", lambda device, *args: sizes(torch.device("meta"), *args))
+    sizes = _x0_passes.eager_block_rows
+    monkeypatch.setattr(_x0_passes, "eager_block_rows", lambda device, *args: sizes(torch.device("meta"), *args))
     V = 1 << 16
     few, many = _launches(8, V, kernel_name), _launches(256, V, kernel_name)
     assert many == few
@@ -133,14 +130,14 @@ def test_the_block_size_follows_the_device_and_the_pass():
     meta, cpu = torch.device("meta"), torch.device("cpu")
     V = 262_144
     for pass_name in ("max", "noise", "grad"):
-        assert _x0_kernel.eager_block_rows(cpu, V, torch.bfloat16, torch.float32, pass_name) == 1
-        assert _x0_kernel.eager_block_rows(cpu, 1000, torch.float32, torch.float32, pass_name) == (1 << 18) // 1000
+        assert _x0_passes.eager_block_rows(cpu, V, torch.bfloat16, torch.float32, pass_name) == 1
+        assert _x0_passes.eager_block_rows(cpu, 1000, torch.float32, torch.float32, pass_name) == (1 << 18) // 1000
     # an accelerator's passes take rows up to their byte budgets: at V = 262,144 and 16,384 rows of bf16 logits the
     # passes run 27, 26 and 25 blocks; float32 logits (compensated l − M) and float64 (8-byte elements) more
     assert [_blocks(16_384, V, torch.bfloat16, p) for p in ("max", "noise", "grad")] == [27, 26, 25]
     assert [_blocks(16_384, V, torch.float32, p) for p in ("max", "noise", "grad")] == [59, 30, 39]
     assert [_blocks(16_384, V, torch.float64, p) for p in ("max", "noise", "grad")] == [53, 52, 49]
-    assert _x0_kernel.eager_block_rows(meta, 1, torch.float32, torch.float32, "noise") > 16_384
+    assert _x0_passes.eager_block_rows(meta, 1, torch.float32, torch.float32, "noise") > 16_384
 
 
 @pytest.mark.parametrize("kernel_name", ["uniform", "mask"])
@@ -170,25 +167,27 @@ def test_each_pass_keeps_its_temporaries_within_its_budget(eager, monkeypatch, k
     N, V = 64, 1 << 16
     logits, rows = _meta(N, V, kernel_name, dtype)
     peaks: dict[str, float] = {}
-    each = _x0_kernel._BlockRunner.each
+    each = _x0_passes.BlockedPasses.each
 
-    def measured(self, job, edges):
+    def measured(self, pass_name, job):
         start = tracker.current
         tracker.peak = start
-        each(self, job, edges)
-        peaks[job.__name__] = (tracker.peak - start) / ((edges[1] - edges[0]) * V)  # bytes per logit
+        each(self, pass_name, job)
+        rows = _x0_passes.eager_block_rows(self.logits.device, V, self.logits.dtype, self.dtype, pass_name)
+        edges = _x0_passes.block_edges(N, rows)
+        peaks[pass_name] = (tracker.peak - start) / ((edges[1] - edges[0]) * V)  # bytes per logit
 
-    monkeypatch.setattr(_x0_kernel._BlockRunner, "each", measured)
-    with uf.validation(False), LiveBytes() as tracker:
+    monkeypatch.setattr(_x0_passes.BlockedPasses, "each", measured)
+    with uf.validation.validation(False), LiveBytes() as tracker:
         fast._X0HeadLossFunction.apply(logits, rows).sum().backward()
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    widths = {name: _x0_kernel.EAGER_PASS_WIDTH[name][dtype == torch.float32] * compute.itemsize
+    widths = {name: _x0_passes.EAGER_PASS_WIDTH[name][dtype == torch.float32] * compute.itemsize
               for name in ("max", "noise", "grad")}
-    expected = {"max_and_sum", "store"} | ({"noise"} if kernel_name != "mask" else set())
+    expected = {"max", "grad"} | ({"noise"} if kernel_name != "mask" else set())
     assert set(peaks) == expected
-    assert peaks["max_and_sum"] <= widths["max"] and peaks["store"] <= widths["grad"]
+    assert peaks["max"] <= widths["max"] and peaks["grad"] <= widths["grad"]
     assert peaks.get("noise", 0.0) <= widths["noise"]
-    assert peaks["max_and_sum"] > 0.6 * widths["max"] and peaks["store"] > 0.6 * widths["grad"]  # not far above
+    assert peaks["max"] > 0.6 * widths["max"] and peaks["grad"] > 0.6 * widths["grad"]  # not far above
 
 
 # peaks of the temporaries (GiB) at 16,384 × 262,144 with the earlier eager blocks (2^27 logits through the whole
@@ -206,12 +205,12 @@ def test_the_largest_batch_holds_no_more_than_before(eager, kernel_name, dtype):
     (+ the per-row vectors), and neither above the earlier blocks' peaks (:data:`BEFORE`)."""
     N, V = 16_384, 262_144
     logits, rows = _meta(N, V, kernel_name, dtype)
-    with uf.validation(False), LiveBytes() as forward:
+    with uf.validation.validation(False), LiveBytes() as forward:
         loss = fast._X0HeadLossFunction.apply(logits, rows).sum()
-    with uf.validation(False), LiveBytes() as backward:
+    with uf.validation.validation(False), LiveBytes() as backward:
         loss.backward()
     beyond_grad = backward.peak - N * V * dtype.itemsize
-    budgets = _x0_kernel.EAGER_ACCELERATOR_PASS_BYTES
+    budgets = _x0_passes.EAGER_ACCELERATOR_PASS_BYTES
     forward_budget = budgets["noise" if kernel_name == "uniform" else "max"]
     per_row = 64 * N * 8  # generous: a few dozen float64 (N,) vectors
     assert 0.6 * forward_budget < forward.peak <= forward_budget + per_row  # the budget used: few blocks

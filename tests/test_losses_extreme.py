@@ -20,8 +20,8 @@ The chain of trust:
     references in float64) — and the native SEDD, M2S and Neural-CTMC losses fed their own heads (vs their own
     60-digit closed forms) equal the float64 values of the same rounded inputs: ≤ 1e-6.
 (D) the same at S = 262,144 for every fast kernel and weighting (fast and fused losses); (E) the compiled backend
-    (fast, fused and MDLM losses); (F) rows whose non-maximal logits are all equal (a padded vocabulary), where the
-    rounding of l − max does not average out.
+    (fast, fused and MDLM losses, on the compiled configurations the suite shares); (F) rows whose non-maximal
+    logits are all equal (a padded vocabulary), where the rounding of l − max does not average out.
 
 How errors are measured: values relatively, |L − L_ref| ≤ rtol |L_ref|; gradients **norm-wise per row**,
 max_z |g_z − g_ref,z| ≤ rtol · max_z |g_ref,z| (a per-entry relative error of an entry 10⁻³⁰ of its row's largest one
@@ -47,7 +47,7 @@ Nothing else: a confidently right model's loss (e.g. 1e-17 at gap 20 and t = 1e-
 returns 0) is exact to 1e-6, because 1 − p(x0) is summed from the other tokens rather than taken from p(x0) ≈ 1, and
 so is the gradient at the most likely token; the rounding of l − max, which a float32 softmax (and ``F.cross_entropy``)
 carries as a relative error of up to 2^{−24} |l − max| in e^{l − max} (6e-6 at 104 nats), is compensated for float32
-logits (``_x0_kernel._exp_minus_max``), and every per-row quantity is float64. For bf16 logits l − max is exact in
+logits (``_x0_math.exp_minus_max``), and every per-row quantity is float64. For bf16 logits l − max is exact in
 float32 unless one of the two lies within 2^{−16} |l − max| of zero (a logit within ~1e-3 of 0, tens of nats below the
 maximum); (F) measures that case, the one place where a bf16 row is held to 2^{−24} |l − max| instead of 1e-6.
 """
@@ -63,7 +63,7 @@ import torch
 
 import unifusion as uf
 from unifusion.losses import native
-from unifusion.losses.fast import _prepare_rows
+from unifusion.losses._x0_rows import prepare_x0_rows
 
 DT = torch.float64
 
@@ -197,7 +197,7 @@ def grid(spec: Spec, S: int, gaps=GAPS, times=TIMES, seed: int = 0, per_style: i
 def reference(kernel, logits64, x0, x_t, t, weighting):
     """Float64 reference value ``(N,)`` and gradient ``(N, S)``."""
     l = logits64.clone().requires_grad_()
-    loss = native.gidd_loss(l, x0, x_t, t, kernel, weighting=weighting, max_weight=2.0)
+    loss = native.reference_gidd_loss(l, x0, x_t, t, kernel, weighting=weighting, max_weight=2.0)
     loss.sum().backward()
     return loss.detach(), l.grad
 
@@ -225,7 +225,7 @@ def float32_tol(kernel, x0, x_t, t, weighting, ref_grad: torch.Tensor) -> Tol:
     S, N = ref_grad.shape[-1], ref_grad.shape[0]
     w = mass = torch.ones(N, dtype=DT)
     if isinstance(kernel, uf.kernels.InterpolatingKernel):
-        rows, _ = _prepare_rows(kernel, None, x0, x_t, t, DT, torch.device("cpu"), weighting, 2.0)
+        rows = prepare_x0_rows(kernel, None, x0, x_t, t, DT, torch.device("cpu"), weighting, 2.0)[0].tensors
         w, mass = rows.w_active.abs(), torch.where(rows.u > 0, rows.u, rows.alpha)
     unit = S * SUB32
     return Tol(torch.full((N,), RTOL32, dtype=DT), unit * (w * mass).clamp_min(1.0), unit * (4 * w).clamp_min(1.0))
@@ -689,17 +689,14 @@ def test_large_vocabulary(name):
 
 # ---------------------------------------------------------------------------------------------------- (E) compiled
 def test_compiled_backend():
-    """The compiled (Inductor) kernels (each configuration compiles for ~10-60 s here): the hybrid and uniform kernels
-    (uniform noise, a mask column sliced off) with float32 logits, the mask kernel (its own branch) with bf16 logits;
-    the fast loss (its forward keeps statistics, its backward is the gradient pass), the fused loss (its forward
-    computes loss and gradient in one call, in place) and MDLM's; every weighting (the weights are per-row inputs of
-    the same compiled code) against the float64 reference."""
-    previous = uf.get_backend()
-    uf.set_backend("compiled")
-    try:
-        # the uniform kernel shares the hybrid's compiled code (same configuration once the mask column is sliced off)
-        for name, dtype in (("hybrid", torch.float32), ("uniform", torch.float32), ("mask", torch.bfloat16)):
-            spec, S = SPECS[name], 1000
+    """The compiled (Inductor) kernels on the configurations every compiled test shares (tests/conftest.py): uniform
+    noise with a mask column inside the logits (GIDD's default hybrid, mask in the middle) and the mask kernel (mask
+    last, sliced off), float32 logits; the fast loss (its forward keeps statistics, its backward is the gradient
+    pass), the fused loss (its forward computes loss and gradient in one call, in place) and MDLM's; every weighting
+    (the weights are per-row inputs of the same compiled code) against the float64 reference."""
+    with uf.backend.using("compiled"):
+        for name in ("gidd_default", "mask"):
+            spec, S, dtype = SPECS[name], 1000, torch.float32
             kernel = spec.kernel(S)
             G = grid(spec, S, gaps=(0.0, 20.0, 87.0, 90.0, 1e4))
             logits = G.logits.to(dtype).to(DT)
@@ -709,10 +706,8 @@ def test_compiled_backend():
                 for path, fn in paths.items():
                     loss, grad = run_path(fn, logits, dtype, G)
                     check(f"compiled {path} {dtype} {name} {weighting}", G.labels, loss, grad, ref_loss, ref_grad,
-                          float32_tol(kernel, G.x0, G.x_t, G.t, weighting, ref_grad),
-                          bf16_grad=dtype == torch.bfloat16)
-    finally:
-        uf.set_backend(previous)
+                          float32_tol(kernel, G.x0, G.x_t, G.t, weighting, ref_grad))
+        assert uf.backend.get_backend() == "compiled"  # no compiler failure served a call eagerly
 
 
 # ---------------------------------------------------------------------------------------------------- (F) equal logits
@@ -764,7 +759,7 @@ def test_validation_does_not_blame_finite_logits():
     logits = torch.zeros(1, 50)
     logits[0, 1] = 86.9
     expected = 2 * (86.9 + math.log1p(48 * math.exp(-86.9)))  # w = 1/(1 − t) = 2 on a mask, x_θ over 49 states
-    with uf.validation(True):
+    with uf.validation.validation(True):
         for fn in (uf.losses.gidd_loss, uf.losses.mdlm_loss):
             loss = fn(logits, torch.tensor([0]), torch.tensor([49]), 0.5, kernel)
             assert math.isfinite(float(loss)) and float(loss) == pytest.approx(expected, rel=1e-6)

@@ -426,7 +426,7 @@ def test_a_converted_head_under_another_kernel_is_an_error_naming_both():
     # an equal kernel built anew is the same process: fine
     uf.EulerSampler(converted, uf.MaskKernel(9, 8), 2, parameterization="sedd")
     with pytest.raises(ValueError, match="converted by x0_model_as"):
-        uf.EulerSampler(converted, uf.MaskKernel(9, 8, uf.CosineSchedule()), 2, parameterization="sedd")
+        uf.EulerSampler(converted, uf.MaskKernel(9, 8, uf.schedules.CosineSchedule()), 2, parameterization="sedd")
 
 
 def test_a_tagged_callable_is_checked_like_a_wrapper():

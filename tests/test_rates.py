@@ -59,7 +59,7 @@ def test_x0_score_posterior_mean_and_exit_jump_rates(kind: str) -> None:
 
 
 def test_mask_kernel_rates_live_on_the_mask_state_only() -> None:
-    kernel = uf.MaskKernel(6, 2, uf.CosineSchedule())
+    kernel = uf.MaskKernel(6, 2, uf.schedules.CosineSchedule())
     g = torch.Generator().manual_seed(0)
     x_t = torch.arange(6)
     mu = torch.softmax(ref.random_logits((6, 6), g).index_fill(-1, torch.tensor([2]), -torch.inf), -1)

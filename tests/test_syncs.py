@@ -81,7 +81,7 @@ def test_model_forward(model):
     x_t, t = _x0(model), torch.rand(2)
     _, c = count_syncs(model, x_t, t, attention_mask=torch.ones(2, 8))
     assert c.syncs == 1, c.sync_ops
-    with uf.validation(False):
+    with uf.validation.validation(False):
         _, c = count_syncs(model, x_t, t)
     assert c.syncs == 0, c.sync_ops
 
@@ -158,7 +158,7 @@ def test_choice_scores_check_once_per_call(model, scores):
 def backend(monkeypatch):
     """Switch unifusion's backend for one test (restored after)."""
     def use(name):
-        monkeypatch.setattr(_compile, "_state", {"backend": name})
+        uf.backend.set_backend(name)
 
     return use
 
@@ -226,23 +226,19 @@ def test_compiled_sampler(big_model, backend):
 
 
 def test_auto_backend(model, big_model, backend, monkeypatch):
-    """The default backend: eager while a configuration is small or new (the eager counts), compiled in the
-    background once it repeats with enough work, and the compiled copy, once swapped in, adds no sync."""
+    """The default backend: small calls run eagerly (the eager counts); calls at or above its threshold run the
+    compiled copy (compiled on its first call, in the caller's thread), which adds no sync."""
     backend("auto")
-    monkeypatch.setattr(_compile, "_auto", {})
     kernel = kernels(model)["mask"]
+    assert not uf.backend.runs_compiled(2 * 8 * model.num_states)  # too little work: all of this runs eagerly
     c, b = _loss_and_backward(model, kernel, False)
     assert c.syncs <= 1 and b.syncs == 0, (c.sync_ops, b.sync_ops)
     few, many = _sampler_syncs(lambda n: uf.BayesianSampler(model, kernel, n), (2, 8))
     assert few.syncs == many.syncs <= 1, (few.sync_ops, many.sync_ops)
-    assert _compile.compile_stats()["compiled"] == 0  # too little work to compile: all of that ran eagerly
 
-    monkeypatch.setattr(_compile, "AUTO_MIN_WORK", 1)  # compile what follows on its second use
+    monkeypatch.setattr(_compile, "AUTO_MIN_LOGITS", 1)  # everything that follows runs compiled
     kernel = uf.UniformKernel(big_model.num_states)
-    for _ in range(2):
-        uf.BayesianSampler(big_model, kernel, 2).sample(2, 8, generator=torch.Generator().manual_seed(0))
-    assert _compile.wait_for_compilation(timeout=600)
-    assert _compile.compile_stats()["compiled"] >= 1
+    uf.BayesianSampler(big_model, kernel, 2).sample(2, 8, generator=torch.Generator().manual_seed(0))  # compiles
     counts = [_compiled_count(uf.BayesianSampler(big_model, kernel, n).sample, 2, 8,
                               generator=torch.Generator().manual_seed(0))[1] for n in (2, 6)]
     assert "amax" not in counts[1].ops, counts[1].ops  # the compiled copy was used
@@ -275,7 +271,7 @@ def meta_device(monkeypatch):
     monkeypatch.setattr(_setup, "check_devices", lambda *args: None)
     for module in (bayesian, euler):
         monkeypatch.setattr(module, "check_head_shape", lambda name, head, *args, **kwargs: head)
-    with uf.validation(False):
+    with uf.validation.validation(False):
         yield
 
 
@@ -324,7 +320,8 @@ def test_losses_bounds_and_draws_copy_no_host_data_to_the_device(meta_device, ke
         "prior": lambda: kernel.prior(None, device="meta"),
         "x0_log_probs": lambda: uf.rates.x0_log_probs(kernel, META_EMBEDDING),
     }
-    if isinstance(kernel, uf.InterpolatingKernel):  # the fused loss's forward (its backward reads g: documented)
+    # the fused loss's forward (its backward reads g: documented)
+    if isinstance(kernel, uf.kernels.InterpolatingKernel):
         calls["fused_linear_diffusion_loss"] = lambda: uf.losses.fused_linear_diffusion_loss(
             torch.randn(16, 8, device="meta"), torch.randn(META_STATES, 8, device="meta"), x0.reshape(-1),
             x0.reshape(-1), torch.full((16,), 0.5, device="meta"), kernel)
@@ -391,16 +388,16 @@ def warm_up(fn):
     """Run ``fn`` with validation on and off, twice: compilations (whose autotuning synchronises), cuBLAS handles
     and the caching allocators are set up before anything is counted."""
     for enabled in (True, False, True, False):
-        with uf.validation(enabled):
+        with uf.validation.validation(enabled):
             fn()
 
 
 @pytest.fixture
 def gpu_backend():
     """Run one test on ``"eager"`` or ``"compiled"`` (restored after)."""
-    previous = uf.get_backend()
-    yield uf.set_backend
-    uf.set_backend(previous)
+    previous = uf.backend.get_backend()
+    yield uf.backend.set_backend
+    uf.backend.set_backend(previous)
 
 
 def _gpu_model(vocab=128):
@@ -436,9 +433,9 @@ def test_samplers_never_sync_on_cuda(gpu_backend, backend, vocab, kernel_name):
 
     for make in runs.values():  # warm-up: compilation, cuBLAS handles, the caching allocators
         warm_up(lambda make=make: (run(make, 2), run(make, 2, prompt=prompt)))
-    assert uf.get_backend() == backend  # a failed compilation would have switched to eager
+    assert uf.backend.get_backend() == backend  # a failed compilation would have switched to eager
     for name, make in runs.items():
-        with uf.validation(False), sync_debug("error"):
+        with uf.validation.validation(False), sync_debug("error"):
             ids = run(make, 6)
             kept = run(make, 6, prompt=prompt)
         assert ids.shape == (2, 16) and torch.equal(kept[:, :4], prompt[:4].expand(2, 4)), name
@@ -468,8 +465,8 @@ def test_diffusion_loss_step_never_syncs_on_cuda(gpu_backend, backend, kernel_na
         return uf.diffusion_loss(model, x0, kernel, generator=g, fused=fused, attention_mask=mask)
 
     warm_up(lambda: forward().mean().backward())
-    assert uf.get_backend() == backend
-    with uf.validation(False):
+    assert uf.backend.get_backend() == backend
+    with uf.validation.validation(False):
         with sync_debug("error"):
             out = forward()
         if fused:
@@ -503,7 +500,7 @@ def test_fused_linear_loss_never_syncs_on_cuda_but_for_its_backward_read(gpu_bac
         return uf.losses.fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel)
 
     warm_up(lambda: (forward() * scale).sum().backward())
-    with uf.validation(False):
+    with uf.validation.validation(False):
         with sync_debug("error"):
             out = forward() * scale
         _, n = cuda_syncs(lambda: out.sum().backward())
@@ -526,7 +523,7 @@ def test_nll_bound_and_choice_scores_never_sync_on_cuda_but_for_their_result():
                                      batch_size=3, generator=torch.Generator(device).manual_seed(0))
 
     warm_up(lambda: (bound(), scores(GPU), scores("cpu")))
-    with uf.validation(False):
+    with uf.validation.validation(False):
         with sync_debug("error"):
             out = bound()
         assert out.device.type == GPU and out.shape == (2,)

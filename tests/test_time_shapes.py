@@ -14,6 +14,14 @@ from _hf_tiny import tiny_model
 
 import unifusion as uf
 from unifusion.samplers.euler import clean_distribution_from_head, reverse_rate_from_head
+from unifusion.schedules import (
+    CosineSchedule,
+    DUOCosineSchedule,
+    GeometricSchedule,
+    LinearSchedule,
+    LogLinearSchedule,
+    MDLMCosineSchedule,
+)
 
 B = L = 4  # the ambiguous case: broadcasting a (B,) t against (B, L) tokens would pair t_j with position j
 S = 9
@@ -214,8 +222,8 @@ def test_sample_prior_reads_a_1d_t_per_row_by_value():
         kernel.sample_prior((B, B), t="0.5")  # type: ignore[arg-type]
 
 
-SCHEDULES = (uf.LinearSchedule(), uf.CosineSchedule(), uf.LogLinearSchedule(), uf.GeometricSchedule(),
-             uf.MDLMCosineSchedule(), uf.DUOCosineSchedule(), uf.DUOCosineSchedule(chain_factor=False))
+SCHEDULES = (LinearSchedule(), CosineSchedule(), LogLinearSchedule(), GeometricSchedule(),
+             MDLMCosineSchedule(), DUOCosineSchedule(), DUOCosineSchedule(chain_factor=False))
 SCHEDULE_METHODS = ("alpha", "alpha_prime", "hazard", "log_alpha", "one_minus_alpha", "sigma")
 
 
@@ -225,7 +233,7 @@ def test_schedules_are_elementwise_in_every_form(schedule):
     shape (``(B,)``, ``(B, 1)``, ``(B, L)``) and floating dtype; entry b of any form is the float call at t_b."""
     t_row, forms = _times()
     methods = [m for m in SCHEDULE_METHODS if hasattr(schedule, m)]
-    assert len(methods) == 5 + isinstance(schedule, uf.GeometricSchedule)
+    assert len(methods) == 5 + isinstance(schedule, GeometricSchedule)
     for method in methods:
         fn = getattr(schedule, method)
         full = fn(forms["(B, L)"])

@@ -27,7 +27,7 @@ class EmbedHead(torch.nn.Module):
 
 def _kernels():
     return [uf.UniformKernel(S), uf.MaskKernel(S, MASK), uf.HybridKernel(S, MASK, 0.3),
-            uf.UniformKernel(S, uf.CosineSchedule())]
+            uf.UniformKernel(S, uf.schedules.CosineSchedule())]
 
 
 def _x0(B=3, L=6, seed=0):

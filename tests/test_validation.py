@@ -1,4 +1,5 @@
-"""Bad input raises ValueError / TypeError naming the argument; uf.validation(False) skips value checks only."""
+"""Bad input raises ValueError / TypeError naming the argument; ``uf.validation.validation(False)`` skips value
+checks only."""
 
 from __future__ import annotations
 
@@ -117,9 +118,9 @@ def test_validation_switch_skips_value_checks_only(kernel: uf.Kernel) -> None:
     bad_probs = torch.full((2, S), 0.5)
     nan_head = torch.zeros(2, S)
     nan_head[0, 0] = math.nan
-    assert uf.validation_enabled()
-    with uf.validation(False):
-        assert not uf.validation_enabled()
+    assert uf.validation.validation_enabled()
+    with uf.validation.validation(False):
+        assert not uf.validation.validation_enabled()
         kernel.marginal(x, 1.5)  # times outside (0, 1): not checked
         kernel.marginal(torch.tensor([0, S + 3]).clamp_max(S - 1), 0.5)
         uf.ReverseRate.from_x0(kernel, bad_probs, x, 0.5)  # rows not summing to 1: not checked
@@ -132,9 +133,27 @@ def test_validation_switch_skips_value_checks_only(kernel: uf.Kernel) -> None:
             kernel.marginal(torch.tensor([0.5]).bool(), 0.5)
         with pytest.raises(ValueError, match="target"):
             uf.convert_x0_to("nope", bad_probs, kernel, x, 0.5)  # type: ignore[call-overload]
-    assert uf.validation_enabled()
+    assert uf.validation.validation_enabled()
     with pytest.raises(TypeError, match="enabled"):
-        uf.set_validation(1)  # type: ignore[arg-type]
+        uf.validation.set_validation(1)  # type: ignore[arg-type]
+
+
+def test_the_switch_lives_in_unifusion_validation(kernel: uf.Kernel) -> None:
+    """unifusion.validation holds the switch; the package's checks read it there."""
+    from unifusion import _validation
+    from unifusion.validation import set_validation, validation, validation_enabled
+
+    with validation(False):
+        assert not validation_enabled() and not _validation.validation_enabled()
+        assert not uf.validation.validation_enabled()
+        kernel.marginal(torch.tensor([1]), 1.5)  # not checked
+    set_validation(False)
+    try:
+        kernel.marginal(torch.tensor([1]), 1.5)
+    finally:
+        set_validation(True)
+    with pytest.raises(ValueError, match="open interval"):
+        kernel.marginal(torch.tensor([1]), 1.5)
 
 
 # ---------------------------------------------------------------------------------------------------- model vs kernel

@@ -1,9 +1,11 @@
-"""The kernel a model was trained with, as a small JSON-able record: what ``DiffusionLM.save_pretrained`` writes to
-its config (``"kernel"``) and ``from_pretrained`` reads back, and the rule that picks a kernel when none is named
-(:func:`default_kernel`), shared by ``DiffusionLM.generate`` and the ``unifusion sample``/``eval`` commands.
+"""Kernels by name: the names (:data:`KERNEL_NAMES`), building one on a model's states (:func:`make_kernel`), the
+small JSON-able record of a kernel (:func:`kernel_config` / :func:`kernel_from_config`: what
+``DiffusionLM.save_pretrained`` writes to its config as ``"kernel"`` and ``from_pretrained`` reads back), and the rule
+that picks a kernel when none is named (:func:`default_kernel`), shared by ``DiffusionLM.generate``, the harness and
+the ``unifusion sample``/``eval`` commands.
 
-Re-exported by :mod:`unifusion.hf`. It imports only the kernels and schedules, so the model wrapper and the
-loaders can both use it.
+Re-exported by :mod:`unifusion.hf` (``uf.hf.default_kernel``, ...). It imports only the kernels and schedules, so the
+model wrapper, the loaders, the command line and the harness can all use it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,34 @@ from typing import Any
 from . import schedules
 from .kernels import HybridKernel, Kernel, MaskKernel, UniformKernel
 
-__all__ = ["KERNEL_NAMES", "kernel_config", "kernel_from_config", "default_kernel"]
+__all__ = ["KERNEL_NAMES", "DEFAULT_P_UNIFORM", "make_kernel", "kernel_config", "kernel_from_config",
+           "default_kernel"]
 
 KERNEL_NAMES = ("uniform", "mask", "hybrid")
+"""The kernels that have a name: :class:`~unifusion.UniformKernel`, :class:`~unifusion.MaskKernel`,
+:class:`~unifusion.HybridKernel`."""
+
+DEFAULT_P_UNIFORM = 0.1
+"""The hybrid kernel's uniform share when a hybrid kernel is named without one."""
+
+
+def make_kernel(kind: object, num_states: int, mask_token_id: int | None, *, p_uniform: float = DEFAULT_P_UNIFORM,
+                gamma: float = 1.0, schedule: schedules.Schedule | None = None, name: str = "kernel") -> Kernel:
+    """The kernel named ``kind`` (one of :data:`KERNEL_NAMES`) on ``num_states`` states, absorbing into
+    ``mask_token_id`` (mask and hybrid): ``UniformKernel(num_states, schedule)``, ``MaskKernel(num_states,
+    mask_token_id, schedule)`` or ``HybridKernel(num_states, mask_token_id, p_uniform, gamma)``. A ``ValueError``
+    naming the argument ``name`` for an unknown name or a mask/hybrid kernel on a model without a mask token."""
+    if kind not in KERNEL_NAMES:
+        raise ValueError(f"{name}: expected one of {KERNEL_NAMES}, got {kind!r}")
+    if kind == "uniform":
+        return UniformKernel(num_states, schedule)
+    if mask_token_id is None:
+        raise ValueError(f"{name}: {kind!r} needs a model with a mask token, but this one has none; adapt it with "
+                         "adapt_ar_model(..., add_mask_token=True) (or load one saved with a mask token), or use "
+                         "the uniform kernel")
+    if kind == "mask":
+        return MaskKernel(num_states, int(mask_token_id), schedule)
+    return HybridKernel(num_states, int(mask_token_id), p_uniform, gamma)
 
 
 def kernel_config(kernel: Any) -> dict[str, Any] | None:
@@ -44,17 +71,16 @@ def kernel_from_config(config: object, num_states: int, mask_token_id: int | Non
         raise ValueError(f"{name}: expected a kernel description with 'name' in {KERNEL_NAMES}, got {config!r}")
     kind = config["name"]
     if kind != "uniform" and mask_token_id is None:
-        raise ValueError(f"{name}: a {kind} kernel needs a mask token, but the model has none")
-    mask_id = int(mask_token_id) if mask_token_id is not None else -1  # -1: never read (uniform)
+        make_kernel(kind, num_states, mask_token_id, name=name)  # the missing mask token's error
     try:
         if kind == "hybrid":
-            return HybridKernel(num_states, mask_id, float(config["p_uniform"]), float(config["gamma"]))
+            return make_kernel(kind, num_states, mask_token_id, p_uniform=float(config["p_uniform"]),
+                               gamma=float(config["gamma"]))
         settings = dict(config.get("schedule") or {"name": "LinearSchedule"})
         schedule_cls = getattr(schedules, str(settings.pop("name", "")), None)
         if not (isinstance(schedule_cls, type) and issubclass(schedule_cls, schedules.Schedule)):
             raise ValueError(f"unknown schedule {config.get('schedule')!r}")
-        schedule = schedule_cls(**settings)
-        return UniformKernel(num_states, schedule) if kind == "uniform" else MaskKernel(num_states, mask_id, schedule)
+        return make_kernel(kind, num_states, mask_token_id, schedule=schedule_cls(**settings))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{name}: cannot rebuild the kernel described by {config!r} ({err})") from None
 
@@ -68,6 +94,6 @@ def default_kernel(model: Any) -> tuple[Kernel, str]:
     if recorded is not None:
         return recorded, "the kernel recorded with the model (model.kernel, saved in its config)"
     if model.mask_token_id is not None:
-        return (MaskKernel(model.num_states, mask_id=int(model.mask_token_id)),
+        return (make_kernel("mask", model.num_states, model.mask_token_id),
                 f"no kernel recorded with the model, and it has a mask token ({model.mask_token_id})")
-    return UniformKernel(model.num_states), "no kernel recorded with the model, and it has no mask token"
+    return make_kernel("uniform", model.num_states, None), "no kernel recorded with the model, and it has no mask token"

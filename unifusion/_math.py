@@ -1,4 +1,4 @@
-"""Numerically careful scalar functions shared by rates and losses (private).
+"""Numerically careful functions shared by rates and losses (private module; public names inside the package).
 
 The Bregman divergence of φ(u) = u log u is f(r, c) = r log(r/c) − r + c. Written through ℓ = log(r/c),
 f(r, c) = c · g(ℓ) with g(ℓ) = ℓ e^ℓ − e^ℓ + 1 ≥ 0. Near the optimum (ℓ → 0) the direct formula cancels to
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _SERIES_CUTOFF = 0.5
 # g(l)  = sum_{k>=2} (k-1)/k! l^k      (Bregman)      and      e^l - 1 - l = sum_{k>=2} l^k / k!
@@ -93,3 +94,54 @@ def safe_log(x: torch.Tensor) -> torch.Tensor:
     pos = x > 0
     out = torch.log(torch.where(pos, x, torch.ones_like(x)))
     return torch.where(pos, out, torch.full_like(out, -math.inf))
+
+
+def softplus(z: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^z), exact to rounding for every z (torch's softplus switches to z above a threshold)."""
+    pos = z > 0
+    return torch.where(pos, z.clamp_min(0) + torch.log1p(torch.exp(-z.clamp_min(0))),
+                       torch.log1p(torch.exp(z.clamp_max(0))))
+
+
+class _ExactLogSoftmax(torch.autograd.Function):
+    """log-softmax over the last dim whose gradient is exact at the most likely entry j as well.
+
+    Autograd's ∂/∂l_z = g_z − p_z Σ_y g_y is, at z = j with p_j ≈ 1, a difference of two nearly equal numbers (its
+    true value is O(1 − p_j)); since the entries of each row sum to zero (the output is invariant to adding a constant
+    to the logits), the entry at j is computed as −Σ_{z≠j} instead. Entries at −inf (a mask state) get gradient 0.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        out = torch.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        excluded = torch.isneginf(out)
+        grad_out = torch.where(excluded, torch.zeros_like(grad_out), grad_out)
+        grad = grad_out - out.exp() * grad_out.sum(-1, keepdim=True)
+        grad = torch.where(excluded, torch.zeros_like(grad), grad)
+        j = out.argmax(-1, keepdim=True)
+        return grad.scatter(-1, j, -grad.scatter(-1, j, 0.0).sum(-1, keepdim=True))
+
+
+def log_softmax(logits: torch.Tensor, exclude: torch.Tensor | int | None = None, *,
+                exact_gradient: bool = False) -> torch.Tensor:
+    """log-softmax over the last dim with the ids ``exclude`` (an int, or ids ``(...)`` one per row) at −inf
+    (probability 0, no gradient).
+
+    ``exact_gradient=True``: the gradient is exact at the most likely entry too (:class:`_ExactLogSoftmax`; the
+    references need it for confident models), at the cost of a custom backward. The values are the same either way.
+    """
+    if isinstance(exclude, int):
+        index = torch.full((1,), exclude, dtype=torch.long, device=logits.device)  # filled there: no host copy
+        logits = logits.index_fill(-1, index, float("-inf"))
+    elif exclude is not None:
+        logits = logits.scatter(-1, exclude.unsqueeze(-1), float("-inf"))
+    if exact_gradient:
+        return _ExactLogSoftmax.apply(logits)
+    return torch.log_softmax(logits, dim=-1)

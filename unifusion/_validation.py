@@ -1,13 +1,9 @@
-"""Input checking.
+"""Input checks shared across the package (private module; its names are public inside the package).
 
-Cheap checks (types, shapes, dtypes) always run. Checks that read tensor *values* (ranges, NaN, sums) force a
-host-device synchronisation on accelerators; they run by default and can be switched off for hot loops::
-
-    uf.set_validation(False)          # globally
-    with uf.validation(False):         # or for a block
-        loss = uf.losses.gidd_loss(...)
-
-This mirrors ``torch.distributions.Distribution.set_default_validate_args``.
+Each rule has one function here: argument types (positive ints, compute dtypes, generators), tensors, token ids,
+times (:data:`TIME_RULE`), distributions, heads, padding, and whether a model and a kernel fit together. Value checks
+(ranges, NaN, sums) run only while :func:`unifusion.validation.validation_enabled` is true and can be queued with
+:func:`batched_checks` so one call reads them back in one host sync.
 """
 
 from __future__ import annotations
@@ -21,35 +17,9 @@ import torch
 
 from ._device import host_to_device
 from .denoiser import ConvertedHead, Denoiser
+from .validation import set_validation, validation, validation_enabled
 
-_VALIDATE = True
-
-__all__ = ["set_validation", "validation", "validation_enabled"]
-
-
-def set_validation(enabled: bool) -> None:
-    """Turn value checks that need a device sync on (default) or off, for the whole process."""
-    global _VALIDATE
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
-    _VALIDATE = enabled
-
-
-def validation_enabled() -> bool:
-    """Whether value checks (which synchronise with the device) currently run."""
-    return _VALIDATE
-
-
-@contextlib.contextmanager
-def validation(enabled: bool) -> Iterator[None]:
-    """Context manager that sets the validation switch for a block and restores it afterwards."""
-    global _VALIDATE
-    previous = _VALIDATE
-    set_validation(enabled)
-    try:
-        yield
-    finally:
-        _VALIDATE = previous
+__all__ = ["set_validation", "validation", "validation_enabled"]  # the switch, re-exported from unifusion.validation
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,10 +81,10 @@ def fail_if(bad: torch.Tensor, message: Callable[[], str]) -> None:
 def check_token_ids(name: str, value: object, num_states: int) -> torch.Tensor:
     """Integer tensor with values in [0, num_states)."""
     ids = check_tensor(name, value)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not is_integer_dtype(ids.dtype):
         raise TypeError(f"{name}: expected integer token ids (int64), got dtype {ids.dtype}")
     check_not_meta(name, ids)
-    if _VALIDATE and ids.numel() > 0:
+    if validation_enabled() and ids.numel() > 0:
         fail_if(((ids < 0) | (ids >= num_states)).any(), lambda: (
             f"{name}: expected token ids in [0, {num_states}), got values in [{int(ids.min())}, {int(ids.max())}]"))
     return ids.long()
@@ -160,7 +130,7 @@ def check_time(name: str, value: object, *, device: torch.device | None = None,
         raise TypeError(f"{name}: expected a float or a float tensor, got {type(value).__name__}")
     if shape is not None:
         t = _times_for(name, t, tuple(shape))
-    if _VALIDATE and t.numel() > 0:
+    if validation_enabled() and t.numel() > 0:
         lo_ok = (t > 0.0) if open_interval else (t >= 0.0)
         interval = "the open interval (0, 1)" if open_interval else "[0, 1)"
         fail_if(~(lo_ok & (t < 1.0)).all(), lambda: (
@@ -225,7 +195,7 @@ def check_padding(name: str, attention_mask: torch.Tensor) -> None:
     :func:`batched_checks` block (one sync for the whole call); nothing runs with validation
     off. :meth:`DiffusionLM.forward` and :func:`~unifusion.diffusion_loss` (which runs the model unchecked) call it.
     """
-    if not _VALIDATE or attention_mask.numel() == 0:
+    if not validation_enabled() or attention_mask.numel() == 0:
         return
     changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).sum(-1)  # 1 0 0 / 0 0 1: at most one change
     fail_if((changes > 1).any(), lambda: (
@@ -234,7 +204,7 @@ def check_padding(name: str, attention_mask: torch.Tensor) -> None:
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:
-    if _VALIDATE and value.is_floating_point() and value.numel() > 0:
+    if validation_enabled() and value.is_floating_point() and value.numel() > 0:
         fail_if(torch.isnan(value.detach()).any(), lambda: f"{name}: contains NaN")
 
 
@@ -245,13 +215,73 @@ def check_not_meta(name: str, value: torch.Tensor) -> None:
                          "and load weights for a model, or build the tensor on a real device)")
 
 
+def _seed_hint(value: object) -> str:
+    """How to make a generator from an int seed (a common slip), else nothing."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"; use torch.Generator().manual_seed({value})"
+    return ""
+
+
 def check_generator(value: object, name: str = "generator") -> torch.Generator | None:
     """``None`` or a ``torch.Generator`` (an int seed is a common slip: say how to make one)."""
     if value is None or isinstance(value, torch.Generator):
         return value
-    hint = f"; use torch.Generator().manual_seed({value})" if isinstance(value, int) and not isinstance(
-        value, bool) else ""
-    raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}{hint}")
+    raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}{_seed_hint(value)}")
+
+
+def check_generators(value: object, batch_size: int,
+                     name: str = "generator") -> torch.Generator | tuple[torch.Generator, ...] | None:
+    """``None``, one ``torch.Generator``, or one generator per row: a list or tuple of ``batch_size`` of them
+    (returned as a tuple). Types and length only (host metadata, no sync)."""
+    if value is None or isinstance(value, torch.Generator):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}"
+                        f"{_seed_hint(value)} (or a list of batch_size = {batch_size} generators, one per row)")
+    for i, g in enumerate(value):
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"{name}: expected one torch.Generator per row, got {type(g).__name__} at index {i}")
+    if len(value) != batch_size:
+        raise ValueError(f"{name}: expected one generator per row, batch_size = {batch_size} in all, got "
+                         f"{len(value)}")
+    return tuple(value)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """An ``int`` ≥ 1 (a bool is not one): ``TypeError`` for another type, ``ValueError`` below 1, naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
+def check_token_id(name: str, value: object, num_states: int) -> int:
+    """One token id, an ``int`` in ``[0, num_states)`` (a bool is not one): ``TypeError`` / ``ValueError`` naming
+    ``name``. :func:`check_token_ids` checks a tensor of them."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int token id, got {type(value).__name__}")
+    if not 0 <= value < num_states:
+        raise ValueError(f"{name}: expected a token id in [0, {num_states}), got {value}")
+    return value
+
+
+COMPUTE_DTYPES = (torch.float32, torch.float64)
+"""The dtypes an argument ``dtype=`` may choose for the arithmetic (posteriors, conversions)."""
+
+
+def check_compute_dtype(value: object, name: str = "dtype") -> torch.dtype:
+    """``torch.float32`` or ``torch.float64`` (:data:`COMPUTE_DTYPES`), the dtypes the arithmetic runs in."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name}: expected torch.float32 or torch.float64, got {type(value).__name__}")
+    if value not in COMPUTE_DTYPES:
+        raise ValueError(f"{name}: expected torch.float32 or torch.float64 (the posterior arithmetic), got {value}")
+    return value
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` can hold token ids: an integer dtype (not floating, complex or bool)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def check_distribution(name: str, value: object, num_states: int, *, atol: float | None = None) -> torch.Tensor:
@@ -262,7 +292,7 @@ def check_distribution(name: str, value: object, num_states: int, *, atol: float
     if p.dim() == 0 or p.shape[-1] != num_states:
         raise ValueError(f"{name}: expected shape (..., {num_states}), got {tuple(p.shape)}")
     check_not_meta(name, p)
-    if _VALIDATE and p.numel() > 0:
+    if validation_enabled() and p.numel() > 0:
         with batched_checks():
             fail_if(torch.isnan(p).any(), lambda: f"{name}: contains NaN")
             fail_if((p < 0).any(), lambda: f"{name}: expected non-negative probabilities, got min "
@@ -460,7 +490,7 @@ def check_prompt_mask(prompt_mask: object, valid: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"prompt_mask: expected shape {tuple(valid.shape)} like x0, got {tuple(prompt_mask.shape)}")
     check_not_meta("prompt_mask", prompt_mask)
     scored = valid & ~host_to_device(prompt_mask, valid.device)
-    if _VALIDATE:
+    if validation_enabled():
         empty = ~scored.any(-1)
         fail_if(empty.any(), lambda: (
             f"prompt_mask: covers every real token of rows {empty.nonzero().flatten().tolist()[:8]}; each row needs "

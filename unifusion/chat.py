@@ -56,6 +56,8 @@ from typing import Any, Literal
 
 import torch
 
+from . import _validation as V
+
 __all__ = ["ROLES", "ChatBatch", "ChatCollator", "tokenize_conversation", "collate_chats", "load_python_docs_chats"]
 
 ROLES = ("system", "user", "assistant")
@@ -220,8 +222,8 @@ def _round_up(n: int, multiple: int | None) -> int:
 
 
 def _positive(name: str, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+    if value is not None:
+        V.check_positive_int(name, value)
 
 
 def collate_chats(conversations: Sequence[object], tokenizer: Any, *, max_length: int | None = None,

@@ -16,10 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "make_kernel", "resolve_kernel", "read_texts"]
-
-KERNELS = ("uniform", "mask", "hybrid")
-DEFAULT_P_UNIFORM = 0.1
+__all__ = ["main", "build_parser", "resolve_kernel", "read_texts"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,33 +91,19 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) -> Any:
-    """The kernel named ``kind`` on the model's state space (mask id = ``model.mask_token_id``)."""
-    from .kernels import HybridKernel, MaskKernel, UniformKernel
-
-    S = int(model.num_states)
-    if kind == "uniform":
-        return UniformKernel(S)
-    if model.mask_token_id is None:
-        raise ValueError(f"--kernel: {kind!r} needs a mask token, but this model was adapted without one "
-                         "(adapt it with add_mask_token=True or pass a model saved with a mask token)")
-    if kind == "mask":
-        return MaskKernel(S, mask_id=int(model.mask_token_id))
-    if kind == "hybrid":
-        return HybridKernel(S, mask_id=int(model.mask_token_id), p_uniform=p_uniform)
-    raise ValueError(f"--kernel: expected one of {KERNELS}, got {kind!r}")
-
-
 def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = None) -> tuple[Any, str]:
-    """``(kernel, why)``: the kernel ``--kernel`` names, or, without one, :func:`unifusion.hf.default_kernel`'s
-    rule (the kernel saved with the model, else mask on its mask token, else uniform) — the rule
-    ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid`` only."""
-    from ._kernel_config import default_kernel
+    """``(kernel, why)``: the kernel ``--kernel`` names on the model's states (mask id ``model.mask_token_id``), or,
+    without one, :func:`unifusion.hf.default_kernel`'s rule (the kernel saved with the model, else mask on its mask
+    token, else uniform) — the rule ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid``
+    only."""
+    from ._kernel_config import DEFAULT_P_UNIFORM, default_kernel, make_kernel
 
     if p_uniform is not None and kind != "hybrid":
         raise ValueError(f"--p-uniform: only used with --kernel hybrid, got --kernel {kind or '(not given)'}")
     if kind is not None:
-        return make_kernel(kind, model, p_uniform=DEFAULT_P_UNIFORM if p_uniform is None else p_uniform), "--kernel"
+        kernel = make_kernel(kind, int(model.num_states), model.mask_token_id, name="--kernel",
+                             p_uniform=DEFAULT_P_UNIFORM if p_uniform is None else p_uniform)
+        return kernel, "--kernel"
     return default_kernel(model)
 
 
@@ -157,13 +140,15 @@ def _write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
+    from ._kernel_config import DEFAULT_P_UNIFORM, KERNEL_NAMES
+
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="a saved DiffusionLM folder, a Hugging Face causal-LM folder, a .gguf file, or 'smollm2'")
     g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder (default: none)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one saved with the model)")
     if kernel:
-        g.add_argument("--kernel", choices=KERNELS, default=None,
+        g.add_argument("--kernel", choices=KERNEL_NAMES, default=None,
                        help="forward corruption kernel (default: the one saved with the model, else mask when the "
                             "model has a mask token, uniform otherwise; the choice is printed)")
         g.add_argument("--p-uniform", type=_probability, default=None,
@@ -253,7 +238,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from ._cli_generate import check_decoding_args, sample_with_generate
-    from .eval.frontier import _make_sampler, decode_samples
+    from .eval.frontier import decode_samples, make_sampler
 
     check_decoding_args(args)
     model, tok, kernel = _load_model(args)
@@ -267,7 +252,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         kw["top_p"] = args.top_p
     if args.top_k is not None:
         kw["top_k"] = args.top_k
-    sampler = _make_sampler(args.sampler, model, kernel, args.steps, kw)
+    sampler = make_sampler(args.sampler, model, kernel, args.steps, kw)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     chunks = []
     for k in range(0, args.num_samples, args.batch_size):
@@ -587,3 +572,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"unifusion {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def __getattr__(name: str) -> Any:
+    """``make_kernel``: moved to ``unifusion._kernel_config.make_kernel`` (kept here for one release with a
+    ``DeprecationWarning``)."""
+    if name == "make_kernel":
+        import warnings
+
+        from ._kernel_config import DEFAULT_P_UNIFORM, make_kernel
+
+        warnings.warn("unifusion.cli.make_kernel is deprecated and will be removed in the next release; build the "
+                      "kernel directly (uf.UniformKernel, uf.MaskKernel, uf.HybridKernel)", DeprecationWarning,
+                      stacklevel=2)
+
+        def cli_make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) -> Any:
+            return make_kernel(kind, int(model.num_states), model.mask_token_id, p_uniform=p_uniform, name="--kernel")
+
+        return cli_make_kernel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

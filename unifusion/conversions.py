@@ -7,7 +7,8 @@ For a clean-token prediction x_θ(·|j, t) at the current state j = x_t, with q_
 * Neural CTMC       λ = Σ_{k≠j} R̂_t(j, k|x_θ),  r(i) = R̂_t(j, i|x_θ) / λ
 
 Feeding each output to the matching :class:`~unifusion.ReverseRate` constructor reproduces
-``ReverseRate.from_x0`` exactly.
+``ReverseRate.from_x0`` exactly. :func:`convert_x0_to` works on probabilities; :func:`log_heads_from_x0_logits`
+computes the same heads in log space from x0 logits (what the losses train on).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 from . import _validation as V
 from .kernels import Kernel, check_kernel
-from .rates import ReverseRate, prepare_rows
+from .rates import ReverseRate, prepare_rows, x0_log_probs
 
-__all__ = ["convert_x0_to", "CONVERSION_TARGETS"]
+__all__ = ["convert_x0_to", "log_heads_from_x0_logits", "CONVERSION_TARGETS"]
 
 CONVERSION_TARGETS = ("rate", "sedd", "m2s", "ctmc")
 
@@ -93,3 +94,43 @@ def convert_x0_to(target: str, x0_probs: torch.Tensor, kernel: Kernel, x_t: torc
     mu = p.expand_as(col) * col / safe_q_xt
     e_xt = torch.zeros_like(mu).scatter_(-1, ids.unsqueeze(-1), 1.0)
     return torch.where(unreachable, e_xt, mu)
+
+
+@overload
+def log_heads_from_x0_logits(target: Literal["sedd", "m2s"], logits: torch.Tensor, kernel: Kernel,
+                             x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def log_heads_from_x0_logits(target: Literal["ctmc"], logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                             t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def log_heads_from_x0_logits(target: str, logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
+                             t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Theorem 3.5 in log space: the head ``target`` that x0 logits ``(..., S)`` induce at states ``x_t (...)`` and
+    times ``t`` (broadcasting to ``x_t``), with log x_θ = :func:`~unifusion.rates.x0_log_probs` and
+    log q_t(·|x_θ) = ``kernel.log_propagate(log x_θ, t)``:
+
+    * ``"sedd"``: log s_i = log q_t(i|x_θ) − log q_t(x_t|x_θ), ``(..., S)``;
+    * ``"m2s"``: log μ(z) = log x_θ(z) + log q_{t|0}(x_t|z) − log q_t(x_t|x_θ), ``(..., S)``;
+    * ``"ctmc"``: ``(log λ (...), log R̂_t(x_t, ·) (..., S))``, the log rates serving as jump logits (−inf at x_t).
+      A row without rates (an unmasked token under the mask kernel) has log λ = −inf, with a zero gradient.
+
+    Nothing is checked (callers pass validated tensors of one dtype, as to the kernel protocol); autograd flows
+    through every finite entry. :func:`convert_x0_to` is the checked conversion of probabilities.
+    """
+    log_x = x0_log_probs(kernel, logits)
+    log_q = kernel.log_propagate(log_x, t)  # log q_t(·|x_θ)
+    log_q_xt = log_q.gather(-1, x_t.unsqueeze(-1))
+    if target == "sedd":
+        return log_q - log_q_xt
+    if target == "m2s":
+        log_col = torch.log(kernel.transition_column(x_t, torch.zeros_like(t), t).clamp_min(0))
+        return log_x + log_col - log_q_xt
+    if target == "ctmc":
+        log_R = torch.log(kernel.rate_column(x_t, t))
+        log_rates = (log_R + log_q - log_q_xt).scatter(-1, x_t.unsqueeze(-1), float("-inf"))
+        zero_row = torch.isneginf(log_rates).all(-1, keepdim=True)  # logsumexp of −inf only: a NaN gradient
+        log_exit = torch.logsumexp(torch.where(zero_row, torch.zeros_like(log_rates), log_rates), dim=-1)
+        log_exit = torch.where(zero_row.squeeze(-1), torch.full_like(log_exit, float("-inf")), log_exit)
+        return log_exit, log_rates
+    raise ValueError(f"target: expected 'sedd', 'm2s' or 'ctmc', got {target!r}")

@@ -29,7 +29,14 @@ class Denoiser:
     * ``__call__(x_t, t, *, bidirectional_prob=1.0, attention_mask=None, generator=None)`` → x0 logits
       ``(B, L, S)``, and with ``x0=``, ``kernel=`` (and the loss options of
       :func:`~unifusion.losses.fused_linear_diffusion_loss`) the fused per-position loss ``(B, L)``.
+
+    A model whose prediction needs to be told where the clean prompt ends and which clean tokens precede the noisy
+    ones (an encoder-decoder such as DiffusionGemma, which encodes the clean prefix into a cache) sets
+    :attr:`conditions_on_prompt`; :func:`~unifusion.diffusion_loss` then also passes ``prompt_mask=`` and ``x0=``.
     """
+
+    conditions_on_prompt: bool = False
+    """Whether calls take ``prompt_mask=`` (``(B, L)`` bool) and the clean tokens ``x0=`` besides ``x_t``."""
 
 
 class ConvertedHead:

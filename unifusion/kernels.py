@@ -34,7 +34,11 @@ from ._math import safe_log
 from .schedules import LinearSchedule, Schedule
 
 __all__ = ["Kernel", "InterpolatingKernel", "UniformKernel", "MaskKernel", "HybridKernel", "GeneratorKernel",
-           "check_kernel"]
+           "check_kernel", "MAX_TIME"]
+
+MAX_TIME = 1.0 - 1e-6
+"""The largest time the package's own time draws reach (training times, stratified evaluation times): every kernel
+stays finite there, and float32 keeps it below 1."""
 
 
 def check_kernel(kernel: object, name: str = "kernel") -> Kernel:
@@ -42,14 +46,6 @@ def check_kernel(kernel: object, name: str = "kernel") -> Kernel:
     if not isinstance(kernel, Kernel):
         raise TypeError(f"{name}: expected a unifusion Kernel, got {type(kernel).__name__}")
     return kernel
-
-
-def _check_num_states(num_states: object) -> int:
-    if isinstance(num_states, bool) or not isinstance(num_states, int):
-        raise TypeError(f"num_states: expected a positive int, got {type(num_states).__name__}")
-    if num_states < 1:
-        raise ValueError(f"num_states: expected a positive int, got {num_states}")
-    return num_states
 
 
 def _broadcast(name_a: str, a: torch.Size, name_b: str, b: torch.Size) -> tuple[int, ...]:
@@ -354,14 +350,11 @@ class InterpolatingKernel(Kernel):
         return out.scatter_(-1, ids.unsqueeze(-1), 0.0)
 
     def noise_distribution(self, t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if t is None:  # the t → 1 limit (GIDD's c_1 = 0 makes the hybrid prior all-mask)
-            t = torch.ones((), dtype=torch.float64, device=device)
-            alpha, a, b = self.coefficients(t)
-            m = self.noise_vector(a, b)
-            return (m / m.sum(-1, keepdim=True)).to(dtype)
-        alpha, a, b = self.coefficients(t)
+        # t=None: the t → 1 limit in float64 (GIDD's c_1 = 0 makes the hybrid prior all-mask)
+        _, a, b = self.coefficients(torch.ones((), dtype=torch.float64, device=device) if t is None else t)
         m = self.noise_vector(a, b)
-        return m / m.sum(-1, keepdim=True)
+        pi = m / m.sum(-1, keepdim=True)
+        return pi.to(dtype) if t is None else pi
 
     def _sample(self, ids: torch.Tensor, t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         alpha, a, b = self.coefficients(t)
@@ -393,7 +386,7 @@ class UniformKernel(InterpolatingKernel):
     """
 
     def __init__(self, num_states: int, schedule: Schedule | None = None) -> None:
-        self.num_states = _check_num_states(num_states)
+        self.num_states = V.check_positive_int("num_states", num_states)
         self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
         self.mask_id = None
 
@@ -424,14 +417,10 @@ class MaskKernel(InterpolatingKernel):
     uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, schedule: Schedule | None = None) -> None:
-        self.num_states = _check_num_states(num_states)
-        if isinstance(mask_id, bool) or not isinstance(mask_id, int):
-            raise TypeError(f"mask_id: expected an int, got {type(mask_id).__name__}")
-        if not 0 <= mask_id < num_states:
-            raise ValueError(f"mask_id: expected an id in [0, {num_states}), got {mask_id}")
+        self.num_states = V.check_positive_int("num_states", num_states)
+        self.mask_id = V.check_token_id("mask_id", mask_id, num_states)
         if num_states < 2:
             raise ValueError(f"num_states: a mask kernel needs at least 2 states, got {num_states}")
-        self.mask_id = mask_id
         self.schedule = _check_schedule(schedule if schedule is not None else LinearSchedule())
 
     def __repr__(self) -> str:
@@ -472,13 +461,10 @@ class HybridKernel(InterpolatingKernel):
     uniform_over_all = False
 
     def __init__(self, num_states: int, mask_id: int, p_uniform: float, gamma: float = 1.0) -> None:
-        self.num_states = _check_num_states(num_states)
+        self.num_states = V.check_positive_int("num_states", num_states)
         if num_states < 2:
             raise ValueError(f"num_states: a hybrid kernel needs at least 2 states, got {num_states}")
-        if isinstance(mask_id, bool) or not isinstance(mask_id, int):
-            raise TypeError(f"mask_id: expected an int, got {type(mask_id).__name__}")
-        if not 0 <= mask_id < num_states:
-            raise ValueError(f"mask_id: expected an id in [0, {num_states}), got {mask_id}")
+        V.check_token_id("mask_id", mask_id, num_states)
         for name, val in (("p_uniform", p_uniform), ("gamma", gamma)):
             if isinstance(val, bool) or not isinstance(val, (int, float)):
                 raise TypeError(f"{name}: expected a float, got {type(val).__name__}")
@@ -552,9 +538,8 @@ class GeneratorKernel(Kernel):
 
     def _on(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``self.generator`` (``name="generator"``) or the prior vector (``"prior"``) on ``device`` in ``dtype``,
-        copied there once and reused: the samplers call the kernel every step, and a copy of host memory to a GPU
-        makes the host wait for the device (CUDA's ``memcpy_and_sync``). A copy is made again if the float64
-        original was replaced or changed in place (its ``_version``)."""
+        copied once and reused (a host-to-GPU copy per sampler step would make the host wait each time); copied again
+        when the float64 original is replaced or changed in place (its ``_version``)."""
         source = self.generator if name == "generator" else self._prior_vec
         copies: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = \
             self.__dict__.setdefault("_copies", {})
@@ -577,14 +562,11 @@ class GeneratorKernel(Kernel):
         return pi / pi.sum()
 
     def integrated_rate(self, t: torch.Tensor) -> torch.Tensor:
-        if self.schedule is None:
-            return t
-        return -self.schedule.log_alpha(t)
+        """σ(t): ``t`` for the homogeneous chain, −log α_t with a schedule (P_{0,t} = exp(σ(t) R̄))."""
+        return t if self.schedule is None else -self.schedule.log_alpha(t)
 
     def _beta_rate(self, t: torch.Tensor) -> torch.Tensor:
-        if self.schedule is None:
-            return torch.ones_like(t)
-        return self.schedule.hazard(t)
+        return torch.ones_like(t) if self.schedule is None else self.schedule.hazard(t)
 
     def transition_matrix(self, sigma: torch.Tensor) -> torch.Tensor:
         # the matrix exponential runs in float64 (float32's loses ~1e-5 relative); the result follows sigma's dtype
@@ -610,9 +592,7 @@ class GeneratorKernel(Kernel):
 
     def noise_distribution(self, t, dtype, device):
         pi = self._on("prior", device, dtype)
-        if t is None:
-            return pi
-        return pi.expand(*t.shape, self.num_states)
+        return pi if t is None else pi.expand(*t.shape, self.num_states)
 
     def _sample(self, ids, t, generator):
         q = self.propagate(self._one_hot(ids, t.dtype), t)

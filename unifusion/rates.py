@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
-from ._math import safe_log
+from ._math import log_softmax, safe_log
 from .kernels import Kernel, check_kernel
 
 __all__ = ["ReverseRate", "b_operator", "prepare_rows", "x0_log_probs"]
@@ -201,12 +201,13 @@ class ReverseRate:
         return cls(exit_rate.to(dtype).unsqueeze(-1) * jump_probs.to(dtype), ids)
 
 
-def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
-    """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS)."""
-    if kernel.mask_id is not None:  # the index is filled on the device: no host-to-device copy per call
-        mask_index = torch.full((1,), kernel.mask_id, dtype=torch.long, device=logits.device)
-        logits = logits.index_fill(-1, mask_index, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+def x0_log_probs(kernel: Kernel, logits: torch.Tensor, *, exact_gradient: bool = False) -> torch.Tensor:
+    """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS).
+
+    ``exact_gradient=True`` makes the gradient exact at the most likely entry too (what the float64 reference losses
+    use); the values do not change.
+    """
+    return log_softmax(logits, kernel.mask_id, exact_gradient=exact_gradient)
 
 
 def b_operator(kernel: Kernel, mu: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,

@@ -18,16 +18,14 @@ from typing import Any, Literal
 import torch
 
 from . import _validation as V
+from .conversions import log_heads_from_x0_logits
 from .hf import blocks
-from .kernels import Kernel, MaskKernel, check_kernel
-from .losses import native
-from .losses.fast import x0_head_loss
-from .rates import x0_log_probs
+from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
+from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
-OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
-_T_MAX = 1.0 - 1e-6
+OBJECTIVES = X0_HEAD_OBJECTIVES  # every objective trains an x0 head
 
 
 def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool = True,
@@ -40,8 +38,7 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
     multi-process run, seed ``generator`` identically on every rank and pass ``rank`` and ``world_size``. Times are
     capped at 1 − 1e-6 so every kernel stays finite.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    V.check_positive_int("batch_size", batch_size)
     generator = V.check_generator(generator)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 < t_min < 1.0:
         raise ValueError(f"t_min: expected a float in (0, 1), got {t_min!r}")
@@ -62,7 +59,7 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
         else:
             frac = torch.rand(batch_size, generator=generator, device=dev, dtype=torch.float64)
     t = t_min + (1.0 - t_min) * frac
-    return t.clamp(max=_T_MAX).to(dtype)
+    return t.clamp(max=MAX_TIME).to(dtype)
 
 
 @dataclass
@@ -89,54 +86,23 @@ class DiffusionLossOutput:
         return self.loss.sum() / self.num_tokens.clamp_min(1)
 
 
-def _x0_head_to(objective: str, logits: torch.Tensor, kernel: Kernel, x_t: torch.Tensor,
-                t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Convert x0 logits into the head(s) ``objective``'s loss takes (Theorem 3.5, in log space)."""
-    log_x = x0_log_probs(kernel, logits)
-    log_q = kernel.log_propagate(log_x, t)  # log q_t(·|x_θ)
-    log_q_xt = log_q.gather(-1, x_t.unsqueeze(-1))
-    if objective == "sedd":
-        return (log_q - log_q_xt,)  # log s_i = log q_t(i|x_θ) − log q_t(x_t|x_θ)
-    if objective == "m2s":
-        log_col = torch.log(kernel.transition_column(x_t, torch.zeros_like(t), t).clamp_min(0))
-        return (log_x + log_col - log_q_xt,)  # log μ(z) = log x_θ(z) + log q_{t|0}(x_t|z) − log q_t(x_t|x_θ)
-    if objective == "ctmc":
-        log_R = torch.log(kernel.rate_column(x_t, t))
-        log_rates = (log_R + log_q - log_q_xt).scatter(-1, x_t.unsqueeze(-1), float("-inf"))
-        # an all-zero row (e.g. an unmasked token under the mask kernel) has log λ = −inf: keep it (and its
-        # gradient) finite with a negligible exit rate e^{-80}
-        zero_row = torch.isneginf(log_rates).all(-1, keepdim=True)
-        log_exit = torch.logsumexp(torch.where(zero_row, torch.zeros_like(log_rates), log_rates), dim=-1)
-        log_exit = torch.where(zero_row.squeeze(-1), torch.full_like(log_exit, -80.0), log_exit)
-        jump = torch.where(torch.isneginf(log_rates), torch.full_like(log_rates, -1e4), log_rates)
-        return log_exit, jump
-    raise AssertionError(objective)
-
-
 def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                     kernel: Kernel, weighting: str, max_weight: float) -> torch.Tensor:
     """The objective's own published loss on the converted x0 head (slow, straightforward; for tests and demos)."""
     if objective == "gidd":
-        return native.gidd_loss(logits, x0, x_t, t, kernel, weighting=weighting, max_weight=max_weight)
+        return native.reference_gidd_loss(logits, x0, x_t, t, kernel, weighting=weighting, max_weight=max_weight)
     if objective == "mdlm":
-        return native.mdlm_loss(logits, x0, x_t, t, kernel)
-    heads = _x0_head_to(objective, logits, kernel, x_t, t)
+        return native.reference_mdlm_loss(logits, x0, x_t, t, kernel)
     if objective == "sedd":
-        return native.sedd_loss(heads[0], x0, x_t, t, kernel)
+        return native.sedd_loss(log_heads_from_x0_logits("sedd", logits, kernel, x_t, t), x0, x_t, t, kernel)
     if objective == "m2s":
-        return native.m2s_loss(heads[0], x0, x_t, t, kernel)
-    return native.ctmc_loss(heads[0], heads[1], x0, x_t, t, kernel)
-
-
-def _times_per_sequence(t: object, x0: torch.Tensor) -> torch.Tensor:
-    """Times of :func:`diffusion_loss` as ``(B,)``: one per sequence. Accepts a float, a 0-d tensor, ``(B,)`` or
-    ``(B, 1)`` (the package's time rule, :data:`unifusion._validation.TIME_RULE`; per-position times are not)."""
-    B, L = x0.shape
-    t_ = V.check_time("t", t, device=x0.device, shape=(B, L))
-    if t_.dim() == 2 and t_.shape[1] != 1:
-        raise ValueError(f"t: diffusion_loss takes one time per sequence: a float, shape ({B},) or ({B}, 1), got "
-                         f"shape {tuple(t_.shape)}")
-    return t_.reshape(-1).expand(B) if t_.numel() == 1 else t_.reshape(B)
+        return native.m2s_loss(log_heads_from_x0_logits("m2s", logits, kernel, x_t, t), x0, x_t, t, kernel)
+    log_exit, log_rates = log_heads_from_x0_logits("ctmc", logits, kernel, x_t, t)
+    # finite stand-ins keep the loss and its gradient finite: a row without rates gets a negligible exit rate e^{-80},
+    # an impossible jump the logit −10⁴
+    log_exit = torch.where(torch.isneginf(log_exit), torch.full_like(log_exit, -80.0), log_exit)
+    jump = torch.where(torch.isneginf(log_rates), torch.full_like(log_rates, -1e4), log_rates)
+    return native.ctmc_loss(log_exit, jump, x0, x_t, t, kernel)
 
 
 def _block_size(model: Any, length: int) -> int | None:
@@ -203,7 +169,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
 
     Memory: the model's logits go to the loss as they are — bf16 stays bf16 (the loss computes in float32 inside) and
     a :class:`~unifusion.DiffusionLM` returns them contiguous (its head runs on the ``L`` positions needed) — so the
-    peak is that of ``model(x_t, t)`` plus the loss on its logits (≤ 1.1×, ``tests/test_memory.py``). A model
+    peak is that of ``model(x_t, t)`` plus the loss on its logits (at most 1.1× that of the model call). A model
     callable of your own should return contiguous logits too: the loss reads rows ``(B·L, S)`` and copies a strided
     view (e.g. ``out.logits[:, :-1]``) whole.
 
@@ -247,8 +213,10 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         if block_times not in ("block", "sequence"):
             raise ValueError(f"block_times: expected 'block' or 'sequence', got {block_times!r}")
         if t is not None:
-            t = _times_per_sequence(t, x0) if block is None else blocks.block_times(
-                t, B, blocks.num_blocks(L, block), x0.device)
+            if block is None:
+                t = V.check_sequence_times("t", t, (B, L), device=x0.device, who="diffusion_loss")
+            else:
+                t = blocks.block_times(t, B, blocks.num_blocks(L, block), x0.device)
         valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
@@ -267,7 +235,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
         x_t = torch.where(scored, x_t, x0)
         valid = scored
-    block_kwargs = {} if block is None else {"clean": x0}
+    block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
+    if getattr(V.unwrap_model(model), "conditions_on_prompt", False):  # e.g. DiffusionGemma: the prompt is encoded
+        block_kwargs["prompt_mask"] = prompt_mask
 
     if bidirectional_prob is None:
         if step is None:
@@ -299,8 +269,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                                    bidirectional_prob=gamma)
     with V.validation(False):
         if V.is_diffusion_lm(model):
+            clean = {"x0": x0} if "prompt_mask" in block_kwargs else {}
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                           **block_kwargs)
+                           **block_kwargs, **clean)
         else:
             logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):

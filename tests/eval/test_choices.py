@@ -12,7 +12,7 @@ from _hf_tiny import tiny_model
 
 import unifusion as uf
 from unifusion.eval import ar_choice_nll, fair_pmi_scores, load_task, run_multiple_choice, score_choices
-from unifusion.eval.choices import _corrupt_span
+from unifusion.eval.choices import corrupt_span
 
 DATA = Path(__file__).parents[1] / "data"
 S = 40
@@ -84,7 +84,7 @@ def test_corrupted_span_follows_the_kernel():
     span = torch.full((4000,), 5)
     t = torch.tensor([0.25, 0.7], dtype=torch.float64)
     for kernel in (uf.UniformKernel(S), uf.MaskKernel(S, mask_id=S - 1)):
-        z, selected = _corrupt_span(kernel, span, t, g)
+        z, selected = corrupt_span(kernel, span, t, g)
         assert z.shape == selected.shape == (2, 4000)
         assert torch.equal(z[~selected], span.expand(2, -1)[~selected])  # unselected tokens stay clean
         frac = selected.double().mean(-1)
@@ -127,10 +127,10 @@ def test_fair_pmi_against_direct_formula_for_fixed_prediction():
     scores = fair_pmi_scores(model, uf.UniformKernel(S), [1], [a], [2], num_times=64, generator=g)
     # single-token answer: L̄ = (fraction of times selected) · c; E[fraction] = ∫ t dt over (1e-3, 1) ≈ 1/2
     g2 = torch.Generator().manual_seed(4)
-    from unifusion.eval.choices import _stratified_times
+    from unifusion.eval.choices import stratified_times
 
-    t = _stratified_times(64, 1e-3, g2, torch.device("cpu"))
-    _, selected = _corrupt_span(uf.UniformKernel(S), torch.tensor(a), t, g2)
+    t = stratified_times(64, 1e-3, g2, torch.device("cpu"))
+    _, selected = corrupt_span(uf.UniformKernel(S), torch.tensor(a), t, g2)
     frac = selected.double().mean()
     expected = frac * (-log_c[7] + log_n[7])
     torch.testing.assert_close(scores, expected.reshape(1), rtol=1e-5, atol=1e-6)

@@ -494,7 +494,7 @@ def test_each_generator_is_on_the_device_of_its_draws(tokenizer, monkeypatch):
         return torch.zeros(prompts.shape[0], prompts.shape[1] + max_new, dtype=torch.long)
 
     monkeypatch.setattr(_loglikelihood, "nll_bound", fake_nll_bound)
-    monkeypatch.setattr(_loglikelihood, "_corrupt_span", fake_corrupt)
+    monkeypatch.setattr(_loglikelihood, "corrupt_span", fake_corrupt)
     monkeypatch.setattr(_loglikelihood.RowPool, "add", lambda self, block: block.owner.done(
         block.kind, False if block.kind == "greedy" else torch.zeros(block.x_t.shape[0], block.answer_ids.numel())))
     monkeypatch.setattr(UnifusionLM, "_sample", fake_sample)
@@ -637,11 +637,11 @@ def test_data_parallel_rejects_what_cannot_be_split(model, tokenizer, monkeypatc
 def test_default_kernel_is_the_one_recorded_with_the_model(model, tokenizer, tmp_path):
     """No kernel= argument: the library's one rule (unifusion.hf.default_kernel), so a checkpoint that recorded a
     uniform kernel is evaluated with it although the model has a mask token; kernel= still overrides it."""
-    recorded = uf.UniformKernel(model.num_states, uf.CosineSchedule())
+    recorded = uf.UniformKernel(model.num_states, uf.schedules.CosineSchedule())
     model.save_pretrained(tmp_path, kernel=recorded)
     assert model.mask_token_id is not None
     lm = UnifusionLM(pretrained=str(tmp_path), device="cpu", num_steps=2, seed=5)
-    assert type(lm.kernel) is uf.UniformKernel and type(lm.kernel.schedule) is uf.CosineSchedule
+    assert type(lm.kernel) is uf.UniformKernel and type(lm.kernel.schedule) is uf.schedules.CosineSchedule
     assert uf.hf.kernel_config(lm.kernel) == uf.hf.kernel_config(recorded)
     (text,) = lm.generate_until([_request("the cat", {"until": [], "max_gen_toks": 4})])
     assert text == _generated(lm.model, tokenizer, recorded, "the cat", seed=5, max_new=4, num_steps=2,

@@ -174,7 +174,7 @@ def test_prior_kl_zero_when_chain_forgets_and_positive_otherwise() -> None:
     assert torch.equal(prior_kl(uf.UniformKernel(8), x0), torch.zeros(1, 3, dtype=torch.float64))
     assert torch.equal(prior_kl(uf.MaskKernel(8, mask_id=7), x0), torch.zeros(1, 3, dtype=torch.float64))
     eps = 0.1
-    kl = prior_kl(uf.UniformKernel(8, uf.LogLinearSchedule(eps)), x0)
+    kl = prior_kl(uf.UniformKernel(8, uf.schedules.LogLinearSchedule(eps)), x0)
     q_self = eps + (1 - eps) / 8
     q_other = (1 - eps) / 8
     expected = q_self * math.log(q_self * 8) + 7 * q_other * math.log(q_other * 8)

@@ -37,7 +37,7 @@ def _x0(B: int, L: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(4, VOCAB, (B, L), generator=torch.Generator().manual_seed(seed))
 
 
-def _loss(model, x0, kernel, t, seed=0, **kwargs) -> uf.DiffusionLossOutput:
+def _loss(model, x0, kernel, t, seed=0, **kwargs) -> uf.training.DiffusionLossOutput:
     with torch.no_grad():
         return uf.diffusion_loss(model, x0, kernel, t=t, generator=torch.Generator().manual_seed(seed), **kwargs)
 
@@ -98,7 +98,7 @@ def test_one_block_is_the_plain_model_bit_for_bit(K: int, fused: bool) -> None:
 # which inputs each prediction sees, through the public loss alone
 
 
-def _positions(out: uf.DiffusionLossOutput, kernel_name: str, block: range, x0: torch.Tensor):
+def _positions(out: uf.training.DiffusionLossOutput, kernel_name: str, block: range, x0: torch.Tensor):
     """(i, j) in ``block`` of row 0: i scored (masked, or any position for uniform noise), j != i noisy-visible
     (unmasked, so its noisy token equals x0 and changes with it)."""
     x_t = out.x_t[0]

@@ -90,7 +90,7 @@ def test_the_library_raises_no_deprecation_warning_of_its_own() -> None:
         t = torch.tensor([0.3, 0.7])
         kernel = uf.hf.default_kernel(model)[0]
         with torch.no_grad():
-            assert model(x, t, bidirectional_prob=uf.anneal_schedule(1, 2)).shape == (2, 6, 129)
+            assert model(x, t, bidirectional_prob=uf.hf.anneal_schedule(1, 2)).shape == (2, 6, 129)
             model.loss(x, t, x, kernel)
         uf.diffusion_loss(model, x, kernel, step=1, anneal_steps=2).mean().backward()
         with tempfile.TemporaryDirectory() as folder:

@@ -210,6 +210,24 @@ def test_loss_is_gidd_of_the_reference_logits_and_zero_on_the_prompt(model):
     assert (ours[:, P:] > 0).all()
 
 
+def test_diffusion_loss_passes_the_prompt_and_the_clean_tokens(model):
+    """``diffusion_loss(wrapped, x0, kernel, prompt_mask=)`` (the model declares ``conditions_on_prompt``): the
+    same x_t and per-position loss as the wrapper called by hand with the prompt mask and x0, fused and unfused;
+    0 on the prompt, which does not count."""
+    x0, _, _, prompt = _sft_batch(model)
+    t = torch.tensor([0.3, 0.8])
+    for fused in (False, True):
+        with torch.no_grad():
+            out = uf.diffusion_loss(model, x0, model.kernel, prompt_mask=prompt, t=t, fused=fused,
+                                    generator=torch.Generator().manual_seed(1))
+            logits = model(out.x_t, t, prompt_mask=prompt, x0=x0)
+            by_hand = uf.losses.gidd_loss(logits, x0, out.x_t, t[:, None].expand_as(out.x_t), model.kernel)
+        assert torch.equal(out.x_t[prompt], x0[prompt])
+        assert torch.equal(out.loss[prompt], torch.zeros(int(prompt.sum())))
+        assert out.num_tokens == (~prompt).sum()
+        torch.testing.assert_close(out.loss, torch.where(prompt, 0.0, by_hand))
+
+
 def test_gradients_reach_every_weight_of_the_text_model():
     model = wrap_diffusion_lm(tiny())
     x0, x_t, t, prompt = _sft_batch(model)
@@ -346,7 +364,7 @@ def test_reference_generate_is_reproduced_token_for_token(model, seed, case):
 
 def test_save_and_load_round_trip(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER))
-    kernel = uf.UniformKernel(VOCAB, uf.LogLinearSchedule(eps=1e-3))
+    kernel = uf.UniformKernel(VOCAB, uf.schedules.LogLinearSchedule(eps=1e-3))
     model = wrap_diffusion_lm(tiny(seed=4), tokenizer=tokenizer, kernel=kernel)
     model.save_pretrained(tmp_path / "m")
     loaded = DiffusionGemmaLM.from_pretrained(tmp_path / "m")

@@ -12,6 +12,7 @@ from _hf_tiny import BOS, VOCAB, tiny_model
 
 import unifusion as uf
 from unifusion.hf import CONFIG_NAME, DiffusionLM, adapt_ar_model
+from unifusion.schedules import DUOCosineSchedule, GeometricSchedule, LogLinearSchedule
 
 DATA = Path(__file__).parent.parent / "data"
 MASK_ID = 3
@@ -187,9 +188,9 @@ def test_missing_or_wrong_folder(tmp_path) -> None:
 
 
 def _kernels(S: int) -> list[uf.Kernel]:
-    return [uf.UniformKernel(S), uf.UniformKernel(S, uf.LogLinearSchedule(1e-4)),
-            uf.MaskKernel(S, MASK_ID, uf.GeometricSchedule(1e-3, 10.0)),
-            uf.MaskKernel(S, MASK_ID, uf.DUOCosineSchedule(chain_factor=False)), uf.HybridKernel(S, MASK_ID, 0.2, 2.0)]
+    return [uf.UniformKernel(S), uf.UniformKernel(S, LogLinearSchedule(1e-4)),
+            uf.MaskKernel(S, MASK_ID, GeometricSchedule(1e-3, 10.0)),
+            uf.MaskKernel(S, MASK_ID, DUOCosineSchedule(chain_factor=False)), uf.HybridKernel(S, MASK_ID, 0.2, 2.0)]
 
 def test_the_training_kernel_round_trips_through_save_pretrained(tmp_path) -> None:
     from unifusion._validation import _same_kernel

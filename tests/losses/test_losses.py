@@ -143,10 +143,10 @@ def test_loss_gradients_match_finite_differences(name: str, kind: str) -> None:
 # ------------------------------------------------------------------------------------------------ low precision
 LOW_KERNELS = {
     "uniform": lambda: uf.UniformKernel(50),
-    "uniform-cosine": lambda: uf.UniformKernel(50, uf.CosineSchedule()),
-    "uniform-loglinear": lambda: uf.UniformKernel(50, uf.LogLinearSchedule()),
+    "uniform-cosine": lambda: uf.UniformKernel(50, uf.schedules.CosineSchedule()),
+    "uniform-loglinear": lambda: uf.UniformKernel(50, uf.schedules.LogLinearSchedule()),
     "mask": lambda: uf.MaskKernel(50, 3),
-    "mask-cosine": lambda: uf.MaskKernel(50, 3, uf.CosineSchedule()),
+    "mask-cosine": lambda: uf.MaskKernel(50, 3, uf.schedules.CosineSchedule()),
     "hybrid": lambda: uf.HybridKernel(50, 3, 0.3, 1.0),
     "generator": lambda: uf.GeneratorKernel(ref.random_generator_matrix(6, torch.Generator().manual_seed(0))),
 }
@@ -235,3 +235,20 @@ def test_gidd_weightings() -> None:
     assert bool(torch.isfinite(dyn).all()) and bool((dyn >= 0).all())
     with pytest.raises(ValueError, match="weighting"):
         L.gidd_loss(head, x0, x_t, t, kernel, weighting="nope")  # type: ignore[arg-type]
+
+
+def test_the_former_names_of_the_references_warn_and_still_work():
+    from unifusion.losses import native
+
+    for old, new in (("gidd_loss", native.reference_gidd_loss), ("mdlm_loss", native.reference_mdlm_loss)):
+        with pytest.warns(DeprecationWarning, match=f"native.{old} is deprecated.*reference_{old}"):
+            assert getattr(native, old) is new
+    assert L.reference_gidd_loss is native.reference_gidd_loss and L.gidd_loss is not native.reference_gidd_loss
+    kernel = uf.MaskKernel(5, 4)
+    logits = torch.randn(2, 3, 5, dtype=DT, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with pytest.warns(DeprecationWarning, match="rates.x0_log_probs"):
+        old = native.x0_log_probs(kernel, logits)
+    new = uf.rates.x0_log_probs(kernel, logits, exact_gradient=True)
+    assert torch.equal(old, new) and torch.equal(new, uf.rates.x0_log_probs(kernel, logits))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        native.nope  # noqa: B018

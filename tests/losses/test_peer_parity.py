@@ -31,19 +31,19 @@ def _ids(family: str) -> list[str]:
     return [i for i, c in CASES.items() if c["family"] == family]
 
 
-def schedule_of(spec: dict, *, duo_as_published: bool = False) -> uf.Schedule | None:
+def schedule_of(spec: dict, *, duo_as_published: bool = False) -> uf.schedules.Schedule | None:
     """The unifusion schedule a case's ``unifusion.schedule`` block names (``None``: built into the kernel)."""
     name = spec["name"]
     if name.startswith("built into"):
         return None
     if name == "LogLinearSchedule":
-        return uf.LogLinearSchedule(eps=spec["eps"])
+        return uf.schedules.LogLinearSchedule(eps=spec["eps"])
     if name.startswith("geometric"):
-        return uf.GeometricSchedule(sigma_min=spec["sigma_min"], sigma_max=spec["sigma_max"])
+        return uf.schedules.GeometricSchedule(sigma_min=spec["sigma_min"], sigma_max=spec["sigma_max"])
     if name.startswith("mdlm_cosine"):
-        return uf.MDLMCosineSchedule(eps=spec["eps"])
+        return uf.schedules.MDLMCosineSchedule(eps=spec["eps"])
     if name.startswith("duo_cosine"):
-        return uf.DUOCosineSchedule(eps=spec["eps"], chain_factor=not duo_as_published)
+        return uf.schedules.DUOCosineSchedule(eps=spec["eps"], chain_factor=not duo_as_published)
     raise AssertionError(name)
 
 
@@ -323,10 +323,10 @@ def test_duo_udlm_elbo(case_id):
     t_, exact = torch.tensor(t, dtype=DT), schedule_exact(case, t)
     assert_matches(published.marginal(x0, t_), case, "forward_process_q_t_given_x0")
     assert_schedule_output(published.schedule.alpha(t_), exact["alpha"], case, "alpha_t")
-    chain = 1.0 - published.schedule.eps if isinstance(published.schedule, uf.DUOCosineSchedule) else 1.0
+    chain = 1.0 - published.schedule.eps if isinstance(published.schedule, uf.schedules.DUOCosineSchedule) else 1.0
     assert_schedule_output(published.schedule.alpha_prime(t_), exact["alpha_prime"] / chain, case, "dalpha_t")
     consistent = kernel_of(case)
-    if isinstance(consistent.schedule, uf.DUOCosineSchedule):
+    if isinstance(consistent.schedule, uf.schedules.DUOCosineSchedule):
         # DUO's cosine derivative lacks the chain factor (1 − ε): the true ELBO is DUO's number times (1 − ε)
         eps = consistent.schedule.eps
         true = uf.losses.gidd_loss(head_of(case), x0, x_t, t, consistent, weighting="elbo")
@@ -490,7 +490,8 @@ def test_sedd_analytic_and_denoiser_steps(case_id):
     column = K.marginal(torch.arange(S), t_)[:, x_t].T  # q_{t|0}(x_t | a), (6, S)
     torch.testing.assert_close(_normalise(p0 * column), peer, rtol=TOL, atol=1e-30)
     final = K.posterior(p0 / p0.sum(-1, keepdim=True), x_t, 0.0, t_)  # what EulerSampler's final step draws from
-    if isinstance(K.schedule, uf.GeometricSchedule):  # unifusion lands on t = 0 (σ = σ_min = 1e-4), SEDD on σ = 0
+    # unifusion lands on t = 0 (σ = σ_min = 1e-4), SEDD on σ = 0
+    if isinstance(K.schedule, uf.schedules.GeometricSchedule):
         assert float((final - peer).abs().max()) > 1e-6
     else:
         torch.testing.assert_close(final, peer, rtol=TOL, atol=1e-30)
@@ -637,7 +638,7 @@ def test_sedd_absorbing_graph_with_geometric_noise(case_id):
     dσ [Σ_{y≠mask} s_y − r log s_{x0} + r (log r − 1)], r = 1/(e^σ − 1), at masked positions (0 elsewhere)."""
     case = CASES[case_id]
     _, (x0, x_t, t) = kernel_of(case), inputs_of(case)
-    K = uf.MaskKernel(8, 7, uf.GeometricSchedule(1e-4, 20.0))
+    K = uf.MaskKernel(8, 7, uf.schedules.GeometricSchedule(1e-4, 20.0))
     log_score = head_of(case, "log_score")
     loss = uf.losses.sedd_loss(log_score, x0, x_t, t, K)
     mpmath.mp.dps = 50

@@ -120,7 +120,7 @@ def test_posterior_mixture_equals_kernel_posterior_float64(name: str) -> None:
 def dense_kernel() -> uf.GeneratorKernel:
     R = torch.rand(4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     R = R - torch.diag(torch.diagonal(R))
-    return uf.GeneratorKernel(R - torch.diag(R.sum(-1)), schedule=uf.LinearSchedule())
+    return uf.GeneratorKernel(R - torch.diag(R.sum(-1)), schedule=uf.schedules.LinearSchedule())
 
 
 @pytest.mark.parametrize("name", ["uniform", "mask", "hybrid", "generator"])
@@ -147,7 +147,7 @@ def test_bayesian_step_draws_from_the_posterior(name: str) -> None:
 def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypatch) -> None:
     """Block masses of the direct draw (compiled from COMPILE_MIN_STATES states up) against a float64 per-block
     logsumexp: a tail block, an exact multiple of the block size, a mask id inside a block, no mask."""
-    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+    uf.backend.set_backend(backend)
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(2, 3, V, generator=g) * 4
     ref = logits.double() / 0.7
@@ -157,7 +157,8 @@ def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypat
     ref = torch.nn.functional.pad(ref, (0, nb * 256 - V), value=-math.inf).unflatten(-1, (nb, 256)).logsumexp(-1)
     key = ("cpu", torch.float32, torch.float32, mask_id is None, False, 256)
     out = uf._compile.run(_draws.block_log_mass, key, lambda fn: fn(logits, mask_id, 0.7, 256, torch.float32),
-                          lambda: _draws.block_log_mass(logits, mask_id, 0.7, 256, torch.float32))
+                          lambda: _draws.block_log_mass(logits, mask_id, 0.7, 256, torch.float32),
+                          num_logits=logits.numel(), what=lambda: "block masses")
     assert out.shape == (2, 3, nb) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5)
 
@@ -167,7 +168,7 @@ def test_block_log_mass_against_float64_logsumexp(V, mask_id, backend, monkeypat
 def test_draw_from_logits_is_the_softmax_and_matches_the_workspace_path(mask_id, backend, monkeypatch) -> None:
     """The direct draw (no softmax over V) follows softmax(l / T) with the mask excluded, returns x_θ(x_t), and
     with the same uniforms picks the same states as the workspace path (softmax + two-level inverse CDF)."""
-    monkeypatch.setattr(uf._compile, "_state", {"backend": backend})
+    uf.backend.set_backend(backend)
     V, n, T = 4200, 100_000, 1.3
     g = torch.Generator().manual_seed(11)
     l = torch.full((V,), -30.0)
@@ -193,7 +194,7 @@ def test_draw_from_logits_is_the_softmax_and_matches_the_workspace_path(mask_id,
 def test_sampler_direct_and_workspace_paths_agree(monkeypatch) -> None:
     """BayesianSampler's default path (direct draw) and its workspace path (taken with top-k = V) give the same
     tokens from the same generator, up to float rounding at inverse-CDF boundaries."""
-    monkeypatch.setattr(uf._compile, "_state", {"backend": "compiled"})  # the direct path at this vocabulary size
+    uf.backend.set_backend("compiled")  # the direct path at this vocabulary size
     V = 2100
     kernel = uf.HybridKernel(V, mask_id=V - 1, p_uniform=0.3)
     head = torch.randn(1, 64, V, generator=torch.Generator().manual_seed(1)) * 3
@@ -284,7 +285,7 @@ def test_bayesian_sampler_reproduces_independent_data(name: str, num_steps: int)
 
 def test_bayesian_sampler_generator_kernel_reproduces_data() -> None:
     uniform_generator = torch.full((S, S), 1.0 / S, dtype=torch.float64) - torch.eye(S, dtype=torch.float64)
-    kernel = uf.GeneratorKernel(uniform_generator, schedule=uf.LinearSchedule())
+    kernel = uf.GeneratorKernel(uniform_generator, schedule=uf.schedules.LinearSchedule())
     p = data_distribution(L=1)
     x = BayesianSampler(constant_model(kernel, p), kernel, 4).sample(20_000, 1,
                                                                      generator=torch.Generator().manual_seed(6))
@@ -472,7 +473,7 @@ def test_per_row_generators_reproduce_batches_of_one(name: str, options: dict) -
 def test_per_row_generators_at_lm_vocabulary_size(monkeypatch) -> None:
     """V ≥ COMPILE_MIN_STATES (several blocks of 256 states in the two-level draw; the eager backend, so no run
     switches to a compiled pass half-way): rows still equal their batches of one."""
-    monkeypatch.setattr(uf._compile, "_state", {"backend": "eager"})
+    uf.backend.set_backend("eager")
     V = _draws.COMPILE_MIN_STATES + 3
     kernel = uf.MaskKernel(V, mask_id=V - 1)
     table = torch.randn(V, V, generator=torch.Generator().manual_seed(32), dtype=torch.float64) * 4

@@ -41,16 +41,22 @@ from typing import Any, Literal
 import torch
 
 from .._device import categorical, host_to_device
-from .._validation import batched_checks, check_generator, check_model_kernel, check_token_ids, validation
-from ..kernels import InterpolatingKernel, Kernel, check_kernel
+from .._validation import (
+    batched_checks,
+    check_generator,
+    check_model_kernel,
+    check_positive_int,
+    check_token_ids,
+    validation,
+)
+from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..rates import x0_log_probs
-from .quality import _check_positive_int, _logits_of, _model_device, _progress
+from ._shared import input_device, logits_of, progress_bar
 
 __all__ = ["score_choices", "fair_pmi_scores", "ar_choice_nll", "run_multiple_choice", "load_task",
            "MultipleChoiceResult"]
 
 _T_MAX = 1.0 - 1e-3  # where t_1 = 1 of the standard grid is evaluated
-_T_CLAMP = 1.0 - 1e-6  # upper clamp of stratified times (float32 keeps them < 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,8 +110,8 @@ def _num_states(model: Any, kernel: Kernel) -> int:
 # the core: corrupt the span, score the corrupted positions
 
 
-def _corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """z ~ q_{t|0}(·|span) on a ``(m,)`` span for each time of ``t (K,)``; returns ``(z (K, m), selected (K, m))``.
 
     Interpolating kernels: a token is selected with probability β_t = 1 − α_t and redrawn from π_t (the normalised
@@ -131,7 +137,7 @@ def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.
               t: torch.Tensor, batch_size: int) -> torch.Tensor:
     """−log x_θ^i(a_i | z, t) on the span for rows z = [context, z_span]: ``targets``, ``z_span`` ``(N, m)``,
     ``t`` ``(N,)`` → float64 ``(N, m)``. Rows are run ``batch_size`` at a time (all have the same length)."""
-    device = _model_device(model)
+    device = input_device(model)
     N, m = z_span.shape
     x_t = torch.cat([context.to(z_span.device).unsqueeze(0).expand(N, -1), z_span], dim=1)  # (N, |c| + m)
     # on the model's device once (not once per batch), without making the host wait
@@ -140,7 +146,7 @@ def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.
     for k in range(0, N, batch_size):
         rows = slice(k, k + batch_size)
         with validation(False):  # rows made here from checked ids: no read back per model call
-            logits = _logits_of(model(x_t[rows], t[rows]))
+            logits = logits_of(model(x_t[rows], t[rows]))
         log_x = x0_log_probs(kernel, logits[:, -m:].float())  # (b, m, S)
         out.append(-log_x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))
     return torch.cat(out).double()
@@ -176,16 +182,18 @@ def _selections_on(draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     return [f.view(s.shape) for f, s in zip(flat.split([s.numel() for s in sel]), sel)]
 
 
-def _standard_times(num_times: int, device: torch.device | None = None) -> torch.Tensor:
+def standard_times(num_times: int, device: torch.device | None = None) -> torch.Tensor:
+    """The standard score's grid t_k = 1 − (k − 1)/K, k = 1..K, ``(K,)`` float64 (t_1 = 1 evaluated at 1 − 10⁻³)."""
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=device)
     return (1.0 - (k - 1.0) / num_times).clamp(max=_T_MAX)
 
 
-def _stratified_times(num_times: int, t_min: float, generator: torch.Generator | None,
-                      device: torch.device) -> torch.Tensor:
+def stratified_times(num_times: int, t_min: float, generator: torch.Generator | None,
+                     device: torch.device) -> torch.Tensor:
+    """Fair-PMI's stratified times t_k = t_min + (1 − t_min)(k − u)/K with one u ~ U(0, 1), ``(K,)`` float64."""
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=device)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=device)
-    return (t_min + (1.0 - t_min) * (k - u) / num_times).clamp(t_min, _T_CLAMP)
+    return (t_min + (1.0 - t_min) * (k - u) / num_times).clamp(t_min, MAX_TIME)
 
 
 def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,
@@ -211,17 +219,17 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
         float64 ``(C,)`` scores.
     """
     kernel = check_kernel(kernel)
-    num_times = _check_positive_int("num_times", num_times)
-    batch_size = _check_positive_int("batch_size", batch_size)
+    num_times = check_positive_int("num_times", num_times)
+    batch_size = check_positive_int("batch_size", batch_size)
     generator = check_generator(generator)
     S = _num_states(model, kernel)
     with batched_checks():  # every id range read back in one transfer
         context = _as_ids("context_ids", context_ids, S, allow_empty=True)
         choices = _as_choices(choices_ids, S)
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    t = _standard_times(num_times, gen_device)
+    t = standard_times(num_times, gen_device)
     choices = [host_to_device(a, gen_device) for a in choices]
-    draws = [(*_corrupt_span(kernel, a, t, generator), t) for a in choices]
+    draws = [(*corrupt_span(kernel, a, t, generator), t) for a in choices]
     (nll,) = _grouped_span_nll(model, kernel, [host_to_device(context, gen_device)], choices, draws, batch_size)
     scores = []
     for j, sel in enumerate(_selections_on(draws, nll[0].device)):  # (K, m): I_k(a)
@@ -250,8 +258,8 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
         float64 ``(C,)`` scores.
     """
     kernel = check_kernel(kernel)
-    num_times = _check_positive_int("num_times", num_times)
-    batch_size = _check_positive_int("batch_size", batch_size)
+    num_times = check_positive_int("num_times", num_times)
+    batch_size = check_positive_int("batch_size", batch_size)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
     generator = check_generator(generator)
@@ -264,8 +272,8 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
     choices = [host_to_device(a, gen_device) for a in choices]
     draws = []
     for a in choices:
-        t = _stratified_times(num_times, float(t_min), generator, gen_device)
-        draws.append((*_corrupt_span(kernel, a, t, generator), t))
+        t = stratified_times(num_times, float(t_min), generator, gen_device)
+        draws.append((*corrupt_span(kernel, a, t, generator), t))
     contexts = [host_to_device(context, gen_device), host_to_device(null, gen_device)]
     nll_c, nll_null = _grouped_span_nll(model, kernel, contexts, choices, draws, batch_size)
     scores = []
@@ -305,11 +313,11 @@ def ar_choice_nll(ar_model: Any, context_ids: Sequence[int] | torch.Tensor,
         prefix = context
     if prefix.numel() == 0:
         raise ValueError("context_ids: empty and no bos_token_id given, so the first answer token has no predictor")
-    device = _model_device(ar_model)
+    device = input_device(ar_model)
     out = []
     for a in choices:
         ids = host_to_device(torch.cat([prefix, a.to(prefix.device)]).unsqueeze(0), device)  # (1, L), no host wait
-        logits = _logits_of(ar_model(input_ids=ids))[0, prefix.numel() - 1: -1].float()  # (m, V)
+        logits = logits_of(ar_model(input_ids=ids))[0, prefix.numel() - 1: -1].float()  # (m, V)
         nll = torch.nn.functional.cross_entropy(logits, ids[0, prefix.numel():], reduction="sum").double()
         out.append(nll if reduction == "sum" else nll / a.numel())
     return torch.stack(out).cpu()
@@ -399,8 +407,8 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
     data = load_task(task)
     examples = data["examples"]
     if max_examples is not None:
-        examples = examples[: _check_positive_int("max_examples", max_examples)]
-    max_length = _check_positive_int("max_length", max_length)
+        examples = examples[: check_positive_int("max_examples", max_examples)]
+    max_length = check_positive_int("max_length", max_length)
     kernel_: Kernel | None = None
     num_times_ = 0
     if method == "ar":
@@ -411,13 +419,13 @@ def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: An
     else:
         kernel_ = check_kernel(kernel)
         check_model_kernel(model, kernel_)  # before the first example: mask token and number of states agree
-        num_times_ = _check_positive_int("num_times", num_times if num_times is not None else
+        num_times_ = check_positive_int("num_times", num_times if num_times is not None else
                                          (32 if method == "score" else 128))
         null_ids = _encode(tokenizer, null_context)
     generator = torch.Generator().manual_seed(int(seed))
 
     predictions, all_scores, correct = [], [], 0
-    for ex in _progress(examples, enabled=progress, desc=f"MC ({method})"):
+    for ex in progress_bar(examples, enabled=progress, desc=f"MC ({method})"):
         text = ex["input"]
         prefix = "" if (not text or text[-1].isspace()) else " "
         names = list(ex["target_scores"])

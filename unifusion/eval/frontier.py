@@ -32,16 +32,10 @@ from typing import Any
 
 import torch
 
-from .._validation import check_model_kernel
-from ..kernels import Kernel
-from .quality import (
-    _check_positive_int,
-    _model_device,
-    _progress,
-    generative_perplexity,
-    gpt2_tokenizer,
-    unigram_entropy,
-)
+from .._validation import check_model_kernel, check_positive_int
+from ..kernels import Kernel, check_kernel
+from ._shared import input_device, progress_bar
+from .quality import generative_perplexity, gpt2_tokenizer, unigram_entropy
 
 __all__ = ["FrontierResult", "PolicyFrontierSampler", "frontier", "plot_frontier", "DEFAULT_STEPS", "DEFAULT_SEEDS"]
 
@@ -113,8 +107,11 @@ def _check_int_list(name: str, values: object, *, minimum: int) -> tuple[int, ..
     return out
 
 
-def _make_sampler(sampler: str | SamplerFactory, model: Any, kernel: Kernel, num_steps: int,
-                  sampler_kwargs: dict[str, Any]) -> Any:
+def make_sampler(sampler: str | SamplerFactory, model: Any, kernel: Kernel, num_steps: int,
+                 sampler_kwargs: dict[str, Any]) -> Any:
+    """The sampler ``sampler`` names (``"bayesian"``, ``"euler"``) or a factory ``(model, kernel, num_steps,
+    **sampler_kwargs) -> sampler`` builds, with ``num_steps`` steps (what :func:`frontier` and ``unifusion sample``
+    run)."""
     if callable(sampler):
         return sampler(model, kernel, num_steps, **sampler_kwargs)
     from ..samplers import BayesianSampler, EulerSampler
@@ -237,12 +234,11 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     """
     steps = _check_int_list("steps", steps, minimum=1)
     seeds = _check_int_list("seeds", seeds, minimum=0)
-    num_samples = _check_positive_int("num_samples", num_samples)
-    seq_len = _check_positive_int("seq_len", seq_len)
-    batch_size = _check_positive_int("batch_size", batch_size)
-    judge_batch_size = _check_positive_int("judge_batch_size", judge_batch_size)
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    num_samples = check_positive_int("num_samples", num_samples)
+    seq_len = check_positive_int("seq_len", seq_len)
+    batch_size = check_positive_int("batch_size", batch_size)
+    judge_batch_size = check_positive_int("judge_batch_size", judge_batch_size)
+    kernel = check_kernel(kernel)
     if not isinstance(resume, bool):
         raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
     if not isinstance(label, str) or not label:
@@ -265,7 +261,7 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
              "runs_csv": out / f"{prefix}_runs.csv", "samples": out / f"{prefix}_samples.jsonl"}
     if plot:
         paths["png"] = out / f"{prefix}_frontier.png"
-    device = _model_device(model)
+    device = input_device(model)
 
     runs: list[dict[str, Any]] = []
     grid = [(n, s) for n in steps for s in seeds]
@@ -274,11 +270,11 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         for rows in done.values():  # kept as they were; the points of this grid are read from them below
             sample_file.writelines(line for line, _ in rows)
         sample_file.flush()
-        for num_steps, seed in _progress(grid, enabled=progress, desc=f"frontier {label}"):
+        for num_steps, seed in progress_bar(grid, enabled=progress, desc=f"frontier {label}"):
             if (num_steps, seed) in done:
                 texts = [text for _, text in done[(num_steps, seed)]]
             else:
-                smp = _make_sampler(sampler, model, kernel, num_steps, sampler_kwargs)
+                smp = make_sampler(sampler, model, kernel, num_steps, sampler_kwargs)
                 generator = torch.Generator(device=device).manual_seed(seed)
                 chunks = []
                 for k in range(0, num_samples, batch_size):

@@ -35,14 +35,13 @@ import torch
 from .. import _validation as V
 from .._device import host_to_device
 from .._validation import check_token_ids
-from ..kernels import InterpolatingKernel, Kernel
+from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..losses.fast import x0_head_loss
-from ..losses.native import gidd_loss as reference_gidd_loss
-from .quality import _check_positive_int, _logits_of
+from ..losses.native import reference_gidd_loss
+from ._shared import logits_of
 
 __all__ = ["nll_bound", "prior_kl"]
 
-_T_CLAMP = 1.0 - 1e-6
 LOGITS_PER_CALL = 1 << 26
 """Default budget of one model call of :func:`nll_bound`: logits (rows × L × S) it may produce (256 MiB in float32)."""
 
@@ -61,8 +60,7 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
     Interpolating kernels are evaluated at t = 1 exactly; other kernels at t = 1 − 10⁻⁷. ``+inf`` where the prior
     misses a state that q_{1|0} reaches (Proposition 3.2's assumption (1) fails).
     """
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
+    kernel = check_kernel(kernel)
     ids = check_token_ids("x0", x0, kernel.num_states)
     T = 1.0 if isinstance(kernel, InterpolatingKernel) else 1.0 - 1e-7
     t = torch.full((), T, dtype=torch.float64, device=ids.device)  # filled there: no host-to-device copy
@@ -114,15 +112,14 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
     Returns:
         float64 ``(B,)``.
     """
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"kernel: expected a unifusion Kernel, got {type(kernel).__name__}")
-    num_times = _check_positive_int("num_times", num_times)
+    kernel = check_kernel(kernel)
+    num_times = V.check_positive_int("num_times", num_times)
     if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
         raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
     if not isinstance(reference, bool):
         raise TypeError(f"reference: expected a bool, got {type(reference).__name__}")
     if batch_size is not None:
-        batch_size = _check_positive_int("batch_size", batch_size)
+        batch_size = V.check_positive_int("batch_size", batch_size)
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
         raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
                          f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
@@ -148,10 +145,10 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
 
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
     u = torch.rand(B, generator=generator, dtype=torch.float64, device=x_0.device)  # (B,)
-    times = (t_min + (1.0 - t_min) * (k[:, None] - u[None, :]) / num_times).clamp(1e-12, _T_CLAMP)  # (K, B)
+    times = (t_min + (1.0 - t_min) * (k[:, None] - u[None, :]) / num_times).clamp(1e-12, MAX_TIME)  # (K, B)
     if batch_size is not None:
         rows = batch_size
-    else:  # the reference loss holds ~100 float32 copies of its logits: one time per call, as 0.1 did
+    else:  # the reference loss holds ~100 float32 copies of its logits: one time per call
         rows = B if reference else LOGITS_PER_CALL // max(1, L * kernel.num_states)
     per_call = max(1, min(num_times, rows // B))  # times per model call
     loss = reference_gidd_loss if reference else x0_head_loss
@@ -166,7 +163,7 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         with V.validation(False):
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
             x_t = torch.where(valid_n, x_t, x_0n)
-            logits = _logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
+            logits = logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
             D_t = loss(logits, x_0n, x_t, t[:, None], kernel)  # (n B, L), = D_t exactly: one time per row
         del logits
         D_t = torch.where(valid_n, D_t.double(), torch.zeros((), dtype=torch.float64, device=x_0.device))

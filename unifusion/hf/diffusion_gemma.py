@@ -68,6 +68,8 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
     base_model: Any  # the DiffusionGemmaForBlockDiffusion (its methods are not typed through nn.Module)
     config: Any  # its DiffusionGemmaConfig
 
+    conditions_on_prompt = True  # diffusion_loss passes prompt_mask= and x0= (the encoder reads the prefix)
+
     def __init__(self, base_model: nn.Module, *, tokenizer: Any = None, kernel: Any = None) -> None:
         super().__init__()
         self.base_model = base_model

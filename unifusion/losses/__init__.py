@@ -7,18 +7,24 @@
 * :func:`x0_head_loss` — D_t of an x0 head (GIDD / MDLM / the x0-head SEDD, M2S, CTMC losses) at the cost of a
   cross-entropy; :func:`gidd_loss` and :func:`mdlm_loss` here are its fast paths (same values as the references).
 * :func:`fused_linear_diffusion_loss` — output head + x0-head loss without materialising the logits.
-  Both run ``torch.compile``-fused by default; :func:`unifusion.set_backend` switches to eager.
+  Both run ``torch.compile``-fused on training-sized calls and eagerly on small ones (:mod:`unifusion.backend`).
 
-The straightforward O(S)-per-position implementations stay importable as ``unifusion.losses.native.*`` and as
-``reference_gidd_loss`` / ``reference_mdlm_loss``.
+The straightforward O(S)-per-position implementations live in :mod:`unifusion.losses.native`; the references of the
+two fast losses are :func:`reference_gidd_loss` and :func:`reference_mdlm_loss`.
 """
 
 from .bregman import bregman_divergence, bregman_rate_loss
 from .fast import X0_HEAD_OBJECTIVES, gidd_loss, mdlm_loss, x0_head_loss
 from .fused_linear import fused_linear_diffusion_loss
-from .native import GIDD_WEIGHTINGS, ctmc_loss, gidd_loss_weight, m2s_loss, sedd_loss
-from .native import gidd_loss as reference_gidd_loss
-from .native import mdlm_loss as reference_mdlm_loss
+from .native import (
+    GIDD_WEIGHTINGS,
+    ctmc_loss,
+    gidd_loss_weight,
+    m2s_loss,
+    reference_gidd_loss,
+    reference_mdlm_loss,
+    sedd_loss,
+)
 
 __all__ = [
     "GIDD_WEIGHTINGS",

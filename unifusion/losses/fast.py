@@ -22,188 +22,47 @@ and the gradient is O(V) per row: with e_y = 1 − q0_y/qθ_y (= x_y/(1+x_y) off
 :func:`x0_head_loss`'s forward pass computes the loss and a few row statistics (max and Σ exp of the logits, Σ p e, and
 the sums without the most likely token that keep 1 − p and the gradient there exact for a confident model) and keeps the
 logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The arithmetic is one
-pure function (:mod:`unifusion.losses._x0_kernel`) that ``torch.compile`` fuses into a few cache-resident passes per
-row, so nothing of size N×V exists besides the logits and their gradient (the eager backend runs the same function on
-blocks of rows). The ``(N, V)`` passes run in float32 for bf16/fp16/fp32 logits (float64 for float64 logits), with the
-rounding of l − max compensated for float32 logits; every per-row quantity is float64 (float32 on MPS); x − log1p x
-uses a series below a cut-off, since its terms are ~x²/2 where x is small. Values and gradients are within 1e-6 of the
-float64 reference for float32 and bf16 logits (tests/test_losses_extreme.py states the grid and the exceptions). The
-reference implementations are :mod:`unifusion.losses.native`.
+driver over three element passes (:mod:`unifusion.losses._x0_passes`) that ``torch.compile`` fuses into a few
+cache-resident loops per row, so nothing of size N×V exists besides the logits and their gradient (eagerly the same
+driver runs each pass on blocks of rows). The ``(N, V)`` passes run in float32 for bf16/fp16/fp32 logits (float64
+for float64 logits), with the rounding of l − max compensated for float32 logits; every per-row quantity is float64
+(float32 on MPS); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. Values and
+gradients are within 1e-6 of the float64 reference for float32 and bf16 logits (tests/test_losses_extreme.py states
+the grid and the exceptions). The reference implementations are :mod:`unifusion.losses.native`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
-from .._math import safe_log
-from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel, check_kernel
-from . import _x0_kernel, native
-from .native import GIDD_WEIGHTINGS, dynamic_weight
+from ..kernels import Kernel, MaskKernel, check_kernel
+from . import native
+from ._x0_row_terms import RowStats
+from ._x0_rows import X0_HEAD_OBJECTIVES, X0Rows, check_objective, check_weighting, has_fast_path, prepare_x0_rows
+from ._x0_run import run
 
 __all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES"]
-
-X0_HEAD_OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
-
-
-# ---------------------------------------------------------------------------------------------------- row setup
-@dataclass
-class _Rows:
-    """Per-position quantities that do not depend on the logits, flattened to ``(N,)``; floating ones in the row
-    precision (float64; float32 on MPS), ``dtype`` is the compute dtype of the ``(N, V)`` passes."""
-
-    x0: torch.Tensor          # int64 (N,)
-    x_t: torch.Tensor         # int64 (N,)
-    alpha: torch.Tensor       # α_t
-    u: torch.Tensor           # uniform noise mass of one clean state, m_t(y) for y clean ≠ x0
-    m_x0: torch.Tensor        # m_t(x0)
-    m_xt: torch.Tensor        # m_t(x_t)
-    v: torch.Tensor           # forward rate into x_t, R_t(·, x_t)
-    w: torch.Tensor           # loss weight (ELBO, clipped or dynamic)
-    x0_is_mask: torch.Tensor  # bool
-    xt_is_mask: torch.Tensor  # bool
-    uniform_noise: bool       # u > 0 (uniform, hybrid with p_uniform > 0); False for the mask kernel
-    mask_id: int | None
-    dtype: torch.dtype
-    # derived, logit-free (filled by __post_init__)
-    log_alpha: torch.Tensor = None  # type: ignore[assignment]
-    log_m_x0: torch.Tensor = None  # type: ignore[assignment]
-    log_m_xt: torch.Tensor = None  # type: ignore[assignment]
-    safe_log_m_xt: torch.Tensor = None  # type: ignore[assignment]
-    same: torch.Tensor = None  # type: ignore[assignment]
-    possible: torch.Tensor = None  # type: ignore[assignment]
-    u_pos: torch.Tensor = None  # type: ignore[assignment]
-    alpha_over_u: torch.Tensor = None  # type: ignore[assignment]
-    w_active: torch.Tensor = None  # type: ignore[assignment]
-    v_active: torch.Tensor = None  # type: ignore[assignment]
-    A: torch.Tensor = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.log_alpha is not None:
-            return  # a slice of an already completed instance
-        zero = torch.zeros_like(self.alpha)
-        self.log_alpha = torch.log(self.alpha)
-        self.log_m_x0 = safe_log(self.m_x0)
-        self.log_m_xt = safe_log(self.m_xt)
-        self.same = self.x_t == self.x0
-        self.possible = self.same | (self.m_xt > 0)
-        self.safe_log_m_xt = torch.where(self.possible & ~self.same, self.log_m_xt, zero)
-        self.u_pos = self.u > 0
-        self.alpha_over_u = self.alpha / torch.where(self.u_pos, self.u, torch.ones_like(self.u))
-        active = self.v > 0
-        # x_t impossible under x0 (true rates 0 by convention): the loss is the model's exit rate v (1/qθ(x_t) − 1)
-        self.w_active = torch.where(active, self.w, zero)
-        self.v_active = torch.where(active & ~self.possible, self.v, zero)
-        self.A = torch.where(active & self.possible, self.w * self.alpha, zero)
-
-    def __getitem__(self, s: slice) -> _Rows:
-        fields: dict[str, Any] = {k: (v[s] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return _Rows(**fields)
-
-    def run(self, logits: torch.Tensor, *, need_loss: bool = True, need_stats: bool = False,
-            grad_scale: torch.Tensor | None = None, stats: tuple[torch.Tensor, ...] | None = None,
-            grad_into_logits: bool = False):
-        """(loss, gradient, row statistics) of ``logits`` ``(n, V)`` for these rows on the selected backend
-        (:func:`unifusion.set_backend`): the gradient when ``grad_scale`` is given, the statistics
-        (for a later gradient call) when ``need_stats``; ``grad_into_logits`` overwrites the logits with it."""
-        tensors = tuple(getattr(self, name) for name in _x0_kernel.ROW_FIELDS)
-        if grad_scale is not None:
-            grad_scale = grad_scale.contiguous()
-        return _x0_kernel.run(logits, tensors, self.mask_id, uniform_noise=self.uniform_noise, dtype=self.dtype,
-                              need_loss=need_loss, need_grad=grad_scale is not None, need_stats=need_stats,
-                              grad_scale=grad_scale, stats=stats, grad_into_logits=grad_into_logits)
-
-
-def _is_fast_kernel(kernel: Kernel) -> bool:
-    return isinstance(kernel, (UniformKernel, MaskKernel, HybridKernel))
-
-
-def _check_weighting(weighting: object, max_weight: object) -> None:
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
-
-
-def _check_objective(objective: object, kernel: Kernel) -> None:
-    if objective not in X0_HEAD_OBJECTIVES:
-        raise ValueError(f"objective: expected one of {X0_HEAD_OBJECTIVES}, got {objective!r}")
-    if objective == "mdlm" and not isinstance(kernel, MaskKernel):
-        raise TypeError(f"kernel: objective='mdlm' needs a MaskKernel, got {type(kernel).__name__}")
-
-
-def _prepare_rows(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: object, x_t: object,
-                  t: object, dtype: torch.dtype, device: torch.device, weighting: str,
-                  max_weight: float) -> tuple[_Rows, tuple[int, ...]]:
-    """Validate ids and times, broadcast them to the positions' shape, and compute every logit-free quantity."""
-    with V.batched_checks():  # ids and times read back in one host sync
-        return _prepare_rows_checked(kernel, num_rows_shape, x0, x_t, t, dtype, device, weighting, max_weight)
-
-
-def _prepare_rows_checked(kernel: Kernel, num_rows_shape: tuple[int, ...] | None, x0: object, x_t: object,
-                          t: object, dtype: torch.dtype, device: torch.device, weighting: str,
-                          max_weight: float) -> tuple[_Rows, tuple[int, ...]]:
-    S = kernel.num_states
-    x0 = V.check_token_ids("x0", x0, S)
-    x_t = V.check_token_ids("x_t", x_t, S)
-    try:
-        shape = tuple(torch.broadcast_shapes(x0.shape, x_t.shape))
-    except RuntimeError:
-        raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
-    if num_rows_shape is not None and tuple(num_rows_shape) != shape:
-        raise ValueError(f"x0_logits: expected leading shape {shape} (that of x_t), got {tuple(num_rows_shape)}")
-    # the per-row constants (α_t, m_t, rates, weights: chains of a dozen scalar ops near t → 0 or 1) and the kernel's
-    # per-row arithmetic are float64 (float32 on MPS, which has no float64) whatever the logits; they are (N,), so
-    # this costs nothing next to the (N, V) passes, which run in ``dtype``
-    row_dtype = torch.float32 if device.type == "mps" else torch.float64
-    t_ = V.check_time("t", t, device=device, dtype=row_dtype, shape=shape)
-    try:
-        t_ = torch.broadcast_to(t_, shape)
-    except RuntimeError:
-        raise ValueError(f"t: shape {tuple(t_.shape)} does not broadcast to x_t's shape {shape}") from None
-    x0 = x0.to(device).expand(shape).reshape(-1)
-    x_t = x_t.to(device).expand(shape).reshape(-1)
-    t_ = t_.reshape(-1)
-
-    assert isinstance(kernel, InterpolatingKernel)
-    alpha, a, b = kernel.coefficients(t_)
-    u = b / kernel.num_uniform_states
-    m_x0 = kernel.noise_at(x0, a, b)
-    m_xt = kernel.noise_at(x_t, a, b)
-    v_mask, v_unif = kernel.rate_coefficients(t_)
-    v = torch.where(kernel.is_mask(x_t), v_mask,
-                    torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
-    q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + m_xt
-    if weighting == "dynamic":
-        w = dynamic_weight(kernel, x0, x_t, t_).clamp(0.0, max_weight)
-    else:
-        w = v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt))
-        if weighting == "clip":
-            w = w.clamp(0.0, max_weight)
-    rows = _Rows(x0=x0, x_t=x_t, alpha=alpha, u=u, m_x0=m_x0, m_xt=m_xt, v=v, w=w,
-                 x0_is_mask=kernel.is_mask(x0), xt_is_mask=kernel.is_mask(x_t),
-                 uniform_noise=kernel.has_uniform_noise, mask_id=kernel.mask_id, dtype=dtype)
-    return rows, shape
 
 
 # ---------------------------------------------------------------------------------------------------- autograd
 class _X0HeadLossFunction(torch.autograd.Function):
-    """Per-position loss of logits ``(N, V)``. Forward computes the loss and the row statistics of
-    :func:`~unifusion.losses._x0_kernel.loss_and_grad` (max, Σ exp, Σ p e, …) and keeps the logits; backward computes
-    the gradient with the incoming per-position gradient folded in (one pass over each row), so nothing of size N×V is
-    allocated before backward and any reduction is exact."""
+    """Per-position loss of logits ``(N, V)``. Forward computes the loss and the row statistics (max, Σ exp, Σ p e,
+    …) and keeps the logits; backward computes the gradient with the incoming per-position gradient folded in (one
+    pass over each row), so nothing of size N×V is allocated before backward and any reduction is exact."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        loss, _, stats = rows.run(logits, need_stats=ctx.needs_input_grad[0])
+    def forward(ctx, logits: torch.Tensor, rows: X0Rows) -> torch.Tensor:
+        loss, _, stats = run(logits, rows, need_stats=ctx.needs_input_grad[0])
+        assert loss is not None
         if stats is not None:
             ctx.save_for_backward(logits, *stats)
             ctx.rows = rows
-        if V.validation_enabled() and bool(torch.isnan(loss).any()):
+        # (a value check reads the loss back to the host: not inside a compiled region, where it would break the graph)
+        if V.validation_enabled() and not torch.compiler.is_compiling() and bool(torch.isnan(loss).any()):
             # finite logits give a finite loss (every term is evaluated in log space), so a NaN comes from the input
             raise ValueError("x0_logits: contains NaN or ±inf (the loss of some position is NaN); the loss is finite "
                              "for every finite logit")
@@ -213,7 +72,7 @@ class _X0HeadLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         logits, *stats = ctx.saved_tensors
-        _, grad, _ = ctx.rows.run(logits, need_loss=False, grad_scale=grad_loss, stats=tuple(stats))
+        _, grad, _ = run(logits, ctx.rows, need_loss=False, grad_scale=grad_loss, stats=RowStats(*stats))
         return grad, None
 
 
@@ -243,7 +102,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
 
     Returns float32 (float64 for float64 logits) losses ``(...)``; reduce them yourself. Memory: the logits are kept
     for backward (as cross-entropy keeps its log-softmax) and backward allocates their gradient; nothing else of
-    size N×S. Runs ``torch.compile``-fused by default (see :func:`unifusion.set_backend`).
+    size N×S. Training-sized calls run ``torch.compile``-fused, small ones eagerly (see :mod:`unifusion.backend`).
 
     Example::
 
@@ -251,20 +110,20 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
         (loss * attention_mask).sum().div(attention_mask.sum()).backward()
     """
     kernel = check_kernel(kernel)
-    _check_weighting(weighting, max_weight)
-    _check_objective(objective, kernel)
+    check_weighting(weighting, max_weight)
+    check_objective(objective, kernel)
     logits = V.check_tensor("x0_logits", x0_logits)
     if not logits.dtype.is_floating_point:
         raise TypeError(f"x0_logits: expected a floating-point tensor, got dtype {logits.dtype}")
     S = kernel.num_states
     if logits.dim() == 0 or logits.shape[-1] != S:
         raise ValueError(f"x0_logits: expected shape (..., {S}) (x_t's shape + num_states), got {tuple(logits.shape)}")
-    if not _is_fast_kernel(kernel):
+    if not has_fast_path(kernel):
         if weighting != "elbo":
             raise ValueError(f"weighting: only 'elbo' is defined for {type(kernel).__name__}, got {weighting!r}")
-        return native.gidd_loss(logits, x0, x_t, t, kernel)
+        return native.reference_gidd_loss(logits, x0, x_t, t, kernel)
     dtype = V.compute_dtype(logits)
-    rows, shape = _prepare_rows(kernel, tuple(logits.shape[:-1]), x0, x_t, t, dtype, logits.device,
+    rows, shape = prepare_x0_rows(kernel, tuple(logits.shape[:-1]), x0, x_t, t, dtype, logits.device,
                                 weighting, float(max_weight))
     flat = logits.reshape(-1, S)
     loss = _X0HeadLossFunction.apply(flat, rows)

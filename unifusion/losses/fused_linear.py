@@ -35,8 +35,9 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as V
 from .._device import host_to_device
 from ..kernels import Kernel, check_kernel
-from . import _x0_kernel
-from .fast import _check_objective, _check_weighting, _is_fast_kernel, _prepare_rows, _Rows
+from ._x0_row_terms import RowStats
+from ._x0_rows import X0Rows, check_objective, check_weighting, has_fast_path, prepare_x0_rows
+from ._x0_run import run, stats_buffers
 
 __all__ = ["fused_linear_diffusion_loss"]
 
@@ -205,23 +206,25 @@ class _FusedLinearX0Loss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: _Rows, chunk: int, scale: float, softcap: float | None, omega: torch.Tensor,
+                rows: X0Rows, chunk: int, scale: float, softcap: float | None, omega: torch.Tensor,
                 precompute: bool, reduced: bool) -> torch.Tensor:
         N = hidden.shape[0]
         needs = ctx.needs_input_grad[:3]
         grads = _Grads(hidden, weight, bias, needs) if precompute and any(needs) else None
         need_stats = not (precompute and reduced) and any(needs)  # for recomputing some or all blocks
         loss = torch.empty(N, dtype=rows.dtype, device=hidden.device)
-        stats = _x0_kernel.stats_buffers(N, rows.alpha.dtype, hidden.device) if need_stats else ()
+        stats = stats_buffers(N, rows.tensors.alpha.dtype, hidden.device) if need_stats else ()
         buffer = _logits_buffer(hidden, weight, chunk)
         for lo, hi in _blocks(N, chunk):
             logits, th = _block_logits(hidden[lo:hi], weight, bias, scale, softcap, buffer)
-            loss[lo:hi], g, blk_stats = rows[lo:hi].run(
-                logits, need_stats=need_stats, grad_scale=None if grads is None else omega[lo:hi],
-                grad_into_logits=True)
+            blk_loss, g, blk_stats = run(logits, rows[lo:hi], need_stats=need_stats,
+                                         grad_scale=None if grads is None else omega[lo:hi], grad_into_logits=True)
+            assert blk_loss is not None
+            loss[lo:hi] = blk_loss
             for dst, src in zip(stats, blk_stats or ()):
                 dst[lo:hi] = src
             if grads is not None:
+                assert g is not None
                 grads.add_block(hidden[lo:hi], g, th, scale, softcap,
                                 None if grads.h is None else grads.h[lo:hi])
             del logits, g
@@ -269,9 +272,9 @@ def _scale_rows(H: torch.Tensor, g: torch.Tensor, in_place: bool) -> torch.Tenso
     return (H.to(g.dtype) * g).to(H.dtype)
 
 
-def _live(rows: _Rows, omega: torch.Tensor) -> torch.Tensor:
+def _live(rows: X0Rows, omega: torch.Tensor) -> torch.Tensor:
     """Positions whose output ω L depends on the logits ``(N,)`` bool (a weight or an exit rate, and ω ≠ 0)."""
-    return ((rows.A != 0) | (rows.v_active != 0)) & (omega != 0)
+    return ((rows.tensors.A != 0) | (rows.tensors.v_active != 0)) & (omega != 0)
 
 
 def _common_value(g: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,9 +308,10 @@ def _recompute(ctx, grads: _Grads, hidden: torch.Tensor, weight: torch.Tensor, b
         sel = slice(lo, hi) if index is None else index[lo:hi]
         h = hidden[sel]
         logits, th = _block_logits(h, weight, bias, scale, softcap, buffer)
-        _, g, _ = rows[sel].run(logits, need_loss=False, grad_scale=grad_scale[lo:hi],
-                                stats=tuple(v[sel] for v in stats), grad_into_logits=True)
+        _, g, _ = run(logits, rows[sel], need_loss=False, grad_scale=grad_scale[lo:hi],
+                      stats=RowStats(*(v[sel] for v in stats)), grad_into_logits=True)
         del logits
+        assert g is not None
         grads.add_block(h, g, th, scale, softcap, grads.h[sel] if with_h and grads.h is not None else None)
 
 
@@ -360,8 +364,8 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
                                               position_weight=mask).backward()
     """
     kernel = check_kernel(kernel)
-    _check_weighting(weighting, max_weight)
-    _check_objective(objective, kernel)
+    check_weighting(weighting, max_weight)
+    check_objective(objective, kernel)
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
     hidden = V.check_tensor("hidden", hidden)
@@ -390,11 +394,11 @@ def fused_linear_diffusion_loss(hidden: torch.Tensor, lm_head_weight: torch.Tens
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    if not _is_fast_kernel(kernel):
+    if not has_fast_path(kernel):
         raise TypeError(f"kernel: fused_linear_diffusion_loss supports UniformKernel, MaskKernel and HybridKernel, "
                         f"got {type(kernel).__name__}")
     dtype = V.compute_dtype(hidden)
-    rows, shape = _prepare_rows(kernel, tuple(hidden.shape[:-1]), x0, x_t, t, dtype, hidden.device,
+    rows, shape = prepare_x0_rows(kernel, tuple(hidden.shape[:-1]), x0, x_t, t, dtype, hidden.device,
                                 weighting, float(max_weight))
     flat = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk_size if chunk_size is not None else default_chunk_size(flat.shape[0], S, flat.device)

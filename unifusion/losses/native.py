@@ -15,10 +15,9 @@ import math
 from typing import Literal
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
-from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, safe_log
+from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, log_softmax, safe_log, softplus
 from ..kernels import (
     GeneratorKernel,
     HybridKernel,
@@ -29,11 +28,22 @@ from ..kernels import (
     check_kernel,
 )
 from ..rates import ReverseRate, b_operator
+from ..rates import x0_log_probs as _x0_log_probs  # private here: native.x0_log_probs is a deprecated alias
 from .bregman import bregman_rate_loss
 
-__all__ = ["sedd_loss", "mdlm_loss", "gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss", "GIDD_WEIGHTINGS"]
+__all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
+           "dynamic_weight", "check_weighting", "GIDD_WEIGHTINGS"]
 
 GIDD_WEIGHTINGS = ("elbo", "clip", "dynamic")
+
+
+def check_weighting(weighting: object, max_weight: object) -> None:
+    """``weighting`` one of :data:`GIDD_WEIGHTINGS` and ``max_weight`` a positive number (the GIDD weights' clip), else
+    a ``ValueError`` naming the argument."""
+    if weighting not in GIDD_WEIGHTINGS:
+        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
+    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
+        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
 
 
 # (kernel, heads by name, x0, x_t, t broadcast to x_t's shape, compute dtype)
@@ -111,49 +121,6 @@ def _gather(row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return row.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
-class _LogSoftmax(torch.autograd.Function):
-    """log-softmax over the last dim whose gradient is exact at the most likely entry j as well.
-
-    Autograd's ∂/∂l_z = g_z − p_z Σ_y g_y is, at z = j with p_j ≈ 1, a difference of two nearly equal numbers (its
-    true value is O(1 − p_j)); since the entries of each row sum to zero (the output is invariant to adding a constant
-    to the logits), the entry at j is computed as −Σ_{z≠j} instead. Entries at −inf (a mask state) get gradient 0.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        out = torch.log_softmax(logits, dim=-1)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
-        (out,) = ctx.saved_tensors
-        excluded = torch.isneginf(out)
-        grad_out = torch.where(excluded, torch.zeros_like(grad_out), grad_out)
-        grad = grad_out - out.exp() * grad_out.sum(-1, keepdim=True)
-        grad = torch.where(excluded, torch.zeros_like(grad), grad)
-        j = out.argmax(-1, keepdim=True)
-        return grad.scatter(-1, j, -grad.scatter(-1, j, 0.0).sum(-1, keepdim=True))
-
-
-def _log_softmax(logits: torch.Tensor, exclude: torch.Tensor | int | None = None) -> torch.Tensor:
-    """log-softmax over the last dim with the ids ``exclude`` (an int, or ids ``(...)`` one per row) at −inf
-    (probability 0, no gradient), exact gradient at the most likely entry (:class:`_LogSoftmax`)."""
-    if isinstance(exclude, int):
-        index = torch.full((1,), exclude, dtype=torch.long, device=logits.device)  # filled there: no host copy
-        logits = logits.index_fill(-1, index, float("-inf"))
-    elif exclude is not None:
-        logits = logits.scatter(-1, exclude.unsqueeze(-1), float("-inf"))
-    return _LogSoftmax.apply(logits)
-
-
-def x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
-    """log x_θ from logits ``(..., S)``: log-softmax over clean states (a mask state gets −inf, MDLM's SUBS), as
-    :func:`unifusion.rates.x0_log_probs`, with the exact gradient of :class:`_LogSoftmax`."""
-    return _log_softmax(logits, kernel.mask_id)
-
-
 def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log x_θ ``(..., S)``, δ = 1 − x_θ(x0) ``(...)``) from logits, exact for a confident model.
 
@@ -162,7 +129,7 @@ def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> 
     log x_θ(x0) ≈ −δ once δ is below it (float64: δ < 1e-16, logit gaps of ~40 nats), and the losses of such rows are
     O(δ) and need δ to full relative precision.
     """
-    log_x = x0_log_probs(kernel, logits)
+    log_x = _x0_log_probs(kernel, logits, exact_gradient=True)
     idx = x0.unsqueeze(-1)
     delta = log_x.scatter(-1, idx, float("-inf")).exp().sum(-1)
     near = delta < 0.5
@@ -184,14 +151,6 @@ def _weighted_sum(weight: torch.Tensor, terms: torch.Tensor, x_t: torch.Tensor) 
     return prod.scatter(-1, x_t.unsqueeze(-1), 0.0).sum(-1)
 
 
-# ---------------------------------------------------------------------------------------------------- accuracy helpers
-def _softplus(z: torch.Tensor) -> torch.Tensor:
-    """log(1 + e^z), exact to rounding for every z (torch's softplus switches to z above a threshold)."""
-    pos = z > 0
-    return torch.where(pos, z.clamp_min(0) + torch.log1p(torch.exp(-z.clamp_min(0))),
-                       torch.log1p(torch.exp(z.clamp_max(0))))
-
-
 class _Interp:
     """log-space pieces of an interpolating kernel q(y) = α p(y) + m(y), relative to the noise mass m.
 
@@ -211,7 +170,7 @@ class _Interp:
     def log_q_over_m(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(q/m) = log(1 + α p/m) where m > 0 (0 elsewhere, unused)."""
         z = self.log_alpha.unsqueeze(-1) + log_p - self.log_m
-        return torch.where(self.has_m, _softplus(torch.where(self.has_m, z, torch.zeros_like(z))),
+        return torch.where(self.has_m, softplus(torch.where(self.has_m, z, torch.zeros_like(z))),
                            torch.zeros_like(z))
 
     def log_q(self, log_p: torch.Tensor, log_q_over_m: torch.Tensor) -> torch.Tensor:
@@ -269,12 +228,12 @@ def sedd_loss(log_score: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 # ---------------------------------------------------------------------------------------------------- MDLM
 @_input_precision
-def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
-              kernel: MaskKernel) -> torch.Tensor:
+def reference_mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+                        kernel: MaskKernel) -> torch.Tensor:
     """MDLM (App. A, eq. loss-mdlm), per position ``(...)``: (−α_t'/(1 − α_t)) · (−log x_θ(x0)) at masked positions,
-    0 elsewhere. Mask kernel only."""
+    0 elsewhere. Mask kernel only. The float64 reference of :func:`unifusion.losses.mdlm_loss`."""
     if not isinstance(kernel, MaskKernel):
-        raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
+        raise TypeError(f"kernel: reference_mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
     _, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
     log_x, _ = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     weight = -kernel.schedule.alpha_prime(t) / kernel.schedule.one_minus_alpha(t)
@@ -319,7 +278,7 @@ def dynamic_weight(kernel: Kernel, x0: torch.Tensor, x_t: torch.Tensor, t: torch
 
 def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float, kernel: Kernel,
                      weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0) -> torch.Tensor:
-    """The per-position weight λ that :func:`gidd_loss` (and every x0-head loss) multiplies its bracket with,
+    """The per-position weight λ that :func:`reference_gidd_loss` (and every x0-head loss) multiplies its bracket with,
     ``(...)`` float64 (x0, x_t int64 ``(...)``, t broadcasting to them):
 
     * ``"elbo"``: w_t(x_t, x0) = R_t(·, x_t) / q_{t|0}(x_t | x0), the forward rate into x_t (the same from every
@@ -337,10 +296,7 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
 
         w = uf.losses.gidd_loss_weight(x0, x_t, t, uf.HybridKernel(S, S - 1, 0.1), "dynamic")   # (B, L)
     """
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    check_weighting(weighting, max_weight)
     kernel = check_kernel(kernel)
     if not isinstance(kernel, InterpolatingKernel):
         raise TypeError(f"kernel: the GIDD weights are defined for interpolating kernels (uniform, mask, hybrid), "
@@ -370,9 +326,9 @@ def gidd_loss_weight(x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | floa
 
 
 @_input_precision
-def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
-              kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
-              max_weight: float = 2.0) -> torch.Tensor:
+def reference_gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
+                        kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
+                        max_weight: float = 2.0) -> torch.Tensor:
     """GIDD's loss (App. A, eq. loss-gidd), per position ``(...)``:
 
     w_t(x_t, x0) [KL(q_t(·|x0) ‖ q_t(·|x_θ)) + ρ − log ρ − 1],   ρ = q_t(x_t|x0)/q_t(x_t|x_θ),
@@ -384,12 +340,10 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     :class:`GeneratorKernel` (rates not rank one) the ELBO form is evaluated as D_t directly, with log(r/s) formed
     without cancellation for a confident model (see :func:`_generator_d_t`).
 
-    Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient.
+    Finite for every finite logit (gaps of 10⁴ nats included) and t in (0, 1), value and gradient. The float64
+    reference of :func:`unifusion.losses.gidd_loss`.
     """
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
+    check_weighting(weighting, max_weight)
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"x0_logits": x0_logits}, x0, x_t, t)
     log_x, delta = _x0_log_probs_at(kernel, h["x0_logits"], x0)
     if not isinstance(kernel, InterpolatingKernel):
@@ -413,7 +367,7 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     z_x0 = (ip.log_alpha + torch.log(torch.where(has_delta, delta, torch.ones_like(delta)))
             - _gather(log_q_theta, x0))
     l_x0 = torch.where(has_delta & ~kernel.is_mask(x0),
-                       _softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
+                       softplus(torch.where(has_delta, z_x0, torch.zeros_like(z_x0))), _gather(l, x0))
     l = l.scatter(-1, x0.unsqueeze(-1), l_x0.unsqueeze(-1))
     # Σ_y f(q0, qθ) = KL since both sum to 1; r = q0 passed in log space, so a confidently wrong model (qθ(x0)
     # underflowing, ℓ = 10⁴) still gives q0 (ℓ − 1) + qθ instead of 0 · ∞
@@ -506,7 +460,7 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
-    log_mu = x0_log_probs(kernel, h["mu_logits"])
+    log_mu = _x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
     R = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
@@ -586,7 +540,7 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     log_lam_hat = torch.logsumexp(log_true, dim=-1)
     log_lam = h["log_exit_rate"]
     poisson = bregman_from_logs(log_lam_hat, log_lam)
-    log_r_theta = _log_softmax(h["jump_logits"], x_t)
+    log_r_theta = log_softmax(h["jump_logits"], x_t, exact_gradient=True)
     has_jump = ~torch.isneginf(log_lam_hat)
     log_r_hat = log_true - torch.where(has_jump, log_lam_hat, torch.zeros_like(log_lam_hat)).unsqueeze(-1)
     log_r_hat = torch.where(has_jump.unsqueeze(-1), log_r_hat, torch.full_like(log_r_hat, float("-inf")))
@@ -594,3 +548,30 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     cat = bregman_from_logs(log_r_hat, log_r_theta).sum(-1)
     lam_hat = torch.exp(log_lam_hat)
     return poisson + torch.where(has_jump, lam_hat * cat, torch.zeros_like(cat))
+
+
+_RENAMED = {"gidd_loss": "reference_gidd_loss", "mdlm_loss": "reference_mdlm_loss"}
+
+
+def _exact_x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
+    return _x0_log_probs(kernel, logits, exact_gradient=True)
+
+
+def __getattr__(name: str) -> object:
+    """Former names, for one release (a ``DeprecationWarning``): ``gidd_loss`` / ``mdlm_loss`` are
+    :func:`reference_gidd_loss` / :func:`reference_mdlm_loss` (``unifusion.losses.gidd_loss`` / ``mdlm_loss`` are the
+    fast losses, same values); ``x0_log_probs`` is ``unifusion.rates.x0_log_probs(..., exact_gradient=True)``."""
+    import warnings
+
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"unifusion.losses.native.{name} is deprecated and will be removed in the next release; use "
+                      f"unifusion.losses.native.{new} (the same function; also unifusion.losses.{new}), or "
+                      f"unifusion.losses.{name} (the fast loss, same values)", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    if name == "x0_log_probs":
+        warnings.warn("unifusion.losses.native.x0_log_probs is deprecated and will be removed in the next release; "
+                      "use unifusion.rates.x0_log_probs(kernel, logits, exact_gradient=True)", DeprecationWarning,
+                      stacklevel=2)
+        return _exact_x0_log_probs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

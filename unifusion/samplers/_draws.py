@@ -114,8 +114,9 @@ def _draw_in_block(block: torch.Tensor, block_size: int, S: int, weight_of: Call
 
 
 COMPILE_MIN_STATES = 2048
-"""Vocabularies from this size up run :func:`block_log_mass` through ``torch.compile`` (see
-:func:`unifusion.set_backend`); below it the pass is cheap next to any model and the one-off compilation is not."""
+"""Vocabularies from this size up may run :func:`block_log_mass` through ``torch.compile`` (when
+:mod:`unifusion.backend` chooses the compiled implementation for the call); below it the pass is cheap next to any
+model and a compilation is not."""
 
 
 def block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
@@ -145,27 +146,21 @@ def block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float
     return torch.log(mass) + m
 
 
-def _block_log_mass_config(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
-                           dtype: torch.dtype) -> tuple[tuple, Callable[[Callable], None]]:
-    """(compile key, warm-up) of :func:`block_log_mass` for these arguments (see :func:`unifusion._compile.ready`)."""
-    key = (logits.device.type, logits.dtype, dtype, mask_id is None, temperature == 1.0, block_size)
-
-    def warmup(fn: Callable) -> None:  # the first two positions of the first two sequences, as a fresh tensor
-        lead = tuple(min(d, 2) for d in logits.shape[:-1])
-        fn(logits[tuple(slice(0, d) for d in lead)].clone(), mask_id, temperature, block_size, dtype)
-
-    return key, warmup
+def _key(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int, dtype: torch.dtype) -> tuple:
+    """The compiled configuration of :func:`block_log_mass` for these arguments."""
+    return (logits.device.type, logits.dtype, dtype, mask_id is None, temperature == 1.0, block_size)
 
 
 def compiled_block_log_mass(logits: torch.Tensor, mask_id: int | None, temperature: float, block_size: int,
                             dtype: torch.dtype) -> Callable | None:
-    """The compiled :func:`block_log_mass` for this configuration if it should be used now (``"auto"`` compiles it in
-    the background once sampling repeats at a vocabulary of at least :data:`COMPILE_MIN_STATES`), else ``None``.
-    Each call counts as a use (:func:`unifusion._compile.ready`)."""
+    """The compiled :func:`block_log_mass` for this configuration if a call on ``logits`` runs compiled (a vocabulary
+    of at least :data:`COMPILE_MIN_STATES` and :mod:`unifusion.backend`'s choice for ``logits.numel()`` logits),
+    else ``None``. Nothing compiles until the returned function is called."""
     if logits.shape[-1] < COMPILE_MIN_STATES or torch.compiler.is_compiling():
         return None
-    key, warmup = _block_log_mass_config(logits, mask_id, temperature, block_size, dtype)
-    return _compile.ready(block_log_mass, key, work=logits.numel(), warmup=warmup)
+    if not _compile.chooses_compiled(logits.numel()):
+        return None
+    return _compile.compiled(block_log_mass, _key(logits, mask_id, temperature, block_size, dtype))
 
 
 def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *, mask_id: int | None,
@@ -179,10 +174,12 @@ def draw_from_logits(logits: torch.Tensor, x_t: torch.Tensor, u: torch.Tensor, *
     """
     S = logits.shape[-1]
     if S >= COMPILE_MIN_STATES and not torch.compiler.is_compiling():
-        key, warmup = _block_log_mass_config(logits, mask_id, temperature, block_size, dtype)
-        log_mass = _compile.run(block_log_mass, key, lambda fn: fn(logits, mask_id, temperature, block_size, dtype),
+        log_mass = _compile.run(block_log_mass, _key(logits, mask_id, temperature, block_size, dtype),
+                                lambda fn: fn(logits, mask_id, temperature, block_size, dtype),
                                 lambda: block_log_mass(logits, mask_id, temperature, block_size, dtype),
-                                work=logits.numel(), warmup=warmup)
+                                num_logits=logits.numel(),
+                                what=lambda: f"the samplers' block masses ({logits.device.type}, {logits.dtype}, "
+                                             f"{'no mask' if mask_id is None else 'mask'}, block {block_size})")
     else:
         log_mass = block_log_mass(logits, mask_id, temperature, block_size, dtype)
     log_total = torch.logsumexp(log_mass, -1, keepdim=True)  # (B, L, 1)

@@ -24,10 +24,7 @@ def check_token_id(name: str, value: object, kernel: Kernel) -> int | None:
     """``None`` or a clean token id: an int in ``[0, num_states)`` that is not the mask state."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected None or an int token id, got {type(value).__name__}")
-    if not 0 <= value < kernel.num_states:
-        raise ValueError(f"{name}: expected a token id in [0, {kernel.num_states}), got {value}")
+    value = V.check_token_id(name, value, kernel.num_states)
     if kernel.mask_id is not None and value == kernel.mask_id:
         raise ValueError(f"{name}: is the kernel's mask id {value}; a generated token is never the mask state")
     return value

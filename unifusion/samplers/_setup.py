@@ -17,13 +17,12 @@ import torch
 
 from .. import _validation as V
 from .._device import host_to_device
+from .._validation import check_generators as check_generators  # unifusion.hf.generation imports it from here
 from ..kernels import Kernel
 from ._draws import Generators, draw_rows
 
 PROMPT_FILL = -1
 """Fill value of a prompt tensor: positions holding ``PROMPT_FILL`` are generated, every other position is kept."""
-
-_COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -51,28 +50,12 @@ def check_callback(callback: object) -> None:
                         f"{signature}") from None
 
 
-def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
 def check_eps(eps: object) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps: expected a float in (0, 1), got {type(eps).__name__}")
     if not 0.0 < eps < 1.0:
         raise ValueError(f"eps: expected a float in the open interval (0, 1), got {eps}")
     return float(eps)
-
-
-def check_dtype(dtype: object) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {type(dtype).__name__}")
-    if dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"dtype: expected torch.float32 or torch.float64 (the posterior arithmetic), got {dtype}")
-    return dtype
 
 
 def check_sampling_options(temperature: object, top_k: object, top_p: object, num_states: int | None = None
@@ -83,7 +66,7 @@ def check_sampling_options(temperature: object, top_k: object, top_p: object, nu
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature: expected a finite float > 0, got {temperature}")
     if top_k is not None:
-        top_k = check_positive_int("top_k", top_k)
+        top_k = V.check_positive_int("top_k", top_k)
         if num_states is not None and top_k > num_states:
             raise ValueError(f"top_k: expected at most num_states = {num_states}, got {top_k} (top_k = num_states "
                              "keeps every token; pass None for no filter)")
@@ -94,25 +77,6 @@ def check_sampling_options(temperature: object, top_k: object, top_p: object, nu
             raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p}")
         top_p = float(top_p)
     return float(temperature), top_k, top_p
-
-
-def check_generators(generator: object, batch_size: int) -> Generators:
-    """``None``, one ``torch.Generator``, or one generator per row: a list or tuple of ``batch_size`` of them
-    (returned as a tuple). Types and length only (host metadata, no sync); devices: :func:`check_devices`."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    if not isinstance(generator, (list, tuple)):
-        hint = f"; use torch.Generator().manual_seed({generator})" if isinstance(generator, int) and not isinstance(
-            generator, bool) else ""
-        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}{hint} (or a "
-                        f"list of batch_size = {batch_size} generators, one per row)")
-    for i, g in enumerate(generator):
-        if not isinstance(g, torch.Generator):
-            raise TypeError(f"generator: expected one torch.Generator per row, got {type(g).__name__} at index {i}")
-    if len(generator) != batch_size:
-        raise ValueError(f"generator: expected one generator per row, batch_size = {batch_size} in all, got "
-                         f"{len(generator)}")
-    return tuple(generator)
 
 
 def resolve_device(model: object, prompt: object, generator: Generators,
@@ -179,7 +143,7 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
         return None
     if isinstance(prompt, torch.Tensor):
         ids = prompt
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if not V.is_integer_dtype(ids.dtype):
             raise TypeError(f"prompt: expected integer token ids with {PROMPT_FILL} at generated positions, "
                             f"got dtype {ids.dtype}")
         keep = ids != PROMPT_FILL
@@ -188,7 +152,7 @@ def resolve_prompt(prompt: object, batch_size: int, seq_len: int, kernel: Kernel
         if not isinstance(ids, torch.Tensor) or not isinstance(keep, torch.Tensor):
             raise TypeError("prompt: expected a pair (ids, keep_mask) of tensors, got "
                             f"({type(ids).__name__}, {type(keep).__name__})")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if not V.is_integer_dtype(ids.dtype):
             raise TypeError(f"prompt: expected integer token ids in (ids, keep_mask), got dtype {ids.dtype}")
         if keep.dtype != torch.bool:
             raise TypeError(f"prompt: expected a bool keep_mask in (ids, keep_mask), got dtype {keep.dtype}")
@@ -240,10 +204,10 @@ def start_run(sampler: Any, batch_size: object, seq_len: object, prompt: object,
     """Check :meth:`sample`'s arguments, resolve device and prompt, build the time grid t_n = (1 − ε)(1 − n/N) and
     draw z_{t_0} from the prior (per row with per-row generators). ``sampler`` has ``model``, ``kernel``,
     ``num_steps``, ``eps`` and ``dtype``; the checked generator(s) are ``SamplingRun.generator``."""
-    B = check_positive_int("batch_size", batch_size)
-    L = check_positive_int("seq_len", seq_len)
+    B = V.check_positive_int("batch_size", batch_size)
+    L = V.check_positive_int("seq_len", seq_len)
     check_callback(callback)
-    generators = check_generators(generator, B)
+    generators = V.check_generators(generator, B)
     kernel, N, eps = sampler.kernel, sampler.num_steps, sampler.eps
     parameterization = getattr(sampler, "parameterization", None)  # EulerSampler's argument; BayesianSampler: x0
     V.check_model_kernel(sampler.model, kernel, parameterization=parameterization or "x0",

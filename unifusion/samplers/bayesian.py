@@ -27,11 +27,9 @@ from ._draws import BLOCK_SIZE, COMPILE_MIN_STATES, compiled_block_log_mass, x0_
 from ._setup import (
     ModelFn,
     apply_prompt,
-    check_dtype,
     check_eps,
     check_head_shape,
     check_model,
-    check_positive_int,
     check_sampling_options,
     start_run,
 )
@@ -82,11 +80,11 @@ class BayesianSampler:
                  cache_unchanged: bool = False) -> None:
         self.model = check_model(model)
         self.kernel = check_kernel(kernel)
-        self.num_steps = check_positive_int("num_steps", num_steps)
+        self.num_steps = V.check_positive_int("num_steps", num_steps)
         self.eps = check_eps(eps)
         self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
                                                                           self.kernel.num_states)
-        self.dtype = check_dtype(dtype)
+        self.dtype = V.check_compute_dtype(dtype)
         if not isinstance(cache_unchanged, bool):
             raise TypeError(f"cache_unchanged: expected a bool, got {type(cache_unchanged).__name__}")
         self.cache_unchanged = cache_unchanged

@@ -54,11 +54,9 @@ from ._draws import BLOCK_SIZE, Generators, sample_weights, x0_weights
 from ._setup import (
     ModelFn,
     apply_prompt,
-    check_dtype,
     check_eps,
     check_head_shape,
     check_model,
-    check_positive_int,
     check_sampling_options,
     start_run,
 )
@@ -266,7 +264,7 @@ def x0_model_as(model: ModelFn, kernel: Kernel, parameterization: str, *,
     model = check_model(model)
     kernel = check_kernel(kernel)
     parameterization = _check_parameterization(parameterization)
-    dtype = check_dtype(dtype)
+    dtype = V.check_compute_dtype(dtype)
     V.check_model_kernel(model, kernel, who="x0_model_as")
     return ConvertedModel(model, kernel, parameterization, dtype)
 
@@ -301,7 +299,7 @@ class EulerSampler:
                  dtype: torch.dtype = torch.float32, final_step: str = "sample") -> None:
         self.model = check_model(model)
         self.kernel = check_kernel(kernel)
-        self.num_steps = check_positive_int("num_steps", num_steps)
+        self.num_steps = V.check_positive_int("num_steps", num_steps)
         self.parameterization = _check_parameterization(parameterization)
         self.eps = check_eps(eps)
         self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
@@ -312,7 +310,7 @@ class EulerSampler:
                 if value != default:
                     raise ValueError(f"{name}: only supported with parameterization='x0' (it acts on x0 logits), "
                                      f"got {name}={value} with parameterization={parameterization!r}")
-        self.dtype = check_dtype(dtype)
+        self.dtype = V.check_compute_dtype(dtype)
         if self.parameterization != "x0" and V.is_diffusion_lm(model):
             raise ValueError(f"parameterization: a DiffusionLM outputs x0 logits, got parameterization="
                              f"{self.parameterization!r}; use parameterization='x0', or sample its "

@@ -46,9 +46,7 @@ from ..kernels import Kernel, check_kernel
 from . import _policy_run as R
 from ._setup import (
     check_devices,
-    check_generators,
     check_head_shape,
-    check_positive_int,
     check_sampling_options,
     resolve_device,
     resolve_prompt,
@@ -164,8 +162,8 @@ class PolicySampler:
                             f"EntropyBound(bound), ...), got {type(policy).__name__}")
         policy.check_kernel(self.kernel)
         self.policy = policy
-        self.block_size = None if block_size is None else check_positive_int("block_size", block_size)
-        self.num_steps = None if num_steps is None else check_positive_int("num_steps", num_steps)
+        self.block_size = None if block_size is None else V.check_positive_int("block_size", block_size)
+        self.num_steps = None if num_steps is None else V.check_positive_int("num_steps", num_steps)
         if policy.fixed_count and self.num_steps is not None and self.block_size is not None \
                 and self.num_steps > self.block_size:
             raise ValueError(f"num_steps: {type(policy).__name__} commits a fixed count per step, so a block of "
@@ -209,9 +207,9 @@ class PolicySampler:
             return_dict: return a :class:`PolicyOutput` (sequences, num_forwards, tokens_per_forward).
             progress: a tqdm bar over the blocks.
         """
-        B = check_positive_int("batch_size", batch_size)
-        L = check_positive_int("seq_len", seq_len)
-        generators = check_generators(generator, B)
+        B = V.check_positive_int("batch_size", batch_size)
+        L = V.check_positive_int("seq_len", seq_len)
+        generators = V.check_generators(generator, B)
         eos = R.check_token_id("eos_token_id", eos_token_id, self.kernel)
         pad = R.check_token_id("pad_token_id", pad_token_id, self.kernel)
         if pad is not None and eos is None:

@@ -18,9 +18,9 @@ import torch
 from ..._device import host_to_device
 from ...kernels import Kernel
 from ...rates import x0_log_probs
-from ..choices import _corrupt_span, _standard_times, _stratified_times
+from .._shared import logits_of
+from ..choices import corrupt_span, standard_times, stratified_times
 from ..likelihood import nll_bound
-from ..quality import _logits_of
 from ._args import FAIR_PMI_T_MIN
 from ._common import Cuts, HarnessBase, evaluating, request_seed, seeded_generator
 
@@ -124,16 +124,16 @@ class LoglikelihoodRequests(HarnessBase):
         K = self.num_times
         for i, a in zip(members, choices):
             if self.method == "score":
-                t = _standard_times(K)
+                t = standard_times(K)
             else:
-                t = _stratified_times(K, FAIR_PMI_T_MIN, generator, torch.device("cpu"))
-            z, selected = _corrupt_span(self.kernel, a, t, generator)  # (K, m) each
+                t = stratified_times(K, FAIR_PMI_T_MIN, generator, torch.device("cpu"))
+            z, selected = corrupt_span(self.kernel, a, t, generator)  # (K, m) each
             answer = Answer(question, i, a, selected, self.method)
             blocks = [Block(torch.cat([context_t.expand(K, -1), z], 1), t, a, answer, "context")]
             if self.method == "fair_pmi":
                 blocks.append(Block(torch.cat([null_t.expand(K, -1), z], 1), t, a, answer, "null"))
             if self.check_greedy:
-                t_1 = _standard_times(1)  # (1,) = 1 − 10⁻³
+                t_1 = standard_times(1)  # (1,) = 1 − 10⁻³
                 noise = torch.multinomial(self.kernel.prior(t_1), a.numel(), replacement=True,
                                           generator=greedy_generator)  # (1, m)
                 blocks.append(Block(torch.cat([context_t.unsqueeze(0), noise], 1), t_1, a, answer, "greedy"))
@@ -315,7 +315,7 @@ class RowPool:
             clean = torch.cat([torch.cat([b.x_t[s: s + n, :L - b.answer_ids.numel()],
                                           b.answer_ids.expand(n, -1)], 1) for b, s, n in taken])
             extra["clean"] = host_to_device(clean, device)  # answer block b sees the clean blocks before it
-        logits = _logits_of(self.model(x_t, t, **extra))  # (rows, L, S)
+        logits = logits_of(self.model(x_t, t, **extra))  # (rows, L, S)
         row = 0
         for block, _start, n in taken:
             m = block.answer_ids.numel()

@@ -11,11 +11,11 @@ import torch
 from lm_eval.api.model import LM
 
 from ... import _validation as V
-from ..._kernel_config import default_kernel
+from ..._kernel_config import default_kernel, make_kernel
 from ...hf.loading import dtype_from_name
 from ...hf.model import DiffusionLM
 from ...hf.registry import load_registered, registered_model_type
-from ...kernels import Kernel, MaskKernel, UniformKernel
+from ...kernels import Kernel
 from . import _distributed
 from ._args import (
     FALLBACK_MAX_LENGTH,
@@ -200,15 +200,9 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
             return kernel
         if kernel is None:
             return default_kernel(self.model)[0]
-        S, mask_id = self.model.num_states, self.model.mask_token_id
-        if kernel == "uniform":
-            return UniformKernel(S)
-        if kernel == "mask":
-            if mask_id is None:
-                raise ValueError("kernel: 'mask' needs a model with a mask token (adapt_ar_model(..., "
-                                 "add_mask_token=True)); this one has none, use kernel=uniform")
-            return MaskKernel(S, mask_id)
-        raise ValueError(f"kernel: expected 'mask', 'uniform' or a unifusion Kernel, got {kernel!r}")
+        if kernel not in ("mask", "uniform"):
+            raise ValueError(f"kernel: expected 'mask', 'uniform' or a unifusion Kernel, got {kernel!r}")
+        return make_kernel(kernel, self.model.num_states, self.model.mask_token_id)
 
     def _position_limit(self) -> int:
         """Tokens the model takes after the BOS the adapter prepends: its config's position limit − 1."""
