@@ -26,7 +26,7 @@ DESCRIPTION = """\
 Discrete diffusion from a pretrained causal LM: sample, evaluate, and run the CPU demo.
 
 commands:
-  unifusion sample          generate samples (Bayesian or Euler sampler)
+  unifusion sample          generate samples or continue prompts (Bayesian/Euler sampler, or block decoding)
   unifusion eval genppl     generative perplexity and unigram entropy of texts
   unifusion eval frontier   GenPPL-entropy frontier over sampling steps and seeds
   unifusion eval mc         zero-shot multiple-choice accuracy on a BIG-bench task.json
@@ -218,28 +218,40 @@ def _entropy_tokenizer(name: str, model_tokenizer: Any) -> Any:
 
 
 def _add_sample(sub: Any) -> None:
+    from ._cli_generate import decoding_args
+
     p = sub.add_parser("sample", formatter_class=HelpFormatter,
                        help="generate unconditional samples",
                        description="Generate samples with the Bayesian (Algorithm 2) or Euler sampler.")
     _model_args(p)
     _sampler_args(p)
-    p.add_argument("--steps", type=_positive_int, default=64, help="sampling steps N")
+    p.add_argument("--steps", "--num-steps", dest="steps", type=_positive_int, default=None,
+                   help="sampling steps N (default 64); with --policy, steps per block (default: the block size)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="random seed")
     p.add_argument("--out", default=None,
                    help="write samples to this .jsonl file (index, steps, seed, text, ids; default: print only)")
+    decoding_args(p, _positive_int)
     p.set_defaults(func=cmd_sample)
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
+    from ._cli_generate import check_decoding_args, sample_with_generate
     from .eval.frontier import decode_samples, make_sampler
 
+    check_decoding_args(args)
     model, tok, kernel = _load_model(args)
+    if args.prompt or args.policy:
+        return sample_with_generate(args, model, tok, kernel)
+    if args.steps is None:
+        args.steps = 64
     device = next(model.parameters()).device
     kw: dict[str, Any] = {"temperature": args.temperature}
     if args.top_p is not None:
         kw["top_p"] = args.top_p
+    if args.top_k is not None:
+        kw["top_k"] = args.top_k
     sampler = make_sampler(args.sampler, model, kernel, args.steps, kw)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     chunks = []
@@ -259,6 +271,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
                                     "ids": row}) + "\n")
         print(f"wrote {args.out}")
     return 0
+
 
 
 # ---------------------------------------------------------------------------------------------------------------

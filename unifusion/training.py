@@ -20,8 +20,9 @@ import torch
 from . import _validation as V
 from .conversions import log_heads_from_x0_logits
 from .hf import blocks
-from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
+from .kernels import MAX_TIME, Kernel, check_kernel
 from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
+from .losses._x0_rows import check_objective
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
@@ -176,14 +177,11 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     Returns:
         :class:`DiffusionLossOutput` with per-token ``loss (B, L)`` and the token count for normalising.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    check_objective(objective, kernel)
     if head not in ("x0", "mu"):
         raise ValueError(f"head: expected 'x0' or 'mu', got {head!r}")
     if head == "mu" and objective != "m2s":
         raise ValueError(f"head: 'mu' is M2S's parameterization and needs objective='m2s', got objective={objective!r}")
-    if objective == "mdlm" and not isinstance(kernel, MaskKernel):
-        raise TypeError(f"kernel: objective='mdlm' needs a MaskKernel, got {type(kernel).__name__}")
     if weighting != "elbo" and objective != "gidd":
         raise ValueError(f"weighting: only objective='gidd' supports {weighting!r}; the others are ELBO-weighted")
     if step is not None and bidirectional_prob is not None:

@@ -37,7 +37,7 @@ from ..kernels import Kernel, check_kernel
 from ._shared import input_device, progress_bar
 from .quality import generative_perplexity, gpt2_tokenizer, unigram_entropy
 
-__all__ = ["FrontierResult", "frontier", "plot_frontier", "DEFAULT_STEPS", "DEFAULT_SEEDS"]
+__all__ = ["FrontierResult", "PolicyFrontierSampler", "frontier", "plot_frontier", "DEFAULT_STEPS", "DEFAULT_SEEDS"]
 
 DEFAULT_STEPS = (16, 32, 64, 128, 256)
 DEFAULT_SEEDS = (123, 456, 789, 2024, 3407)
@@ -81,10 +81,14 @@ class FrontierResult:
 
     def table(self) -> str:
         """The summary as a plain-text table."""
-        lines = [f"{self.label}", f"{'steps':>6}  {'GenPPL':>20}  {'entropy (nats)':>20}  seeds"]
+        rated = any("tokens_per_forward" in row for row in self.summary)
+        lines = [f"{self.label}", f"{'steps':>6}  {'GenPPL':>20}  {'entropy (nats)':>20}  seeds"
+                 + ("  tokens/forward" if rated else "")]
         for row in self.summary:
+            rate = row.get("tokens_per_forward")
             lines.append(f"{row['steps']:>6}  {row['genppl_mean']:>11.3f} ± {row['genppl_std']:<7.3f}  "
-                         f"{row['entropy_mean']:>11.4f} ± {row['entropy_std']:<7.4f}  {row['num_seeds']}")
+                         f"{row['entropy_mean']:>11.4f} ± {row['entropy_std']:<7.4f}  {row['num_seeds']:>5}"
+                         + (f"  {rate:14.2f}" if rate is not None else ""))
         return "\n".join(lines)
 
 
@@ -120,6 +124,50 @@ def make_sampler(sampler: str | SamplerFactory, model: Any, kernel: Kernel, num_
                      f"got {sampler!r}")
 
 
+class PolicyFrontierSampler:
+    """A frontier sampler that decodes with a policy: ``sample(batch_size, seq_len, generator=)`` draws unconditional
+    samples by block decoding (``model.generate(policy=...)`` for a :class:`~unifusion.hf.DiffusionLM`, else
+    :class:`~unifusion.samplers.PolicySampler` on the x0 callable), ``num_steps`` steps per block, and keeps
+    :attr:`tokens_per_forward` (all generated tokens / all forwards so far)."""
+
+    def __init__(self, model: Any, kernel: Kernel, num_steps: int, *, policy: Any, block_size: int | None = None,
+                 **sampler_kwargs: Any) -> None:
+        from ..samplers import PolicySampler
+
+        self.model, self.kernel, self.num_steps, self.policy = model, kernel, num_steps, policy
+        self.block_size, self.kwargs = block_size, sampler_kwargs
+        self.tokens = self.forwards = 0
+        self._sampler = None if callable(getattr(model, "generate", None)) else PolicySampler(
+            model, kernel, policy, num_steps=num_steps, block_size=block_size, **sampler_kwargs)
+
+    @classmethod
+    def factory(cls, policy: Any, block_size: int | None) -> SamplerFactory:
+        """A ``sampler=`` factory ``(model, kernel, num_steps, **kw) -> PolicyFrontierSampler``."""
+        def make(model: Any, kernel: Kernel, num_steps: int, **kw: Any) -> PolicyFrontierSampler:
+            return cls(model, kernel, num_steps, policy=policy, block_size=block_size, **kw)
+
+        make.__name__ = f"policy:{type(policy).__name__}"
+        return make
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        return self.tokens / self.forwards if self.forwards else None
+
+    def sample(self, batch_size: int, seq_len: int, *, generator: Any = None) -> torch.Tensor:
+        out: Any
+        if self._sampler is not None:
+            out = self._sampler.sample(batch_size, seq_len, generator=generator, return_dict=True)
+        else:
+            empty = torch.zeros((batch_size, 0), dtype=torch.long, device=generator.device if generator is not None
+                                else None)
+            out = self.model.generate(empty, max_new_tokens=seq_len, policy=self.policy, num_steps=self.num_steps,
+                                      block_size=self.block_size, kernel=self.kernel, eos_token_id=None,
+                                      generator=generator, return_dict=True, **self.kwargs)
+        self.tokens += int((out.tokens_per_forward * out.num_forwards).round().sum())
+        self.forwards += int(out.num_forwards.sum())
+        return out.sequences
+
+
 def decode_samples(samples: torch.Tensor, tokenizer: Any, *, mask_token_id: int | None = None) -> list[str]:
     """Decode ``(B, L)`` ids to text, dropping a mask id and ids the tokenizer does not know (an added mask row)."""
     size = len(tokenizer)
@@ -143,7 +191,8 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
              judge_tokenizer: Any, tokenizer: Any, sampler: str | SamplerFactory = "bayesian",
              out_dir: str | os.PathLike[str], label: str = "model", batch_size: int = 16, judge_batch_size: int = 8,
              entropy_tokenizer: Any = None, sampler_kwargs: dict[str, Any] | None = None, plot: bool = True,
-             progress: bool = True, resume: bool = False) -> FrontierResult:
+             progress: bool = True, resume: bool = False, policy: Any = None,
+             block_size: int | None = None) -> FrontierResult:
     """Sample, score and summarise one model's GenPPL–entropy frontier (App. C.3's protocol); write it to disk.
 
     Args:
@@ -167,6 +216,11 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
         sampler_kwargs: extra keyword arguments for the sampler (``temperature``, ``top_p``, ``eps``, ...).
         plot: write the PNG (needs matplotlib).
         progress: progress bars.
+        policy: a :class:`~unifusion.samplers.policies.DecodingPolicy`: sample by block decoding
+            (:class:`PolicyFrontierSampler`; a :class:`~unifusion.hf.DiffusionLM` through its ``generate``, so a block
+            model uses its KV cache) instead of ``sampler``; ``steps`` are then steps per block, and every run
+            reports ``tokens_per_forward`` (generated tokens / forwards, pooled over the run's samples).
+        block_size: positions per block with ``policy`` (a block model: its own).
         resume: continue a stopped run: the (steps, seed) points already complete in ``{label}_samples.jsonl``
             (``num_samples`` lines with indices 0 … num_samples − 1) are not sampled again; their GenPPL and entropy
             are computed from the saved texts, as a full run computes them from the same texts, so the result equals
@@ -190,6 +244,10 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
     if not isinstance(label, str) or not label:
         raise ValueError(f"label: expected a non-empty string, got {label!r}")
     sampler_kwargs = dict(sampler_kwargs or {})
+    if policy is not None:
+        sampler = PolicyFrontierSampler.factory(policy, block_size)
+    elif block_size is not None:
+        raise ValueError("block_size: block decoding needs a policy (policy=LowConfidence(), ...)")
     # the head the sampler reads: x0 logits for "bayesian", the parameterization argument for "euler"; a factory's
     # sampler checks its own
     head = None if callable(sampler) else sampler_kwargs.get("parameterization", "x0") if sampler == "euler" else "x0"
@@ -230,6 +288,9 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
             H = unigram_entropy(retok)  # (num_samples,)
             runs.append({"steps": num_steps, "seed": seed, "genppl": ppl.perplexity, "entropy": float(H.mean()),
                          "num_samples": num_samples, "num_tokens": ppl.num_tokens})
+            if policy is not None:  # resumed points were not sampled in this run: their rate is unknown
+                rate = None if (num_steps, seed) in done else getattr(smp, "tokens_per_forward", None)
+                runs[-1]["tokens_per_forward"] = rate
             if (num_steps, seed) in done:
                 continue
             for i, (text, h) in enumerate(zip(texts, H.tolist())):
@@ -237,13 +298,16 @@ def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS
                                               "text": text}) + "\n")
             sample_file.flush()  # one grid point at a time: progress is visible and a crash keeps what was drawn
 
-    summary = []
+    summary: list[dict[str, Any]] = []
     for num_steps in steps:
         mine = [r for r in runs if r["steps"] == num_steps]
         g = [r["genppl"] for r in mine]
         h = [r["entropy"] for r in mine]
         summary.append({"steps": num_steps, "genppl_mean": statistics.fmean(g), "genppl_std": _std(g),
                         "entropy_mean": statistics.fmean(h), "entropy_std": _std(h), "num_seeds": len(mine)})
+        rates = [r["tokens_per_forward"] for r in mine if r.get("tokens_per_forward") is not None]
+        if policy is not None:
+            summary[-1]["tokens_per_forward"] = statistics.fmean(rates) if rates else None
     sampler_name = sampler if isinstance(sampler, str) else getattr(sampler, "__name__", type(sampler).__name__)
     config = {"steps": list(steps), "seeds": list(seeds), "num_samples": num_samples, "seq_len": seq_len,
               "sampler": sampler_name, "sampler_kwargs": {k: repr(v) for k, v in sampler_kwargs.items()},

@@ -1,7 +1,26 @@
 """Prompt continuation with an adapted model: what :meth:`unifusion.hf.DiffusionLM.generate` does.
 
-The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step and never changes, and
-:class:`~unifusion.BayesianSampler` (Algorithm 2) generates the positions after it, bidirectionally (``γ = 1``).
+The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step and never changes. Two samplers:
+
+* ``policy=None`` (default): :class:`~unifusion.BayesianSampler` (Algorithm 2) generates the positions after it,
+  bidirectionally (``γ = 1``), ``num_steps`` (default 64) full-sequence model calls.
+* a decoding policy (:mod:`unifusion.samplers.policies`): :class:`~unifusion.samplers.PolicySampler`, block by block.
+  On a block model (``adapt_ar_model(..., block_size=K)``) with ``use_cache=True`` the exact KV-cache path of
+  :class:`~unifusion.hf.decoding.BlockCacheDecoder`; on a fully bidirectional model ``cache_refresh=N`` opts into
+  Fast-dLLM's *approximate* dual cache (:class:`~unifusion.hf.decoding.PrefixCacheDecoder`); otherwise every step
+  runs the whole sequence.
+
+**Padding.** Prompts of different lengths are left-padded by the tokenizer (``padding_side="left"``) and come with its
+``attention_mask`` (1 = real token), which ``generate`` takes: a padded row then equals the row alone (token for token
+with a policy and per-row generators). Without ``attention_mask`` a batch whose *first or last prompt column* holds the
+pad id in some rows but not in all — the signature of padding — is refused (``ValueError`` naming
+``attention_mask``): pass the tokenizer's mask, or ``attention_mask=torch.ones_like(prompt_ids)`` to say the pad
+tokens are text. The pad id is ``pad_token_id``, else the tokenizer's, else the model config's.
+
+**EOS.** ``eos_token_id="auto"`` (default) is the tokenizer's EOS id (else the config's) when a policy decodes —
+rows then stop there, cost no further forwards, and every later position is EOS (or ``pad_token_id``) — and no EOS
+for ``policy=None`` (whose tokens stay as they were). ``None``: never stop. An int: that id (with ``policy=None`` the
+positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
 """
 
 from __future__ import annotations
@@ -14,22 +33,45 @@ import torch
 from .. import _validation as V
 from .._kernel_config import default_kernel
 
-__all__ = ["generate"]
+__all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def model_eos_token_id(model: Any) -> int | None:
+    """The EOS id ``generate`` stops at by default: the tokenizer's ``eos_token_id``, else the wrapped config's (the
+    first of a list), else ``None``."""
+    tok = getattr(model, "tokenizer", None)
+    eos = _first_id(getattr(tok, "eos_token_id", None)) if tok is not None else None
+    return eos if eos is not None else _first_id(getattr(model.config, "eos_token_id", None))
+
+
+def model_pad_token_id(model: Any) -> int | None:
+    """The pad id of the model's tokenizer, else of its config, else ``None``."""
+    tok = getattr(model, "tokenizer", None)
+    pad = _first_id(getattr(tok, "pad_token_id", None)) if tok is not None else None
+    return pad if pad is not None else _first_id(getattr(model.config, "pad_token_id", None))
 
 
 def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
-             num_steps: int = 64, kernel: Any = None, temperature: float = 1.0, top_p: float | None = None,
-             top_k: int | None = None, eps: float = 1e-3,
-             generator: torch.Generator | Sequence[torch.Generator] | None = None,
-             progress: bool = False) -> torch.Tensor:
-    """Continue ``prompt_ids`` by ancestral sampling from ``model`` (a :class:`~unifusion.hf.DiffusionLM`).
+             policy: Any = None, num_steps: int | None = None, block_size: int | None = None, use_cache: bool = True,
+             cache_refresh: int | None = None, attention_mask: torch.Tensor | None = None,
+             eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
+             kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
+             eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
+             progress: bool = False) -> Any:
+    """Continue ``prompt_ids`` with ``model`` (a :class:`~unifusion.hf.DiffusionLM`).
 
     The arguments and the result are those of :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>`:
-    ``(B, P)`` or ``(P,)`` prompt ids in, ``(B, P + max_new_tokens)`` int64 ids out, the prompt unchanged in the first
-    ``P`` columns.
+    ``(B, P)`` or ``(P,)`` prompt ids in, ``(B, P + max_new_tokens)`` int64 ids out (or a
+    :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True``), the prompt unchanged in the first ``P``
+    columns.
     """
     from ..samplers._setup import PROMPT_FILL, check_generators
-    from ..samplers.bayesian import BayesianSampler
 
     if not isinstance(prompt_ids, torch.Tensor):
         raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
@@ -58,9 +100,12 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if L is None or L <= P:
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
+    _check_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
+    for name, flag in (("use_cache", use_cache), ("return_dict", return_dict)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if kernel is None:
         kernel = default_kernel(model)[0]
-    sampler = BayesianSampler(model, kernel, num_steps, eps=eps, temperature=temperature, top_p=top_p, top_k=top_k)
     prompt_ids = prompt_ids.to(device, torch.int64)
     num_states = model.num_states
     if V.validation_enabled() and prompt_ids.numel():  # one host sync, named for generate's argument
@@ -71,6 +116,153 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
             f"prompt_ids: expected clean token ids in [0, {num_states})"
             + (f" other than the mask id {kernel.mask_id}" if kernel.mask_id is not None else "")
             + f", got values in [{int(prompt_ids.min())}, {int(prompt_ids.max())}]"))
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.numel() and bool(attention_mask.ne(0).all()):
+        attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
+    elif attention_mask is None:
+        _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
+    eos = _resolve_eos(model, eos_token_id, policy)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
-    return sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=device)
+    if policy is None:
+        return _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
+                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh)
+    from ..samplers.policy_sampler import PolicySampler
+
+    decoder = _decoder(model, L, block_size, use_cache, cache_refresh)
+    model_block = getattr(model, "block_size", None)
+    sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
+                            num_steps=num_steps, block_size=block_size if model_block is None else model_block,
+                            temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None)
+    return sampler.sample(B, L, prompt=prompt, attention_mask=attention_mask, generator=generator,
+                          eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress)
+
+
+def _check_length(model: Any, L: int, name: str) -> None:
+    """The network runs ``L + 1`` positions (bos first): more than ``max_position_embeddings`` is refused."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and L + 1 > limit:
+        raise ValueError(f"{name}: the total length {L} (+1 for bos) exceeds the model's max_position_embeddings "
+                         f"= {limit}; generate at most {limit - 1} tokens in all (prompt included)")
+
+
+def _refuse_ambiguous_padding(prompt_ids: torch.Tensor, pad: int | None) -> None:
+    """Without an attention mask, pad ids in the first or last prompt column of some rows but not all (what a
+    tokenizer's padding leaves) are refused: they would be read as prompt text. One host sync."""
+    if pad is None or prompt_ids.shape[0] < 2 or prompt_ids.shape[1] == 0:
+        return
+    edges = prompt_ids[:, [0, -1]] == pad  # (B, 2)
+    mixed = (edges.any(0) & ~edges.all(0)).tolist()
+    if mixed[0] or mixed[1]:
+        side = "left" if mixed[0] else "right"
+        raise ValueError(
+            f"attention_mask: prompt_ids looks {side}-padded (some rows {'start' if mixed[0] else 'end'} with the pad "
+            f"id {pad}, others do not) and no attention_mask was given, so the pads would be read as prompt text; "
+            "pass the tokenizer's attention_mask (tokenize with padding_side='left'), or "
+            "attention_mask=torch.ones_like(prompt_ids) if those tokens are text")
+
+
+def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | None:
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "auto":
+            raise ValueError(f"eos_token_id: expected an int, None or 'auto', got {eos_token_id!r}")
+        return model_eos_token_id(model) if policy is not None else None
+    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
+        raise TypeError(f"eos_token_id: expected an int, None or 'auto', got {type(eos_token_id).__name__}")
+    return eos_token_id
+
+
+def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None) -> Any:
+    """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls)."""
+    from . import decoding
+
+    model_block = getattr(model, "block_size", None)
+    if cache_refresh is not None:
+        if isinstance(cache_refresh, bool) or not isinstance(cache_refresh, int) or cache_refresh < 1:
+            raise ValueError(f"cache_refresh: expected a positive int (a full forward every N steps of a block), got "
+                             f"{cache_refresh!r}")
+        if model_block is not None:
+            raise ValueError("cache_refresh: this is a block model, whose cache is exact; the approximate prefix cache "
+                             "is for fully bidirectional models (leave cache_refresh=None)")
+        if not use_cache:
+            raise ValueError("cache_refresh: needs use_cache=True")
+    if model_block is not None:
+        if block_size is not None and block_size != model_block:
+            raise ValueError(f"block_size: the model was trained with blocks of {model_block}, got {block_size}; "
+                             "leave it None (the model's) or pass the same size")
+        return decoding.BlockCacheDecoder(model) if use_cache else None
+    if cache_refresh is not None:
+        return decoding.PrefixCacheDecoder(model, L, cache_refresh)
+    return None
+
+
+def _x0_callable(model: Any) -> Any:
+    """What the uncached policy path calls: the model itself, or for a block model its block-causal forward with the
+    tokens decided so far as the clean stream (a block sees only committed blocks of it)."""
+    if getattr(model, "block_size", None) is None:
+        return model
+    return BlockForward(model)
+
+
+class BlockForward:
+    """A block model as an x0 callable: ``model(x_t, t, clean=x_t)`` — the training forward with the current tokens as
+    the clean stream (each block sees only the clean tokens of earlier blocks, which are committed when it runs)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.num_states = model.num_states
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor, attention_mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return self.model(x_t, t, clean=x_t, attention_mask=attention_mask)
+
+
+def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
+              num_steps: int | None, temperature: float, top_p: float | None, top_k: int | None, eps: float,
+              eos: int | None, pad: int | None, return_dict: bool, progress: bool, block_size: int | None,
+              cache_refresh: int | None) -> Any:
+    """``policy=None``: today's :class:`~unifusion.BayesianSampler` path (full-sequence steps)."""
+    from ..samplers.bayesian import BayesianSampler
+
+    if block_size is not None or cache_refresh is not None:
+        raise ValueError(f"{'block_size' if block_size is not None else 'cache_refresh'}: block decoding needs a "
+                         "decoding policy (policy=uf.samplers.policies.LowConfidence(), ...); policy=None runs the "
+                         "full-sequence BayesianSampler")
+    steps = 64 if num_steps is None else num_steps
+    B, L = prompt.shape
+    x0_model = model
+    if attention_mask is not None:
+        from ..samplers import _policy_run as R
+
+        keep = prompt != -1
+        with V.batched_checks():
+            mask = R.resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
+        if mask is not None and not bool(mask.all()):
+            x0_model = _Padded(model, mask)
+    sampler = BayesianSampler(x0_model, kernel, steps, eps=eps, temperature=temperature, top_p=top_p, top_k=top_k)
+    out = sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=prompt.device)
+    generated = prompt == -1
+    if eos is not None:
+        from ..samplers import _policy_run as R
+
+        undecided = torch.zeros_like(generated)
+        done, first, out, _ = R.eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
+    if not return_dict:
+        return out
+    from ..samplers.policy_sampler import PolicyOutput
+
+    end = first if eos is not None else torch.full((B,), L, device=out.device)
+    end = torch.where(done, end, L) if eos is not None else end
+    tokens = (generated & (torch.arange(L, device=out.device) <= end[:, None])).sum(-1)
+    forwards = torch.full((B,), steps, dtype=torch.long, device=out.device)
+    return PolicyOutput(sequences=out, num_forwards=forwards, tokens_per_forward=tokens.float() / steps)
+
+
+class _Padded:
+    """The model with a fixed ``attention_mask`` (left-padded prompts on the full-sequence sampler)."""
+
+    def __init__(self, model: Any, mask: torch.Tensor) -> None:
+        self.model, self.mask = model, mask
+        self.num_states = model.num_states
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        return self.model(x_t, t, attention_mask=self.mask, **kwargs)

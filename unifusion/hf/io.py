@@ -132,6 +132,10 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenize
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     if tok is not None:
         tok.save_pretrained(str(path))
+    elif not any((path / name).exists() for name in TOKENIZER_FILES):
+        warnings.warn(f"save_pretrained: no tokenizer given and none in the model (model.tokenizer), so {path} holds "
+                      "none; `unifusion sample --model DIR` and text generation need one: pass tokenizer=, or save "
+                      "it there yourself (tokenizer.save_pretrained(DIR))", stacklevel=3)
 
 
 def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str], *,

@@ -439,44 +439,72 @@ class DiffusionLM(nn.Module, Denoiser):
     # -- generation ---------------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
-                 num_steps: int = 64, kernel: Any = None, temperature: float = 1.0, top_p: float | None = None,
-                 top_k: int | None = None, eps: float = 1e-3,
+                 policy: Any = None, num_steps: int | None = None, block_size: int | None = None,
+                 use_cache: bool = True, cache_refresh: int | None = None,
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
+                 pad_token_id: int | None = None, return_dict: bool = False, kernel: Any = None,
+                 temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 progress: bool = False) -> torch.Tensor:
-        """Continue ``prompt_ids`` by ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2).
+                 progress: bool = False) -> Any:
+        """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
+        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given.
 
-        The prompt is a fixed prefix: it is in ``z_t`` at every step and never changes; the ``N = num_steps`` posterior
-        steps generate the positions after it, bidirectionally (``γ = 1``).
+        The prompt is a fixed prefix: it is in ``z_t`` at every step and never changes. With ``policy=None`` the
+        ``N = num_steps`` posterior steps generate the positions after it, bidirectionally (``γ = 1``), each a
+        full-sequence call. With a policy the generated region is decoded block by block (:mod:`unifusion.hf.generation`
+        has the rules for padding, EOS and the caches).
 
         Args:
             prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
-                gives ``B = 1``).
+                gives ``B = 1``). Left-padded batches need ``attention_mask``.
             max_new_tokens: number of tokens to generate after the prompt; or give
-            seq_len: the total length ``P + max_new_tokens`` (exactly one of the two).
-            num_steps: ``N ≥ 1`` model calls.
+            seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
+                config's ``max_position_embeddings`` is a ``ValueError``.
+            policy: ``None`` (the BayesianSampler), or a :class:`~unifusion.samplers.policies.DecodingPolicy`
+                (``LowConfidence()``, ``ConfidenceThreshold(0.9)``, ``EntropyBound(bound)`` with a uniform kernel, ...).
+            num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
+                the block size; adaptive policies may take fewer).
+            block_size: positions per block with a policy (default: one block over the generated region; a block
+                model's own ``block_size``, which is the only one it takes).
+            use_cache: with a policy on a block model, the exact KV cache (prefill the prompt once, each step runs one
+                block's ``K + 1`` positions, one forward per committed block): the same tokens as ``False``.
+            cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
+                full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
+                between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
+            attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
+            eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
+                ``policy=None``), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
+                becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
+            pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
+            return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
+                ``tokens_per_forward`` per row) instead of the tokens.
             kernel: the forward kernel the model was trained with; default :attr:`kernel` when recorded, else
                 :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
                 (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
             temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
             top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
             top_k: keep the ``k`` most likely tokens (``None``: off).
-            eps: ``ε``; sampling starts at ``t_0 = 1 − ε``.
+            eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
             generator: random generator on the model's device, for reproducible samples; or a list of ``B``
                 generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
-                generator=generator[b])`` whatever rows are beside it (:meth:`BayesianSampler.sample`).
-            progress: show a progress bar over the steps.
+                generator=generator[b])`` whatever rows are beside it.
+            progress: show a progress bar.
 
         Returns:
-            ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns.
+            ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
+            :class:`~unifusion.samplers.PolicyOutput`).
 
         ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
-        device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, and a generator on another
-        device type than the model (or a number of per-row generators other than ``B``) are ``ValueError``s naming
-        the argument (``model``, ``prompt_ids``, ``generator``).
+        device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, a generator on another
+        device type than the model (or a number of per-row generators other than ``B``), a padded batch without
+        ``attention_mask`` and a length beyond the model's positions are ``ValueError``s naming the argument.
         """
-        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len,
-                                   num_steps=num_steps, kernel=kernel, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, eps=eps, generator=generator, progress=progress)
+        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy,
+                                   num_steps=num_steps, block_size=block_size, use_cache=use_cache,
+                                   cache_refresh=cache_refresh, attention_mask=attention_mask,
+                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_dict=return_dict,
+                                   kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
+                                   generator=generator, progress=progress)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 

@@ -17,10 +17,9 @@ import torch
 from .. import _validation as V
 from .._math import safe_log
 from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel
-from .native import GIDD_WEIGHTINGS, dynamic_weight
+from .native import dynamic_weight
 
-__all__ = ["X0_HEAD_OBJECTIVES", "RowTensors", "X0Rows", "check_objective", "check_weighting", "has_fast_path",
-           "prepare_x0_rows"]
+__all__ = ["X0_HEAD_OBJECTIVES", "RowTensors", "X0Rows", "check_objective", "has_fast_path", "prepare_x0_rows"]
 
 X0_HEAD_OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
 
@@ -69,14 +68,6 @@ class X0Rows:
 def has_fast_path(kernel: Kernel) -> bool:
     """Whether the fast x0-head loss handles ``kernel`` (uniform, mask and hybrid kernels)."""
     return isinstance(kernel, (UniformKernel, MaskKernel, HybridKernel))
-
-
-def check_weighting(weighting: object, max_weight: object) -> None:
-    """``ValueError`` unless ``weighting`` is one of GIDD's and ``max_weight`` a positive number."""
-    if weighting not in GIDD_WEIGHTINGS:
-        raise ValueError(f"weighting: expected one of {GIDD_WEIGHTINGS}, got {weighting!r}")
-    if isinstance(max_weight, bool) or not isinstance(max_weight, (int, float)) or not max_weight > 0:
-        raise ValueError(f"max_weight: expected a positive float, got {max_weight!r}")
 
 
 def check_objective(objective: object, kernel: Kernel) -> None:

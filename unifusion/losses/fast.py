@@ -42,7 +42,7 @@ from .. import _validation as V
 from ..kernels import Kernel, MaskKernel, check_kernel
 from . import native
 from ._x0_row_terms import RowStats
-from ._x0_rows import X0_HEAD_OBJECTIVES, X0Rows, check_objective, check_weighting, has_fast_path, prepare_x0_rows
+from ._x0_rows import X0_HEAD_OBJECTIVES, X0Rows, check_objective, has_fast_path, prepare_x0_rows
 from ._x0_run import run
 
 __all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES"]
@@ -110,7 +110,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
         (loss * attention_mask).sum().div(attention_mask.sum()).backward()
     """
     kernel = check_kernel(kernel)
-    check_weighting(weighting, max_weight)
+    native.check_weighting(weighting, max_weight)
     check_objective(objective, kernel)
     logits = V.check_tensor("x0_logits", x0_logits)
     if not logits.dtype.is_floating_point:

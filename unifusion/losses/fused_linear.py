@@ -36,8 +36,9 @@ from .. import _validation as V
 from .._device import host_to_device
 from ..kernels import Kernel, check_kernel
 from ._x0_row_terms import RowStats
-from ._x0_rows import X0Rows, check_objective, check_weighting, has_fast_path, prepare_x0_rows
+from ._x0_rows import X0Rows, check_objective, has_fast_path, prepare_x0_rows
 from ._x0_run import run, stats_buffers
+from .native import check_weighting
 
 __all__ = ["fused_linear_diffusion_loss"]
 

@@ -37,6 +37,10 @@ The three request types, with the paper's protocols (App. C.4, Proposition 3.2):
   kernel) stay, drawn from the request's own generator (each row of a sampler batch has its own generator:
   ``generate(..., generator=[one per row])``). Diffusion sampling has no unique greedy decoder: this is
   *deterministic* decoding (the same request gives the same text), not a search for the most likely sequence.
+  With a decoding policy (model arguments ``policy``, ``block_size``, ``threshold``, ``cache_refresh``, ``num_steps``
+  as steps per block; per task the ``gen_kwargs`` ``policy``, ``block_size``, ``threshold``, ``num_steps``) the
+  continuation is decoded block by block (:class:`~unifusion.samplers.PolicySampler`), each row stopping at the
+  tokenizer's EOS; a block model (``block_size=K``) decodes through its exact KV cache.
 
 **Random numbers.** With ``seeding="request"`` (the default) every question of ``loglikelihood``, every text of
 ``loglikelihood_rolling`` and every ``generate_until`` request draws from its own generator, seeded with

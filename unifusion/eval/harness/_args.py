@@ -15,7 +15,7 @@ FALLBACK_MAX_LENGTH = 2048
 """``max_length`` of a model whose config names no position limit (the harness's hf model uses the same)."""
 FAIR_PMI_T_MIN = 1e-3  # fair_pmi_scores' default t_min
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
-GEN_KEYS = {"until", "do_sample", "temperature", "top_p", "top_k"}
+GEN_KEYS = {"until", "do_sample", "temperature", "top_p", "top_k", "policy", "block_size", "threshold", "num_steps"}
 MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # priority order
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
@@ -33,7 +33,14 @@ MODEL_ARGS: tuple[tuple[str, str, str], ...] = (
     ("nll_times", "128", "stratified times of loglikelihood_rolling's bound"),
     ("max_length", "model's positions - 1", "context + answer / prompt + new tokens; rolling window length"),
     ("max_gen_toks", "none", "cap on generate_until's new tokens (the task's max_gen_toks, else 256)"),
-    ("num_steps", "64", "sampler steps (forward passes) per generate_until batch"),
+    ("num_steps", "64 / block", "policy=none: sampler steps (forward passes) per generate_until batch; with a "
+     "policy: steps per block (default: the block size; adaptive policies may take fewer)"),
+    ("policy", "none", "generate_until's decoder: none (the Bayesian sampler over the whole sequence) or a decoding "
+     "policy (block decoding, EOS stops a row): low_confidence, random, margin, entropy, threshold, entropy_bound"),
+    ("block_size", "none", "with a policy: positions per block (a block model: its own; default: one block)"),
+    ("threshold", "0.9", "the threshold policy's confidence (implies policy=threshold when no policy is named)"),
+    ("cache_refresh", "none", "with a policy on a bidirectional model: the approximate dual cache, a full forward "
+     "every N steps of a block"),
     ("do_sample", "false", "sample when a task sets neither do_sample nor temperature (else argmax x0)"),
     ("temperature", "1.0", "sampling temperature unless the task's gen_kwargs set one"),
     ("top_p", "off", "nucleus mass of sampling unless the task's gen_kwargs set one"),

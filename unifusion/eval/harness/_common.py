@@ -60,6 +60,7 @@ class HarnessBase:
     max_length: int
     max_gen_toks: int | None
     num_steps: int
+    decoding: Any  # _generation.DecodingOptions
     do_sample: bool
     temperature: float
     top_p: float | None

@@ -1,6 +1,14 @@
 """``generate_until`` of the harness model: each request resolved into prompt ids and sampler settings (the
 harness's gen_kwargs conventions), sampled by :meth:`DiffusionLM.generate <unifusion.DiffusionLM.generate>` with one
-generator per request, and cut at EOS and the first stop string."""
+generator per request, and cut at EOS and the first stop string.
+
+**Decoding.** ``policy=None`` (the default) is the Bayesian sampler over the whole sequence (``num_steps`` forwards).
+A decoding policy (model argument ``policy=``, or per task in ``gen_kwargs``: ``policy``, ``block_size``,
+``threshold``, ``num_steps``) decodes block by block with :class:`~unifusion.samplers.PolicySampler`: rows stop at the
+tokenizer's EOS (no further forwards), a block model decodes through its exact KV cache, a bidirectional one through
+the approximate dual cache when ``cache_refresh`` is set. Names: :data:`unifusion.samplers.policies.POLICY_NAMES`;
+``threshold=τ`` alone means ``policy=threshold``.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +25,55 @@ from ._args import (
     GEN_KEYS,
     MAX_TOKEN_KEYS,
     as_bool,
+    as_float,
     as_int,
     as_temperature,
     as_top_k,
     as_top_p,
 )
 from ._common import Cuts, HarnessBase, evaluating, request_seed, seeded_generator
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How ``generate_until`` decodes (module docstring): ``policy`` ``None`` (the Bayesian sampler) or a name of
+    :data:`~unifusion.samplers.policies.POLICY_NAMES`; ``steps`` the steps per block (``None``: the default)."""
+
+    policy: str | None = None
+    block_size: int | None = None
+    threshold: float | None = None
+    cache_refresh: int | None = None
+    steps: int | None = None
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.policy, self.block_size, self.threshold, self.cache_refresh, self.steps)
+
+
+def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh: Any, steps: Any,
+                     base: DecodingOptions | None = None) -> DecodingOptions:
+    """Checked :class:`DecodingOptions` from model arguments or ``gen_kwargs`` (strings as the command line gives
+    them; ``None`` keeps ``base``'s value). A policy is checked by building it once."""
+    from ...samplers.policies import make_policy
+
+    base = base if base is not None else DecodingOptions()
+    if isinstance(policy, str) and policy.lower() in ("none", ""):
+        name: str | None = None
+    else:
+        name = base.policy if policy is None else str(policy)
+    thr = base.threshold if threshold is None else as_float("threshold", threshold)
+    if name is None and threshold is not None:
+        name = "threshold"
+    options = DecodingOptions(
+        policy=name, block_size=base.block_size if block_size is None else as_int("block_size", block_size),
+        threshold=thr if name == "threshold" else None,
+        cache_refresh=base.cache_refresh if cache_refresh is None else as_int("cache_refresh", cache_refresh),
+        steps=base.steps if steps is None else as_int("num_steps", steps))
+    if options.policy is not None:
+        make_policy(options.policy, threshold=options.threshold)
+    elif options.block_size is not None or options.cache_refresh is not None:
+        raise ValueError("policy: block_size and cache_refresh need a decoding policy (policy=low_confidence, "
+                         "threshold, ...); policy=none runs the full-sequence Bayesian sampler")
+    return options
 
 
 @dataclass
@@ -38,11 +89,14 @@ class Job:
     sampled: bool
     until: list[str]
     unknown: list[str]
+    decoding: DecodingOptions
     seed: int | None = None
 
     def settings(self) -> list[Any]:
-        """What decides the sample (the stop strings only cut it afterwards)."""
-        return [self.max_new, self.sampled, self.temperature, self.top_k, self.top_p]
+        """What decides the sample (the stop strings only cut it afterwards); the Bayesian sampler's list is as it
+        always was, so its seeds do not change."""
+        base = [self.max_new, self.sampled, self.temperature, self.top_k, self.top_p]
+        return base if self.decoding.policy is None else base + list(self.decoding.key())
 
 
 class GenerationRequests(HarnessBase):
@@ -85,17 +139,18 @@ class GenerationRequests(HarnessBase):
                           "tokens)", stacklevel=2)
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, job in enumerate(jobs):
-            groups.setdefault((len(job.prompt), job.max_new, job.temperature, job.top_k, job.top_p), []).append(i)
+            groups.setdefault((len(job.prompt), job.max_new, job.temperature, job.top_k, job.top_p, job.decoding),
+                              []).append(i)
         out = [""] * len(requests)
         device = self.model.device
         bar = self._progress(len(requests), "generate_until", disable_tqdm)
-        for (P, max_new, temperature, top_k, top_p), members in groups.items():
+        for (P, max_new, temperature, top_k, top_p, decoding), members in groups.items():
             for lo in range(0, len(members), self.batch_size_per_forward):
                 chunk = members[lo: lo + self.batch_size_per_forward]
                 prompts = torch.tensor([jobs[i].prompt for i in chunk], dtype=torch.long).reshape(len(chunk), P)
                 generators = [seeded_generator(cast(int, jobs[i].seed), device) for i in chunk]
                 ids = self._sample(host_to_device(prompts, device), max_new, generators, temperature=temperature,
-                                   top_k=top_k, top_p=top_p)  # (B, P + max_new)
+                                   top_k=top_k, top_p=top_p, decoding=decoding)  # (B, P + max_new)
                 for i, row in zip(chunk, ids[:, P:].tolist()):
                     out[i] = self._finish(row, jobs[i].until)
                 bar.update(len(chunk))
@@ -134,18 +189,30 @@ class GenerationRequests(HarnessBase):
         ids = self._encode(context)
         budget = self.max_length - max_new
         unknown = sorted(k for k in gen_kwargs if k not in GEN_KEYS and k not in MAX_TOKEN_KEYS)
+        decoding = decoding_options(gen_kwargs.get("policy"), gen_kwargs.get("block_size"),
+                                    gen_kwargs.get("threshold"), None, gen_kwargs.get("num_steps"), base=self.decoding)
         return Job(prompt=ids[-budget:] if len(ids) > budget else ids, lost=max(0, len(ids) - budget),
                    max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, sampled=sampled, until=until,
-                   unknown=unknown)
+                   unknown=unknown, decoding=decoding)
 
     def _sample(self, prompts: torch.Tensor, max_new: int, generators: Sequence[torch.Generator], *,
-                temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+                temperature: float, top_k: int | None, top_p: float | None,
+                decoding: DecodingOptions | None = None) -> torch.Tensor:
         """:meth:`DiffusionLM.generate <unifusion.DiffusionLM.generate>` (Algorithm 2, ``num_steps`` steps from
         t_0 = 1 − 10⁻³) on ``prompts`` ``(B, P)`` with one generator per row: row b equals
         ``model.generate(prompts[b:b + 1], ..., generator=generators[b])`` whatever rows are beside it (up to the
         model's arithmetic, which on some devices differs with the batch shape). Returns ``(B, P + max_new)``."""
-        return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
+        if decoding is None or decoding.policy is None:
+            return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
+                                       temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
+        from ...samplers.policies import make_policy
+
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return self.model.generate(
+            prompts, max_new_tokens=max_new, policy=make_policy(decoding.policy, threshold=decoding.threshold),
+            num_steps=decoding.steps, block_size=decoding.block_size, cache_refresh=decoding.cache_refresh,
+            kernel=self.kernel, temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators),
+            eos_token_id=eos if isinstance(eos, int) else None, attention_mask=torch.ones_like(prompts))
 
     def _finish(self, new_ids: list[int], until: Sequence[str]) -> str:
         """Generated ids → text: mask ids dropped, cut at the first EOS id, decoded, cut at the earliest stop."""

@@ -32,7 +32,7 @@ from ._args import (
 )
 from ._common import evaluating
 from ._conditional import ConditionalRequests, is_prefix_conditioned
-from ._generation import GenerationRequests
+from ._generation import GenerationRequests, decoding_options
 from ._loglikelihood import LoglikelihoodRequests
 
 
@@ -65,7 +65,10 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
             none). Contexts and prompts are cut from the left, with a warning that counts them.
         max_gen_toks: cap on the new tokens of a ``generate_until`` request (default: none, so the task's
             ``max_gen_toks``, else 256). The sampler fills the whole canvas at every step, so its cost grows with it.
-        num_steps: sampler steps of ``generate_until`` (default 64).
+        num_steps: sampler steps of ``generate_until`` (default 64); with a ``policy``, steps per block (default:
+            the block size).
+        policy, block_size, threshold, cache_refresh: ``generate_until``'s block decoding
+            (:class:`~unifusion.eval.harness.DecodingOptions`); ``policy=None`` keeps the Bayesian sampler.
         do_sample: sample (at ``temperature``) when a task's ``gen_kwargs`` set neither ``do_sample`` nor a
             temperature; default ``False`` (argmax x_θ, the harness's convention).
         temperature: sampling temperature when the task's ``gen_kwargs`` set none.
@@ -87,10 +90,11 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
     def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
                  kernel: str | Kernel | None = None, method: str | None = None, fair_pmi: Any = None,
                  num_times: Any = None, null_context: str = "Answer:", check_greedy: Any = True,
-                 nll_times: Any = 128, max_length: Any = None, max_gen_toks: Any = None, num_steps: Any = 64,
+                 nll_times: Any = 128, max_length: Any = None, max_gen_toks: Any = None, num_steps: Any = None,
                  do_sample: Any = False, temperature: Any = 1.0, top_p: Any = None, top_k: Any = None,
                  seed: Any = 0, seeding: str = "request", batch_size: Any = 64, max_batch_size: Any = None,
-                 device: str | None = None, dtype: str | torch.dtype | None = None, **unused: Any) -> None:
+                 device: str | None = None, dtype: str | torch.dtype | None = None, policy: Any = None,
+                 block_size: Any = None, threshold: Any = None, cache_refresh: Any = None, **unused: Any) -> None:
         super().__init__()
         if unused:
             raise TypeError(f"model_args: unknown argument(s) {sorted(unused)}; the arguments are "
@@ -150,7 +154,12 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
                              f"{self.model_max_length} tokens (its position limit minus the BOS position the adapter "
                              "prepends)")
         self.max_gen_toks = None if max_gen_toks is None else as_int("max_gen_toks", max_gen_toks)
-        self.num_steps = as_int("num_steps", num_steps)
+        self.num_steps = 64 if num_steps is None else as_int("num_steps", num_steps)
+        self.decoding = decoding_options(policy, block_size, threshold, cache_refresh,
+                                         None if num_steps is None else self.num_steps)
+        if self.conditional and self.decoding.policy is not None:
+            raise ValueError(f"policy: {type(model).__name__} samples with its own sampler (generate_until uses its "
+                             "generate); leave policy, block_size, threshold and cache_refresh unset")
         self.do_sample = as_bool("do_sample", do_sample)
         self.temperature = as_temperature(temperature)
         if self.temperature == 0.0:
@@ -224,10 +233,11 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
         return super().loglikelihood_rolling(requests, disable_tqdm)
 
     def _sample(self, prompts: torch.Tensor, max_new: int, generators: Any, *, temperature: float,
-                top_k: int | None, top_p: float | None) -> torch.Tensor:
+                top_k: int | None, top_p: float | None, decoding: Any = None) -> torch.Tensor:
         if self.conditional:  # the model's own sampler (its temperature schedule; no top-k/top-p)
             return self._conditional_sample(prompts, max_new, generators)
-        return super()._sample(prompts, max_new, generators, temperature=temperature, top_k=top_k, top_p=top_p)
+        return super()._sample(prompts, max_new, generators, temperature=temperature, top_k=top_k, top_p=top_p,
+                               decoding=decoding)
 
     # ------------------------------------------------------------------------------------------------ harness API
     @property

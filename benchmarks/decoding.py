@@ -1,0 +1,162 @@
+"""Decoding speed: block decoding with a KV cache against AR generation and the full-sequence sampler (not a test).
+
+For each number of new tokens N (after a P-token prompt, batch 1), in one run:
+
+* ``AR + cache``: the wrapped Hugging Face model's own ``generate`` (greedy, its KV cache, exactly N tokens);
+* ``full-seq Bayesian``: ``DiffusionLM.generate(policy=None, num_steps=N/4)`` — today's sampler, 4 tokens per forward,
+  every forward over all P + N + 1 positions;
+* ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
+  K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
+  each step runs the block's K + 1 positions, one more forward appends each finished block;
+* ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
+* ``dual cache, 4/fwd`` (``--approx``): the fully bidirectional model with Fast-dLLM's approximate cache
+  (``cache_refresh=K/4``: a full forward at each block's first step), and its token agreement with uncached decoding.
+
+Printed: wall time (best of ``--repeats``), forwards (denoising steps; block commits in parentheses), tokens per
+forward, the ratio to AR, and the ratio to the full-sequence sampler at the same number of forwards (its measured time
+per forward × the row's forwards). The adapted model is untrained (weights of SmolLM2): the times are what matter.
+Run it on a quiet machine; ``--quick`` runs a tiny random model in seconds (a smoke test of the script).
+
+    python benchmarks/decoding.py                      # SmolLM2-135M, N = 128 and 512, P = 32, K = 32
+    python benchmarks/decoding.py --new-tokens 128 --approx
+    python benchmarks/decoding.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unifusion.hf import adapt_ar_model
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+
+
+def _tiny() -> tuple[Any, int]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), 1
+
+
+def _smollm2(dtype: torch.dtype) -> tuple[Any, int]:
+    from unifusion.hf import load_smollm2
+
+    hf = load_smollm2(dtype=dtype)
+    return hf.eval(), int(hf.config.bos_token_id)
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--rates", type=int, nargs="+", default=[2, 4, 8], help="tokens per forward (fixed count)")
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.9])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--approx", action="store_true",
+                        help="also the approximate dual cache of a bidirectional model")
+    parser.add_argument("--quick", action="store_true", help="a tiny random model, N = 32, P = 8, K = 8, one repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.new_tokens, args.prompt_len, args.block_size, args.repeats = [32], 8, 8, 1
+        args.rates = [r for r in args.rates if r <= 8]
+    torch.set_grad_enabled(False)
+    hf, _ = _tiny() if args.quick else _smollm2(getattr(torch, args.dtype))
+    K, P = args.block_size, args.prompt_len
+    plain = adapt_ar_model(hf)  # adds the mask token (the embeddings grow by one row, in place)
+    try:  # the same weights and mask token as a block model
+        block = adapt_ar_model(hf, mask_token_id=plain.mask_token_id, block_size=K)  # type: ignore[call-arg]
+    except TypeError:  # a unifusion without block models
+        block = None
+    prompt = torch.randint(10, int(hf.config.vocab_size), (1, P), generator=torch.Generator().manual_seed(0))
+    rows: list[Row] = []
+    for N in args.new_tokens:
+        rows += _measure(N, args, hf, plain, block, prompt)
+    _print(rows)
+
+
+Row = tuple[int, str, float, str, float, "float | None"]
+
+
+def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.Tensor) -> list[Row]:
+    """The table's rows for N new tokens."""
+    K, P = args.block_size, args.prompt_len
+    rows: list[Row] = []
+    def ar() -> Any:
+        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
+                           do_sample=False, use_cache=True, pad_token_id=0)
+
+    t_ar, _ = _best(ar, args.repeats)
+    rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
+    steps = max(N // 4, 1)
+    t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
+                                             generator=torch.Generator().manual_seed(0)), args.repeats)
+    per_forward = t_full / steps
+    rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
+    model = block if block is not None else plain
+    tag = f"block {K} + cache" if block is not None else f"no block model: bidirectional, blocks of {K}"
+    commits = -(-N // K) - 1 if block is not None else 0
+    for r in args.rates:
+        def fixed(r: int = r) -> Any:
+            return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
+                                  eos_token_id=None, return_dict=True, block_size=None if block else K,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(fixed, args.repeats)
+        f = int(out.num_forwards[0])
+        rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+                     per_forward * f))
+    for tau in args.thresholds:
+        def thr(tau: float = tau) -> Any:
+            return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
+                                  return_dict=True, block_size=None if block else K,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(thr, args.repeats)
+        f = int(out.num_forwards[0])
+        rows.append((N, f"{tag}, thr {tau}", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+                     per_forward * f))
+    if args.approx:
+        def approx(refresh: int | None) -> Any:
+            return plain.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // 4, 1),
+                                  block_size=K, eos_token_id=None, return_dict=True, cache_refresh=refresh,
+                                  generator=torch.Generator().manual_seed(0))
+
+        t, out = _best(lambda: approx(max(K // 4, 1)), args.repeats)
+        exact = approx(None).sequences
+        agree = float((out.sequences[:, P:] == exact[:, P:]).float().mean())
+        f = int(out.num_forwards[0])
+        rows.append((N, f"dual cache (approx), 4/fwd, {agree:.0%} = uncached", t, str(f),
+                     float(out.tokens_per_forward[0]), per_forward * f))
+    return rows
+
+
+def _print(rows: list[Row]) -> None:
+    ar_time = {N: t for N, name, t, *_ in rows if name.startswith("AR")}
+    print(f"{'N':>5}  {'decoder':<48} {'wall s':>8} {'forwards':>12} {'tok/fwd':>8} {'vs AR':>7} {'vs full':>8}")
+    for N, name, t, forwards, rate, full in rows:
+        vs_full = f"{full / t:7.2f}x" if full is not None and name.startswith(("block", "dual", "no block")) else ""
+        print(f"{N:>5}  {name:<48} {t:8.3f} {forwards:>12} {rate:8.2f} {t / ar_time[N]:6.2f}x {vs_full:>8}")
+    print("vs AR: wall time / AR's (lower is faster); vs full: full-sequence time at the same number of forwards / "
+          "this row's (higher is faster). Block commits are extra forwards, not counted in tok/fwd.")
+
+
+if __name__ == "__main__":
+    main()

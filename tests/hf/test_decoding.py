@@ -1,0 +1,388 @@
+"""DiffusionLM.generate with a decoding policy (unifusion.hf.generation) and the cached decoders
+(unifusion.hf.decoding): the policy path is PolicySampler's, left padding with the tokenizer's mask, the padding and
+length checks, EOS defaults, the approximate dual cache (refresh 1 = uncached; K + 1 positions per cached step), and
+the save-time tokenizer warning — on tiny random models (tests/_hf_tiny.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _hf_tiny import VOCAB, tiny_model
+
+import unifusion as uf
+from unifusion.hf import adapt_ar_model
+from unifusion.samplers import PolicySampler
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence, RandomOrder
+
+MASK_ID = 3
+EOS = 2  # the tiny config's eos_token_id
+PAD = 0  # the tiny config's pad_token_id
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _model(seed: int = 0, **kw):
+    return adapt_ar_model(tiny_model("llama", seed=seed, **kw), mask_token_id=MASK_ID).eval()
+
+
+def _prompt(B: int = 2, P: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (B, P), generator=torch.Generator().manual_seed(seed))
+
+
+def _gens(B: int, seed: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + r) for r in range(B)]
+
+
+class BackboneCalls:
+    """Counts the positions of every call of the Hugging Face backbone (a forward pre-hook)."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        self.handle = model.hf_model.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        self.lengths.append(int(x.shape[1]))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def test_policy_path_is_the_policy_sampler_on_the_model() -> None:
+    model = _model()
+    prompt = _prompt(2, 4)
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    out = model.generate(prompt, max_new_tokens=8, policy=LowConfidence(), num_steps=4, block_size=4,
+                         eos_token_id=None, generator=torch.Generator().manual_seed(1))
+    full = torch.cat([prompt, torch.full((2, 8), -1)], 1)
+    ref = PolicySampler(model, kernel, LowConfidence(), num_steps=4, block_size=4).sample(
+        2, 12, prompt=full, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out, ref)
+    assert torch.equal(out[:, :4], prompt) and not (out == MASK_ID).any()
+
+
+@pytest.mark.parametrize("refresh", [None, 1, 3])
+def test_left_padding_with_the_mask_equals_each_row_alone(refresh) -> None:
+    """A left-padded batch with the tokenizer's attention_mask and per-row generators: each row equals the row run
+    alone (x0 path and the approximate cache, whose decisions are per row too)."""
+    model = _model()
+    short, long = _prompt(1, 2, seed=1), _prompt(1, 5, seed=2)
+    batch = torch.cat([torch.cat([torch.full((1, 3), PAD), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=8, policy=RandomOrder(), num_steps=4, block_size=4, eos_token_id=None,
+              cache_refresh=refresh)
+    out = model.generate(batch, attention_mask=mask, generator=_gens(2), **kw)
+    alone0 = model.generate(short, generator=_gens(1, 0), **kw)
+    alone1 = model.generate(long, generator=_gens(1, 1), **kw)
+    assert torch.equal(out[0, 3:], alone0[0])
+    assert torch.equal(out[1], alone1[0])
+
+
+def test_ambiguous_padding_without_a_mask_is_refused() -> None:
+    model = _model()
+    batch = torch.cat([torch.cat([torch.full((1, 2), PAD), _prompt(1, 2)], 1), _prompt(1, 4, seed=3)])
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(batch, max_new_tokens=4, num_steps=2)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(batch, max_new_tokens=4, policy=LowConfidence())
+    right = torch.cat([torch.cat([_prompt(1, 2), torch.full((1, 2), PAD)], 1), _prompt(1, 4, seed=3)])
+    with pytest.raises(ValueError, match="right-padded"):
+        model.generate(right, max_new_tokens=4, num_steps=2)
+    # an explicit mask of ones says the pads are text
+    out = model.generate(batch, max_new_tokens=4, num_steps=2, attention_mask=torch.ones_like(batch))
+    assert out.shape == (2, 8)
+
+
+def test_policy_none_takes_the_attention_mask() -> None:
+    """The full-sequence sampler with a left-padded batch: the model is called with the padding mask (so the padded
+    row's tokens do not depend on its pads' ids)."""
+    model = _model()
+    short = _prompt(1, 2, seed=1)
+    mask = torch.tensor([[0, 0, 1, 1]])
+    a = model.generate(torch.cat([torch.full((1, 2), PAD), short], 1), attention_mask=mask, max_new_tokens=4,
+                       num_steps=3, generator=torch.Generator().manual_seed(0))
+    b = model.generate(torch.cat([torch.full((1, 2), 7), short], 1), attention_mask=mask, max_new_tokens=4,
+                       num_steps=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a[:, 2:], b[:, 2:])
+
+
+def test_length_beyond_the_positions_is_a_value_error() -> None:
+    model = _model()  # max_position_embeddings = 128
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(_prompt(1, 4), seq_len=128, num_steps=2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(_prompt(1, 4), max_new_tokens=200, policy=LowConfidence())
+    assert model.generate(_prompt(1, 4), seq_len=127, num_steps=1).shape == (1, 127)
+
+
+def test_eos_defaults_to_the_config_with_a_policy_and_stops_rows() -> None:
+    model = _model()
+    with torch.no_grad():  # make EOS the most likely token everywhere
+        model.hf_model.lm_head.weight[EOS] += 5.0 * model.hf_model.model.norm.weight.sign()
+    out = model.generate(_prompt(2, 3), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4,
+                         return_dict=True, generator=torch.Generator().manual_seed(0))
+    seq = out.sequences
+    for r in range(2):
+        gen = seq[r, 3:]
+        first = int((gen == EOS).int().argmax())
+        assert (gen == EOS).any() and (gen[first:] == EOS).all()
+    assert torch.allclose(out.tokens_per_forward * out.num_forwards.float(),
+                          ((seq[:, 3:] != EOS).sum(-1) + 1).float().clamp_max(8))
+    # no EOS with policy=None unless asked
+    plain = model.generate(_prompt(2, 3), max_new_tokens=8, num_steps=4, generator=torch.Generator().manual_seed(0))
+    filled = model.generate(_prompt(2, 3), max_new_tokens=8, num_steps=4, eos_token_id=EOS, pad_token_id=PAD,
+                            generator=torch.Generator().manual_seed(0))
+    for r in range(2):
+        gen, got = plain[r, 3:], filled[r, 3:]
+        if (gen == EOS).any():
+            first = int((gen == EOS).int().argmax())
+            assert torch.equal(got[:first + 1], gen[:first + 1]) and (got[first + 1:] == PAD).all()
+        else:
+            assert torch.equal(got, gen)
+
+
+def test_refresh_every_step_is_the_uncached_computation() -> None:
+    model = _model()
+    prompt = _prompt(2, 5)
+    kw = dict(max_new_tokens=12, policy=ConfidenceThreshold(0.2), block_size=4, eos_token_id=None,
+              generator=_gens(2, 5))
+    uncached = model.generate(prompt, **kw)
+    kw["generator"] = _gens(2, 5)
+    assert torch.equal(model.generate(prompt, cache_refresh=1, **kw), uncached)
+
+
+def test_approximate_cache_runs_one_block_between_refreshes() -> None:
+    """With cache_refresh=N, a block's first step and every N-th run the whole sequence (L + 1 positions); every
+    other backbone call sees the block's K + 1 positions only."""
+    model = _model()
+    P, new, K = 5, 12, 4
+    calls = BackboneCalls(model)
+    try:
+        out = model.generate(_prompt(1, P), max_new_tokens=new, policy=LowConfidence(), num_steps=4, block_size=K,
+                             eos_token_id=None, cache_refresh=2, return_dict=True,
+                             generator=torch.Generator().manual_seed(0))
+    finally:
+        calls.close()
+    L = P + new
+    assert calls.lengths == [L + 1, K + 1] * 2 * (new // K)
+    assert int(out.num_forwards[0]) == 4 * (new // K)
+
+
+def test_approximate_cache_drift_is_bounded_on_a_tiny_model() -> None:
+    """The approximate cache changes some tokens (it is not exact), but the prompt and shapes hold; the measured
+    agreement with uncached decoding is reported by benchmarks/decoding.py."""
+    model = _model()
+    prompt = _prompt(4, 5)
+    kw = dict(max_new_tokens=16, policy=LowConfidence(), num_steps=4, block_size=8, eos_token_id=None)
+    uncached = model.generate(prompt, generator=_gens(4), **kw)
+    cached = model.generate(prompt, generator=_gens(4), cache_refresh=4, **kw)
+    assert cached.shape == uncached.shape and torch.equal(cached[:, :5], prompt)
+    agree = (cached[:, 5:] == uncached[:, 5:]).float().mean()
+    assert agree > 0.25  # a random tiny model: loose; the real model's number is in the benchmark
+
+
+def test_bad_cache_arguments() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=0)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=2, use_cache=False)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, block_size=2, num_steps=2)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), eos_token_id="first")
+    no_mask = adapt_ar_model(tiny_model("llama"), add_mask_token=False)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        no_mask.generate(_prompt(1, 3), max_new_tokens=4, policy=LowConfidence(), cache_refresh=2,
+                         kernel=uf.MaskKernel(no_mask.num_states, 3))
+
+
+def test_save_pretrained_without_a_tokenizer_warns(tmp_path) -> None:
+    model = _model()
+    with pytest.warns(UserWarning, match="tokenizer"):
+        model.save_pretrained(tmp_path / "m")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.save_pretrained(tmp_path / "t")  # a tokenizer is already there
+
+
+# -- the exact block cache (BlockCacheDecoder) against the block computation written out without a cache
+
+
+class UncachedBlocks:
+    """x0 callable: for every block of K after column P, one forward of [clean stream (bos, x[:s-1]) | anchor x[s-1] |
+    x_t of the block] with the block-causal mask (clean causal, the block bidirectional over itself and the clean
+    prefix) — the computation the cache reproduces, written with no cache at all."""
+
+    def __init__(self, model, P: int, K: int) -> None:
+        self.model, self.P, self.K = model, P, K
+        self.num_states = model.num_states
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        model, (B, L) = self.model, x_t.shape
+        out = torch.zeros(B, L, model.num_states)
+        bos = torch.full((B, 1), model.bos_token_id)
+        for s in range(self.P, L, self.K):
+            k = min(self.K, L - s)
+            ids = torch.cat([bos, x_t[:, :s + k]], 1)  # clean stream = internal [bos, x[:s-1]], then anchor, block
+            n = s + k + 1
+            A = torch.ones(n, n, dtype=torch.bool).tril()
+            A[s:, s:] = True
+            h = model.hf_model.base_model(input_ids=ids, position_ids=torch.arange(n)[None].expand(B, n),
+                                          attention_mask=A[None, None].expand(B, 1, n, n)).last_hidden_state
+            out[:, s:s + k] = model.logits_from_hidden(h[:, s:s + k])
+        return out
+
+
+@pytest.mark.parametrize("policy", [LowConfidence(), ConfidenceThreshold(0.3), RandomOrder()])
+@pytest.mark.parametrize("P", [0, 3, 4])
+def test_block_cache_equals_the_uncached_block_computation(policy, P) -> None:
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    K, L, B = 4, P + 10, 3  # a ragged last block
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    prompt = torch.cat([_prompt(B, P), torch.full((B, L - P), -1)], 1)
+    kw = dict(num_steps=2, block_size=K)
+    cached = PolicySampler(BlockCacheDecoder(model), kernel, policy, **kw).sample(
+        B, L, prompt=prompt, generator=_gens(B))
+    uncached = PolicySampler(UncachedBlocks(model, P, K), kernel, policy, **kw).sample(
+        B, L, prompt=prompt, generator=_gens(B))
+    assert torch.equal(cached, uncached)
+
+
+def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
+    """Rows that stop at EOS leave the cache (later calls have fewer rows); a left-padded row equals the row alone."""
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    with torch.no_grad():
+        model.hf_model.lm_head.weight[EOS] += 1.5 * model.hf_model.model.norm.weight.sign()
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    short, long = _prompt(1, 2, seed=1), _prompt(1, 4, seed=2)
+    L = 4 + 12
+    batch = torch.cat([torch.cat([torch.full((1, 2), PAD), short], 1), long])
+    prompt = torch.cat([batch, torch.full((2, 12), -1)], 1)
+    sampler = PolicySampler(BlockCacheDecoder(model), kernel, LowConfidence(), num_steps=4, block_size=4)
+    out = sampler.sample(2, L, prompt=prompt, attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+                         generator=_gens(2), eos_token_id=EOS, return_dict=True)
+    alone0 = sampler.sample(1, L - 2, prompt=torch.cat([short, torch.full((1, 12), -1)], 1), generator=_gens(1, 0),
+                            eos_token_id=EOS, return_dict=True)
+    alone1 = sampler.sample(1, L, prompt=prompt[1:], generator=_gens(1, 1), eos_token_id=EOS, return_dict=True)
+    assert torch.equal(out.sequences[0, 2:], alone0.sequences[0]) and torch.equal(out.sequences[1], alone1.sequences[0])
+    assert out.num_forwards.tolist() == [int(alone0.num_forwards[0]), int(alone1.num_forwards[0])]
+
+
+def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    model = _model()
+    P, K, new = 6, 4, 12
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    calls = BackboneCalls(model)
+    try:
+        out = PolicySampler(BlockCacheDecoder(model), kernel, LowConfidence(), num_steps=2, block_size=K).sample(
+            2, P + new, prompt=torch.cat([_prompt(2, P), torch.full((2, new), -1)], 1), generator=_gens(2),
+            return_dict=True)
+    finally:
+        calls.close()
+    assert calls.lengths[0] == P  # the prefill
+    assert max(calls.lengths[1:]) == K + 1
+    steps = [n for n in calls.lengths[1:] if n == K + 1]
+    commits = [n for n in calls.lengths[1:] if n == K]
+    assert len(steps) == int(out.num_forwards[0]) == 2 * (new // K) and len(commits) == new // K - 1
+
+
+@pytest.mark.parametrize("P", [0, 4])
+def test_block_cache_equals_uncached_under_uniform_noise(P) -> None:
+    """EntropyBound (uniform noise): the block is resampled every step; cached == uncached token for token."""
+    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.samplers.policies import EntropyBound
+
+    model = adapt_ar_model(tiny_model("llama"), add_mask_token=False).eval()
+    with torch.no_grad():
+        model.hf_model.lm_head.weight.mul_(8.0)  # confident enough for the stopping rule to fire sometimes
+    K, L, B = 4, P + 12, 2
+    kernel = uf.UniformKernel(model.num_states)
+    prompt = torch.cat([_prompt(B, P), torch.full((B, L - P), -1)], 1)
+    runs = [PolicySampler(m, kernel, EntropyBound(1.0), num_steps=4, block_size=K).sample(
+        B, L, prompt=prompt, generator=_gens(B), return_dict=True)
+        for m in (BlockCacheDecoder(model), UncachedBlocks(model, P, K))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert torch.equal(runs[0].num_forwards, runs[1].num_forwards)
+
+
+# -- generate on a block model: the exact cache against the block-causal training forward
+
+
+def _block_model(mask: bool = True, K: int = 4):
+    hf = tiny_model("llama")
+    if mask:
+        return adapt_ar_model(hf, mask_token_id=MASK_ID, block_size=K).eval()
+    return adapt_ar_model(hf, add_mask_token=False, block_size=K).eval()
+
+
+@pytest.mark.parametrize("policy", ["low_confidence", "threshold", "random", "entropy_bound"])
+@pytest.mark.parametrize("P", [0, 4, 8])
+def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
+    """use_cache=True (prefill, K + 1 positions per step, one forward per commit) gives the tokens of
+    use_cache=False (every step the block-causal training forward, model(x_t, t, clean=x_t)), for mask policies and
+    EntropyBound under uniform noise; prompts whose length is a multiple of K (where the two cut the same blocks)."""
+    from unifusion.samplers.policies import make_policy
+
+    uniform = policy == "entropy_bound"
+    model = _block_model(mask=not uniform)
+    if uniform:
+        with torch.no_grad():
+            model.hf_model.lm_head.weight.mul_(8.0)
+    B = 3
+    prompt = _prompt(B, P) if P else torch.zeros((B, 0), dtype=torch.long)
+    kw = dict(max_new_tokens=10, policy=make_policy(policy, threshold=0.3 if policy == "threshold" else None),
+              num_steps=2 if not uniform else 4, eos_token_id=None, return_dict=True)
+    cached = model.generate(prompt, generator=_gens(B), **kw)
+    uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert torch.equal(cached.num_forwards, uncached.num_forwards)
+
+
+def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -> None:
+    model = _block_model(K=4)
+    P, new = 8, 16
+    calls = BackboneCalls(model)
+    try:
+        out = model.generate(_prompt(2, P), max_new_tokens=new, policy=ConfidenceThreshold(0.5), eos_token_id=None,
+                             return_dict=True, generator=_gens(2))
+    finally:
+        calls.close()
+    assert calls.lengths[0] == P and max(calls.lengths[1:]) <= 4 + 1
+    assert sum(n == 5 for n in calls.lengths) == int(out.num_forwards.max())
+    # the uncached path runs the two-stream forward over the whole sequence at every step
+    calls = BackboneCalls(model)
+    try:
+        model.generate(_prompt(2, P), max_new_tokens=new, policy=ConfidenceThreshold(0.5), eos_token_id=None,
+                       generator=_gens(2), use_cache=False)
+    finally:
+        calls.close()
+    L, nb = P + new, (P + new) // 4
+    assert set(calls.lengths) == {2 * L - 4 + nb}
+
+
+def test_block_model_arguments() -> None:
+    model = _block_model(K=4)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=8)
+    with pytest.raises(ValueError, match="cache_refresh"):
+        model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
+    out = model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4)
+    assert out.shape == (1, 12)

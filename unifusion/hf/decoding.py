@@ -1,0 +1,296 @@
+"""Cached block decoding of a :class:`~unifusion.hf.DiffusionLM`: the two :class:`~unifusion.samplers.BlockDenoiser`
+adapters :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>` hands to
+:class:`~unifusion.samplers.PolicySampler`.
+
+**Exact: a block model** (``adapt_ar_model(..., block_size=K)``, :mod:`unifusion.hf.blocks`) —
+:class:`BlockCacheDecoder`. The KV cache holds the *clean stream* of the block layout: the prompt is prefilled once
+(inputs ``[bos, prompt[:-1]]``, causal, position ids ``0 … P − 1``), each committed block is appended with one causal
+forward (inputs ``[anchor, block[:-1]]``). A denoising step runs only the current block's ``K + 1`` noisy positions
+(the anchor — the last committed token, bos before anything — and the block's ``x_t``) at position ids ``n … n + K``,
+bidirectionally within the block and against every cached position, then drops its entries from the cache again. That
+is the computation of the block-causal training forward for the block (``model(x_t, t, clean=x_0)``), so cached and
+uncached decoding give the same tokens. Blocks start where the prompt ends: a prompt whose length is not a multiple of
+K is the clean prefix all the same (the training forward cuts blocks at multiples of K from the start, so the two
+agree token for token when ``P % K == 0``).
+
+**Approximate: a fully bidirectional model** (no ``block_size``) — :class:`PrefixCacheDecoder`, Fast-dLLM's dual
+cache. At a block's first step (and every ``refresh`` steps after it) the whole sequence runs once (the committed
+prefix, the block, mask tokens after it); that step's logits are exact and the keys/values of every position outside
+the block's ``K + 1`` are kept. The other steps run the ``K + 1`` positions against those kept entries, which were
+computed from an older state of the block: **approximate** (the prefix and suffix do not see the block's newest
+tokens). ``refresh=1`` recomputes at every step (the uncached computation). Mask kernels only.
+
+Both handle left padding (a prefix mask: padded keys blocked, position ids counting real tokens, as
+:func:`~unifusion.hf.shifted_layout` places them) and batches whose rows finish early (the cache is narrowed to the
+running rows). Flex attention is not supported here (``attn_implementation='sdpa'`` or ``'eager'``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import mask_style
+from .layout import shifted_layout
+
+__all__ = ["BlockCacheDecoder", "CacheState", "PrefixCacheDecoder"]
+
+
+@dataclass
+class CacheState:
+    """What a cached decoder carries between calls (rows: the batch rows the cache holds, ascending).
+
+    Attributes:
+        cache: a transformers ``DynamicCache`` (or ``None`` before an approximate decoder's first refresh).
+        rows: ``(R,)`` int64 batch rows the cache holds.
+        key_valid: ``(R, n)`` bool, False at cached padding.
+        key_pos: ``(R, n)`` position ids of the cached keys (for sliding windows).
+        anchor: ``(B,)`` the input of the next block's anchor position (block caches).
+        next_pos: ``(B,)`` the anchor's position id (block caches).
+        tokens: ``(B, L)`` the committed tokens, mask ids after them (approximate caches).
+        attention_mask: ``(B, L)`` bool, False at left padding, or ``None`` (approximate caches).
+        length: columns committed so far (the current block starts there).
+        step: denoising steps run in the current block.
+    """
+
+    cache: Any
+    rows: torch.Tensor
+    key_valid: torch.Tensor
+    key_pos: torch.Tensor
+    anchor: torch.Tensor | None = None
+    next_pos: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    length: int = 0
+    step: int = 0
+
+    def select(self, rows: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """``(cache, key_valid, key_pos)`` of ``rows`` (a subset of :attr:`rows`, ascending); the cache itself when
+        they are all of them, else a copy (the step's own entries then need no crop)."""
+        if rows.shape[0] == self.rows.shape[0]:
+            return self.cache, self.key_valid, self.key_pos
+        idx = torch.searchsorted(self.rows, rows)
+        return _cache_rows(self.cache, idx), self.key_valid[idx], self.key_pos[idx]
+
+    def narrow(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished rows never come back)."""
+        if rows.shape[0] == self.rows.shape[0]:
+            return
+        idx = torch.searchsorted(self.rows, rows)
+        if self.cache is not None:
+            self.cache = _cache_rows(self.cache, idx)
+        self.rows, self.key_valid, self.key_pos = rows, self.key_valid[idx], self.key_pos[idx]
+
+
+def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = None) -> Any:
+    """A new ``DynamicCache`` with batch rows ``idx`` (and key columns ``columns``) of ``cache``."""
+    from transformers import DynamicCache
+
+    data = []
+    for layer in cache.layers:
+        k, v = layer.keys[idx], layer.values[idx]  # (R, H, n, d)
+        if columns is not None:
+            k, v = k[:, :, columns], v[:, :, columns]
+        data.append((k, v))
+    return DynamicCache(ddp_cache_data=data)
+
+
+def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                   key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None) -> torch.Tensor:
+    """Run ``ids`` ``(B, q)`` at ``positions`` ``(B, q)`` against ``cache`` (which grows by q), query i seeing key j
+    where ``allowed[b, i, j]`` ``(B, q, n + q)`` (and the sliding window on position ids, ``key_pos`` ``(B, n + q)``);
+    ``t`` ``(B,)`` the time of a time-conditioned model. Returns the final hidden states ``(B, q, d)``."""
+    hf = model.hf_model
+    kwargs: dict[str, Any] = {"position_ids": positions, "cache": cache, "use_cache": True}
+    if model.time_embedding is not None:
+        h = hf.get_input_embeddings()(ids)
+        time = t if t is not None else torch.zeros(ids.shape[0], device=ids.device)
+        kwargs["inputs_embeds"] = h + model.time_embedding(time)[:, None, :].to(h.dtype)
+    else:
+        kwargs["input_ids"] = ids
+    style = mask_style(model.family, model.config, "cached block decoding")
+    if style == "block":
+        raise ValueError("model: cached decoding builds dense masks; load the model with attn_implementation='sdpa' "
+                         "or 'eager' (flex attention is not supported here), or pass use_cache=False")
+    window = model.family.sliding_window(model.config)
+
+    def dense(w: int | None) -> torch.Tensor:
+        A = allowed if w is None else allowed & ((positions[:, :, None] - key_pos[:, None, :]).abs() < w)
+        A = A[:, None]  # (B, 1, q, n + q)
+        if style == "additive":
+            blocked = torch.finfo(model.dtype).min
+            return torch.zeros(A.shape, dtype=model.dtype, device=A.device).masked_fill_(~A, blocked)
+        return A
+
+    if window is None:
+        kwargs["attention_mask"] = dense(None)
+    elif model.family.window == "all_layers":
+        kwargs["attention_mask"] = dense(window)
+    else:
+        kwargs["attention_mask"] = {"full_attention": dense(None), "sliding_attention": dense(window)}
+    return hf.base_model(**kwargs).last_hidden_state
+
+
+class _Decoder:
+    """What both adapters share: the wrapped model's states (for the sampler's kernel check)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    @property
+    def num_states(self) -> int:
+        return int(self.model.num_states)
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.model.mask_token_id
+
+
+class BlockCacheDecoder(_Decoder):
+    """The exact KV-cache path of a block :class:`~unifusion.hf.DiffusionLM` (module docstring), as a
+    :class:`~unifusion.samplers.BlockDenoiser`: prefill once, ``K + 1`` positions per denoising step, one forward per
+    committed block."""
+
+    @torch.no_grad()
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CacheState:
+        from transformers import DynamicCache
+
+        model = self.model
+        B, P = prefix.shape
+        dev = prefix.device
+        bos = torch.full((B, 1), model.bos_token_id, dtype=torch.long, device=dev)
+        pads = (~prefix_mask).sum(-1, keepdim=True)  # (B, 1) left pads
+        col = torch.arange(P, device=dev)[None]
+        # the clean stream over the prefix columns: bos just before the first real token, then prefix[:-1]
+        ids = torch.where(col == pads, bos, torch.cat([bos, prefix[:, :-1]], 1)[:, :P])
+        valid = col >= pads
+        pos = (col - pads).clamp_min(0)
+        state = CacheState(cache=DynamicCache(), rows=torch.arange(B, device=dev), key_valid=valid, key_pos=pos,
+                           anchor=torch.where(pads[:, 0] < P, prefix[:, -1], bos[:, 0]) if P else bos[:, 0],
+                           next_pos=(P - pads[:, 0]), length=P)
+        if P:
+            causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+            allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+            cached_forward(model, ids, pos, allowed, pos, state.cache, None)
+        return state
+
+    @torch.no_grad()
+    def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        assert state.anchor is not None and state.next_pos is not None
+        cache, valid, kpos = state.select(rows)
+        Ba, K = block.shape
+        ids = torch.cat([state.anchor[rows, None], block], 1)  # (Ba, K + 1): anchor, x_t of the block
+        pos = state.next_pos[rows, None] + torch.arange(K + 1, device=block.device)
+        allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
+        h = cached_forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
+        if cache is state.cache:
+            cache.crop(-(K + 1))  # the step's entries: the cache holds the clean stream only
+        return self.model.logits_from_hidden(h[:, :K])
+
+    @torch.no_grad()
+    def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
+        assert state.anchor is not None and state.next_pos is not None
+        state.narrow(rows)
+        Ba, K = block.shape
+        dev = block.device
+        ids = torch.cat([state.anchor[rows, None], block[:, :-1]], 1)  # (Ba, K): clean inputs of the block
+        pos = state.next_pos[rows, None] + torch.arange(K, device=dev)
+        causal = torch.ones(K, K, dtype=torch.bool, device=dev).tril()[None].expand(Ba, K, K)
+        allowed = torch.cat([state.key_valid[:, None, :].expand(Ba, K, -1), causal], -1)
+        key_pos = torch.cat([state.key_pos, pos], 1)
+        cached_forward(self.model, ids, pos, allowed, key_pos, state.cache, None)
+        state.key_valid = torch.cat([state.key_valid, state.key_valid.new_ones((Ba, K))], 1)
+        state.key_pos = key_pos
+        state.anchor = state.anchor.index_copy(0, rows, block[:, -1])
+        state.next_pos = state.next_pos.index_add(0, rows, torch.full_like(rows, K))
+        state.length += K
+        return state
+
+
+class PrefixCacheDecoder(_Decoder):
+    """Fast-dLLM's approximate dual cache for a fully bidirectional :class:`~unifusion.hf.DiffusionLM` (module
+    docstring): a full forward at a block's first step and every ``refresh`` steps, ``K + 1`` positions in between.
+
+    Args:
+        model: the model (a mask kernel's: later blocks are mask tokens).
+        seq_len: L, the length :meth:`~unifusion.samplers.PolicySampler.sample` generates.
+        refresh: a full forward every ``refresh`` steps of a block (1: every step, exact).
+    """
+
+    def __init__(self, model: Any, seq_len: int, refresh: int) -> None:
+        super().__init__(model)
+        if model.mask_token_id is None:
+            raise ValueError("cache_refresh: the approximate prefix cache fills later blocks with the mask token; "
+                             "this model has none (adapted with add_mask_token=False)")
+        self.seq_len = seq_len
+        self.refresh = refresh
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CacheState:
+        B, P = prefix.shape
+        dev = prefix.device
+        tokens = torch.full((B, self.seq_len), self.model.mask_token_id, dtype=torch.long, device=dev)
+        tokens[:, :P] = prefix
+        mask = None
+        if not bool(prefix_mask.all()):  # once per run
+            mask = torch.cat([prefix_mask, prefix_mask.new_ones((B, self.seq_len - P))], 1)
+        empty = torch.zeros((B, 0), dtype=torch.long, device=dev)
+        return CacheState(cache=None, rows=torch.arange(B, device=dev), key_valid=empty.bool(), key_pos=empty,
+                          tokens=tokens, attention_mask=mask, length=P)
+
+    @torch.no_grad()
+    def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None) -> torch.Tensor:
+        assert state.tokens is not None
+        model, s = self.model, state.length
+        Ba, K = block.shape
+        x = state.tokens[rows]
+        x[:, s:s + K] = block
+        mask = None if state.attention_mask is None else state.attention_mask[rows]
+        refresh = state.step % self.refresh == 0
+        state.step += 1
+        if refresh:
+            kwargs = model.network_inputs(x, t, attention_mask=mask)
+            kwargs["use_cache"] = True
+            out = model.hf_model.base_model(**kwargs)
+            h = out.last_hidden_state  # (Ba, L + 1, d)
+            n = x.shape[1] + 1
+            keep = torch.cat([torch.arange(s, device=x.device), torch.arange(s + K + 1, n, device=x.device)])
+            pos = kwargs.get("position_ids")
+            pos = torch.arange(n, device=x.device).expand(Ba, n) if pos is None else pos
+            valid = _key_valid(mask, n)
+            state.cache = _cache_rows(out.cache, torch.arange(Ba, device=x.device), keep)
+            state.rows, state.key_pos = rows, pos[:, keep]
+            state.key_valid = valid[:, keep] if valid is not None else torch.ones_like(state.key_pos, dtype=torch.bool)
+            return model.logits_from_hidden(h[:, s:s + K])
+        layout = shifted_layout(x, model.bos_token_id, 1.0, attention_mask=mask)
+        ids = layout.input_ids[:, s:s + K + 1]
+        n = x.shape[1] + 1
+        pos = (layout.position_ids if layout.position_ids is not None
+               else torch.arange(n, device=x.device).expand(Ba, n))[:, s:s + K + 1]
+        cache, valid, kpos = state.select(rows)
+        allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
+        h = cached_forward(model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
+        if cache is state.cache:
+            cache.crop(-(K + 1))  # the kept entries stay as the last refresh wrote them
+        return model.logits_from_hidden(h[:, :K])
+
+    def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
+        assert state.tokens is not None
+        K = block.shape[1]
+        state.tokens[rows, state.length:state.length + K] = block
+        state.length += K
+        state.step = 0
+        state.cache = None  # rebuilt by the next block's first step
+        return state
+
+
+def _key_valid(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Which of the ``n = L + 1`` network positions of :func:`~unifusion.hf.shifted_layout` are real (left padding:
+    the pads; bos sits just before the first real token)."""
+    if mask is None:
+        return None
+    pads = (~mask).sum(-1, keepdim=True)
+    return torch.arange(n, device=mask.device)[None] >= pads
