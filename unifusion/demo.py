@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import math
 import time
@@ -194,30 +193,14 @@ def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
             + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold])
 
 
-def _block_decode(model: Any, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
-                  temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
-    """One prompt ``(1, P)`` continued by block decoding: (the new tokens ``(N,)``, the forwards it took).
-
-    ``DiffusionLM.generate`` with a policy runs the exact KV cache of a block model (each denoising step one block
-    against the cached prefix); a ``generate`` without policies falls back to :class:`PolicySampler` over the
-    block-causal forward with the tokens so far as the clean stream (the same tokens, every step on the whole row).
-    """
-    import unifusion as uf
-
-    P = prompt.shape[1]
-    if "policy" in inspect.signature(model.generate).parameters:
-        out = model.generate(prompt, max_new_tokens=new_tokens, policy=variant.policy, num_steps=variant.num_steps,
-                             use_cache=True, eos_token_id=None, temperature=temperature, generator=generator,
-                             return_dict=True)
-    else:
-        sampler = uf.samplers.PolicySampler(lambda x_t, t: model(x_t, t, clean=x_t), kernel, variant.policy,
-                                            num_steps=variant.num_steps, block_size=model.block_size,
-                                            temperature=temperature)
-        keep = torch.zeros(1, P + new_tokens, dtype=torch.bool, device=prompt.device)
-        keep[:, :P] = True
-        ids = torch.nn.functional.pad(prompt, (0, new_tokens))
-        out = sampler.sample(1, P + new_tokens, prompt=(ids, keep), generator=generator, return_dict=True)
-    return out.sequences[0, P:], int(out.num_forwards.sum())
+def _block_decode(model: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int, temperature: float,
+                  generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """One prompt ``(1, P)`` continued by block decoding with the exact KV cache of the block model (each denoising
+    step runs one block against the cached prefix): (the new tokens ``(N,)``, the denoising forwards it took)."""
+    out = model.generate(prompt, max_new_tokens=new_tokens, policy=variant.policy, num_steps=variant.num_steps,
+                         use_cache=True, eos_token_id=None, temperature=temperature, generator=generator,
+                         return_dict=True)
+    return out.sequences[0, prompt.shape[1]:], int(out.num_forwards.sum())
 
 
 def _ar_decode(judge: Any, prompt: torch.Tensor, new_tokens: int, temperature: float, pad_id: int) -> torch.Tensor:
@@ -319,7 +302,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     def block_run(variant: _Variant) -> Any:
         def one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
             g = torch.Generator(device=device).manual_seed(seed)
-            return _block_decode(model, kernel, variant, prompt, N, args.temperature, g)
+            return _block_decode(model, variant, prompt, N, args.temperature, g)
         return one
 
     def ar_one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
