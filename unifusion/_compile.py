@@ -65,7 +65,7 @@ def chooses_compiled(num_logits: int) -> bool:
 def compiled(fn: Callable, key: tuple, options: dict[str, Any] | None = None) -> Callable:
     """The ``torch.compile``d copy of ``fn`` for ``key`` (static configuration), with dynamic shapes and
     :data:`BASE_OPTIONS` updated by ``options``. Nothing compiles until the copy is first called. (The hot paths
-    trace as one graph each, which tests/test_losses_fast.py checks; ``fullgraph`` is not demanded here because
+    trace as one graph each, which tests/losses/test_losses_fast.py checks; ``fullgraph`` is not demanded here because
     Dynamo declines to run compiled code under a caller's ``TorchDispatchMode``, and then runs ``fn`` as it is.)
 
     Each copy gets its own code object, so Dynamo's per-code recompile limit is not shared between the
