@@ -67,8 +67,12 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
             ``max_gen_toks``, else 256). The sampler fills the whole canvas at every step, so its cost grows with it.
         num_steps: sampler steps of ``generate_until`` (default 64); with a ``policy``, steps per block (default:
             the block size).
-        policy, block_size, threshold, cache_refresh: ``generate_until``'s block decoding
-            (:class:`~unifusion.eval.harness.DecodingOptions`); ``policy=None`` keeps the Bayesian sampler.
+        policy: ``generate_until``'s decoding policy by name (:class:`~unifusion.eval.harness.DecodingOptions`);
+            ``None`` keeps the Bayesian sampler.
+        block_size: block size of policy decoding (default: the model's).
+        threshold: the confidence threshold of the ``"threshold"`` policy.
+        cache_refresh: Fast-dLLM's approximate prefix cache for bidirectional models, refreshed every this many
+            steps (``None``: the exact path).
         do_sample: sample (at ``temperature``) when a task's ``gen_kwargs`` set neither ``do_sample`` nor a
             temperature; default ``False`` (argmax x_θ, the harness's convention).
         temperature: sampling temperature when the task's ``gen_kwargs`` set none.
