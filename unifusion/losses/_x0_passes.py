@@ -177,8 +177,8 @@ class FusedPasses:
 # keep its temporaries (EAGER_PASS_WIDTH) within its byte budget (EAGER_ACCELERATOR_PASS_BYTES): 8.9 GiB of
 # temporaries at most in a forward with uniform noise, 2.1 GiB in one without (the max pass alone) and 3.3 GiB beside
 # the gradient in the backward. bf16 16,384 × 262,144 then takes 27 + 26 + 25 blocks, 2,654 launches (1,027 for the
-# mask kernel), 16,384 × 49,152 849; tests/losses/test_launch_count.py counts them and measures the temporaries on the meta
-# device.
+# mask kernel), 16,384 × 49,152 849; tests/losses/test_launch_count.py counts them and measures the temporaries on
+# the meta device.
 EAGER_BLOCK_ELEMENTS = 1 << 18
 EAGER_ACCELERATOR_PASS_BYTES = {"max": 2 << 30, "noise": 8 << 30, "grad": 3 << 30}
 # (rows, S) temporaries each pass holds at once at most, in elements of the element dtype, as (bf16/fp16/float64

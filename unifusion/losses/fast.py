@@ -27,8 +27,8 @@ cache-resident loops per row, so nothing of size N×V exists besides the logits 
 driver runs each pass on blocks of rows). The ``(N, V)`` passes run in float32 for bf16/fp16/fp32 logits (float64
 for float64 logits), with the rounding of l − max compensated for float32 logits; every per-row quantity is float64
 (float32 on MPS); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. Values and
-gradients are within 1e-6 of the float64 reference for float32 and bf16 logits (tests/losses/test_losses_extreme.py states
-the grid and the exceptions). The reference implementations are :mod:`unifusion.losses.native`.
+gradients are within 1e-6 of the float64 reference for float32 and bf16 logits (tests/losses/test_losses_extreme.py
+states the grid and the exceptions). The reference implementations are :mod:`unifusion.losses.native`.
 """
 
 from __future__ import annotations
