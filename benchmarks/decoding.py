@@ -9,6 +9,8 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
   each step runs the block's K + 1 positions, one more forward appends each finished block;
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
+* ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block
+  enters the cache within the next block's first step (no forward of its own; the same tokens);
 * ``dual cache, 4/fwd`` (``--approx``): the fully bidirectional model with Fast-dLLM's approximate cache
   (``cache_refresh=K/4``: a full forward at each block's first step), and its token agreement with uncached decoding.
 
@@ -31,7 +33,10 @@ from typing import Any
 
 import torch
 
+import unifusion as uf
 from unifusion.hf import adapt_ar_model
+from unifusion.hf.decoding import BlockCacheDecoder
+from unifusion.samplers import PolicySampler
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
 
 
@@ -122,6 +127,15 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+                     per_forward * f))
+    if block is not None:
+        sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
+                                block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
+        full = torch.cat([prompt, torch.full((1, N), -1)], 1)
+        t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
+                                              generator=torch.Generator().manual_seed(0)), args.repeats)
+        f = int(out.num_forwards[0])
+        rows.append((N, f"{tag}, merged commits, 4/fwd", t, f"{f} (+0)", float(out.tokens_per_forward[0]),
                      per_forward * f))
     for tau in args.thresholds:
         def thr(tau: float = tau) -> Any:

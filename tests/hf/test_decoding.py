@@ -285,23 +285,55 @@ def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
 
 
 def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
+    """After the prefill every step runs the block's K + 1 positions and every commit its K clean ones; with
+    merge_commits the commit rides with the next block's first step (2K + 1 positions), same tokens."""
     from unifusion.hf.decoding import BlockCacheDecoder
 
     model = _model()
     P, K, new = 6, 4, 12
     kernel = uf.MaskKernel(model.num_states, MASK_ID)
-    calls = BackboneCalls(model)
-    try:
-        out = PolicySampler(BlockCacheDecoder(model), kernel, LowConfidence(), num_steps=2, block_size=K).sample(
-            2, P + new, prompt=torch.cat([_prompt(2, P), torch.full((2, new), -1)], 1), generator=_gens(2),
-            return_dict=True)
-    finally:
-        calls.close()
-    assert calls.lengths[0] == P  # the prefill
-    assert max(calls.lengths[1:]) == K + 1
-    steps = [n for n in calls.lengths[1:] if n == K + 1]
-    commits = [n for n in calls.lengths[1:] if n == K]
-    assert len(steps) == int(out.num_forwards[0]) == 2 * (new // K) and len(commits) == new // K - 1
+    outs, lengths = [], []
+    for merge in (False, True):
+        calls = BackboneCalls(model)
+        try:
+            outs.append(PolicySampler(BlockCacheDecoder(model, merge_commits=merge), kernel, LowConfidence(),
+                                      num_steps=2, block_size=K).sample(
+                2, P + new, prompt=torch.cat([_prompt(2, P), torch.full((2, new), -1)], 1), generator=_gens(2),
+                return_dict=True))
+        finally:
+            calls.close()
+        lengths.append(calls.lengths)
+    nb = new // K
+    assert lengths[0] == [P] + [K + 1] * 2 + [K, K + 1, K + 1] * (nb - 1)
+    assert lengths[1] == [P] + [K + 1] * 2 + [2 * K + 1, K + 1] * (nb - 1)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].num_forwards.tolist() == outs[1].num_forwards.tolist() == [2 * nb] * 2
+
+
+@pytest.mark.parametrize("time_conditioning", [False, True])
+def test_merged_commits_equal_the_uncached_blocks(time_conditioning) -> None:
+    """merge_commits (the clean block and the next noisy one in one call, the clean positions at time 0) gives the
+    tokens of the uncached block-causal forward, rows stopping at EOS in between included."""
+    from unifusion.hf.decoding import BlockCacheDecoder
+
+    hf = tiny_model("llama")
+    model = adapt_ar_model(hf, mask_token_id=MASK_ID, block_size=4, time_conditioning=time_conditioning).eval()
+    with torch.no_grad():
+        model.hf_model.lm_head.weight.mul_(8.0)  # confident: several tokens per step
+    kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    B, P, new = 3, 4, 12
+    prompt = torch.cat([_prompt(B, P), torch.full((B, new), -1)], 1)
+    eos = int(model.generate(prompt[:, :P], max_new_tokens=new, policy=ConfidenceThreshold(0.2), eos_token_id=None,
+                             generator=_gens(B))[0, P + 5])  # a token row 0 makes in its second block
+    runs = [PolicySampler(m, kernel, ConfidenceThreshold(0.2), block_size=4).sample(
+        B, P + new, prompt=prompt, generator=_gens(B), eos_token_id=eos, return_dict=True)
+        for m in (BlockCacheDecoder(model, merge_commits=True), BlockCacheDecoder(model))]
+    uncached = model.generate(prompt[:, :P], max_new_tokens=new, policy=ConfidenceThreshold(0.2), eos_token_id=eos,
+                              use_cache=False, generator=_gens(B), return_dict=True)
+    assert runs[0].num_forwards.min() < runs[0].num_forwards.max()  # a row stopped at EOS before the others
+    for run in runs:
+        assert torch.equal(run.sequences, uncached.sequences)
+        assert torch.equal(run.num_forwards, uncached.num_forwards)
 
 
 @pytest.mark.parametrize("P", [0, 4])

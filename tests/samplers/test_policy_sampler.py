@@ -85,6 +85,8 @@ class HashModel:
         self.S, self.mask_id = num_states, mask_id
         self.table = scale * torch.randn(1009, num_states, generator=torch.Generator().manual_seed(seed))
         self.calls = []
+        self.positions = []  # (block, positions) of every denoise_block call
+        self.zero_unread = False
 
     def logits(self, x, attention_mask):
         real = torch.ones_like(x, dtype=torch.bool) if attention_mask is None else attention_mask
@@ -102,11 +104,16 @@ class HashModel:
         self.calls.append(("prefill", prefix.shape[0], prefix.shape[1]))
         return {"tokens": prefix, "mask": prefix_mask}
 
-    def denoise_block(self, state, block, t, rows, self_condition):
+    def denoise_block(self, state, block, t, rows, self_condition, positions=None):
         self.calls.append(("block", block.shape[0], block.shape[1]))
+        self.positions.append((block.clone(), positions))
         x = torch.cat([state["tokens"][rows], block], 1)
         mask = torch.cat([state["mask"][rows], torch.ones_like(block, dtype=torch.bool)], 1)
-        return self.logits(x, mask)[:, -block.shape[1]:]
+        logits = self.logits(x, mask)[:, -block.shape[1]:]
+        if positions is not None and self.zero_unread:  # only the listed positions are read
+            read = torch.zeros_like(block, dtype=torch.bool).scatter_(1, positions, True)
+            logits = logits.masked_fill(~read[..., None], 0.0)
+        return logits
 
     def commit_block(self, state, block, rows):
         full = torch.zeros(state["tokens"].shape[0], block.shape[1], dtype=torch.long)
@@ -175,11 +182,13 @@ def test_rows_with_per_row_generators_equal_the_rows_alone(kernel, policy, optio
 @pytest.mark.parametrize("per_row", [False, True])
 def test_block_denoiser_path_equals_the_x0_path(kernel, policy, options, per_row):
     """A model with a block path ("denoise this block against the prefix") gives the tokens of the same model called
-    on the whole sequence, under the same randomness; its calls after the prefill see one block at most."""
+    on the whole sequence, under the same randomness; its calls after the prefill see one block at most. Mask
+    policies pass the masked positions (the only logits they read: the block path zeroes the rest here)."""
     L, B = 15, 3
     prompt = torch.full((B, L), -1)
     prompt[:, :3] = torch.randint(0, 11, (B, 3), generator=torch.Generator().manual_seed(0))
     model = HashModel(kernel.num_states, kernel.mask_id)
+    model.zero_unread = True
     outs = []
     for m in (model, XOnly(model)):
         generator = _gens(range(B)) if per_row else torch.Generator().manual_seed(7)
@@ -191,6 +200,16 @@ def test_block_denoiser_path_equals_the_x0_path(kernel, policy, options, per_row
     width = options.get("block_size") or L - 3
     assert all(w <= width for kind, _, w in model.calls if kind == "block")
     assert sum(kind == "prefill" for kind, _, _ in model.calls) == 1
+    for block, positions in model.positions:
+        masked = block == kernel.mask_id if kernel.mask_id is not None else torch.ones_like(block, dtype=torch.bool)
+        if positions is None:  # every position is read
+            continue
+        m = int(masked.sum(-1).max())
+        assert positions.shape == (block.shape[0], m) and m < block.shape[1]
+        for row, pos in zip(masked, positions):  # the masked positions first, ascending
+            assert pos[:int(row.sum())].tolist() == row.nonzero().flatten().tolist()
+    if kernel.mask_id is not None and options.get("num_steps", 1) > 1:
+        assert any(p is not None for _, p in model.positions)
 
 
 def test_use_cache_false_calls_the_model_as_an_x0_callable():

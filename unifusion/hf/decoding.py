@@ -4,14 +4,21 @@ adapters :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>` hands 
 
 **Exact: a block model** (``adapt_ar_model(..., block_size=K)``, :mod:`unifusion.hf.blocks`) —
 :class:`BlockCacheDecoder`. The KV cache holds the *clean stream* of the block layout: the prompt is prefilled once
-(inputs ``[bos, prompt[:-1]]``, causal, position ids ``0 … P − 1``), each committed block is appended with one causal
-forward (inputs ``[anchor, block[:-1]]``). A denoising step runs only the current block's ``K + 1`` noisy positions
-(the anchor — the last committed token, bos before anything — and the block's ``x_t``) at position ids ``n … n + K``,
+(inputs ``[bos, prompt[:-1]]``, causal, position ids ``0 … P − 1``), each committed block is appended causally
+(inputs ``[anchor, block[:-1]]``). A denoising step runs only the current block's ``K + 1`` noisy positions (the
+anchor — the last committed token, bos before anything — and the block's ``x_t``) at position ids ``n … n + K``,
 bidirectionally within the block and against every cached position, then drops its entries from the cache again. That
 is the computation of the block-causal training forward for the block (``model(x_t, t, clean=x_0)``), so cached and
-uncached decoding give the same tokens. Blocks start where the prompt ends: a prompt whose length is not a multiple of
-K is the clean prefix all the same (the training forward cuts blocks at multiples of K from the start, so the two
-agree token for token when ``P % K == 0``).
+uncached decoding give the same tokens.
+
+Blocks start where the prompt ends: a prompt whose length is not a multiple of K is the clean prefix all the same
+(the training forward cuts blocks at multiples of K from the start, so the two agree token for token when
+``P % K == 0``). With ``positions`` (a mask policy's still-masked positions) the output head runs only there.
+
+``merge_commits=True`` appends a committed block within the next block's first step instead (one call of ``2K + 1``
+positions: the clean ones see the cache and each other causally and stay in it, the noisy ones see everything and
+leave again), as Fast-dLLM v2 does: ``n_b − 1`` fewer calls for ``n_b`` blocks, the same tokens. Should the running
+rows change between a commit and the next step, the block goes in by itself first.
 
 **Approximate: a fully bidirectional model** (no ``block_size``) — :class:`PrefixCacheDecoder`, Fast-dLLM's dual
 cache. At a block's first step (and every ``refresh`` steps after it) the whole sequence runs once (the committed
@@ -53,6 +60,8 @@ class CacheState:
         attention_mask: ``(B, L)`` bool, False at left padding, or ``None`` (approximate caches).
         length: columns committed so far (the current block starts there).
         step: denoising steps run in the current block.
+        pending: a committed block not in the cache yet, ``(ids (R, K), position ids (R, K))`` of its clean inputs
+            (block caches: it runs with the next denoising step).
     """
 
     cache: Any
@@ -65,6 +74,7 @@ class CacheState:
     attention_mask: torch.Tensor | None = None
     length: int = 0
     step: int = 0
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def select(self, rows: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """``(cache, key_valid, key_pos)`` of ``rows`` (a subset of :attr:`rows`, ascending); the cache itself when
@@ -98,16 +108,21 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
 
 
 def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                   key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None) -> torch.Tensor:
+                   key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
     """Run ``ids`` ``(B, q)`` at ``positions`` ``(B, q)`` against ``cache`` (which grows by q), query i seeing key j
     where ``allowed[b, i, j]`` ``(B, q, n + q)`` (and the sliding window on position ids, ``key_pos`` ``(B, n + q)``);
-    ``t`` ``(B,)`` the time of a time-conditioned model. Returns the final hidden states ``(B, q, d)``."""
+    ``t`` ``(B,)`` the time of a time-conditioned model at the positions after the first ``clean`` (which, like
+    ``t=None``, are at time 0). Returns the final hidden states ``(B, q, d)``."""
     hf = model.hf_model
     kwargs: dict[str, Any] = {"position_ids": positions, "cache": cache, "use_cache": True}
     if model.time_embedding is not None:
         h = hf.get_input_embeddings()(ids)
-        time = t if t is not None else torch.zeros(ids.shape[0], device=ids.device)
-        kwargs["inputs_embeds"] = h + model.time_embedding(time)[:, None, :].to(h.dtype)
+        zero = torch.zeros(ids.shape[0], device=ids.device)
+        e_t = model.time_embedding(zero if t is None else t)[:, None, :].to(h.dtype)  # (B, 1, d)
+        if clean and t is not None:  # the leading clean positions at time 0
+            e_0 = model.time_embedding(zero)[:, None, :].to(h.dtype)
+            e_t = torch.where((torch.arange(ids.shape[1], device=ids.device) < clean)[None, :, None], e_0, e_t)
+        kwargs["inputs_embeds"] = h + e_t
     else:
         kwargs["input_ids"] = ids
     style = mask_style(model.family, model.config, "cached block decoding")
@@ -151,7 +166,19 @@ class _Decoder:
 class BlockCacheDecoder(_Decoder):
     """The exact KV-cache path of a block :class:`~unifusion.hf.DiffusionLM` (module docstring), as a
     :class:`~unifusion.samplers.BlockDenoiser`: prefill once, ``K + 1`` positions per denoising step, one forward per
-    committed block."""
+    committed block.
+
+    Args:
+        model: the block model.
+        merge_commits: append each committed block within the next block's first step (one call of ``2K + 1``
+            positions instead of two calls of ``K`` and ``K + 1``); the same tokens either way.
+    """
+
+    def __init__(self, model: Any, *, merge_commits: bool = False) -> None:
+        super().__init__(model)
+        if not isinstance(merge_commits, bool):
+            raise TypeError(f"merge_commits: expected a bool, got {type(merge_commits).__name__}")
+        self.merge_commits = merge_commits
 
     @torch.no_grad()
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CacheState:
@@ -178,36 +205,76 @@ class BlockCacheDecoder(_Decoder):
 
     @torch.no_grad()
     def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None) -> torch.Tensor:
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         assert state.anchor is not None and state.next_pos is not None
-        cache, valid, kpos = state.select(rows)
-        Ba, K = block.shape
-        ids = torch.cat([state.anchor[rows, None], block], 1)  # (Ba, K + 1): anchor, x_t of the block
-        pos = state.next_pos[rows, None] + torch.arange(K + 1, device=block.device)
-        allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
-        h = cached_forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
-        if cache is state.cache:
-            cache.crop(-(K + 1))  # the step's entries: the cache holds the clean stream only
-        return self.model.logits_from_hidden(h[:, :K])
-
-    @torch.no_grad()
-    def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
-        assert state.anchor is not None and state.next_pos is not None
-        state.narrow(rows)
+        if state.pending is not None and rows.shape[0] != state.rows.shape[0]:
+            self._append(state)  # rows stopped since the commit: the block goes in by itself
         Ba, K = block.shape
         dev = block.device
+        ids = torch.cat([state.anchor[rows, None], block], 1)  # (Ba, K + 1): anchor, x_t of the block
+        pos = state.next_pos[rows, None] + torch.arange(K + 1, device=dev)
+        if state.pending is not None:  # the committed block's clean positions first, in the same call
+            c_ids, c_pos = state.pending
+            n, c = state.key_valid.shape[1], c_ids.shape[1]
+            old = state.key_valid[:, :n - c]
+            clean_rows = torch.cat([old[:, None, :].expand(Ba, c, -1),
+                                    torch.ones(c, c, dtype=torch.bool, device=dev).tril()[None].expand(Ba, c, c),
+                                    old.new_zeros((Ba, c, K + 1))], -1)
+            noisy_rows = torch.cat([state.key_valid[:, None, :].expand(Ba, K + 1, -1),
+                                    old.new_ones((Ba, K + 1, K + 1))], -1)
+            h = cached_forward(self.model, torch.cat([c_ids, ids], 1), torch.cat([c_pos, pos], 1),
+                               torch.cat([clean_rows, noisy_rows], 1), torch.cat([state.key_pos, pos], 1),
+                               state.cache, t, clean=c)[:, c:]
+            state.pending = None
+            state.cache.crop(-(K + 1))  # keep the clean positions, drop the step's
+        else:
+            cache, valid, kpos = state.select(rows)
+            allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
+            h = cached_forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
+            if cache is state.cache:
+                cache.crop(-(K + 1))  # the step's entries: the cache holds the clean stream only
+        return head_at(self.model, h[:, :K], positions)
+
+    def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
+        """Record the finished block of ``rows``; its clean positions enter the cache with the next step."""
+        assert state.anchor is not None and state.next_pos is not None
+        if state.pending is not None:
+            self._append(state)
+        state.narrow(rows)
+        Ba, K = block.shape
         ids = torch.cat([state.anchor[rows, None], block[:, :-1]], 1)  # (Ba, K): clean inputs of the block
-        pos = state.next_pos[rows, None] + torch.arange(K, device=dev)
-        causal = torch.ones(K, K, dtype=torch.bool, device=dev).tril()[None].expand(Ba, K, K)
-        allowed = torch.cat([state.key_valid[:, None, :].expand(Ba, K, -1), causal], -1)
-        key_pos = torch.cat([state.key_pos, pos], 1)
-        cached_forward(self.model, ids, pos, allowed, key_pos, state.cache, None)
+        pos = state.next_pos[rows, None] + torch.arange(K, device=block.device)
+        state.pending = (ids, pos)
         state.key_valid = torch.cat([state.key_valid, state.key_valid.new_ones((Ba, K))], 1)
-        state.key_pos = key_pos
+        state.key_pos = torch.cat([state.key_pos, pos], 1)
+        if not self.merge_commits:
+            self._append(state)
         state.anchor = state.anchor.index_copy(0, rows, block[:, -1])
         state.next_pos = state.next_pos.index_add(0, rows, torch.full_like(rows, K))
         state.length += K
         return state
+
+    @torch.no_grad()
+    def _append(self, state: CacheState) -> None:
+        """Run the pending block's clean positions into the cache by themselves (causal)."""
+        assert state.pending is not None
+        ids, pos = state.pending
+        Ba, K = ids.shape
+        n = state.key_valid.shape[1]
+        causal = torch.ones(K, K, dtype=torch.bool, device=ids.device).tril()[None].expand(Ba, K, K)
+        allowed = torch.cat([state.key_valid[:, None, :n - K].expand(Ba, K, -1), causal], -1)
+        cached_forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
+        state.pending = None
+
+
+def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The output head on hidden states ``h`` ``(B, K, d)``; with ``positions`` ``(B, m)`` only there: logits
+    ``(B, K, V)`` that are 0 at the other positions (the sampler reads none of them)."""
+    if positions is None or positions.shape[1] == h.shape[1]:
+        return model.logits_from_hidden(h)
+    picked = model.logits_from_hidden(h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1])))  # (B, m, V)
+    out = picked.new_zeros((*h.shape[:2], picked.shape[-1]))
+    return out.scatter_(1, positions[..., None].expand(-1, -1, picked.shape[-1]), picked)
 
 
 class PrefixCacheDecoder(_Decoder):
@@ -242,7 +309,7 @@ class PrefixCacheDecoder(_Decoder):
 
     @torch.no_grad()
     def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None) -> torch.Tensor:
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         assert state.tokens is not None
         model, s = self.model, state.length
         Ba, K = block.shape
@@ -264,7 +331,7 @@ class PrefixCacheDecoder(_Decoder):
             state.cache = _cache_rows(out.cache, torch.arange(Ba, device=x.device), keep)
             state.rows, state.key_pos = rows, pos[:, keep]
             state.key_valid = valid[:, keep] if valid is not None else torch.ones_like(state.key_pos, dtype=torch.bool)
-            return model.logits_from_hidden(h[:, s:s + K])
+            return head_at(model, h[:, s:s + K], positions)
         layout = shifted_layout(x, model.bos_token_id, 1.0, attention_mask=mask)
         ids = layout.input_ids[:, s:s + K + 1]
         n = x.shape[1] + 1
@@ -275,7 +342,7 @@ class PrefixCacheDecoder(_Decoder):
         h = cached_forward(model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
         if cache is state.cache:
             cache.crop(-(K + 1))  # the kept entries stay as the last refresh wrote them
-        return model.logits_from_hidden(h[:, :K])
+        return head_at(model, h[:, :K], positions)
 
     def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
         assert state.tokens is not None

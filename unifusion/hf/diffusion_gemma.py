@@ -261,10 +261,11 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         return prefill(self, prefix, attention_mask=prefix_mask)
 
     def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None) -> torch.Tensor:
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's soft-capped float32 logits ``(B_a, K, V)`` of the canvas ``block`` of ``rows`` against the
         cache, with ``self_condition`` (the previous step's temperature-scaled logits, cast to the weights' dtype as
-        generation does) as the self-conditioning signal; ``t`` is not used (the model has no time input)."""
+        generation does) as the self-conditioning signal; ``t`` is not used (the model has no time input), nor is
+        ``positions`` (every position's logits are computed: the next step's self-conditioning reads them all)."""
         from .diffusion_gemma_cache import denoise, select_rows
 
         view = select_rows(self, state, rows.tolist())

@@ -163,7 +163,7 @@ class _CanvasStream:
         return self.state
 
     def denoise_block(self, state: CanvasState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None) -> torch.Tensor:
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.denoise_block(state, block, t, self.rows.to(rows.device)[rows], self_condition)
 
     def commit_block(self, state: CanvasState, block: torch.Tensor, rows: torch.Tensor) -> CanvasState:

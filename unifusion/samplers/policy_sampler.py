@@ -74,11 +74,13 @@ class BlockDenoiser(Protocol):
         return the state the other methods get."""
 
     def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None) -> torch.Tensor:
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``(B_a, K, S)`` of the current block ``block`` ``(B_a, K)`` of ``rows`` ``(B_a,)``, which follows
         the prefix and every committed block, at times ``t`` ``(B_a,)``. ``self_condition`` is ``None`` at a block's
         first step, else the previous step's logits divided by its temperature ``(B_a, K, S)`` float32 (what
-        DiffusionGemma's decoder takes as self-conditioning)."""
+        DiffusionGemma's decoder takes as self-conditioning). ``positions`` ``(B_a, m)`` int64, when given, lists the
+        block positions whose logits the sampler reads (a mask policy's masked ones, ascending, padded with decided
+        ones); the output elsewhere may be any finite value, so the head may run at those positions only."""
 
     def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
         """Append the finished block ``(B_a, K)`` of ``rows`` to the prefix; return the new state."""
@@ -128,6 +130,14 @@ class _Run:
         """The running rows, on the device and the host (the step's one host sync)."""
         rows_host = [i for i, running in enumerate(active.tolist()) if running]
         return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host
+
+    def running_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+        """The rows with ``counts`` ``(B,)`` above 0, on the device and the host, and the largest count (the step's
+        one host sync)."""
+        host = counts.tolist()
+        rows_host = [i for i, c in enumerate(host) if c > 0]
+        most = max(host, default=0)
+        return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host, int(most)
 
 
 class PolicySampler:
@@ -309,13 +319,17 @@ class PolicySampler:
     # -- model calls
 
     def _logits(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
-                self_condition: torch.Tensor | None) -> torch.Tensor:
-        """x0 logits ``(B_a, K, S)`` at the block columns ``cols`` of ``rows``."""
+                self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x0 logits ``(B_a, K, S)`` at the block columns ``cols`` of ``rows`` (with ``positions``, a
+        :class:`BlockDenoiser` may leave the others at any finite value)."""
         S, L = self.kernel.num_states, run.grid.seq_len
         Ba, K = cols.shape
         with V.validation(False):  # the sampler's own tokens and times: valid by construction
             if run.block_state is not None:
-                head = self.model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows, self_condition)
+                block = run.x[rows].gather(1, cols)
+                head = (self.model.denoise_block(run.block_state, block, t, rows, self_condition) if positions is None
+                        else self.model.denoise_block(run.block_state, block, t, rows, self_condition,
+                                                      positions=positions))
                 shape = (Ba, K)
             else:
                 kwargs = {} if run.attention_mask is None else {"attention_mask": run.attention_mask[rows]}
@@ -363,11 +377,14 @@ class PolicySampler:
         previous: tuple[torch.Tensor, list[int]] | None = None
         for n in range(max_steps):
             block_und = run.undecided.gather(1, cols)
-            rows, rows_host = run.running(~run.finished & block_und.any(-1))
+            rows, rows_host, most = run.running_counts(block_und.sum(-1).masked_fill_(run.finished, 0))
             if not rows_host:
                 return
             cols_r, und_r = cols[rows], block_und[rows]
-            logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host))
+            positions = None  # a block denoiser needs logits at the masked positions only
+            if run.block_state is not None and most < K_b:
+                positions = und_r.int().sort(dim=-1, descending=True, stable=True).indices[:, :most]
+            logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host), positions)
             run.forwards[rows] += 1
             left = und_r.sum(-1)
             num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
