@@ -58,10 +58,15 @@ def _smollm2(dtype: torch.dtype) -> tuple[Any, int]:
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Best wall time of ``repeats`` calls (CUDA synchronised before and after each) and the last output."""
     best, out = float("inf"), None
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best, out
 
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.9])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--approx", action="store_true",
                         help="also the approximate dual cache of a bidirectional model")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, N = 32, P = 8, K = 8, one repeat")
@@ -84,6 +90,7 @@ def main() -> None:
         args.rates = [r for r in args.rates if r <= 8]
     torch.set_grad_enabled(False)
     hf, _ = _tiny() if args.quick else _smollm2(getattr(torch, args.dtype))
+    hf = hf.to(args.device)
     K, P = args.block_size, args.prompt_len
     plain = adapt_ar_model(hf)  # adds the mask token (the embeddings grow by one row, in place)
     try:  # the same weights and mask token as a block model
@@ -91,6 +98,7 @@ def main() -> None:
     except TypeError:  # a unifusion without block models
         block = None
     prompt = torch.randint(10, int(hf.config.vocab_size), (1, P), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(args.device)
     rows: list[Row] = []
     for N in args.new_tokens:
         rows += _measure(N, args, hf, plain, block, prompt)
@@ -112,7 +120,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
     rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
     steps = max(N // 4, 1)
     t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
-                                             generator=torch.Generator().manual_seed(0)), args.repeats)
+                                             generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
     per_forward = t_full / steps
     rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
     model = block if block is not None else plain
@@ -122,7 +130,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         def fixed(r: int = r) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
                                   eos_token_id=None, return_dict=True, block_size=None if block else K,
-                                  generator=torch.Generator().manual_seed(0))
+                                  generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
@@ -131,9 +139,9 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
     if block is not None:
         sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
                                 block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
-        full = torch.cat([prompt, torch.full((1, N), -1)], 1)
+        full = torch.cat([prompt, torch.full((1, N), -1, device=prompt.device)], 1)
         t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
-                                              generator=torch.Generator().manual_seed(0)), args.repeats)
+                                              generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, merged commits, 4/fwd", t, f"{f} (+0)", float(out.tokens_per_forward[0]),
                      per_forward * f))
@@ -141,7 +149,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         def thr(tau: float = tau) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
                                   return_dict=True, block_size=None if block else K,
-                                  generator=torch.Generator().manual_seed(0))
+                                  generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(thr, args.repeats)
         f = int(out.num_forwards[0])
@@ -151,7 +159,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         def approx(refresh: int | None) -> Any:
             return plain.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // 4, 1),
                                   block_size=K, eos_token_id=None, return_dict=True, cache_refresh=refresh,
-                                  generator=torch.Generator().manual_seed(0))
+                                  generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(lambda: approx(max(K // 4, 1)), args.repeats)
         exact = approx(None).sequences

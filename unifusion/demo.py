@@ -33,7 +33,8 @@ Block diffusion from a real pretrained model, on a laptop-class CPU:
      every block trained at once with one time per block, attention annealed from causal to block-causal over the
      first half of --train-seconds (seconds spent compiling are not counted), bf16 autocast;
   3. continue --num-samples held-out prompts of --prompt-len tokens by --new-tokens tokens, one prompt at a time:
-     block decoding with the KV cache (each step runs one block against the cached prefix) at --steps denoising
+     block decoding with the KV cache (each step runs one block against the cached prefix; a finished block enters
+     the cache within the next block's first step) at --steps denoising
      steps per block (a fixed count per step, --policy) and with Fast-dLLM's confidence threshold (--threshold),
      and the AR model's own cached `generate` at the same temperature. For each: samples, tokens per forward,
      wall time, GenPPL of the continuations (judge: the original AR model) and unigram entropy (GPT-2 tokens),
@@ -193,13 +194,19 @@ def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
             + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold])
 
 
-def _block_decode(model: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int, temperature: float,
-                  generator: torch.Generator) -> tuple[torch.Tensor, int]:
+def _block_decode(model: Any, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
+                  temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """One prompt ``(1, P)`` continued by block decoding with the exact KV cache of the block model (each denoising
-    step runs one block against the cached prefix): (the new tokens ``(N,)``, the denoising forwards it took)."""
-    out = model.generate(prompt, max_new_tokens=new_tokens, policy=variant.policy, num_steps=variant.num_steps,
-                         use_cache=True, eos_token_id=None, temperature=temperature, generator=generator,
-                         return_dict=True)
+    step runs one block against the cached prefix; a finished block enters the cache within the next block's first
+    step): (the new tokens ``(N,)``, the denoising forwards it took)."""
+    from .hf.decoding import BlockCacheDecoder
+    from .samplers import PolicyOutput, PolicySampler
+
+    sampler = PolicySampler(BlockCacheDecoder(model, merge_commits=True), kernel, variant.policy,
+                            num_steps=variant.num_steps, block_size=model.block_size, temperature=temperature)
+    canvas = torch.cat([prompt, torch.full((1, new_tokens), -1, dtype=prompt.dtype, device=prompt.device)], 1)
+    out = sampler.sample(1, canvas.shape[1], prompt=canvas, generator=generator, return_dict=True)
+    assert isinstance(out, PolicyOutput)
     return out.sequences[0, prompt.shape[1]:], int(out.num_forwards.sum())
 
 
@@ -302,7 +309,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     def block_run(variant: _Variant) -> Any:
         def one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
             g = torch.Generator(device=device).manual_seed(seed)
-            return _block_decode(model, variant, prompt, N, args.temperature, g)
+            return _block_decode(model, kernel, variant, prompt, N, args.temperature, g)
         return one
 
     def ar_one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
