@@ -507,10 +507,10 @@ def select_strategy(family: Family, config: Any, pattern: AttentionPattern, *, f
 
 
 _IS_CAUSAL_KWARG: list[bool] = []
-""":func:`_has_is_causal_kwarg`'s answer once known: a plain list, which ``torch.compile`` reads as a constant (it warns
-on a ``functools.lru_cache`` wrapper and traces through it)."""
+""":func:`_has_is_causal_kwarg`'s answer once known."""
 
 
+@torch.compiler.assume_constant_result  # a traced step takes the answer as a constant: no guard on the cache's state
 def _has_is_causal_kwarg() -> bool:
     """Whether the installed transformers takes ``is_causal`` as a model keyword (``TransformersKwargs``, 5.x):
     its ``merge_with_config_defaults`` then switches the mask builders and attention modules to non-causal."""

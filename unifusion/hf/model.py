@@ -37,15 +37,8 @@ from torch import nn
 
 from .. import _validation as V
 from ..denoiser import Denoiser
-from . import blocks, generation, io
-from .attention import (
-    AnnealedPattern,
-    AttentionPath,
-    AttentionPattern,
-    AttentionStrategy,
-    check_bidirectional_prob,
-    select_strategy,
-)
+from . import attention, blocks, generation, io
+from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .families import Family, family_for
 from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
@@ -197,7 +190,7 @@ class DiffusionLM(nn.Module, Denoiser):
         V.check_model_device(self, "x_t", x_t)
         # every value check in one host sync (none with validation off)
         with V.batched_checks():
-            gamma = check_bidirectional_prob(bidirectional_prob)  # a float, or a 0-d tensor (range queued)
+            gamma = attention.check_bidirectional_prob(bidirectional_prob)  # a float, or a 0-d tensor (range queued)
             x_t = V.check_token_ids("x_t", x_t, self.vocab_size)
             if t is not None:
                 t = V.check_sequence_times("t", t, (B, L), device=x_t.device)  # (B,)
@@ -250,7 +243,7 @@ class DiffusionLM(nn.Module, Denoiser):
         if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float, torch.Tensor)) \
                 or (not isinstance(bidirectional_prob, torch.Tensor) and not 0.0 <= bidirectional_prob <= 1.0):
             raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob!r}")
-        gamma = check_bidirectional_prob(bidirectional_prob)
+        gamma = attention.check_bidirectional_prob(bidirectional_prob)
         key_valid = torch.ones((1, length + 1), dtype=torch.bool) if padded else None  # only "padded" is read
         pattern = AnnealedPattern(1, length + 1, gamma, key_valid=key_valid)
         return self._strategy(pattern).path
@@ -585,11 +578,10 @@ class DiffusionLM(nn.Module, Denoiser):
                 + (f", block_size={self.block_size}" if self.block_size is not None else ""))
 
 
-_LOGITS_TO_KEEP: dict[Any, bool] = {}
-""":func:`_takes_logits_to_keep` per class: a plain dict, which ``torch.compile`` reads as a constant (it warns on a
-``functools.cache`` wrapper and traces through it)."""
+_LOGITS_TO_KEEP: dict[Any, bool] = {}  # _takes_logits_to_keep's answer per class
 
 
+@torch.compiler.assume_constant_result  # a traced step takes the answer as a constant: no guard on the cache's state
 def _takes_logits_to_keep(model_cls: Any) -> bool:
     """Whether ``model_cls.forward`` names a ``logits_to_keep`` parameter: transformers' ``*ForCausalLM`` index the
     hidden states with it before ``lm_head`` (every supported family in transformers 5). Older releases (an int-only
