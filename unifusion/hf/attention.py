@@ -104,10 +104,12 @@ def anneal_schedule(step: int | torch.Tensor, anneal_steps: int) -> float | torc
         ``γ_k`` in ``[0, 1]``, to pass as ``bidirectional_prob``: a float, or for a tensor ``step`` a 0-d float64
         tensor on its device (float32 on MPS), equal to the float of the same ``k``.
     """
-    if isinstance(anneal_steps, bool) or not isinstance(anneal_steps, int):
-        raise TypeError(f"anneal_steps: expected an int, got {type(anneal_steps).__name__}")
-    if anneal_steps < 0:
-        raise ValueError(f"anneal_steps: expected a non-negative int, got {anneal_steps}")
+    tensor = isinstance(step, torch.Tensor)
+    for name, v in (("step", 0 if tensor else step), ("anneal_steps", anneal_steps)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {v}")
     if isinstance(step, torch.Tensor):
         if step.dim() != 0 or step.dtype == torch.bool or step.dtype.is_complex:
             raise TypeError(f"step: expected an int or a 0-d integer or floating tensor, got a tensor of shape "
@@ -120,10 +122,6 @@ def anneal_schedule(step: int | torch.Tensor, anneal_steps: int) -> float | torc
         if anneal_steps == 0:
             return torch.ones((), dtype=dtype, device=step.device)
         return (step.to(dtype) / anneal_steps).clamp(max=1.0)
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step: expected an int, got {type(step).__name__}")
-    if step < 0:
-        raise ValueError(f"step: expected a non-negative int, got {step}")
     if anneal_steps == 0:
         return 1.0
     return min(1.0, step / anneal_steps)
