@@ -50,7 +50,7 @@ def batched_checks() -> Iterator[None]:
     the outermost one. Code inside the block must not rely on a check having passed (flush first: leave the block).
     """
     if torch.compiler.is_compiling() or getattr(_BATCH, "items", None) is not None:
-        yield  # traced by torch.compile no value check runs (validation_enabled() is False): nothing to queue
+        yield  # while torch.compile traces no value check runs (validation_enabled() is False): nothing to queue
         return
     _BATCH.items = []
     try:
