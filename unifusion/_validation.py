@@ -49,8 +49,8 @@ def batched_checks() -> Iterator[None]:
     ``ValueError`` then (its message, with the offending values, is computed only on that path). Nested blocks join
     the outermost one. Code inside the block must not rely on a check having passed (flush first: leave the block).
     """
-    if getattr(_BATCH, "items", None) is not None:
-        yield
+    if torch.compiler.is_compiling() or getattr(_BATCH, "items", None) is not None:
+        yield  # while torch.compile traces no value check runs (validation_enabled() is False): nothing to queue
         return
     _BATCH.items = []
     try:

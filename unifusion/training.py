@@ -20,6 +20,7 @@ import torch
 from . import _validation as V
 from .conversions import log_heads_from_x0_logits
 from .hf import blocks
+from .hf.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, check_kernel
 from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
 from .losses._x0_rows import check_objective
@@ -72,7 +73,8 @@ class DiffusionLossOutput:
         mask: ``(B, L)`` float, 1 on tokens that count.
         num_tokens: scalar tensor, ``mask.sum()`` — all-reduce it for a global normaliser.
         t: times ``(B,)`` (``(B, nb)``, one per block, for a block model); x_t: corrupted tokens ``(B, L)``;
-            bidirectional_prob: γ used for the attention mask.
+            bidirectional_prob: γ used for the attention mask (a 0-d tensor when ``step`` or ``bidirectional_prob``
+            was given as one).
     """
 
     loss: torch.Tensor
@@ -80,7 +82,7 @@ class DiffusionLossOutput:
     num_tokens: torch.Tensor
     t: torch.Tensor
     x_t: torch.Tensor
-    bidirectional_prob: float
+    bidirectional_prob: float | torch.Tensor
 
     def mean(self) -> torch.Tensor:
         """Single-process token mean, ``loss.sum() / num_tokens`` (clamped to avoid 0/0)."""
@@ -116,11 +118,12 @@ def _block_size(model: Any, length: int) -> int | None:
 
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
-                   step: int | None = None, anneal_steps: int = 10_000, head: Literal["x0", "mu"] = "x0",
+                   step: int | torch.Tensor | None = None, anneal_steps: int = 10_000,
+                   head: Literal["x0", "mu"] = "x0",
                    attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                    t: torch.Tensor | None = None, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
                    max_weight: float = 2.0, t_min: float = 1e-3,
-                   bidirectional_prob: float | None = None, fused: bool = False,
+                   bidirectional_prob: float | torch.Tensor | None = None, fused: bool = False,
                    reference: bool = False, prompt_mask: torch.Tensor | None = None,
                    block_times: Literal["block", "sequence"] = "block") -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
@@ -133,19 +136,26 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
             exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
         step: training step k for attention annealing γ_k = min(1, k/anneal_steps) (DiffusionLM only);
-            ``None`` means fully bidirectional unless ``bidirectional_prob`` is given.
+            ``None`` means fully bidirectional unless ``bidirectional_prob`` is given. An int, or a 0-d tensor
+            (``torch.tensor(k)``): then γ_k is a tensor that is never read on the host, so a step compiled with
+            ``torch.compile`` keeps one graph while γ moves (a Python int is a constant of the graph: each new value
+            would recompile). A tensor γ always draws the Bernoulli mask, at γ = 0 and 1 too (exactly causal / full
+            there, but other random draws than a Python γ, which skips the draw at the ends).
         anneal_steps: the annealing horizon K_ann.
         head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
             the paper's Fig. 2 comparison).
         attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
-        generator: randomness for times, corruption and the annealed mask.
+        generator: randomness for times, corruption and the annealed mask. ``torch.compile`` cannot trace a
+            ``torch.Generator``: a compiled step passes ``None`` and seeds the global generator
+            (``torch.manual_seed``).
         t: optional fixed times, one per sequence: a float, ``(B,)`` or ``(B, 1)``; otherwise :func:`sample_times`
             (low-discrepancy, t ∈ [t_min, 1)).
         weighting: GIDD weighting ``"elbo"``, ``"clip"`` or ``"dynamic"`` (objective ``"gidd"`` only).
         max_weight: upper clip of the GIDD weights.
         t_min: smallest sampled time.
-        bidirectional_prob: set γ directly instead of annealing it by ``step``; giving both ``step`` and
-            ``bidirectional_prob`` is a ``ValueError`` (one of them would be silently ignored).
+        bidirectional_prob: set γ directly instead of annealing it by ``step`` (a float, or a 0-d floating tensor,
+            as a tensor ``step`` gives); giving both ``step`` and ``bidirectional_prob`` is a ``ValueError`` (one of
+            them would be silently ignored).
         fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
             (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
             for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
@@ -190,6 +200,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                          "sets γ directly)")
     kernel = check_kernel(kernel)
     generator = V.check_generator(generator)
+    if generator is not None and torch.compiler.is_compiling():
+        raise ValueError("generator: torch.compile cannot trace a torch.Generator; in a compiled step pass "
+                         "generator=None and seed the global generator instead (torch.manual_seed)")
     V.check_model_kernel(model, kernel)
     x0 = V.check_tensor("x0", x0)
     if x0.dim() != 2:
@@ -218,6 +231,12 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
+        gamma: float | torch.Tensor = 1.0
+        if bidirectional_prob is not None:
+            gamma = check_bidirectional_prob(
+                bidirectional_prob if isinstance(bidirectional_prob, torch.Tensor) else float(bidirectional_prob))
+        elif step is not None:
+            gamma = anneal_schedule(step, anneal_steps)
     if t is None and block is not None:
         nb = blocks.num_blocks(L, block)
         if block_times == "block":
@@ -237,14 +256,6 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if getattr(V.unwrap_model(model), "conditions_on_prompt", False):  # e.g. DiffusionGemma: the prompt is encoded
         block_kwargs["prompt_mask"] = prompt_mask
 
-    if bidirectional_prob is None:
-        if step is None:
-            gamma = 1.0
-        else:
-            from .hf.attention import anneal_schedule
-            gamma = anneal_schedule(step, anneal_steps)
-    else:
-        gamma = float(bidirectional_prob)
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
     if fused and not V.is_diffusion_lm(model):

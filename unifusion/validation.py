@@ -11,12 +11,19 @@ host-device synchronisation on accelerators; they run by default and can be swit
 
 This mirrors ``torch.distributions.Distribution.set_default_validate_args``. The switch is process-wide state kept
 here; the package's checks read it through :func:`validation_enabled`.
+
+Inside a region that ``torch.compile`` traces the value checks do not run whatever the switch says: reading a value
+back is a host sync, which Dynamo can only handle with a graph break (and ``fullgraph=True`` refuses). Type, shape
+and dtype checks still run while tracing. To validate the inputs of a compiled training step, run it once eagerly
+(or check the batch before the compiled call).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+import torch
 
 __all__ = ["set_validation", "validation", "validation_enabled"]
 
@@ -32,8 +39,9 @@ def set_validation(enabled: bool) -> None:
 
 
 def validation_enabled() -> bool:
-    """Whether value checks (which synchronise with the device) currently run."""
-    return _enabled
+    """Whether value checks (which synchronise with the device) currently run: the switch is on and the caller is not
+    being traced by ``torch.compile`` (where a host sync would be a graph break)."""
+    return _enabled and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager

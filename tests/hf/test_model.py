@@ -46,7 +46,11 @@ def test_bad_inputs_name_the_argument() -> None:
         (TypeError, "t: expected a float", dict(t="0.5")),
         (ValueError, r"t: expected times in the open interval \(0, 1\)", dict(t=torch.tensor([0.5, 1.0]))),
         (ValueError, r"bidirectional_prob: expected a float in \[0, 1\], got 1.5", dict(bidirectional_prob=1.5)),
-        (TypeError, "bidirectional_prob", dict(bidirectional_prob=torch.tensor(0.5))),
+        # a 0-d float tensor is a valid γ (the torch.compile form); other tensors are not
+        (TypeError, "bidirectional_prob: expected a float in", dict(bidirectional_prob=torch.tensor([0.5]))),
+        (TypeError, "bidirectional_prob: expected a float in", dict(bidirectional_prob=torch.tensor(1))),
+        (ValueError, r"bidirectional_prob: expected a value in \[0, 1\], got 1.5",
+         dict(bidirectional_prob=torch.tensor(1.5))),
         (ValueError, r"attention_mask: expected shape \(2, 8\)", dict(attention_mask=torch.ones(2, 7))),
         (ValueError, "attention_mask: expected contiguous padding",
          dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]] * 2))),

@@ -8,6 +8,13 @@ wrapped Hugging Face model is told.
 
 drawn independently for every sequence of the batch and shared by all heads and layers (:func:`anneal_schedule`,
 :func:`annealed_attention_mask`). Padded keys are blocked and padded queries see only themselves, so no row is empty.
+
+**γ as a number or as a tensor.** A Python ``γ`` lets a call pick its path by value: ``γ = 0`` is the model's own
+causal attention and ``γ = 1`` needs no mask, and no random numbers are drawn at either end. A 0-d tensor ``γ`` (a
+tensor ``step`` in :func:`anneal_schedule`) is never read on the host: every call draws ``B_ij`` and builds the
+mask, which is exactly causal at ``γ = 0`` (``U < 0`` never holds for ``U ~ U[0, 1)``) and exactly full at ``γ = 1``.
+That is the form for a training step under ``torch.compile``: a Python ``γ`` is a constant of the traced graph, so
+every new value would recompile it, while a tensor is an input of one graph for the whole annealing run.
 Sliding-window layers additionally keep ``|i − j| < w`` (symmetrised when bidirectional; with causal attention this
 is exactly the pretrained window).
 
@@ -34,14 +41,14 @@ is a ``ValueError`` naming ``attn_implementation`` and the fix. :func:`select_st
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 
+from .. import _validation as V
 from .families import Family, WindowStyle
 
 __all__ = [
@@ -57,7 +64,9 @@ __all__ = [
     "anneal_schedule",
     "annealed_attention_mask",
     "attn_implementation",
+    "check_bidirectional_prob",
     "dense_mask_mod",
+    "draws_bernoulli",
     "mask_style",
     "select_strategy",
 ]
@@ -74,30 +83,82 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 # schedule and mask (pure functions)
 
 
-def anneal_schedule(step: int, anneal_steps: int) -> float:
+@overload
+def anneal_schedule(step: int, anneal_steps: int) -> float: ...
+
+
+@overload
+def anneal_schedule(step: torch.Tensor, anneal_steps: int) -> torch.Tensor: ...
+
+
+def anneal_schedule(step: int | torch.Tensor, anneal_steps: int) -> float | torch.Tensor:
     """Bidirectional probability ``γ_k = min(1, k / K_ann)`` at update ``k = step`` (App. C.5).
 
     Args:
-        step: the update index ``k ≥ 0``.
+        step: the update index ``k ≥ 0``: an int, or a 0-d integer or floating tensor. A tensor gives ``γ_k`` as a
+            0-d tensor that is never read on the host (module docstring): pass it under ``torch.compile`` so that the
+            annealing does not recompile the step.
         anneal_steps: the annealing horizon ``K_ann ≥ 0``; ``0`` means fully bidirectional from the start.
 
     Returns:
-        ``γ_k`` in ``[0, 1]``, to pass as ``bidirectional_prob``.
+        ``γ_k`` in ``[0, 1]``, to pass as ``bidirectional_prob``: a float, or for a tensor ``step`` a 0-d float64
+        tensor on its device (float32 on MPS), equal to the float of the same ``k``.
     """
-    for name, v in (("step", step), ("anneal_steps", anneal_steps)):
+    tensor = isinstance(step, torch.Tensor)
+    for name, v in (("step", 0 if tensor else step), ("anneal_steps", anneal_steps)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
         if v < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {v}")
+    if isinstance(step, torch.Tensor):
+        if step.dim() != 0 or step.dtype == torch.bool or step.dtype.is_complex:
+            raise TypeError(f"step: expected an int or a 0-d integer or floating tensor, got a tensor of shape "
+                            f"{tuple(step.shape)} and dtype {step.dtype}")
+        V.check_not_meta("step", step)
+        if V.validation_enabled():
+            V.fail_if(step < 0, lambda: f"step: expected a non-negative step, got {step.item()}")
+        # float64 divides k / K_ann as Python does (correctly rounded), so γ equals the float of the same k
+        dtype = torch.float32 if step.device.type == "mps" else torch.float64
+        if anneal_steps == 0:
+            return torch.ones((), dtype=dtype, device=step.device)
+        return (step.to(dtype) / anneal_steps).clamp(max=1.0)
     if anneal_steps == 0:
         return 1.0
     return min(1.0, step / anneal_steps)
 
 
+def check_bidirectional_prob(value: object, name: str = "bidirectional_prob") -> float | torch.Tensor:
+    """``γ`` checked: a float (or int) in ``[0, 1]``, returned as a float, or a 0-d floating tensor, returned as it is.
+
+    A tensor's range is a value check (:func:`unifusion.validation.validation_enabled`; queued by an enclosing
+    ``batched_checks`` block, skipped while ``torch.compile`` traces).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a float in [0, 1] or a 0-d floating tensor, got a tensor of shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype}")
+        V.check_not_meta(name, value)
+        if V.validation_enabled():
+            V.fail_if(~((value >= 0.0) & (value <= 1.0)), lambda: (
+                f"{name}: expected a value in [0, 1], got {value.item()}"))
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float in [0, 1], got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}: expected a float in [0, 1], got {value}")
+    return float(value)
+
+
+def draws_bernoulli(gamma: float | torch.Tensor) -> bool:
+    """Whether the annealed pattern of ``γ`` draws its Bernoulli entries: ``0 < γ < 1``, or any tensor ``γ`` (its value
+    is not read; the draw is exact at both ends)."""
+    return isinstance(gamma, torch.Tensor) or 0.0 < gamma < 1.0
+
+
 def annealed_attention_mask(
     batch_size: int,
     length: int,
-    gamma: float,
+    gamma: float | torch.Tensor,
     *,
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
@@ -112,7 +173,9 @@ def annealed_attention_mask(
     Args:
         batch_size: ``B``.
         length: ``L`` (the network's sequence length, BOS included).
-        gamma: ``γ`` in ``[0, 1]``; 0 gives the causal mask, 1 the full one.
+        gamma: ``γ`` in ``[0, 1]``; 0 gives the causal mask, 1 the full one. A 0-d tensor ``γ`` always draws
+            ``B_ij`` (no host read of its value; the same mask as the float at every ``γ``, the endpoints included,
+            but the draw consumes random numbers at the endpoints too).
         key_valid: optional ``(B, L)`` bool, False for padded keys (blocked for every query but themselves).
         window: optional sliding-window size ``w``.
         generator: random generator for ``B_ij`` (on ``device``).
@@ -120,9 +183,9 @@ def annealed_attention_mask(
     """
     i = torch.arange(length, device=device)
     causal = i[None, :] <= i[:, None]  # (L, L), j ≤ i
-    if gamma <= 0.0:
+    if not isinstance(gamma, torch.Tensor) and gamma <= 0.0:
         A = causal.expand(batch_size, 1, length, length)
-    elif gamma >= 1.0:
+    elif not isinstance(gamma, torch.Tensor) and gamma >= 1.0:
         A = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, length, length)
     else:
         B_ij = torch.rand((batch_size, 1, length, length), generator=generator, device=device) < gamma
@@ -226,14 +289,16 @@ class AnnealedPattern(AttentionPattern):
     Args:
         batch_size: ``B``.
         length: ``n``.
-        gamma: ``γ`` in ``[0, 1]``.
+        gamma: ``γ`` in ``[0, 1]``: a float, or a 0-d tensor (then the pattern is never causal or full as far as
+            the strategies can tell without reading it: it always takes the mask path, built by the same draw).
         key_valid: ``(B, n)`` bool, False at padded keys; ``None`` without padding.
-        generator: random generator of the Bernoulli entries (``0 < γ < 1``), on ``device``.
+        generator: random generator of the Bernoulli entries (``0 < γ < 1``, or a tensor ``γ``), on ``device``.
         device: where the mask is built (the tokens' device).
     """
 
-    def __init__(self, batch_size: int, length: int, gamma: float, *, key_valid: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, batch_size: int, length: int, gamma: float | torch.Tensor, *,
+                 key_valid: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__(batch_size, length, device)
         self.gamma = gamma
         self.key_valid = key_valid
@@ -241,22 +306,24 @@ class AnnealedPattern(AttentionPattern):
 
     @property
     def is_causal(self) -> bool:
-        return self.key_valid is None and self.gamma == 0.0
+        return self.key_valid is None and not isinstance(self.gamma, torch.Tensor) and self.gamma == 0.0
 
     @property
     def is_full(self) -> bool:
-        return self.key_valid is None and self.gamma == 1.0
+        return self.key_valid is None and not isinstance(self.gamma, torch.Tensor) and self.gamma == 1.0
 
     def mask_reason(self) -> str | None:
         if self.key_valid is not None:
             return "padding: attention_mask"
+        if isinstance(self.gamma, torch.Tensor):
+            return "annealing: bidirectional_prob given as a tensor"
         if 0.0 < self.gamma < 1.0:
             return f"annealing: 0 < bidirectional_prob={self.gamma} < 1"
         return None
 
     def allowed(self) -> torch.Tensor:
         g, device = self.generator, self.device
-        if g is not None and 0.0 < self.gamma < 1.0 and g.device.type != device.type:
+        if g is not None and draws_bernoulli(self.gamma) and g.device.type != device.type:
             raise ValueError(f"generator: is on {g.device} but x_t is on {device}; the annealed mask is drawn "
                              f"on x_t's device, so pass torch.Generator(device={str(device)!r})")
         return annealed_attention_mask(self.batch_size, self.length, self.gamma, key_valid=self.key_valid,
@@ -364,11 +431,13 @@ def attn_implementation(config: Any) -> str:
     return str(getattr(config, "_attn_implementation", None) or "eager")
 
 
-def mask_style(family: Family, config: Any, reason: str = "annealing, padding or a sliding window"
+def mask_style(family: Family, config: Any,
+               reason: str | Callable[[], str] = "annealing, padding or a sliding window"
                ) -> Literal["additive", "bool", "block"]:
     """How a model takes a mask: ``"additive"`` (eager), ``"bool"`` (SDPA, or the family's own style), ``"block"``
     (flex attention: a ``BlockMask``); flash attention and other kernels cannot take one, a ``ValueError`` saying why
-    the call needs it (``reason``) and how to switch."""
+    the call needs it (``reason``, or a function that says it, called only for the error: formatting a value that
+    ``torch.compile`` traces symbolically would make the graph depend on it) and how to switch."""
     impl = attn_implementation(config)
     if impl == "eager":
         return "additive"
@@ -376,6 +445,8 @@ def mask_style(family: Family, config: Any, reason: str = "annealing, padding or
         return family.mask_style
     if impl == "flex_attention":
         return "block"
+    if callable(reason):
+        reason = reason()
     raise ValueError(
         f"model: attn_implementation={impl!r} cannot take the attention mask this call needs ({reason}); with it "
         "only the causal call (bidirectional_prob=0, no padding) and the mask-free bidirectional call "
@@ -427,20 +498,27 @@ def select_strategy(family: Family, config: Any, pattern: AttentionPattern, *, f
         return CausalAttention()
     if pattern.is_full and _maskless(family, pattern.length, window, force_dense):
         return NonCausalAttention()
-    style = mask_style(family, config, _mask_reason(family, pattern, window, force_dense))
+    style = mask_style(family, config, lambda: _mask_reason(family, pattern, window, force_dense))
     if style == "block":
         return BlockMaskAttention(window, family.window)
     return DenseMaskAttention(window, family.window, additive_dtype=dtype if style == "additive" else None)
 
 
-@functools.lru_cache(maxsize=1)
+_IS_CAUSAL_KWARG: list[bool] = []
+""":func:`_has_is_causal_kwarg`'s answer once known."""
+
+
+@torch.compiler.assume_constant_result  # a traced step takes the answer as a constant: no guard on the cache's state
 def _has_is_causal_kwarg() -> bool:
     """Whether the installed transformers takes ``is_causal`` as a model keyword (``TransformersKwargs``, 5.x):
     its ``merge_with_config_defaults`` then switches the mask builders and attention modules to non-causal."""
-    try:
-        from transformers.utils import generic
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    kwargs = getattr(generic, "TransformersKwargs", None)
-    return (kwargs is not None and "is_causal" in getattr(kwargs, "__annotations__", {})
-            and hasattr(generic, "merge_with_config_defaults"))
+    if not _IS_CAUSAL_KWARG:
+        try:
+            from transformers.utils import generic
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            _IS_CAUSAL_KWARG.append(False)
+        else:
+            kwargs = getattr(generic, "TransformersKwargs", None)
+            _IS_CAUSAL_KWARG.append(kwargs is not None and "is_causal" in getattr(kwargs, "__annotations__", {})
+                                    and hasattr(generic, "merge_with_config_defaults"))
+    return _IS_CAUSAL_KWARG[0]

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from .attention import mask_style
+from .attention import draws_bernoulli, mask_style
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
            "expand_block_times", "draw_bernoulli", "block_attention_mask", "block_hidden_states", "block_logits",
@@ -141,22 +141,21 @@ def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.T
 # the mask, from the layout
 
 
-def _mask_mod(layout: BlockLayout, gamma: float, key_valid: torch.Tensor | None, extra: torch.Tensor | None,
-              window: int | None) -> Any:
+def _mask_mod(layout: BlockLayout, gamma: float | torch.Tensor, key_valid: torch.Tensor | None,
+              extra: torch.Tensor | None, window: int | None) -> Any:
     """``mask_mod(b, h, q, kv) -> bool`` of the block layout (module docstring); works on broadcast index tensors
     (the dense mask) and under flex attention's vmap (the ``BlockMask``). ``extra``: ``(B, nb, K+1, K+1)`` Bernoulli(γ)
-    entries for ``0 < γ < 1``."""
+    entries for ``0 < γ < 1`` or a tensor ``γ`` (:func:`~unifusion.hf.attention.draws_bernoulli`)."""
     q_of, blk_of, off_of, K = layout.internal, layout.block, layout.offset, layout.block_size
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         bq, bk, qq, qk = blk_of[qi], blk_of[ki], q_of[qi], q_of[ki]
         to_clean = (bk < 0) & torch.where(bq < 0, qk <= qq, qk < bq * K)
         same = (bk >= 0) & (bq == bk)
-        if gamma <= 0.0:
-            same = same & (qk <= qq)
-        elif gamma < 1.0:
-            assert extra is not None
+        if extra is not None:
             same = same & ((qk <= qq) | extra[b, bq.clamp_min(0), off_of[qi], off_of[ki]])
+        elif not isinstance(gamma, torch.Tensor) and gamma <= 0.0:
+            same = same & (qk <= qq)
         allowed = to_clean | same
         if key_valid is not None:
             allowed = allowed & key_valid[b, ki]
@@ -168,16 +167,17 @@ def _mask_mod(layout: BlockLayout, gamma: float, key_valid: torch.Tensor | None,
     return mask_mod
 
 
-def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float,
+def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float | torch.Tensor,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """The annealed mask's extra entries inside the blocks, ``(B, nb, K + 1, K + 1)`` bool ~ Bernoulli(γ): entry
-    ``[b, blk, i, j]`` lets offset i of block blk see offset j (row b)."""
+    ``[b, blk, i, j]`` lets offset i of block blk see offset j (row b). ``γ`` may be a 0-d tensor (not read on the
+    host: exactly no entry at 0, every entry at 1)."""
     K = layout.block_size
     shape = (batch_size, layout.num_blocks, K + 1, K + 1)
     return torch.rand(shape, generator=generator, device=layout.internal.device) < gamma
 
 
-def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float, *,
+def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | torch.Tensor, *,
                          key_valid: torch.Tensor | None = None, window: int | None = None,
                          generator: torch.Generator | None = None, style: str = "bool",
                          dtype: torch.dtype = torch.float32, bernoulli: torch.Tensor | None = None) -> Any:
@@ -185,16 +185,17 @@ def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float, *,
     ``"additive"`` the same as ``dtype`` (0 / finfo.min), ``"block"`` a flex-attention ``BlockMask``.
 
     Args:
-        layout: :func:`block_layout`.  batch_size: B.  gamma: γ in [0, 1].
+        layout: :func:`block_layout`.  batch_size: B.  gamma: γ in [0, 1], a float or a 0-d tensor (a tensor
+            always draws the Bernoulli entries and builds the mask with them: no host read of its value).
         key_valid: ``(B, N)`` bool, False for padded stream positions.
         window: sliding window w on position ids, or ``None``.
-        generator: for the Bernoulli(γ) entries (``0 < γ < 1``), on the layout's device.
+        generator: for the Bernoulli(γ) entries (``0 < γ < 1`` or a tensor γ), on the layout's device.
         bernoulli: those entries drawn already (:func:`draw_bernoulli`), e.g. to share them between the full and
             the windowed layers' masks; ``generator`` is then unused.
     """
     device = layout.internal.device
     extra = None
-    if 0.0 < gamma < 1.0:
+    if draws_bernoulli(gamma):
         extra = bernoulli if bernoulli is not None else draw_bernoulli(layout, batch_size, gamma, generator)
     mod = _mask_mod(layout, gamma, key_valid, extra, window)
     N = layout.size
@@ -252,7 +253,7 @@ def _masks_for(model: Any, pattern_fn: Any, window: int | None) -> Any:
 
 
 def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
-                        gamma: float, attention_mask: torch.Tensor | None = None,
+                        gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
                         generator: torch.Generator | None = None) -> torch.Tensor:
     """Final hidden states ``(B, L, d)`` of the noisy stream's prediction positions (one forward over
     ``[clean | noisy]``; module docstring). Inputs are assumed checked (``DiffusionLM.forward`` checks them).
@@ -260,7 +261,8 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     Args:
         model: the block :class:`~unifusion.adapters.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
         x_t: ``(B, L)`` noisy tokens.  t: ``(B, nb)`` block times or ``None`` (no time conditioning).
-        clean: ``(B, L)`` clean tokens x_0.  gamma: γ.  attention_mask: ``(B, L)`` bool or ``None``.
+        clean: ``(B, L)`` clean tokens x_0.  gamma: γ, a float or a 0-d tensor.
+        attention_mask: ``(B, L)`` bool or ``None``.
     """
     B, L = x_t.shape
     K = int(model.block_size)
@@ -281,12 +283,12 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     window = model.family.sliding_window(model.config)
     style = mask_style(model.family, model.config, "block-causal training")
     key_valid = None if valid is None else valid[:, q]
-    if generator is not None and 0.0 < gamma < 1.0 and generator.device.type != x_t.device.type:
+    if generator is not None and draws_bernoulli(gamma) and generator.device.type != x_t.device.type:
         raise ValueError(f"generator: is on {generator.device} but x_t is on {x_t.device}; the annealed mask is drawn "
                          f"on x_t's device, so pass torch.Generator(device={str(x_t.device)!r})")
     dtype = hf.get_input_embeddings().weight.dtype
     # drawn once: the windowed and the full layers see the same Bernoulli entries
-    extra = draw_bernoulli(lay, B, gamma, generator) if 0.0 < gamma < 1.0 else None
+    extra = draw_bernoulli(lay, B, gamma, generator) if draws_bernoulli(gamma) else None
 
     def pattern(w: int | None) -> Any:
         return block_attention_mask(lay, B, gamma, key_valid=key_valid, window=w, style=style, dtype=dtype,
@@ -297,9 +299,9 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     return h[:, lay.predict]  # (B, L, d)
 
 
-def block_logits(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor, gamma: float,
-                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
+def block_logits(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
+                 gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Logits ``(B, L, V)`` of :func:`block_hidden_states` (the output head on the L prediction positions only)."""
     h = block_hidden_states(model, hf, x_t, t, clean, gamma, attention_mask, generator)
     return model.logits_from_hidden(h)

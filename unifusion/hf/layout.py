@@ -39,10 +39,11 @@ class Layout:
     pattern: AttentionPattern
 
 
-def shifted_layout(x_t: torch.Tensor, bos_token_id: int, gamma: float, *, attention_mask: torch.Tensor | None = None,
-                   generator: torch.Generator | None = None) -> Layout:
+def shifted_layout(x_t: torch.Tensor, bos_token_id: int, gamma: float | torch.Tensor, *,
+                   attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Layout:
     """The shifted layout ``[BOS, x_t]`` of checked tokens ``x_t`` ``(B, L)`` with the annealed pattern of ``γ = gamma``
-    (:class:`~unifusion.hf.attention.AnnealedPattern`), padded by ``attention_mask`` ``(B, L)`` bool (contiguous)."""
+    (a float or a 0-d tensor; :class:`~unifusion.hf.attention.AnnealedPattern`), padded by ``attention_mask``
+    ``(B, L)`` bool (contiguous)."""
     B, L = x_t.shape
     device = x_t.device
     bos = torch.full((B, 1), bos_token_id, dtype=x_t.dtype, device=device)

@@ -27,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -38,7 +37,7 @@ from torch import nn
 
 from .. import _validation as V
 from ..denoiser import Denoiser
-from . import blocks, generation, io
+from . import attention, blocks, generation, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .families import Family, family_for
 from .layout import shifted_layout
@@ -180,7 +179,7 @@ class DiffusionLM(nn.Module, Denoiser):
     # -- checks and the network's inputs ------------------------------------------------------------------------
 
     def _check(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any
-               ) -> tuple[torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None]:
         if not isinstance(x_t, torch.Tensor):
             raise TypeError(f"x_t: expected a (B, L) int64 tensor of token ids, got {type(x_t).__name__}")
         if x_t.dim() != 2:
@@ -189,13 +188,9 @@ class DiffusionLM(nn.Module, Denoiser):
         if B == 0 or L == 0:
             raise ValueError(f"x_t: expected a non-empty batch (B, L) with B, L >= 1, got {(B, L)}")
         V.check_model_device(self, "x_t", x_t)
-        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)):
-            raise TypeError(f"bidirectional_prob: expected a float in [0, 1], got {type(bidirectional_prob).__name__}")
-        gamma = float(bidirectional_prob)
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob}")
         # every value check in one host sync (none with validation off)
         with V.batched_checks():
+            gamma = attention.check_bidirectional_prob(bidirectional_prob)  # a float, or a 0-d tensor (range queued)
             x_t = V.check_token_ids("x_t", x_t, self.vocab_size)
             if t is not None:
                 t = V.check_sequence_times("t", t, (B, L), device=x_t.device)  # (B,)
@@ -217,7 +212,8 @@ class DiffusionLM(nn.Module, Denoiser):
         return select_strategy(self.family, self.config, pattern, force_dense=self.dense_bidirectional_mask,
                                dtype=self.dtype)
 
-    def attention_path(self, length: int, bidirectional_prob: float = 1.0, *, padded: bool = False) -> AttentionPath:
+    def attention_path(self, length: int, bidirectional_prob: float | torch.Tensor = 1.0, *,
+                       padded: bool = False) -> AttentionPath:
         """How a call on ``length`` tokens attends: ``"causal"``, ``"non_causal"``, ``"mask"`` or ``"block_mask"``.
 
         * ``"causal"``: γ = 0 without padding; the model's own causal (and windowed) attention, no mask from us.
@@ -230,9 +226,12 @@ class DiffusionLM(nn.Module, Denoiser):
         * ``"block_mask"``: everything else with flex attention (``attn_implementation="flex_attention"``): the same
           pattern as a ``torch.nn.attention.flex_attention.BlockMask`` (one per layer type with sliding windows).
 
+        A 0-d tensor ``γ`` (the form for ``torch.compile``, :func:`~unifusion.hf.anneal_schedule`) always takes the
+        mask path, whatever its value: its value is not read on the host.
+
         Args:
             length: ``L``, the number of tokens in ``x_t`` (the network runs ``L + 1`` positions).
-            bidirectional_prob: ``γ`` in ``[0, 1]``.
+            bidirectional_prob: ``γ`` in ``[0, 1]``, a float or a 0-d tensor.
             padded: whether an ``attention_mask`` is passed.
 
         Raises:
@@ -241,14 +240,16 @@ class DiffusionLM(nn.Module, Denoiser):
         """
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length: expected a positive int, got {length!r}")
-        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float)) \
-                or not 0.0 <= bidirectional_prob <= 1.0:
+        if isinstance(bidirectional_prob, bool) or not isinstance(bidirectional_prob, (int, float, torch.Tensor)) \
+                or (not isinstance(bidirectional_prob, torch.Tensor) and not 0.0 <= bidirectional_prob <= 1.0):
             raise ValueError(f"bidirectional_prob: expected a float in [0, 1], got {bidirectional_prob!r}")
+        gamma = attention.check_bidirectional_prob(bidirectional_prob)
         key_valid = torch.ones((1, length + 1), dtype=torch.bool) if padded else None  # only "padded" is read
-        pattern = AnnealedPattern(1, length + 1, float(bidirectional_prob), key_valid=key_valid)
+        pattern = AnnealedPattern(1, length + 1, gamma, key_valid=key_valid)
         return self._strategy(pattern).path
 
-    def network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+    def network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
+                       bidirectional_prob: float | torch.Tensor = 1.0,
                        attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
                        ) -> dict[str, Any]:
         """The keyword arguments :attr:`hf_model` gets for a call of :meth:`forward` with these arguments: the ids of
@@ -260,7 +261,7 @@ class DiffusionLM(nn.Module, Denoiser):
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._network_inputs(x_t, t, gamma, attention_mask, generator)
 
-    def _network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float,
+    def _network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
                         attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
         """:meth:`network_inputs` of checked arguments."""
         layout = shifted_layout(x_t, self.bos_token_id, gamma, attention_mask=attention_mask, generator=generator)
@@ -278,7 +279,8 @@ class DiffusionLM(nn.Module, Denoiser):
 
     # -- the forward pass ---------------------------------------------------------------------------------------
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
+                bidirectional_prob: float | torch.Tensor = 1.0,
                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                 x0: torch.Tensor | None = None, kernel: Any = None,
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
@@ -291,7 +293,9 @@ class DiffusionLM(nn.Module, Denoiser):
             x_t: ``(B, L)`` int64 noisy token ids.
             t: ``(B,)`` float times in ``(0, 1)``; required with time conditioning or a loss.
             bidirectional_prob: ``γ`` in ``[0, 1]`` (0 causal, 1 fully bidirectional; see
-                :func:`~unifusion.hf.anneal_schedule`).
+                :func:`~unifusion.hf.anneal_schedule`): a float, or a 0-d floating tensor, which is never read on the
+                host (every call then draws the Bernoulli mask, exactly causal at 0 and full at 1): the form for a
+                step under ``torch.compile``, where each new float would recompile the graph.
             attention_mask: optional ``(B, L)`` padding mask, 1 = real token (right or left padding).
             generator: random generator for the Bernoulli mask entries when ``0 < γ < 1``.
             x0: clean tokens ``(B, L)``; with ``kernel``, return the loss instead of the logits.
@@ -394,7 +398,8 @@ class DiffusionLM(nn.Module, Denoiser):
         h = self._hf.base_model(**kwargs).last_hidden_state[:, :-1]  # (B, L, d)
         return self._post_head(self._hf.get_output_embeddings()(h))
 
-    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *, bidirectional_prob: float = 1.0,
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
+                      bidirectional_prob: float | torch.Tensor = 1.0,
                       attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
                       ) -> torch.Tensor:
         """Final hidden states ``(B, L, d)``, shifted like :meth:`forward`, before the output head.
@@ -405,8 +410,8 @@ class DiffusionLM(nn.Module, Denoiser):
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._hidden(x_t, t, gamma, attention_mask, generator)
 
-    def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float, attention_mask: torch.Tensor | None,
-                generator: torch.Generator | None) -> torch.Tensor:
+    def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
+                attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
         kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator)
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
@@ -573,14 +578,21 @@ class DiffusionLM(nn.Module, Denoiser):
                 + (f", block_size={self.block_size}" if self.block_size is not None else ""))
 
 
-@functools.cache
+_LOGITS_TO_KEEP: dict[Any, bool] = {}  # _takes_logits_to_keep's answer per class
+
+
+@torch.compiler.assume_constant_result  # a traced step takes the answer as a constant: no guard on the cache's state
 def _takes_logits_to_keep(model_cls: Any) -> bool:
     """Whether ``model_cls.forward`` names a ``logits_to_keep`` parameter: transformers' ``*ForCausalLM`` index the
     hidden states with it before ``lm_head`` (every supported family in transformers 5). Older releases (an int-only
     ``num_logits_to_keep``, or none) take :meth:`DiffusionLM._logits`'s backbone-then-head path."""
-    import inspect
+    known = _LOGITS_TO_KEEP.get(model_cls)
+    if known is None:
+        import inspect
 
-    try:
-        return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return False
+        try:
+            known = "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            known = False
+        _LOGITS_TO_KEEP[model_cls] = known
+    return known

@@ -119,7 +119,8 @@ def _accumulate(mode: str | None, acc: torch.Tensor, a: torch.Tensor, b: torch.T
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
     """One ``(min(chunk, N), V)`` block for the logits of every block of a pass."""
     rows = min(chunk, hidden.shape[0])
-    return torch.empty(rows, weight.shape[0], dtype=torch.result_type(hidden, weight), device=hidden.device)
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)  # result_type's, as a dtype function torch.compile traces
+    return torch.empty(rows, weight.shape[0], dtype=dtype, device=hidden.device)
 
 
 def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
