@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--rates", type=int, nargs="+", default=[2, 4, 8], help="tokens per forward (fixed count)")
-    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.9])
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.7, 0.9])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

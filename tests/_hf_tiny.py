@@ -52,3 +52,14 @@ def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     if model_type == "granite":
         model.config.logits_scaling = 2.0
     return model.eval()
+
+
+def random_ids(B: int = 2, length: int = 8, seed: int = 0) -> torch.Tensor:
+    """``(B, length)`` token ids in ``[4, VOCAB)`` (clear of the special ids 0–3) from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB, (B, length), generator=g)
+
+
+def with_bos(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, n)`` with BOS prepended: what the wrapped causal LM sees."""
+    return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)

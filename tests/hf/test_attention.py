@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf_tiny import BOS, FAMILIES, VOCAB, tiny_model
+from _hf_tiny import FAMILIES, VOCAB, random_ids, tiny_model, with_bos
 
 import unifusion as uf
 from unifusion.hf import adapt_ar_model, anneal_schedule, annealed_attention_mask
@@ -19,21 +19,6 @@ MASK_ID = 3
 ALL_FAMILIES = list(dict.fromkeys(FAMILIES + sorted(REGISTRY)))
 WINDOWED = {"mistral", "gemma2", "gemma3_text"}  # the tiny configs with sliding_window=4
 DENSE_ONLY = {t for t, f in REGISTRY.items() if not f.is_causal_kwarg}  # falcon, stablelm
-
-
-def _with_bos(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
-def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
-    return torch.randint(4, VOCAB, (B, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _both_paths(model: uf.DiffusionLM, fn):
@@ -80,7 +65,7 @@ def test_no_mask_path_equals_dense_mask_path(model_type: str) -> None:
     model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
     expected = "mask" if model_type in WINDOWED | DENSE_ONLY else "non_causal"
     assert model.attention_path(L) == expected
-    x, t = _ids(), torch.tensor([0.2, 0.9])
+    x, t = random_ids(), torch.tensor([0.2, 0.9])
     fast, dense = _both_paths(model, lambda: model(x, t))
     _close(fast, dense)
     h_fast, h_dense = _both_paths(model, lambda: model.hidden_states(x))
@@ -99,12 +84,12 @@ def test_sliding_window_keeps_the_mask_until_it_is_vacuous(model_type: str) -> N
     assert narrow.family.sliding_window(narrow.config) == 4
     assert narrow.attention_path(L) == "mask"
     assert narrow.attention_path(3) == "non_causal"  # 4 network positions: |i - j| ≤ 3 < 4
-    x = _ids()
+    x = random_ids()
     _close(*_both_paths(narrow, lambda: narrow(x[:, :3])))
     wide = adapt_ar_model(tiny_model(model_type, sliding_window=L + 1), mask_token_id=MASK_ID)
     assert wide.attention_path(L) == "non_causal" and wide.attention_path(L + 1) == "mask"
     _close(*_both_paths(wide, lambda: wide(x)))
-    longer = _ids(length=L + 1)
+    longer = random_ids(length=L + 1)
     _close(*_both_paths(wide, lambda: wide(longer)))
 
 
@@ -112,7 +97,7 @@ def test_sliding_window_keeps_the_mask_until_it_is_vacuous(model_type: str) -> N
 def test_gradients_equal_with_and_without_checkpointing(model_type: str) -> None:
     """Training at γ = 1 (after annealing): same loss gradients on both paths, also when layers are recomputed."""
     model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID).train()
-    x0 = _ids()
+    x0 = random_ids()
     kernel = uf.MaskKernel(model.num_states, mask_id=MASK_ID)
     t = torch.tensor([0.3, 0.8])
     x_t = kernel.sample(x0, t[:, None], generator=torch.Generator().manual_seed(0))
@@ -137,7 +122,7 @@ def test_eager_attention_runs_without_a_mask_too() -> None:
     eager = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     eager.base_model.set_attn_implementation("eager")
     assert eager.config._attn_implementation == "eager" and eager.attention_path(L) == "non_causal"
-    x = _ids()
+    x = random_ids()
     fast, dense = _both_paths(eager, lambda: eager(x))
     _close(fast, dense)
     torch.testing.assert_close(fast, sdpa(x), rtol=1e-5, atol=1e-5)
@@ -186,7 +171,7 @@ def test_annealed_mask_semantics() -> None:
 @torch.no_grad()
 def test_intermediate_gamma_uses_generator() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     a = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(1))
     b = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(1))
     c = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(2))
@@ -198,9 +183,9 @@ def test_annealed_forward_uses_the_paper_mask() -> None:
     """model(x, γ) = base([BOS, x]) under A = causal ∨ Bernoulli(γ), drawn by annealed_attention_mask."""
     base = tiny_model("llama")
     model = adapt_ar_model(base, mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     A = annealed_attention_mask(2, L + 1, 0.5, generator=torch.Generator().manual_seed(3))
-    ref = base(_with_bos(x), attention_mask=A).logits[:, :-1]
+    ref = base(with_bos(x), attention_mask=A).logits[:, :-1]
     out = model(x, bidirectional_prob=0.5, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
@@ -209,7 +194,7 @@ def test_annealed_forward_uses_the_paper_mask() -> None:
 def test_annealed_forward_leaves_global_rng_alone(model_type: str) -> None:
     model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
     state = torch.get_rng_state()
-    model(_ids(), bidirectional_prob=0.5, attention_mask=torch.ones(2, L), generator=torch.Generator())
+    model(random_ids(), bidirectional_prob=0.5, attention_mask=torch.ones(2, L), generator=torch.Generator())
     assert torch.equal(state, torch.get_rng_state())
 
 @pytest.mark.parametrize("model_type", ["mistral", "gemma2"])
@@ -219,7 +204,7 @@ def test_sliding_window_is_kept_and_symmetrised(model_type: str) -> None:
     layer_types = {"gemma2": ["sliding_attention", "sliding_attention"]}.get(model_type)
     extra = {"layer_types": layer_types} if layer_types else {}
     model = adapt_ar_model(tiny_model(model_type, **extra), mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     x2 = x.clone()
     x2[:, -1] = (x2[:, -1] + 1 - 4) % (VOCAB - 4) + 4
     out, out2 = model(x), model(x2)
@@ -235,7 +220,7 @@ def test_gemma2_gets_additive_mask_and_eager_matches() -> None:
     assert model.config._attn_implementation == "eager"
     assert hf_attention.mask_style(model.family, model.config) == "additive"
     assert model.final_logit_softcap == 30.0
-    assert model(_ids()).abs().max() <= 30.0
+    assert model(random_ids()).abs().max() <= 30.0
 
 @torch.no_grad()
 def test_eager_llama_uses_additive_mask() -> None:
@@ -244,7 +229,7 @@ def test_eager_llama_uses_additive_mask() -> None:
     eager.base_model.config._attn_implementation = "eager"
     for layer in eager.base_model.model.layers:
         layer.self_attn.config._attn_implementation = "eager"
-    x = _ids()
+    x = random_ids()
     torch.testing.assert_close(eager(x), sdpa(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eager(x, bidirectional_prob=0.0), sdpa(x, bidirectional_prob=0.0))
 
@@ -258,7 +243,7 @@ def test_sdpa_gets_no_mask_and_is_causal_false_at_gamma_one(monkeypatch: pytest.
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     layers = model.config.num_hidden_layers
     spy = SDPASpy(monkeypatch)
-    x = _ids()
+    x = random_ids()
 
     model(x)  # γ = 1: no mask tensor, non-causal kernels
     assert spy.take() == [(None, False)] * layers
@@ -283,7 +268,7 @@ def test_sdpa_gets_no_mask_and_is_causal_false_at_gamma_one(monkeypatch: pytest.
 def test_families_that_need_the_mask_get_one(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
     spy = SDPASpy(monkeypatch)
-    model(_ids())
+    model(random_ids())
     calls = spy.take()
     assert calls and all(m is not None for m, _ in calls)
 
@@ -291,7 +276,7 @@ def test_families_that_need_the_mask_get_one(model_type: str, monkeypatch: pytes
 @torch.no_grad()
 def test_older_transformers_without_the_keyword_keep_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     fast = model(x)
     monkeypatch.setattr(hf_attention, "_has_is_causal_kwarg", lambda: False)
     assert model.attention_path(L) == "mask"
@@ -327,7 +312,7 @@ def test_attention_path_reports_and_validates() -> None:
 def test_sampler_runs_on_the_no_mask_path(monkeypatch: pytest.MonkeyPatch) -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     spy = SDPASpy(monkeypatch)
-    out = model.generate(_ids(1, 3), max_new_tokens=4, num_steps=2, generator=torch.Generator().manual_seed(0))
+    out = model.generate(random_ids(1, 3), max_new_tokens=4, num_steps=2, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 7)
     calls = spy.take()
     assert len(calls) == 2 * model.config.num_hidden_layers and all(c == (None, False) for c in calls)
@@ -338,7 +323,7 @@ def test_sampler_runs_on_the_no_mask_path(monkeypatch: pytest.MonkeyPatch) -> No
 @torch.no_grad()
 def test_cuda_no_mask_path_matches_dense_mask() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).cuda()
-    x = _ids(length=64).cuda()
+    x = random_ids(length=64).cuda()
     fast, dense = _both_paths(model, lambda: model(x))
     torch.testing.assert_close(fast, dense, rtol=1e-4, atol=1e-4)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -401,7 +386,7 @@ def test_flex_attention_uses_a_block_mask_with_the_dense_paths_outputs(model_typ
     sdpa, flex = _flex_pair(model_type)
     layers = flex.config.num_hidden_layers
     windowed = model_type in WINDOWED
-    x = _ids()
+    x = random_ids()
     n = L + 1
     spy = AttentionSpy(monkeypatch, "flex_attention")
     gammas = (0.5, 1.0) if windowed else (0.0, 0.5, 1.0)
@@ -451,7 +436,7 @@ def test_flash_attention_runs_the_maskless_calls_and_refuses_a_mask(monkeypatch:
     flash.config._attn_implementation = "flash_attention_2"  # decision logic only: the kernel is faked
     spy = AttentionSpy(monkeypatch, "flash_attention_2", run=_fake_flash)
     layers = flash.config.num_hidden_layers
-    x = _ids()
+    x = random_ids()
     assert flash.attention_path(L, 1.0) == "non_causal" and flash.attention_path(L, 0.0) == "causal"
     torch.testing.assert_close(flash(x), sdpa(x), rtol=1e-6, atol=1e-6)
     assert spy.take() == [(None, False)] * layers  # γ = 1: no mask, is_causal=False

@@ -15,13 +15,6 @@ MASK_ID = 3
 WINDOWED = ("mistral", "gemma3_text")  # window 4 on every layer; per layer type (a dict of masks)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
 def _model(block_size: int | None, model_type: str = "llama", attn: str | None = None, **kwargs) -> uf.DiffusionLM:
     hf = tiny_model(model_type)
     if attn is not None:

@@ -21,13 +21,6 @@ EOS = 2  # the tiny config's eos_token_id
 PAD = 0  # the tiny config's pad_token_id
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
 def _model(seed: int = 0, **kw):
     return adapt_ar_model(tiny_model("llama", seed=seed, **kw), mask_token_id=MASK_ID).eval()
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _hf_tiny import BOS, FAMILIES, VOCAB, tiny_model
+from _hf_tiny import BOS, FAMILIES, VOCAB, random_ids, tiny_model, with_bos
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,19 +19,6 @@ from unifusion.hf.families import family_for
 L = 8  # sequence length of the tests (network length L + 1 = 9 > the sliding windows of 4 in _hf_tiny)
 MASK_ID = 3
 
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (B, length), generator=g)
-
-def _with_bos(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)
 
 class _OutputShapes(TorchDispatchMode):
     """The shapes of every tensor an op returns (forward and autograd's backward on the CPU)."""
@@ -62,9 +49,9 @@ class TestFamilies:
         base = tiny_model(model_type)
         model = adapt_ar_model(base, mask_token_id=MASK_ID)
         assert model.bos_token_id == BOS
-        x = _ids()
+        x = random_ids()
         # reference: the base model run on each prefix [BOS, x_1..x_{i-1}] separately, last output
-        net = _with_bos(x)
+        net = with_bos(x)
         ref = torch.stack([base(net[:, : i + 1]).logits[:, -1] for i in range(L)], dim=1)  # (B, L, V)
         fast = model(x, bidirectional_prob=0.0)  # no mask passed: the model's own causal mask
         general = model(x, bidirectional_prob=0.0, attention_mask=torch.ones(2, L))  # our 4D mask
@@ -75,7 +62,7 @@ class TestFamilies:
     @torch.no_grad()
     def test_later_token_influences_earlier_output_only_when_bidirectional(self, model_type: str) -> None:
         model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
-        x = _ids()
+        x = random_ids()
         x2 = x.clone()
         x2[:, -1] = (x2[:, -1] + 1 - 4) % (VOCAB - 4) + 4  # change the last token only
         causal, causal2 = model(x, bidirectional_prob=0.0), model(x2, bidirectional_prob=0.0)
@@ -90,7 +77,7 @@ class TestFamilies:
     @torch.no_grad()
     def test_padding_invariance(self, model_type: str, gamma: float, side: str) -> None:
         model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
-        x = _ids()
+        x = random_ids()
         n = L - 3  # real length of row 1
         padded = x.clone()
         mask = torch.ones(2, L, dtype=torch.long)
@@ -112,7 +99,7 @@ class TestFamilies:
     @torch.no_grad()
     def test_hidden_states_then_head_equals_forward(self, model_type: str) -> None:
         model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID)
-        x = _ids()
+        x = random_ids()
         for gamma in (0.0, 1.0):
             h = model.hidden_states(x, bidirectional_prob=gamma)
             assert h.shape == (2, L, model.lm_head_weight.shape[1])
@@ -128,7 +115,7 @@ class TestFamilies:
         model = adapt_ar_model(tiny_model(model_type, vocab_size=200), mask_token_id=MASK_ID, time_conditioning=True)
         nn.init.normal_(model.time_embedding.proj_out.weight, std=0.1)
         assert hf_model._takes_logits_to_keep(type(model.base_model))  # every family of transformers 5
-        x, t = _ids(), torch.tensor([0.3, 0.8])
+        x, t = random_ids(), torch.tensor([0.3, 0.8])
         pad = torch.ones(2, L, dtype=torch.long)
         pad[1, :3] = 0  # left padding
         B, V = x.shape[0], model.vocab_size
@@ -155,8 +142,8 @@ class TestFamilies:
     def test_time_conditioning_starts_as_the_ar_model(self, model_type: str) -> None:
         base = tiny_model(model_type)
         model = adapt_ar_model(base, mask_token_id=MASK_ID, time_conditioning=True)
-        x, t = _ids(), torch.tensor([0.2, 0.9])
-        ref = base(_with_bos(x)).logits[:, :-1]
+        x, t = random_ids(), torch.tensor([0.2, 0.9])
+        ref = base(with_bos(x)).logits[:, :-1]
         torch.testing.assert_close(model(x, t, bidirectional_prob=0.0), ref, rtol=1e-5, atol=1e-5)
         nn.init.normal_(model.time_embedding.proj_out.weight, std=0.1)  # once trained, t matters
         assert not torch.allclose(model(x, t, bidirectional_prob=0.0), ref, atol=1e-4)
@@ -172,6 +159,6 @@ class TestFamilies:
             assert torch.equal(a[k], b[k]), k
         assert (loaded.bos_token_id, loaded.mask_token_id, loaded.num_states) == (
             model.bos_token_id, model.mask_token_id, model.num_states)
-        x, t = _ids(), torch.tensor([0.3, 0.6])
+        x, t = random_ids(), torch.tensor([0.3, 0.6])
         with torch.no_grad():
             assert torch.equal(model(x, t), loaded(x, t))

@@ -13,12 +13,6 @@ from unifusion.hf import adapt_ar_model
 MASK_ID = 3
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
 def _prompt(B: int = 2, P: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randint(4, VOCAB, (B, P), generator=torch.Generator().manual_seed(seed))
 

@@ -18,12 +18,6 @@ DATA = Path(__file__).parent.parent / "data"
 MASK_ID = 3
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import PreTrainedTokenizerFast

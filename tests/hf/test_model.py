@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from _dispatch_count import count_syncs
-from _hf_tiny import VOCAB, tiny_model
+from _hf_tiny import VOCAB, random_ids, tiny_model
 
 import unifusion as uf
 from unifusion._validation import validation
@@ -18,24 +18,13 @@ L = 8  # sequence length of the tests (network length L + 1 = 9 > the sliding wi
 MASK_ID = 3
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-def _ids(B: int = 2, length: int = L, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (B, length), generator=g)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # bad inputs
 
 
 def test_bad_inputs_name_the_argument() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     cases = [
         (TypeError, "x_t: expected a", dict(x_t=x.tolist())),
         (ValueError, r"x_t: expected shape \(B, L\), got \(16,\)", dict(x_t=x.flatten())),
@@ -68,7 +57,7 @@ def test_diffusion_loss_checks_the_padding_rule_in_its_one_sync() -> None:
     (contiguous pads) itself, inside its one batched read-back; with validation off nothing is checked."""
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     kernel = uf.MaskKernel(model.num_states, MASK_ID)
-    x0 = _ids()
+    x0 = random_ids()
     holes = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 0, 0]])
     for fused in (False, True):
         with pytest.raises(ValueError, match=r"attention_mask: expected contiguous padding .* holes: \[1\]"):
@@ -86,7 +75,7 @@ def test_generator_must_be_a_generator_at_every_entry() -> None:
     torch.rand(generator=0) and raised torch's own TypeError, and γ ∈ {0, 1} ignored it silently."""
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     kernel = uf.MaskKernel(model.num_states, MASK_ID)
-    x, t = _ids(), torch.tensor([0.3, 0.7])
+    x, t = random_ids(), torch.tensor([0.3, 0.7])
     calls = [lambda g, gamma: model(x, bidirectional_prob=gamma, generator=g),
              lambda g, gamma: model.hidden_states(x, bidirectional_prob=gamma, generator=g),
              lambda g, gamma: model.loss(x, t, x, kernel, bidirectional_prob=gamma, generator=g),
@@ -105,7 +94,7 @@ def test_fused_loss_checks_the_kernel_against_the_model() -> None:
     """model.loss / forward(x0=, kernel=) check the kernel like diffusion_loss does (host metadata, no sync)."""
     added = adapt_ar_model(tiny_model("llama"))  # mask token added: id 128, 129 states
     assert added.mask_token_id == VOCAB and added.num_states == VOCAB + 1
-    x, t = _ids(), torch.tensor([0.3, 0.7])
+    x, t = random_ids(), torch.tensor([0.3, 0.7])
     wrong_id = uf.MaskKernel(added.num_states, mask_id=5)
     wrong_size = uf.UniformKernel(VOCAB)
     for call in (lambda k: added.loss(x, t, x, k), lambda k: added(x, t, x0=x, kernel=k)):
@@ -129,7 +118,7 @@ def test_fused_loss_checks_the_kernel_against_the_model() -> None:
 def test_value_checks_follow_the_validation_switch() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     with validation(False), torch.no_grad():
-        model(_ids(), torch.tensor([0.0, 1.0]))  # t out of (0, 1): not checked when validation is off
+        model(random_ids(), torch.tensor([0.0, 1.0]))  # t out of (0, 1): not checked when validation is off
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +132,7 @@ def test_network_inputs_are_what_the_wrapped_model_gets() -> None:
     base = tiny_model("llama")
     model = adapt_ar_model(base, mask_token_id=MASK_ID)
     assert model.hf_model is base
-    x = _ids()
+    x = random_ids()
     pad = torch.ones(2, L, dtype=torch.long)
     pad[1, :2] = 0
     for gamma, mask, keys in ((0.0, None, set()), (1.0, None, {"is_causal"}), (0.5, None, {"attention_mask"}),
@@ -166,7 +155,7 @@ def test_network_inputs_are_what_the_wrapped_model_gets() -> None:
 
 
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:
-    x = _ids()
+    x = random_ids()
     grads = []
     for checkpointing in (False, True):
         model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).train()
@@ -179,7 +168,7 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
 
 def test_bf16_autocast_runs_and_is_close() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, time_conditioning=True)
-    x, t = _ids(), torch.tensor([0.1, 0.7])
+    x, t = random_ids(), torch.tensor([0.1, 0.7])
     with torch.no_grad():
         ref = model(x, t)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -193,13 +182,13 @@ def test_bf16_weights_additive_mask() -> None:
     mask = torch.ones(2, L)
     mask[1, -2:] = 0
     with torch.no_grad():
-        out = model(_ids(), bidirectional_prob=0.5, attention_mask=mask)
+        out = model(random_ids(), bidirectional_prob=0.5, attention_mask=mask)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 def test_peft_lora_base() -> None:
     peft = pytest.importorskip("peft")
     base = tiny_model("llama")
-    x = _ids()
+    x = random_ids()
     with torch.no_grad():
         ref = adapt_ar_model(base, mask_token_id=MASK_ID)(x)
     lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -216,7 +205,7 @@ def test_peft_lora_base() -> None:
 @pytest.mark.slow
 def test_torch_compile_matches_eager() -> None:
     model = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
-    x = _ids()
+    x = random_ids()
     with torch.no_grad():
         eager = model(x)
         with warnings.catch_warnings():
