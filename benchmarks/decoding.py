@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--approx", action="store_true",
                         help="also the approximate dual cache of a bidirectional model")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, N = 32, P = 8, K = 8, one repeat")
+    parser.add_argument("--step-costs", action="store_true",
+                        help="instead: the median time of one AR step and of one cached block step (K + 1 positions, "
+                             "the head on all K or on K/2) for K = 4, 8, 16, 32, against a 48-token prefix")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.prompt_len, args.block_size, args.repeats = [32], 8, 8, 1
@@ -92,17 +95,58 @@ def main() -> None:
     hf, _ = _tiny() if args.quick else _smollm2(getattr(torch, args.dtype))
     hf = hf.to(args.device)
     K, P = args.block_size, args.prompt_len
+    if args.step_costs:
+        _step_costs(hf, args.device)
+        return
     plain = adapt_ar_model(hf)  # adds the mask token (the embeddings grow by one row, in place)
-    try:  # the same weights and mask token as a block model
-        block = adapt_ar_model(hf, mask_token_id=plain.mask_token_id, block_size=K)  # type: ignore[call-arg]
-    except TypeError:  # a unifusion without block models
-        block = None
+    block = adapt_ar_model(hf, mask_token_id=plain.mask_token_id, block_size=K)  # the same weights and mask token
     prompt = torch.randint(10, int(hf.config.vocab_size), (1, P), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(args.device)
     rows: list[Row] = []
     for N in args.new_tokens:
         rows += _measure(N, args, hf, plain, block, prompt)
     _print(rows)
+
+
+def _median_ms(fn: Callable[[], Any], n: int = 9) -> float:
+    fn()
+    times = sorted(_best(fn, 1)[0] for _ in range(n))
+    return 1e3 * times[n // 2]
+
+
+def _step_costs(hf: Any, device: str) -> None:
+    """One AR step (one token against the cache) and one block step (K + 1 positions against the cache)."""
+    from transformers import DynamicCache
+
+    n = 48
+    prefix = torch.randint(10, int(hf.config.vocab_size), (1, n), generator=torch.Generator().manual_seed(0))
+    prefix, token = prefix.to(device), prefix[:, -1:].to(device)
+    cache = DynamicCache()
+    hf(input_ids=prefix, cache=cache, use_cache=True)
+
+    def ar_step() -> None:
+        hf(input_ids=token, cache=cache, use_cache=True)
+        cache.crop(-1)
+
+    ar = _median_ms(ar_step)
+    print(f"AR step (1 position, head on 1): {ar:.1f} ms")
+    mask_id = adapt_ar_model(hf).mask_token_id
+    assert mask_id is not None
+    for K in (4, 8, 16, 32):
+        full_head, half_head = _block_step_ms(hf, prefix, mask_id, K)
+        print(f"block step K = {K:2d} ({K + 1} positions): head on all {full_head:.1f} ms ({full_head / ar:.2f}x AR), "
+              f"on {K // 2} {half_head:.1f} ms ({half_head / ar:.2f}x)")
+
+
+def _block_step_ms(hf: Any, prefix: torch.Tensor, mask_id: int, K: int) -> tuple[float, float]:
+    """Median ms of one cached block step of K + 1 positions, the head on all K and on the first K/2."""
+    dev = prefix.device
+    decoder = BlockCacheDecoder(adapt_ar_model(hf, mask_token_id=mask_id, block_size=K))
+    state = decoder.start_blocks(prefix, torch.ones_like(prefix, dtype=torch.bool))
+    block = torch.full((1, K), mask_id, device=dev)
+    t, rows, half = torch.ones(1, device=dev), torch.arange(1, device=dev), torch.arange(K // 2, device=dev)[None]
+    return (_median_ms(lambda: decoder.denoise_block(state, block, t, rows, None)),
+            _median_ms(lambda: decoder.denoise_block(state, block, t, rows, None, positions=half)))
 
 
 Row = tuple[int, str, float, str, float, "float | None"]
@@ -123,32 +167,29 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
                                              generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
     per_forward = t_full / steps
     rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
-    model = block if block is not None else plain
-    tag = f"block {K} + cache" if block is not None else f"no block model: bidirectional, blocks of {K}"
-    commits = -(-N // K) - 1 if block is not None else 0
+    model, tag, commits = block, f"block {K} + cache", -(-N // K) - 1
     for r in args.rates:
         def fixed(r: int = r) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
-                                  eos_token_id=None, return_dict=True, block_size=None if block else K,
+                                  eos_token_id=None, return_dict=True,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
                      per_forward * f))
-    if block is not None:
-        sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
-                                block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
-        full = torch.cat([prompt, torch.full((1, N), -1, device=prompt.device)], 1)
-        t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
-                                              generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
-        f = int(out.num_forwards[0])
-        rows.append((N, f"{tag}, merged commits, 4/fwd", t, f"{f} (+0)", float(out.tokens_per_forward[0]),
-                     per_forward * f))
+    sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
+                            block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
+    full = torch.cat([prompt, torch.full((1, N), -1, device=prompt.device)], 1)
+    t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
+                                          generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
+    f = int(out.num_forwards[0])
+    rows.append((N, f"{tag}, merged commits, 4/fwd", t, f"{f} (+0)", float(out.tokens_per_forward[0]),
+                 per_forward * f))
     for tau in args.thresholds:
         def thr(tau: float = tau) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
-                                  return_dict=True, block_size=None if block else K,
+                                  return_dict=True,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(thr, args.repeats)

@@ -319,20 +319,8 @@ def test_layout_and_ragged_rule() -> None:
     assert torch.equal(add == 0, A)
 
 
-@pytest.fixture
-def _static_flex(monkeypatch: pytest.MonkeyPatch):
-    """Inductor's CPU flex template fails on dynamic sizes (hf/blocks.py's docstring): every shape static here, and
-    dynamo's caches cleared before and after, so that no other test's flex compilation sees this one's shapes."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    yield
-    torch._dynamo.reset()
-
-
 @torch.no_grad()
-def test_flex_attention_block_mask_matches_sdpa(_static_flex: None) -> None:
+def test_flex_attention_block_mask_matches_sdpa(static_flex: None) -> None:
     pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import BlockMask, create_mask
 

@@ -411,3 +411,17 @@ def test_block_model_arguments() -> None:
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
     out = model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4)
     assert out.shape == (1, 12)
+
+
+@torch.no_grad()
+def test_flex_attention_block_model_cached_equals_uncached(static_flex: None) -> None:
+    """A block model on flex attention decodes through the cache too (the masks as BlockMasks), with the tokens of the
+    uncached block-causal forward."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    hf = tiny_model("llama")
+    hf.set_attn_implementation("flex_attention")
+    model = adapt_ar_model(hf, mask_token_id=MASK_ID, block_size=4).eval()
+    kw = dict(max_new_tokens=8, policy=LowConfidence(), num_steps=2, eos_token_id=None, return_dict=True)
+    cached = model.generate(_prompt(2, 4), generator=_gens(2), **kw)
+    uncached = model.generate(_prompt(2, 4), generator=_gens(2), use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)

@@ -55,7 +55,7 @@ from .attention import draws_bernoulli, mask_style
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
            "expand_block_times", "draw_bernoulli", "block_attention_mask", "block_hidden_states", "block_logits",
-           "prefill", "denoise_block", "commit_block"]
+           "cached_forward", "prefill", "denoise_block", "commit_block"]
 
 
 def check_block_size(value: object, name: str = "block_size") -> int | None:
@@ -252,6 +252,44 @@ def _masks_for(model: Any, pattern_fn: Any, window: int | None) -> Any:
     return {"full_attention": pattern_fn(None), "sliding_attention": pattern_fn(window)}
 
 
+def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                   key_pos: torch.Tensor, cache: Any, t_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``ids`` ``(B, q)`` at position ids ``positions`` ``(B, q)`` against ``cache`` (a transformers
+    ``DynamicCache`` of n positions, which grows by q): query i sees key j where ``allowed[b, i, j]`` ``(B, q, n + q)``
+    and, on sliding-window layers, where ``|positions[b, i] − key_pos[b, j]| < window`` (``key_pos`` ``(B, n + q)``:
+    the position ids of the cached keys, then ``positions``). ``t_pos`` ``(B, q)``: per-position times of a
+    time-conditioned model (``None``: time 0). The mask goes in the form the model's attention takes: dense boolean
+    (SDPA), additive (eager) or a flex ``BlockMask``. Returns the final hidden states ``(B, q, d)``.
+
+    The one way the cached decoders (these helpers and :mod:`unifusion.hf.decoding`) run the backbone after a prefill.
+    """
+    hf = model.hf_model
+    B, q = ids.shape
+    if model.time_embedding is not None and t_pos is None:
+        t_pos = torch.zeros((B, q), device=ids.device)
+    style = mask_style(model.family, model.config, "a cached forward")
+    dtype = hf.get_input_embeddings().weight.dtype
+
+    def pattern(w: int | None) -> Any:
+        A = allowed if w is None else allowed & ((positions[:, :, None] - key_pos[:, None, :]).abs() < w)
+        if style == "additive":
+            return torch.zeros((B, 1, *A.shape[1:]), dtype=dtype, device=A.device).masked_fill_(
+                ~A[:, None], torch.finfo(dtype).min)
+        if style == "block":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            P = A.contiguous()
+            if P.device.type == "cpu" and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static(P)  # Inductor's CPU flex template fails on symbolic sizes of a capture
+            return create_block_mask(lambda b, h, qi, ki: P[b, qi, ki], B, None, q, A.shape[-1], device=A.device)
+        return A[:, None]  # (B, 1, q, n + q)
+
+    out = hf.base_model(**_embed(model, hf, ids, t_pos), position_ids=positions,
+                        attention_mask=_masks_for(model, pattern, model.family.sliding_window(model.config)),
+                        cache=cache, use_cache=True)
+    return out.last_hidden_state
+
+
 def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
                         gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
                         generator: torch.Generator | None = None) -> torch.Tensor:
@@ -381,7 +419,6 @@ def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: obj
 
     Equals the block's rows of ``model(x_t, t, clean=x_0)`` for the same tokens (a training forward).
     """
-    hf = _hf_of(model)
     x = _check_ids("x_t_block", x_t_block, model, batch=int(state.anchor.shape[0]))
     B, k = x.shape
     if bidirectional_prob not in (0.0, 1.0):
@@ -394,36 +431,14 @@ def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: obj
         if t is None:
             raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
         t_pos = V.check_sequence_times("t", t, (B, k), device=x.device).reshape(B, 1).expand(B, k + 1)
-    window = model.family.sliding_window(model.config)
-    style = mask_style(model.family, model.config, "a cached block step")
     cached = int(state.cache.get_seq_length())
+    allowed = torch.ones(B, k + 1, cached + k + 1, dtype=torch.bool, device=x.device)
+    if bidirectional_prob == 0.0:
+        allowed[:, :, cached:] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=x.device).tril()
     keys = torch.cat([torch.arange(cached, device=x.device), pos])  # position ids of the keys (cache, then block)
-    dtype = hf.get_input_embeddings().weight.dtype
-
-    def pattern(w: int | None) -> Any:
-        A = torch.ones(k + 1, cached + k + 1, dtype=torch.bool, device=x.device)
-        if bidirectional_prob == 0.0:
-            A[:, cached:] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=x.device).tril()
-        if w is not None:
-            A = A & ((pos[:, None] - keys[None, :]).abs() < w)
-        A = A[None, None].expand(B, 1, k + 1, cached + k + 1)
-        if style == "additive":
-            return torch.zeros(A.shape, dtype=dtype, device=x.device).masked_fill_(~A, torch.finfo(dtype).min)
-        if style == "block":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            P = A[:, 0].contiguous()
-            if P.device.type == "cpu" and not torch.compiler.is_compiling():
-                torch._dynamo.mark_static(P)  # Inductor's CPU flex template fails on symbolic sizes of a capture
-            return create_block_mask(lambda b, h, qi, ki: P[b, qi, ki], B, None, k + 1, cached + k + 1,
-                                     device=x.device)
-        return A
-
-    out = hf.base_model(**_embed(model, hf, ids, t_pos), position_ids=pos[None].expand(B, -1),
-                        attention_mask=_masks_for(model, pattern, window), cache=state.cache,
-                        use_cache=True)
+    h = cached_forward(model, ids, pos[None].expand(B, -1), allowed, keys[None].expand(B, -1), state.cache, t_pos)
     state.cache.crop(-(k + 1))  # the block's keys were appended: drop them (a negative crop removes the last ones)
-    return model.logits_from_hidden(out.last_hidden_state[:, :k])
+    return model.logits_from_hidden(h[:, :k])
 
 
 @torch.no_grad()

@@ -29,7 +29,8 @@ tokens). ``refresh=1`` recomputes at every step (the uncached computation). Mask
 
 Both handle left padding (a prefix mask: padded keys blocked, position ids counting real tokens, as
 :func:`~unifusion.hf.shifted_layout` places them) and batches whose rows finish early (the cache is narrowed to the
-running rows). Flex attention is not supported here (``attn_implementation='sdpa'`` or ``'eager'``).
+running rows). Every cached call goes through :func:`unifusion.hf.blocks.cached_forward`, which hands the mask over
+as the model's attention takes it (SDPA's boolean, eager's additive or flex attention's ``BlockMask``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .attention import mask_style
+from .blocks import cached_forward
 from .layout import shifted_layout
 
 __all__ = ["BlockCacheDecoder", "CacheState", "PrefixCacheDecoder"]
@@ -107,45 +108,17 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
     return DynamicCache(ddp_cache_data=data)
 
 
-def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                   key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
-    """Run ``ids`` ``(B, q)`` at ``positions`` ``(B, q)`` against ``cache`` (which grows by q), query i seeing key j
-    where ``allowed[b, i, j]`` ``(B, q, n + q)`` (and the sliding window on position ids, ``key_pos`` ``(B, n + q)``);
-    ``t`` ``(B,)`` the time of a time-conditioned model at the positions after the first ``clean`` (which, like
-    ``t=None``, are at time 0). Returns the final hidden states ``(B, q, d)``."""
-    hf = model.hf_model
-    kwargs: dict[str, Any] = {"position_ids": positions, "cache": cache, "use_cache": True}
-    if model.time_embedding is not None:
-        h = hf.get_input_embeddings()(ids)
-        zero = torch.zeros(ids.shape[0], device=ids.device)
-        e_t = model.time_embedding(zero if t is None else t)[:, None, :].to(h.dtype)  # (B, 1, d)
-        if clean and t is not None:  # the leading clean positions at time 0
-            e_0 = model.time_embedding(zero)[:, None, :].to(h.dtype)
-            e_t = torch.where((torch.arange(ids.shape[1], device=ids.device) < clean)[None, :, None], e_0, e_t)
-        kwargs["inputs_embeds"] = h + e_t
-    else:
-        kwargs["input_ids"] = ids
-    style = mask_style(model.family, model.config, "cached block decoding")
-    if style == "block":
-        raise ValueError("model: cached decoding builds dense masks; load the model with attn_implementation='sdpa' "
-                         "or 'eager' (flex attention is not supported here), or pass use_cache=False")
-    window = model.family.sliding_window(model.config)
-
-    def dense(w: int | None) -> torch.Tensor:
-        A = allowed if w is None else allowed & ((positions[:, :, None] - key_pos[:, None, :]).abs() < w)
-        A = A[:, None]  # (B, 1, q, n + q)
-        if style == "additive":
-            blocked = torch.finfo(model.dtype).min
-            return torch.zeros(A.shape, dtype=model.dtype, device=A.device).masked_fill_(~A, blocked)
-        return A
-
-    if window is None:
-        kwargs["attention_mask"] = dense(None)
-    elif model.family.window == "all_layers":
-        kwargs["attention_mask"] = dense(window)
-    else:
-        kwargs["attention_mask"] = {"full_attention": dense(None), "sliding_attention": dense(window)}
-    return hf.base_model(**kwargs).last_hidden_state
+def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, key_pos: torch.Tensor,
+             cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
+    """:func:`~unifusion.hf.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after the
+    first ``clean`` (which, like ``t=None``, are at time 0)."""
+    t_pos = None
+    if model.time_embedding is not None and t is not None:
+        q = ids.shape[1]
+        t_pos = t.float()[:, None].expand(-1, q)
+        if clean:
+            t_pos = torch.where(torch.arange(q, device=ids.device) < clean, 0.0, t_pos)
+    return cached_forward(model, ids, positions, allowed, key_pos, cache, t_pos)
 
 
 class _Decoder:
@@ -200,7 +173,7 @@ class BlockCacheDecoder(_Decoder):
         if P:
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
             allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-            cached_forward(model, ids, pos, allowed, pos, state.cache, None)
+            _forward(model, ids, pos, allowed, pos, state.cache, None)
         return state
 
     @torch.no_grad()
@@ -222,7 +195,7 @@ class BlockCacheDecoder(_Decoder):
                                     old.new_zeros((Ba, c, K + 1))], -1)
             noisy_rows = torch.cat([state.key_valid[:, None, :].expand(Ba, K + 1, -1),
                                     old.new_ones((Ba, K + 1, K + 1))], -1)
-            h = cached_forward(self.model, torch.cat([c_ids, ids], 1), torch.cat([c_pos, pos], 1),
+            h = _forward(self.model, torch.cat([c_ids, ids], 1), torch.cat([c_pos, pos], 1),
                                torch.cat([clean_rows, noisy_rows], 1), torch.cat([state.key_pos, pos], 1),
                                state.cache, t, clean=c)[:, c:]
             state.pending = None
@@ -230,7 +203,7 @@ class BlockCacheDecoder(_Decoder):
         else:
             cache, valid, kpos = state.select(rows)
             allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
-            h = cached_forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
+            h = _forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
             if cache is state.cache:
                 cache.crop(-(K + 1))  # the step's entries: the cache holds the clean stream only
         return head_at(self.model, h[:, :K], positions)
@@ -263,7 +236,7 @@ class BlockCacheDecoder(_Decoder):
         n = state.key_valid.shape[1]
         causal = torch.ones(K, K, dtype=torch.bool, device=ids.device).tril()[None].expand(Ba, K, K)
         allowed = torch.cat([state.key_valid[:, None, :n - K].expand(Ba, K, -1), causal], -1)
-        cached_forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
+        _forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
         state.pending = None
 
 
@@ -339,7 +312,7 @@ class PrefixCacheDecoder(_Decoder):
                else torch.arange(n, device=x.device).expand(Ba, n))[:, s:s + K + 1]
         cache, valid, kpos = state.select(rows)
         allowed = torch.cat([valid[:, None, :].expand(Ba, K + 1, -1), valid.new_ones((Ba, K + 1, K + 1))], -1)
-        h = cached_forward(model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
+        h = _forward(model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
         if cache is state.cache:
             cache.crop(-(K + 1))  # the kept entries stay as the last refresh wrote them
         return head_at(model, h[:, :K], positions)
