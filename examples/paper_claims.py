@@ -2,10 +2,10 @@
 
 Each subcommand trains or evaluates with a budget counted in optimizer steps, samples or items — never wall seconds —
 and draws every batch, time, corruption and sample from a generator keyed by ``--seed`` and the update index. The
-fused losses and samplers run on one fixed backend (``--backend``, eager by default; never the library's ``"auto"``,
-which swaps a background-compiled loss in at a moment that depends on the machine's load) with a fixed thread count
-(``--threads``). So two runs with the same arguments, torch version and CPU give bit-identical numbers, and a busy
-machine changes only how long a run takes. Every number it prints is also written to ``OUT/<experiment>.json``;
+fused losses and samplers run on the library's default backend (``--backend auto``: eager or compiled chosen from
+each call's size alone, compiled in the caller's thread) unless ``--backend`` says otherwise, with a fixed thread
+count (``--threads``). So two runs with the same arguments, torch version and CPU give bit-identical numbers, and a
+busy machine changes only how long a run takes. Every number it prints is also written to ``OUT/<experiment>.json``;
 ``report`` renders the tables of docs/guides/experiments.md from those files (the committed ones live in
 docs/assets/claims/).
 
@@ -298,8 +298,7 @@ def run_adapt(args: argparse.Namespace) -> dict[str, Any]:
     losses = train(model, kernel, train_blocks, args, steps=args.steps, anneal_steps=args.anneal_steps,
                    log_every=args.log_every)
     path = Path(args.out) / "adapted"
-    model.save_pretrained(path, kernel=kernel)  # recorded: generate and the evaluators default to it
-    tokenizer.save_pretrained(path)
+    model.save_pretrained(path, kernel=kernel, tokenizer=tokenizer)  # the kernel recorded: generate defaults to it
     elbo = held_out_elbo(model, kernel, held_out, args)
     print(f"[adapt] {args.steps} updates, last-10 mean loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, held-out "
           f"bound {elbo:.3f} nats/token; saved {path}")
@@ -630,10 +629,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("experiment", choices=[*EXPERIMENTS, "report"])
     parser.add_argument("--out", default="runs/claims", help="output folder (JSON results, checkpoint, plots)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (smoke test)")
-    parser.add_argument("--backend", choices=["eager", "compiled"], default="eager",
-                        help="how the fused losses and samplers run (uf.backend.set_backend); never 'auto', whose "
-                             "switch "
-                             "to the compiled copy depends on the machine's load")
+    parser.add_argument("--backend", choices=["auto", "eager", "compiled"], default="auto",
+                        help="how the fused losses and samplers run (uf.backend.set_backend; 'auto' chooses from "
+                             "each call's size alone, the same way in every run)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (results are bit-reproducible for a fixed count; default torch's)")
     parser.add_argument("--steps", type=int, default=None,
@@ -689,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.experiment == "report":
         run_report(args)
         return 0
-    uf.backend.set_backend(args.backend)  # fixed, so results do not depend on when a background compilation finishes
+    uf.backend.set_backend(args.backend)  # explicit, so UNIFUSION_BACKEND in the environment does not change results
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

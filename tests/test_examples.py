@@ -240,13 +240,13 @@ def _paper_claims_module():
 
 def test_paper_claims_runs_every_experiment_tiny(tmp_path):
     """examples/paper_claims.py at tiny size: each experiment writes its JSON with finite, well-formed results, on
-    the eager backend whatever UNIFUSION_BACKEND says; a second process with the same arguments reproduces the
-    adaptation's losses bit for bit; ``report`` renders every experiment."""
+    the library's default backend ("auto") whatever UNIFUSION_BACKEND says; a second process with the same arguments
+    reproduces the adaptation's losses bit for bit; ``report`` renders every experiment."""
     import json
 
     script = str(EXAMPLES / "paper_claims.py")
     common = ["--tiny", "--out", str(tmp_path), "--num-samples", "2", "--threads", "1"]
-    env = dict(ENV, UNIFUSION_BACKEND="auto")
+    env = dict(ENV, UNIFUSION_BACKEND="eager")
     for argv in (["fig2"], ["adapt"], ["frontier", "--frontier-steps", "2", "4", "--seeds", "1", "2"],
                  ["zeroshot", "--max-examples", "3", "--num-times", "2", "--pmi-times", "3", "--tasks",
                   str(Path(__file__).parent / "data" / "tiny_task.json")],
@@ -254,7 +254,7 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
         _run([script, *argv, *common], env=env)
     result = {name: json.loads((tmp_path / f"{name}.json").read_text())
               for name in ("fig2", "adapt", "frontier", "zeroshot", "paths")}
-    assert {r["backend"] for r in result.values()} == {"eager"} and {r["threads"] for r in result.values()} == {1}
+    assert {r["backend"] for r in result.values()} == {"auto"} and {r["threads"] for r in result.values()} == {1}
     assert all(isinstance(r["commit"], str) and len(r["commit"]) == 40 for r in result.values())
     fig2 = result["fig2"]
     assert set(fig2["curves"]) == {"x0", "mu"} and all(len(c) == 3 for c in fig2["curves"].values())

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 # the datasets library reads these when it is imported: offline, and a private cache
@@ -28,6 +27,7 @@ if "HF_DATASETS_CACHE" not in os.environ:
 import lm_eval  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _harness_setup import ALL_TASKS, DATA, ROOT, TASKS  # noqa: E402
 from _hf_tiny import tiny_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -36,25 +36,7 @@ import unifusion as uf  # noqa: E402
 from unifusion.eval import fair_pmi_scores, nll_bound, run_multiple_choice, score_choices  # noqa: E402
 from unifusion.eval.harness import MODEL_ARGS, UnifusionLM, cli_main, request_seed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "data"
-TASKS = DATA / "harness"
-ALL_TASKS = ["unifusion_tiny_mc", "unifusion_tiny_rolling", "unifusion_tiny_gen"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # a 32-wide model gains nothing from threads, and on a busy 2-core machine OpenMP's barriers make every matmul
-    # wait for a descheduled worker (measured: 0.03 ms per linear with 1 thread, 16 ms with 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the task configs name their data files relative to the repository root
+pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -26,29 +25,14 @@ lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
     pytest.skip("this transformers has no DiffusionGemma", allow_module_level=True)
+from _harness_setup import ALL_TASKS, DATA, TASKS  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import unifusion as uf  # noqa: E402
 from unifusion.eval import nll_bound  # noqa: E402
 from unifusion.eval.harness import UnifusionLM, cli_main, request_seed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "data"
-TASKS = DATA / "harness"
-ALL_TASKS = ["unifusion_tiny_mc", "unifusion_tiny_rolling", "unifusion_tiny_gen"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the task configs name their data files relative to the repository root
+pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
 
 
 @pytest.fixture(scope="module")

@@ -245,9 +245,10 @@ def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torc
     ``(B, K, V)`` that are 0 at the other positions (the sampler reads none of them)."""
     if positions is None or positions.shape[1] == h.shape[1]:
         return model.logits_from_hidden(h)
-    picked = model.logits_from_hidden(h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1])))  # (B, m, V)
-    out = picked.new_zeros((*h.shape[:2], picked.shape[-1]))
-    return out.scatter_(1, positions[..., None].expand(-1, -1, picked.shape[-1]), picked)
+    B, K = h.shape[:2]
+    rows = (positions + K * torch.arange(B, device=h.device)[:, None]).flatten()  # (B·m,) rows of the (B·K, ·) views
+    picked = model.logits_from_hidden(h.reshape(B * K, -1).index_select(0, rows))  # (B·m, V)
+    return picked.new_zeros((B * K, picked.shape[-1])).index_copy_(0, rows, picked).view(B, K, -1)
 
 
 class PrefixCacheDecoder(_Decoder):
