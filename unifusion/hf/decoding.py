@@ -196,8 +196,8 @@ class BlockCacheDecoder(_Decoder):
             noisy_rows = torch.cat([state.key_valid[:, None, :].expand(Ba, K + 1, -1),
                                     old.new_ones((Ba, K + 1, K + 1))], -1)
             h = _forward(self.model, torch.cat([c_ids, ids], 1), torch.cat([c_pos, pos], 1),
-                               torch.cat([clean_rows, noisy_rows], 1), torch.cat([state.key_pos, pos], 1),
-                               state.cache, t, clean=c)[:, c:]
+                         torch.cat([clean_rows, noisy_rows], 1), torch.cat([state.key_pos, pos], 1), state.cache, t,
+                         clean=c)[:, c:]
             state.pending = None
             state.cache.crop(-(K + 1))  # keep the clean positions, drop the step's
         else:
