@@ -1,8 +1,24 @@
-"""Fixtures of the harness tests (requested with ``pytestmark = pytest.mark.usefixtures(...)``)."""
+"""Fixtures of the evaluation tests: the tiny tokenizer and judge, and what the harness tests run under (requested
+with ``pytestmark = pytest.mark.usefixtures(...)``)."""
 
 import pytest
 import torch
-from _harness_setup import ROOT
+from _harness_setup import DATA, ROOT
+from _hf_tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny test tokenizer (tests/data/tiny_tokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DATA / "tiny_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def judge():
+    """A tiny random Llama as the GenPPL judge."""
+    return tiny_model("llama", seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -153,13 +153,6 @@ def test_ar_choice_nll_matches_manual_log_softmax():
         ar_choice_nll(model, [], choices)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")
-
-
 def test_runner_on_the_tiny_task(tokenizer):
     V = len(tokenizer)
     task = load_task(DATA / "tiny_task.json")

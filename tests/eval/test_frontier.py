@@ -10,25 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_tiny import tiny_model
 
 import unifusion as uf
 from unifusion.eval import FrontierResult, frontier, generative_perplexity, plot_frontier
 
 DATA = Path(__file__).parents[1] / "data"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")
-
-
-@pytest.fixture(scope="module")
-def judge():
-    return tiny_model("llama", seed=11)
 
 
 class TinyX0:

@@ -18,18 +18,6 @@ from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
 DATA = Path(__file__).parents[1] / "data"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")
-
-
-@pytest.fixture(scope="module")
-def judge():
-    return tiny_model("llama", seed=11)
-
-
 def test_fixed_count_policy_reports_its_tokens_per_forward(tmp_path, tokenizer, judge):
     model = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2)).eval()
     kernel = uf.MaskKernel(model.num_states, model.mask_token_id)

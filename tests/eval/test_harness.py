@@ -45,11 +45,6 @@ def task_manager():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(DATA / "tiny_tokenizer")
-
-
-@pytest.fixture(scope="module")
 def model(tokenizer):
     return uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer).eval()
 

@@ -14,7 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from _hf_tiny import tiny_model  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 import unifusion as uf  # noqa: E402
 
@@ -23,11 +22,6 @@ from unifusion.eval.harness import UnifusionLM, request_seed  # noqa: E402
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(DATA / "tiny_tokenizer")
 
 
 @pytest.fixture(scope="module")

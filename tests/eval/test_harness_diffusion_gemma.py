@@ -25,7 +25,7 @@ lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
     pytest.skip("this transformers has no DiffusionGemma", allow_module_level=True)
-from _harness_setup import ALL_TASKS, DATA, TASKS  # noqa: E402
+from _harness_setup import ALL_TASKS, TASKS  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import unifusion as uf  # noqa: E402
@@ -33,11 +33,6 @@ from unifusion.eval import nll_bound  # noqa: E402
 from unifusion.eval.harness import UnifusionLM, cli_main, request_seed  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(DATA / "tiny_tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(DATA / "tiny_tokenizer")
-
-
 def _reference_genppl(texts, model, tokenizer, add_bos=True, max_length=None):
     """One text at a time, no padding, float64 log-softmax."""
     total, count = 0.0, 0
