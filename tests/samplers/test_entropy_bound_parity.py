@@ -61,7 +61,7 @@ class DiffusionGemmaBlocks:
         state["length"] = start + n
         return state
 
-    def denoise_block(self, state, block, t, rows, self_condition):
+    def denoise_block(self, state, block, t, rows, self_condition, positions=None):
         cache, mask = state["cache"], state["mask"]
         if rows.numel() != mask.shape[0]:
             cache = copy.deepcopy(cache)

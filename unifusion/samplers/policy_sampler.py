@@ -127,9 +127,9 @@ class _Run:
         return RowRandomness(tuple(g[r] for r in rows_host), rows, self.x.shape[0])
 
     def running(self, active: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The running rows, on the device and the host (the step's one host sync)."""
-        rows_host = [i for i, running in enumerate(active.tolist()) if running]
-        return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host
+        """The running rows (``active`` ``(B,)`` bool), on the device and the host (the step's one host sync)."""
+        rows, rows_host, _ = self.running_counts(active.long())
+        return rows, rows_host
 
     def running_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
         """The rows with ``counts`` ``(B,)`` above 0, on the device and the host, and the largest count (the step's
@@ -326,10 +326,8 @@ class PolicySampler:
         Ba, K = cols.shape
         with V.validation(False):  # the sampler's own tokens and times: valid by construction
             if run.block_state is not None:
-                block = run.x[rows].gather(1, cols)
-                head = (self.model.denoise_block(run.block_state, block, t, rows, self_condition) if positions is None
-                        else self.model.denoise_block(run.block_state, block, t, rows, self_condition,
-                                                      positions=positions))
+                head = self.model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows, self_condition,
+                                                positions=positions)
                 shape = (Ba, K)
             else:
                 kwargs = {} if run.attention_mask is None else {"attention_mask": run.attention_mask[rows]}
