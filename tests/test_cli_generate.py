@@ -25,9 +25,11 @@ def folders(tmp_path_factory):
     dm_dir, chat_dir = root / "dm", root / "chat"
     dm = uf.adapt_ar_model(tiny_model("llama", seed=1), tokenizer=tok)  # an added mask token
     dm.save_pretrained(dm_dir)
+    block_dir = root / "block"
+    uf.adapt_ar_model(tiny_model("llama", seed=1), tokenizer=tok, block_size=4).save_pretrained(block_dir)
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
     tok.save_pretrained(chat_dir)
-    return {"dm": str(dm_dir), "chat_tok": str(chat_dir), "root": root}
+    return {"dm": str(dm_dir), "block": str(block_dir), "chat_tok": str(chat_dir), "root": root}
 
 
 def _records(path):
@@ -65,6 +67,19 @@ def test_threshold_implies_the_policy_and_top_k_reaches_the_sampler(folders, cap
     assert rc == 0 and "4 steps" in capsys.readouterr().out
 
 
+def test_block_model_merge_commits_same_texts(folders, capsys):
+    """A saved block model decodes through its cache; --merge-commits gives the same samples."""
+    texts = []
+    for extra in ([], ["--merge-commits"]):
+        out = folders["root"] / f"block{len(extra)}.jsonl"
+        rc = main(["sample", "--model", folders["block"], "--prompt", "the big dog ran to the", "--policy",
+                   "low_confidence", "--num-steps", "2", "--max-new-tokens", "12", "--num-samples", "2",
+                   "--no-eos-stop", "--device", "cpu", "--out", str(out), *extra])
+        assert rc == 0
+        texts.append([(r["ids"], r["num_forwards"]) for r in _records(out)])
+    assert texts[0] == texts[1] and all(n == 6 for _, n in texts[0])
+
+
 def test_chat_applies_the_template(folders, capsys):
     out = folders["root"] / "chat.jsonl"
     rc = main(["sample", "--model", folders["dm"], "--tokenizer", folders["chat_tok"], "--chat", "--prompt", "hi",
@@ -78,6 +93,7 @@ def test_chat_applies_the_template(folders, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--chat"], "--chat"),
     (["--block-size", "4"], "--policy"),
+    (["--merge-commits"], "--policy"),
     (["--policy", "random", "--sampler", "euler"], "euler"),
     (["--policy", "threshold", "--threshold", "1.5", "--prompt", "a"], "threshold"),
 ])

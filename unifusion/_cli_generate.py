@@ -38,6 +38,9 @@ def decoding_args(p: argparse.ArgumentParser, positive_int: Callable[[str], int]
     g.add_argument("--cache-refresh", type=positive_int, default=None,
                    help="with --policy on a bidirectional model: the approximate dual cache, a full forward every N "
                         "steps of a block (default: no cache; block models always use their exact cache)")
+    g.add_argument("--merge-commits", action="store_true",
+                   help="with --policy on a block model: run each finished block within the next block's first step "
+                        "(one call fewer per block, the same tokens)")
     g.add_argument("--no-eos-stop", action="store_true",
                    help="do not stop at the tokenizer's EOS token (default: a sample ends at its first EOS)")
 
@@ -51,8 +54,8 @@ def check_decoding_args(args: argparse.Namespace) -> None:
     if (args.prompt or args.policy) and args.sampler != "bayesian":
         raise ValueError("--prompt and --policy decode with DiffusionLM.generate; --sampler euler "
                          "samples unconditionally only")
-    if args.policy is None and (args.block_size is not None or args.cache_refresh is not None):
-        raise ValueError("--block-size and --cache-refresh need --policy")
+    if args.policy is None and (args.block_size is not None or args.cache_refresh is not None or args.merge_commits):
+        raise ValueError("--block-size, --cache-refresh and --merge-commits need --policy")
 
 
 def chat_prompts(tok: Any, prompts: list[str]) -> list[str]:
@@ -91,7 +94,8 @@ def sample_with_generate(args: argparse.Namespace, model: Any, tok: Any, kernel:
         P = ids.shape[1]
         generators = [torch.Generator(device=device).manual_seed(args.seed + lo + i) for i in range(len(chunk))]
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, policy=policy, num_steps=args.steps,
-                             block_size=args.block_size, cache_refresh=args.cache_refresh, kernel=kernel,
+                             block_size=args.block_size, cache_refresh=args.cache_refresh,
+                             merge_commits=args.merge_commits, kernel=kernel,
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              eos_token_id=eos if isinstance(eos, int) else None, generator=generators,
                              return_dict=True, progress=sys.stderr.isatty())

@@ -80,6 +80,17 @@ def test_policy_requests_do_not_depend_on_their_batch(model, tokenizer):
     assert texts[2] == tokenizer.decode(new, skip_special_tokens=True)
 
 
+def test_merge_commits_on_a_block_model_gives_the_same_texts(tokenizer):
+    """merge_commits="true" (a model argument, as the command line gives it) reaches generate and changes no text."""
+    block = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer,
+                              block_size=4).eval()
+    gk = {"until": [], "max_gen_toks": 12, "do_sample": True}
+    batch = [_request(c, gk) for c in ("the animal is cat .", "the big dog ran")]
+    texts = [UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", num_steps=2, seed=1,
+                         merge_commits=merge).generate_until(batch) for merge in ("false", "true")]
+    assert texts[0] == texts[1]
+
+
 def test_bad_decoding_options(model, tokenizer):
     with pytest.raises(ValueError, match="policy"):
         UnifusionLM(model=model, tokenizer=tokenizer, policy="greedy")
@@ -87,6 +98,10 @@ def test_bad_decoding_options(model, tokenizer):
         UnifusionLM(model=model, tokenizer=tokenizer, block_size=4)
     with pytest.raises(ValueError, match="threshold"):
         UnifusionLM(model=model, tokenizer=tokenizer, policy="threshold", threshold=1.5)
+    with pytest.raises(ValueError, match="merge_commits"):
+        UnifusionLM(model=model, tokenizer=tokenizer, policy="low_confidence", merge_commits=True)  # no blocks
+    with pytest.raises(ValueError, match="merge_commits"):
+        UnifusionLM(model=model, tokenizer=tokenizer, merge_commits="maybe")
     lm = UnifusionLM(model=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="policy"):
         lm.generate_until([_request("the animal is", {"until": [], "policy": "beam"})])

@@ -359,11 +359,12 @@ def _block_model(mask: bool = True, K: int = 4):
 
 
 @pytest.mark.parametrize("policy", ["low_confidence", "threshold", "random", "entropy_bound"])
-@pytest.mark.parametrize("P", [0, 4, 8])
+@pytest.mark.parametrize("P", [0, 3, 4, 6])
 def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
     """use_cache=True (prefill, K + 1 positions per step, one forward per commit) gives the tokens of
     use_cache=False (every step the block-causal training forward, model(x_t, t, clean=x_t)), for mask policies and
-    EntropyBound under uniform noise; prompts whose length is a multiple of K (where the two cut the same blocks)."""
+    EntropyBound under uniform noise; both start the first block where the prompt ends, also when K does not divide
+    its length (the uncached path then runs behind invisible left pads)."""
     from unifusion.samplers.policies import make_policy
 
     uniform = policy == "entropy_bound"
@@ -379,6 +380,21 @@ def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
     uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
     assert torch.equal(cached.sequences, uncached.sequences)
     assert torch.equal(cached.num_forwards, uncached.num_forwards)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_on_a_block_model_left_padded_rows_equal_each_row_alone(use_cache) -> None:
+    """Prompts of 3 and 6 tokens, left-padded to 6 (K = 4 divides neither): each row's tokens are those of the row
+    alone, cached and uncached (the first block starts at each prompt's end either way)."""
+    model = _block_model(K=4)
+    short, long = _prompt(1, 3, seed=1), _prompt(1, 6, seed=2)
+    batch = torch.cat([torch.cat([torch.full((1, 3), PAD), short], 1), long])
+    kw = dict(max_new_tokens=9, policy=LowConfidence(), num_steps=2, eos_token_id=None, use_cache=use_cache)
+    out = model.generate(batch, attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6]), generator=_gens(2),
+                         **kw)
+    alone = [model.generate(row, generator=_gens(1, r), **kw) for r, row in enumerate((short, long))]
+    assert torch.equal(out[0, 3:], alone[0][0]) and torch.equal(out[1], alone[1][0])
+    assert torch.equal(out[0, :3], batch[0, :3])  # the pads come back as given
 
 
 def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -> None:
@@ -403,12 +419,36 @@ def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -
     assert set(calls.lengths) == {2 * L - 4 + nb}
 
 
+def test_generate_merge_commits_same_tokens_one_call_fewer_per_block() -> None:
+    """generate(..., merge_commits=True): the tokens of the default cache, the commit of each finished block inside
+    the next block's first step (2K + 1 positions), so n_b − 1 fewer calls for n_b blocks."""
+    model = _block_model(K=4)
+    P, new, nb = 5, 12, 3
+    outs, lengths = [], []
+    for merge in (False, True):
+        calls = BackboneCalls(model)
+        try:
+            outs.append(model.generate(_prompt(2, P), max_new_tokens=new, policy=LowConfidence(), num_steps=2,
+                                       eos_token_id=None, generator=_gens(2), merge_commits=merge))
+        finally:
+            calls.close()
+        lengths.append(calls.lengths)
+    assert torch.equal(outs[0], outs[1])
+    assert lengths[1] == [P] + [5, 5] + [4 + 5, 5] * (nb - 1) and len(lengths[0]) == len(lengths[1]) + nb - 1
+
+
 def test_block_model_arguments() -> None:
     model = _block_model(K=4)
     with pytest.raises(ValueError, match="block_size"):
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=8)
     with pytest.raises(ValueError, match="cache_refresh"):
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
+    for bad in (dict(use_cache=False), dict(policy=None)):
+        with pytest.raises(ValueError, match="merge_commits"):
+            model.generate(_prompt(1, 4), max_new_tokens=8, **{"policy": LowConfidence(), **bad}, merge_commits=True)
+    with pytest.raises(ValueError, match="merge_commits"):
+        adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).generate(
+            _prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), merge_commits=True)
     out = model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=4, num_steps=4)
     assert out.shape == (1, 12)
 

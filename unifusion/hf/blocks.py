@@ -22,7 +22,10 @@ So the prediction of token ``bK + j`` sees exactly ``x_0[< bK]`` and (at γ = 1)
 token's own noisy state. At ``K = 1``, ``γ = 0`` the anchor sees only the clean prefix: the AR model's prediction.
 
 **Padding** (``attention_mask``) follows the plain model's rule (contiguous, right or left; bos just before the
-first real token, position ids counting real tokens): padded keys are blocked, every query sees itself.
+first real token, position ids counting real tokens): padded keys are blocked, every query sees itself. Blocks are
+cut at *column* multiples of K, so p left pads move a row's block boundaries to real positions ``≡ −p (mod K)``
+(what lets generation start a block at any prompt's end); train with right padding to count blocks from each row's
+first token.
 **Sliding windows** apply on position ids: key j is visible from query i only if also ``|pos_i − pos_j| < w``.
 **Time conditioning**: clean positions get the embedding of ``t = 0``, a block's noisy positions (anchor included)
 that of the block's time.

@@ -11,9 +11,10 @@ bidirectionally within the block and against every cached position, then drops i
 is the computation of the block-causal training forward for the block (``model(x_t, t, clean=x_0)``), so cached and
 uncached decoding give the same tokens.
 
-Blocks start where the prompt ends: a prompt whose length is not a multiple of K is the clean prefix all the same
-(the training forward cuts blocks at multiples of K from the start, so the two agree token for token when
-``P % K == 0``). With ``positions`` (a mask policy's still-masked positions) the output head runs only there.
+Blocks start where the prompt ends: a prompt whose length is not a multiple of K is the clean prefix all the same.
+The training forward cuts blocks at column multiples of K, so ``generate(..., use_cache=False)`` runs it behind
+``−P mod K`` invisible left pads (position ids count real tokens): cached and uncached agree token for token for
+every P. With ``positions`` (a mask policy's still-masked positions) the output head runs only there.
 
 ``merge_commits=True`` appends a committed block within the next block's first step instead (one call of ``2K + 1``
 positions: the clean ones see the cache and each other causally and stay in it, the noisy ones see everything and

@@ -25,6 +25,7 @@ positions after a row's first generated EOS are filled afterwards; the sampler's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,7 @@ def model_pad_token_id(model: Any) -> int | None:
 
 def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
              policy: Any = None, num_steps: int | None = None, block_size: int | None = None, use_cache: bool = True,
-             cache_refresh: int | None = None, attention_mask: torch.Tensor | None = None,
+             cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
              kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
              eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
@@ -101,7 +102,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
     _check_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
-    for name, flag in (("use_cache", use_cache), ("return_dict", return_dict)):
+    for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if kernel is None:
@@ -125,16 +126,34 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     prompt[:, :P] = prompt_ids
     if policy is None:
         return _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
-                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh)
+                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
     from ..samplers.policy_sampler import PolicySampler
 
-    decoder = _decoder(model, L, block_size, use_cache, cache_refresh)
+    decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = getattr(model, "block_size", None)
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None)
-    return sampler.sample(B, L, prompt=prompt, attention_mask=attention_mask, generator=generator,
-                          eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress)
+    shift = -P % model_block if decoder is None and model_block is not None else 0
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        shift = 0  # the sampler names the argument's type
+    if shift:  # the uncached block forward cuts at multiples of K: invisible pads put a cut at the prompt's end
+        prompt, attention_mask = _pad_left(prompt, attention_mask, P, shift)
+    out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
+                         eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress)
+    if isinstance(out, torch.Tensor):
+        return out[:, shift:]
+    return dataclasses.replace(out, sequences=out.sequences[:, shift:]) if shift else out
+
+
+def _pad_left(prompt: torch.Tensor, attention_mask: torch.Tensor | None, P: int, shift: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shift`` more left-padding columns (masked out: the rows compute as before, position ids count real tokens)
+    before ``prompt`` ``(B, L)`` and its ``(B, P)`` (or ``(B, L)``) ``attention_mask``."""
+    B = prompt.shape[0]
+    pads = prompt[:, :1].expand(B, shift)  # any valid id: no query sees them
+    mask = torch.ones((B, P), dtype=torch.bool, device=prompt.device) if attention_mask is None else attention_mask
+    return torch.cat([pads, prompt], 1), torch.cat([mask.new_zeros((B, shift)), mask], 1)
 
 
 def _check_length(model: Any, L: int, name: str) -> None:
@@ -171,11 +190,15 @@ def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | None
     return eos_token_id
 
 
-def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None) -> Any:
+def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
+             merge_commits: bool) -> Any:
     """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls)."""
     from . import decoding
 
     model_block = getattr(model, "block_size", None)
+    if merge_commits and (model_block is None or not use_cache):
+        raise ValueError("merge_commits: merges commits into the exact block cache, which needs a block model "
+                         "(adapt_ar_model(..., block_size=K)) and use_cache=True")
     if cache_refresh is not None:
         if isinstance(cache_refresh, bool) or not isinstance(cache_refresh, int) or cache_refresh < 1:
             raise ValueError(f"cache_refresh: expected a positive int (a full forward every N steps of a block), got "
@@ -189,7 +212,7 @@ def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_
         if block_size is not None and block_size != model_block:
             raise ValueError(f"block_size: the model was trained with blocks of {model_block}, got {block_size}; "
                              "leave it None (the model's) or pass the same size")
-        return decoding.BlockCacheDecoder(model) if use_cache else None
+        return decoding.BlockCacheDecoder(model, merge_commits=merge_commits) if use_cache else None
     if cache_refresh is not None:
         return decoding.PrefixCacheDecoder(model, L, cache_refresh)
     return None
@@ -219,12 +242,14 @@ class BlockForward:
 def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
               num_steps: int | None, temperature: float, top_p: float | None, top_k: int | None, eps: float,
               eos: int | None, pad: int | None, return_dict: bool, progress: bool, block_size: int | None,
-              cache_refresh: int | None) -> Any:
+              cache_refresh: int | None, merge_commits: bool) -> Any:
     """``policy=None``: today's :class:`~unifusion.BayesianSampler` path (full-sequence steps)."""
     from ..samplers.bayesian import BayesianSampler
 
-    if block_size is not None or cache_refresh is not None:
-        raise ValueError(f"{'block_size' if block_size is not None else 'cache_refresh'}: block decoding needs a "
+    named = [n for n, v in (("block_size", block_size), ("cache_refresh", cache_refresh),
+                            ("merge_commits", merge_commits or None)) if v is not None]
+    if named:
+        raise ValueError(f"{named[0]}: block decoding needs a "
                          "decoding policy (policy=uf.samplers.policies.LowConfidence(), ...); policy=None runs the "
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps

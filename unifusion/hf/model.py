@@ -445,7 +445,7 @@ class DiffusionLM(nn.Module, Denoiser):
 
     def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
                  policy: Any = None, num_steps: int | None = None, block_size: int | None = None,
-                 use_cache: bool = True, cache_refresh: int | None = None,
+                 use_cache: bool = True, cache_refresh: int | None = None, merge_commits: bool = False,
                  attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
                  pad_token_id: int | None = None, return_dict: bool = False, kernel: Any = None,
                  temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
@@ -454,10 +454,9 @@ class DiffusionLM(nn.Module, Denoiser):
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
         block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given.
 
-        The prompt is a fixed prefix: it is in ``z_t`` at every step and never changes. With ``policy=None`` the
-        ``N = num_steps`` posterior steps generate the positions after it, bidirectionally (``γ = 1``), each a
-        full-sequence call. With a policy the generated region is decoded block by block (:mod:`unifusion.hf.generation`
-        has the rules for padding, EOS and the caches).
+        The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
+        generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
+        (:mod:`unifusion.hf.generation` has the rules for padding, EOS and the caches).
 
         Args:
             prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
@@ -473,6 +472,8 @@ class DiffusionLM(nn.Module, Denoiser):
                 model's own ``block_size``, which is the only one it takes).
             use_cache: with a policy on a block model, the exact KV cache (prefill the prompt once, each step runs one
                 block's ``K + 1`` positions, one forward per committed block): the same tokens as ``False``.
+            merge_commits: with that cache, run each committed block within the next block's first step (one call of
+                ``2K + 1`` positions instead of two; Fast-dLLM v2's way): the same tokens, one call fewer per block.
             cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
                 full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
                 between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
@@ -504,12 +505,12 @@ class DiffusionLM(nn.Module, Denoiser):
         device type than the model (or a number of per-row generators other than ``B``), a padded batch without
         ``attention_mask`` and a length beyond the model's positions are ``ValueError``s naming the argument.
         """
-        return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy,
-                                   num_steps=num_steps, block_size=block_size, use_cache=use_cache,
-                                   cache_refresh=cache_refresh, attention_mask=attention_mask,
-                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_dict=return_dict,
-                                   kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
-                                   generator=generator, progress=progress)
+        return generation.generate(
+            self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
+            block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
+            attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            return_dict=return_dict, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
+            generator=generator, progress=progress)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 

@@ -41,6 +41,8 @@ MODEL_ARGS: tuple[tuple[str, str, str], ...] = (
     ("threshold", "0.9", "the threshold policy's confidence (implies policy=threshold when no policy is named)"),
     ("cache_refresh", "none", "with a policy on a bidirectional model: the approximate dual cache, a full forward "
      "every N steps of a block"),
+    ("merge_commits", "false", "with a policy on a block model: each finished block runs within the next block's "
+     "first step (one forward fewer per block, the same tokens)"),
     ("do_sample", "false", "sample when a task sets neither do_sample nor temperature (else argmax x0)"),
     ("temperature", "1.0", "sampling temperature unless the task's gen_kwargs set one"),
     ("top_p", "off", "nucleus mass of sampling unless the task's gen_kwargs set one"),

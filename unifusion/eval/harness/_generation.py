@@ -37,20 +37,23 @@ from ._common import Cuts, HarnessBase, evaluating, request_seed, seeded_generat
 @dataclass(frozen=True)
 class DecodingOptions:
     """How ``generate_until`` decodes (module docstring): ``policy`` ``None`` (the Bayesian sampler) or a name of
-    :data:`~unifusion.samplers.policies.POLICY_NAMES`; ``steps`` the steps per block (``None``: the default)."""
+    :data:`~unifusion.samplers.policies.POLICY_NAMES`; ``steps`` the steps per block (``None``: the default);
+    ``merge_commits`` runs a block model's commits within the next block's first step (the same tokens, so it is not
+    part of :meth:`key`, which seeds requests)."""
 
     policy: str | None = None
     block_size: int | None = None
     threshold: float | None = None
     cache_refresh: int | None = None
     steps: int | None = None
+    merge_commits: bool = False
 
     def key(self) -> tuple[Any, ...]:
         return (self.policy, self.block_size, self.threshold, self.cache_refresh, self.steps)
 
 
 def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh: Any, steps: Any,
-                     base: DecodingOptions | None = None) -> DecodingOptions:
+                     base: DecodingOptions | None = None, merge_commits: Any = None) -> DecodingOptions:
     """Checked :class:`DecodingOptions` from model arguments or ``gen_kwargs`` (strings as the command line gives
     them; ``None`` keeps ``base``'s value). A policy is checked by building it once."""
     from ...samplers.policies import make_policy
@@ -67,12 +70,13 @@ def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh
         policy=name, block_size=base.block_size if block_size is None else as_int("block_size", block_size),
         threshold=thr if name == "threshold" else None,
         cache_refresh=base.cache_refresh if cache_refresh is None else as_int("cache_refresh", cache_refresh),
-        steps=base.steps if steps is None else as_int("num_steps", steps))
+        steps=base.steps if steps is None else as_int("num_steps", steps),
+        merge_commits=base.merge_commits if merge_commits is None else as_bool("merge_commits", merge_commits))
     if options.policy is not None:
         make_policy(options.policy, threshold=options.threshold)
-    elif options.block_size is not None or options.cache_refresh is not None:
-        raise ValueError("policy: block_size and cache_refresh need a decoding policy (policy=low_confidence, "
-                         "threshold, ...); policy=none runs the full-sequence Bayesian sampler")
+    elif options.block_size is not None or options.cache_refresh is not None or options.merge_commits:
+        raise ValueError("policy: block_size, cache_refresh and merge_commits need a decoding policy "
+                         "(policy=low_confidence, threshold, ...); policy=none runs the full-sequence Bayesian sampler")
     return options
 
 
@@ -211,6 +215,7 @@ class GenerationRequests(HarnessBase):
         return self.model.generate(
             prompts, max_new_tokens=max_new, policy=make_policy(decoding.policy, threshold=decoding.threshold),
             num_steps=decoding.steps, block_size=decoding.block_size, cache_refresh=decoding.cache_refresh,
+            merge_commits=decoding.merge_commits,
             kernel=self.kernel, temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators),
             eos_token_id=eos if isinstance(eos, int) else None, attention_mask=torch.ones_like(prompts))
 

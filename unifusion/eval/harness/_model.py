@@ -73,6 +73,8 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
         threshold: the confidence threshold of the ``"threshold"`` policy.
         cache_refresh: Fast-dLLM's approximate prefix cache for bidirectional models, refreshed every this many
             steps (``None``: the exact path).
+        merge_commits: with a policy on a block model, run each finished block within the next block's first step
+            (one forward fewer per block, the same tokens).
         do_sample: sample (at ``temperature``) when a task's ``gen_kwargs`` set neither ``do_sample`` nor a
             temperature; default ``False`` (argmax x_θ, the harness's convention).
         temperature: sampling temperature when the task's ``gen_kwargs`` set none.
@@ -98,7 +100,8 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
                  do_sample: Any = False, temperature: Any = 1.0, top_p: Any = None, top_k: Any = None,
                  seed: Any = 0, seeding: str = "request", batch_size: Any = 64, max_batch_size: Any = None,
                  device: str | None = None, dtype: str | torch.dtype | None = None, policy: Any = None,
-                 block_size: Any = None, threshold: Any = None, cache_refresh: Any = None, **unused: Any) -> None:
+                 block_size: Any = None, threshold: Any = None, cache_refresh: Any = None, merge_commits: Any = False,
+                 **unused: Any) -> None:
         super().__init__()
         if unused:
             raise TypeError(f"model_args: unknown argument(s) {sorted(unused)}; the arguments are "
@@ -160,7 +163,10 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
         self.max_gen_toks = None if max_gen_toks is None else as_int("max_gen_toks", max_gen_toks)
         self.num_steps = 64 if num_steps is None else as_int("num_steps", num_steps)
         self.decoding = decoding_options(policy, block_size, threshold, cache_refresh,
-                                         None if num_steps is None else self.num_steps)
+                                         None if num_steps is None else self.num_steps, merge_commits=merge_commits)
+        if self.decoding.merge_commits and getattr(self.model, "block_size", None) is None:
+            raise ValueError("merge_commits: merges commits into a block model's exact cache; this model has no "
+                             "block_size (adapt_ar_model(..., block_size=K))")
         if self.conditional and self.decoding.policy is not None:
             raise ValueError(f"policy: {type(model).__name__} samples with its own sampler (generate_until uses its "
                              "generate); leave policy, block_size, threshold and cache_refresh unset")
