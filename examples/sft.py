@@ -10,7 +10,7 @@ The recipe of the released block-diffusion chat models (Fast-dLLM v2, SDAR), at 
    ``prompt_mask`` (everything but the assistant's answers) and ``attention_mask``, and
    ``uf.diffusion_loss(..., prompt_mask=)`` corrupts and scores only the answers;
 4. save it (``save_pretrained`` with the tokenizer; the block size is part of the saved config) and sample a reply to
-   a held-out prompt with ``model.generate``.
+   a held-out prompt with ``model.generate`` (block decoding with the ``LowConfidence`` policy and the KV cache).
 
 Data: the bundled chat set ``unifusion/data/chat_python_docs.jsonl`` (350 conversations built from the Python
 documentation prose that ships with unifusion, PSF licence; ``tools/build_chat_data.py``), or ``--data FILE.jsonl``
@@ -63,6 +63,7 @@ from train_torchrun import (  # noqa: E402
 
 import unifusion as uf  # noqa: E402
 from unifusion.chat import ChatBatch, collate_chats, load_python_docs_chats, tokenize_conversation  # noqa: E402
+from unifusion.samplers.policies import LowConfidence  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ model and data
@@ -171,7 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="unifusion-sft", help="output folder (the model goes to OUT/final)")
     parser.add_argument("--sample-index", type=int, default=0, help="which held-out conversation to answer")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="length of the sampled reply")
-    parser.add_argument("--sample-steps", type=int, default=32, help="denoising steps of the sampler")
+    parser.add_argument("--sample-steps", type=int, default=32,
+                        help="denoising steps per block of the reply's decoding (at most the block size)")
     args = parser.parse_args(argv)
     for name in ("seq_len", "block_size", "max_steps", "micro_batch", "max_new_tokens", "sample_steps"):
         if getattr(args, name) < 1:
@@ -285,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         conversation = held_out[args.sample_index % len(held_out)]
         prompt_ids, question, reference = reply_prompt(conversation, tokenizer)
         generator = torch.Generator(device=device).manual_seed(args.seed)
-        with torch.no_grad():
+        steps = min(args.sample_steps, reloaded.block_size or args.max_new_tokens)
+        with torch.no_grad():  # block by block, against the block model's KV cache, until the end-of-turn token
             ids = reloaded.generate(prompt_ids.to(device), max_new_tokens=args.max_new_tokens,
-                                    num_steps=args.sample_steps, generator=generator)
+                                    policy=LowConfidence(), num_steps=steps, generator=generator)
         new = ids[0, prompt_ids.shape[1]:].tolist()
         if tokenizer.eos_token_id in new:  # the reply ends at the end-of-turn token
             new = new[:new.index(tokenizer.eos_token_id)]

@@ -78,6 +78,8 @@ def test_block_model_merge_commits_same_texts(folders, capsys):
         assert rc == 0
         texts.append([(r["ids"], r["num_forwards"]) for r in _records(out)])
     assert texts[0] == texts[1] and all(n == 6 for _, n in texts[0])
+    rc = main(["sample", "--model", folders["block"], "--seq-len", "8", "--device", "cpu"])  # no policy
+    assert rc == 2 and "--policy" in capsys.readouterr().err
 
 
 def test_chat_applies_the_template(folders, capsys):

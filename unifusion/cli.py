@@ -244,6 +244,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     model, tok, kernel = _load_model(args)
     if args.prompt or args.policy:
         return sample_with_generate(args, model, tok, kernel)
+    K = getattr(model, "block_size", None)
+    if K is not None and args.seq_len > K:
+        raise ValueError(f"--policy: this block model (block_size={K}) decodes block by block against its cache; "
+                         f"pass --policy (e.g. --policy low_confidence) instead of --sampler {args.sampler}")
     if args.steps is None:
         args.steps = 64
     device = next(model.parameters()).device

@@ -43,7 +43,10 @@ def test_adaptive_policy_on_a_block_model_and_an_x0_callable(tmp_path, tokenizer
     s = PolicyFrontierSampler(block, kernel, 4, policy=ConfidenceThreshold(0.2))
     ids = s.sample(3, 8, generator=torch.Generator().manual_seed(0))
     assert ids.shape == (3, 8) and s.tokens_per_forward is not None and s.tokens_per_forward >= 1.0
-    res = frontier(lambda x, t: block(x, t), kernel, steps=(4,), seeds=(0,), num_samples=2, seq_len=8,
+    plain = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2)).eval()
+    with pytest.raises(ValueError, match="clean"):  # a block model is no full-sequence x0 callable
+        block(ids, torch.full((3,), 0.5))
+    res = frontier(lambda x, t: plain(x, t), kernel, steps=(4,), seeds=(0,), num_samples=2, seq_len=8,
                    judge_model=judge, judge_tokenizer=tokenizer, tokenizer=tokenizer, out_dir=tmp_path,
                    entropy_tokenizer=tokenizer, policy=ConfidenceThreshold(0.2), block_size=4, plot=False,
                    progress=False)

@@ -196,6 +196,18 @@ def test_right_padding_equals_the_shorter_row() -> None:
 # identity 2: block size 1, mask kernel, causal attention = the AR model
 
 
+def test_block_model_without_clean_is_refused_unless_causal() -> None:
+    """A block model's plain bidirectional forward over more than one block is not what it was trained for: a
+    ValueError naming clean (the causal forward, γ = 0, is the AR model and stays allowed; so does one block)."""
+    model = _model(4)
+    x0 = _x0(2, 8)
+    with pytest.raises(ValueError, match="clean"):
+        model(x0, torch.full((2,), 0.5))
+    with torch.no_grad():
+        assert model(x0, bidirectional_prob=0.0).shape == (2, 8, model.num_states)
+        assert model(x0[:, :4], torch.full((2,), 0.5)).shape == (2, 4, model.num_states)
+
+
 def test_block_size_one_at_gamma_zero_is_the_ar_model() -> None:
     model, kernel = _model(1), _kernel("mask")
     x0 = _x0(1, 6)

@@ -443,6 +443,8 @@ def test_block_model_arguments() -> None:
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=8)
     with pytest.raises(ValueError, match="cache_refresh"):
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
+    with pytest.raises(ValueError, match="policy"):  # the full-sequence Bayesian sampler is not a block decoder
+        model.generate(_prompt(1, 4), max_new_tokens=8)
     for bad in (dict(use_cache=False), dict(policy=None)):
         with pytest.raises(ValueError, match="merge_commits"):
             model.generate(_prompt(1, 4), max_new_tokens=8, **{"policy": LowConfidence(), **bad}, merge_commits=True)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .blocks import check_block_size
-from .families import family_for, supported_model_types
-from .model import DiffusionLM, unwrap_peft
+from .families import family_for, supported_model_types, unwrap_peft
+from .model import DiffusionLM
 
 __all__ = ["adapt_ar_model"]
 

@@ -254,6 +254,11 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps
     B, L = prompt.shape
+    K = getattr(model, "block_size", None)
+    if K is not None and L > K:
+        raise ValueError(f"policy: this block model (block_size={K}) decodes block by block against its cache; pass a "
+                         "decoding policy (policy=uf.samplers.policies.LowConfidence(), or RandomOrder() for the "
+                         "ancestral order); policy=None runs the full-sequence BayesianSampler")
     x0_model = model
     if attention_mask is not None:
         from ..samplers import _policy_run as R

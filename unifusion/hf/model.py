@@ -39,22 +39,11 @@ from .. import _validation as V
 from ..denoiser import Denoiser
 from . import attention, blocks, generation, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
-from .families import Family, family_for
+from .families import Family, family_for, unwrap_peft
 from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
 
 __all__ = ["DiffusionLM", "unwrap_peft"]
-
-
-def unwrap_peft(model: nn.Module) -> Any:
-    """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``.
-
-    Typed ``Any``: a ``PreTrainedModel``'s methods (``get_input_embeddings``, ``config``, ...) are reached through
-    ``nn.Module.__getattr__`` for peft models and plain attributes otherwise; neither types usefully."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if hasattr(model, "peft_config") and callable(get_base_model):
-        return get_base_model()
-    return model
 
 
 class DiffusionLM(nn.Module, Denoiser):
@@ -308,8 +297,9 @@ class DiffusionLM(nn.Module, Denoiser):
             position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
                 gradient work); ones when ``None``.
             clean: block models only (:attr:`block_size`): the clean tokens x_0 ``(B, L)`` of the block-causal
-                layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. With one block
-                (``block_size >= L``) it is unused: the plain bidirectional forward.
+                layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. Required over
+                more than one block unless ``γ = 0`` (the causal AR forward); with one block (``block_size >= L``)
+                unused: the plain bidirectional forward.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
@@ -319,6 +309,12 @@ class DiffusionLM(nn.Module, Denoiser):
             holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
         """
         generator = V.check_generator(generator)
+        if clean is None and self.block_size is not None and isinstance(x_t, torch.Tensor) and x_t.dim() == 2 \
+                and x_t.shape[1] > self.block_size and not (isinstance(bidirectional_prob, float | int)
+                                                            and bidirectional_prob == 0):  # causal: the AR model
+            raise ValueError(f"clean: this block model (block_size={self.block_size}) predicts a block from the clean "
+                             f"tokens before it; pass clean=x_0 ({tuple(x_t.shape)}, as diffusion_loss does), or "
+                             "decode block by block (generate(policy=...), PolicySampler)")
         if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
             routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
                                          objective, weighting, max_weight, reduction, position_weight)
@@ -464,8 +460,9 @@ class DiffusionLM(nn.Module, Denoiser):
             max_new_tokens: number of tokens to generate after the prompt; or give
             seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
                 config's ``max_position_embeddings`` is a ``ValueError``.
-            policy: ``None`` (the BayesianSampler), or a :class:`~unifusion.samplers.policies.DecodingPolicy`
-                (``LowConfidence()``, ``ConfidenceThreshold(0.9)``, ``EntropyBound(bound)`` with a uniform kernel, ...).
+            policy: ``None`` (the BayesianSampler; not for a block model), or a
+                :class:`~unifusion.samplers.policies.DecodingPolicy` (``LowConfidence()``, ``ConfidenceThreshold(0.9)``,
+                ``EntropyBound(bound)`` with a uniform kernel, ...).
             num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
                 the block size; adaptive policies may take fewer).
             block_size: positions per block with a policy (default: one block over the generated region; a block
