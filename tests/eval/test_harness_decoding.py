@@ -89,6 +89,8 @@ def test_merge_commits_on_a_block_model_gives_the_same_texts(tokenizer):
     texts = [UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", num_steps=2, seed=1,
                          merge_commits=merge).generate_until(batch) for merge in ("false", "true")]
     assert texts[0] == texts[1]
+    with pytest.raises(ValueError, match="policy=low_confidence"):  # no policy: not a full-sequence sampler
+        UnifusionLM(model=block, tokenizer=tokenizer, seed=1).generate_until(batch)
 
 
 def test_bad_decoding_options(model, tokenizer):

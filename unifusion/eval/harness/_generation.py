@@ -207,6 +207,10 @@ class GenerationRequests(HarnessBase):
         ``model.generate(prompts[b:b + 1], ..., generator=generators[b])`` whatever rows are beside it (up to the
         model's arithmetic, which on some devices differs with the batch shape). Returns ``(B, P + max_new)``."""
         if decoding is None or decoding.policy is None:
+            K = getattr(self.model, "block_size", None)
+            if K is not None and prompts.shape[1] + max_new > K:
+                raise ValueError(f"policy: this block model (block_size={K}) decodes block by block; set the model "
+                                 "argument policy=low_confidence (or threshold, random, ...) for generate_until")
             return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
                                        temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
         from ...samplers.policies import make_policy
