@@ -13,7 +13,8 @@ accumulation of ∂W from bf16 operands and its default block size;
 sampler end to end (Bayesian and Euler); the LM-vocabulary draw straight from bf16 logits
 (``bayesian_step_from_logits``) against the float64 posterior; ``nll_bound`` against a float64 CPU recomputation of
 the same draws; ``score_choices`` / ``fair_pmi_scores`` against a float64 CPU model; the lm-eval harness's three
-request types on the device (the rolling bound's generator on the device: #16); the compiled backend against eager.
+request types on the device (the rolling bound's generator on the device: #16); the compiled backend against eager;
+block decoding through the exact KV cache (merged commits or not) against the uncached block forward (#24).
 TF32 is switched off so float32 matmuls are float32.
 """
 
@@ -623,3 +624,26 @@ def test_compiled_backend_matches_eager_on_cuda():
         uf.backend.set_backend(previous)
     for a, b in zip(results["compiled"], results["eager"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("merge_commits", [False, True])
+def test_block_decoding_on_cuda_cached_equals_uncached(merge_commits):
+    """A tiny block model on the device (float32, TF32 off): generate through the exact KV cache (merged commits or
+    not) gives the tokens and forward counts of the uncached block-causal forward, rows with their own generators,
+    a left-padded batch and a prompt length K does not divide (#24)."""
+    from unifusion.samplers.policies import LowConfidence
+
+    torch.manual_seed(0)
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=4).to(DEV).eval()
+    prompt = torch.randint(4, 100, (3, 6), device=DEV)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0  # row 0: a 3-token prompt, left-padded
+    outs = []
+    for use_cache in (True, False):
+        gens = [torch.Generator(device=DEV).manual_seed(r) for r in range(3)]
+        outs.append(model.generate(prompt, attention_mask=mask, max_new_tokens=10, policy=LowConfidence(),
+                                   num_steps=2, eos_token_id=None, use_cache=use_cache, generator=gens,
+                                   merge_commits=merge_commits and use_cache, return_dict=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].num_forwards, outs[1].num_forwards)
+    assert outs[0].sequences.device.type == "cuda" and int(outs[0].sequences[:, 6:].min()) >= 0
