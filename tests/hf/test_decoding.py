@@ -362,9 +362,9 @@ def _block_model(mask: bool = True, K: int = 4):
 @pytest.mark.parametrize("P", [0, 3, 4, 6])
 def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
     """use_cache=True (prefill, K + 1 positions per step, one forward per commit) gives the tokens of
-    use_cache=False (every step the block-causal training forward, model(x_t, t, clean=x_t)), for mask policies and
-    EntropyBound under uniform noise; both start the first block where the prompt ends, also when K does not divide
-    its length (the uncached path then runs behind invisible left pads)."""
+    use_cache=False (every step the block-causal training forward, model(x_t, t, clean=x_t)) and of merged commits,
+    for mask policies and EntropyBound under uniform noise; all start the first block where the prompt ends, also when
+    K does not divide its length (the uncached path then runs behind invisible left pads)."""
     from unifusion.samplers.policies import make_policy
 
     uniform = policy == "entropy_bound"
@@ -378,8 +378,10 @@ def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
               num_steps=2 if not uniform else 4, eos_token_id=None, return_dict=True)
     cached = model.generate(prompt, generator=_gens(B), **kw)
     uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    assert torch.equal(cached.num_forwards, uncached.num_forwards)
+    merged = model.generate(prompt, generator=_gens(B), merge_commits=True, **kw)
+    for other in (uncached, merged):
+        assert torch.equal(cached.sequences, other.sequences)
+        assert torch.equal(cached.num_forwards, other.num_forwards)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
