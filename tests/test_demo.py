@@ -72,6 +72,14 @@ class _CompilingClock(_Clock):
         super().hook(module, args, output)
 
 
+class _SlowClock(_Clock):
+    """As :class:`_Clock`, five seconds per training step."""
+
+    def hook(self, module, args, output) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.now += 5.0
+
+
 def _run_tiny_demo(tmp_path, monkeypatch, clock, budget="5", extra=()):
     """run_demo on a tiny random llama (vocab 128) with a fake clock whose compile seconds are ``clock.compiled``."""
     from transformers import PreTrainedTokenizerFast
@@ -117,6 +125,21 @@ def test_tiny_demo_decodes_in_blocks_next_to_the_ar_model_and_writes_its_metrics
     assert [s["decoder"] for s in samples] == ["AR"] * 2 + ["low-confidence, 2 steps/block"] * 2 + ["threshold 0.9"] * 2
     report = capsys.readouterr().out
     assert "2.00 tokens/forward" in report and "GenPPL" in report and "× AR" in report
+
+
+def test_a_step_budget_makes_two_runs_give_the_same_numbers(tmp_path, monkeypatch):
+    """--train-steps 3: exactly 3 updates whatever the clock says (the fake one makes every step 1 s, the other 5 s),
+    schedules on the step count, so losses, tokens per forward, GenPPL and entropy agree between the runs."""
+    runs = []
+    for clock, name in ((_Clock(), "a"), (_SlowClock(), "b")):
+        metrics, _ = _run_tiny_demo(tmp_path / name, monkeypatch, clock, budget="2", extra=("--train-steps", "3"))
+        runs.append(metrics)
+    a, b = runs
+    assert a["train_steps"] == b["train_steps"] == 3
+    assert [h["loss"] for h in a["loss_history"]] == [h["loss"] for h in b["loss_history"]]
+    assert [h["gamma"] for h in a["loss_history"]] == [0.0, 2 / 3, 1.0]
+    keys = ("tokens_per_forward", "forwards", "genppl", "entropy")
+    assert [[r[k] for k in keys] for r in a["decoding"]] == [[r[k] for k in keys] for r in b["decoding"]]
 
 
 def test_uniform_kernel_decodes_with_the_entropy_bound(tmp_path, monkeypatch):

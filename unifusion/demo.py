@@ -73,6 +73,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--train-seconds", type=float, default=300.0,
                         help="training budget in seconds (compiling not counted)")
     parser.add_argument("--max-train-steps", type=int, default=10_000, help="upper bound on optimizer steps")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help="train exactly this many updates instead of --train-seconds, with the schedules on the "
+                             "step count: two runs then give the same numbers apart from wall times")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -131,8 +134,10 @@ def _compile_seconds() -> float:
 
 def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace,
            device: torch.device) -> dict[str, Any]:
-    """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), γ annealed
-    causal → block-causal over the first half of the budget."""
+    """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), or for
+    ``args.train_steps`` updates; γ annealed causal → block-causal over the first half of the budget, the learning rate
+    on a cosine over all of it. With a time budget both schedules follow the clock (so runs differ with the machine's
+    speed); with a step budget they follow the step count."""
     from tqdm.auto import tqdm
 
     import unifusion as uf
@@ -146,11 +151,15 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
     start = time.time()
     step, tokens, ema = 0, 0, float("nan")
     elapsed, compiling = 0.0, 0.0  # the budget clock: training time less the seconds a step spent compiling
-    bar = tqdm(total=int(budget), unit="s", desc="train", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
-    while step < args.max_train_steps and elapsed < budget:
+    n_steps = args.train_steps
+    unit = "step" if n_steps else "s"
+    bar = tqdm(total=n_steps or int(budget), unit=unit, desc="train",
+               bar_format="{l_bar}{bar}| {n:.0f}/{total}" + unit + " {postfix}")
+    while step < n_steps if n_steps else (step < args.max_train_steps and elapsed < budget):
         step_start, compiled_before = time.time(), _compile_seconds()
-        gamma = min(1.0, elapsed / (0.5 * budget))  # γ: causal → block-causal
-        lr = args.lr * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, elapsed / budget)))
+        progress = step / n_steps if n_steps else elapsed / budget  # of the budget, in [0, 1)
+        gamma = min(1.0, progress / 0.5)  # γ: causal → block-causal
+        lr = args.lr * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, progress)))
         for group in opt.param_groups:
             group["lr"] = lr
         x0 = train[torch.randint(0, len(train), (args.batch_size,), generator=g_cpu)].to(device)
@@ -170,7 +179,7 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
         elapsed += max(0.0, time.time() - step_start - spent)
         now = time.time() - start
         history.append({"step": step, "seconds": now, "loss": value, "gamma": gamma})
-        bar.n = min(int(elapsed), int(budget))
+        bar.n = step if n_steps else min(int(elapsed), int(budget))
         bar.set_postfix_str(f"step {step} loss {ema:.3f} γ {gamma:.2f} {tokens / max(now, 1e-9):.0f} tok/s")
     bar.close()
     model.eval()
@@ -278,6 +287,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in (("--block-size", K), ("--prompt-len", P), ("--new-tokens", N), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
+    if args.train_steps is not None and args.train_steps < 1:
+        raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
 
     # 1. load + AR perplexity -----------------------------------------------------------------------------
     print(f"[1/3] loading {args.model} ...", flush=True)
@@ -297,7 +308,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     kernel = (uf.MaskKernel(model.num_states, mask_id) if mask_id is not None
               else uf.UniformKernel(model.num_states))  # α_t = 1 − t
     print(f"[2/3] adapting to block diffusion: {args.kernel} kernel, blocks of {K}, GIDD loss, one time per block, "
-          f"attention annealed causal → block-causal over the first half of a {args.train_seconds:.0f} s budget"
+          "attention annealed causal → block-causal over the first half of a "
+          + (f"{args.train_steps}-step" if args.train_steps else f"{args.train_seconds:.0f} s") + " budget"
           f"{'' if args.no_bf16 else ' (bf16 autocast)'}", flush=True)
     trained = _train(model, kernel, train, args, device)
     print(f"      {trained['train_steps']} steps, {trained['train_tokens']} tokens, final loss (EMA) "
