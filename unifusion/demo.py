@@ -75,7 +75,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--max-train-steps", type=int, default=10_000, help="upper bound on optimizer steps")
     parser.add_argument("--train-steps", type=int, default=None,
                         help="train exactly this many updates instead of --train-seconds, with the schedules on the "
-                             "step count: two runs then give the same numbers apart from wall times")
+                             "step count: two runs then give the same numbers apart from wall times (default: none, "
+                             "the --train-seconds budget)")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
