@@ -7,14 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ._cli_common import positive_int
 
 __all__ = ["chat_prompts", "check_decoding_args", "decoding_args", "sample_with_generate"]
 
 
-def decoding_args(p: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+def decoding_args(p: argparse.ArgumentParser) -> None:
     """The options of ``unifusion sample`` for prompts and block decoding."""
     from .samplers.policies import POLICY_NAMES
 

@@ -71,7 +71,7 @@ def _add_sample(sub: Any) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
     p.add_argument("--out", default=None,
                    help="write samples to this .jsonl file (index, steps, seed, text, ids; default: print only)")
-    decoding_args(p, positive_int)
+    decoding_args(p)
     p.set_defaults(func=cmd_sample)
 
 

@@ -156,7 +156,7 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
     unit = "step" if n_steps else "s"
     bar = tqdm(total=n_steps or int(budget), unit=unit, desc="train",
                bar_format="{l_bar}{bar}| {n:.0f}/{total}" + unit + " {postfix}")
-    while step < n_steps if n_steps else (step < args.max_train_steps and elapsed < budget):
+    while (step < n_steps) if n_steps else (step < args.max_train_steps and elapsed < budget):
         step_start, compiled_before = time.time(), _compile_seconds()
         progress = step / n_steps if n_steps else elapsed / budget  # of the budget, in [0, 1)
         gamma = min(1.0, progress / 0.5)  # γ: causal → block-causal
@@ -323,7 +323,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     judge, judge_tok = loading.load_causal_lm(args.model, device=str(device))  # the original AR weights
     judge.eval()
     decode_dtype = getattr(torch, args.decode_dtype)
-    ar_model = copy.deepcopy(judge).to(decode_dtype)  # the AR decoder, in the block model's decoding dtype
+    # the AR decoder, in the block model's decoding dtype (a copy only when that differs from the judge's)
+    ar_model = judge if judge.dtype == decode_dtype else copy.deepcopy(judge).to(decode_dtype)
     model.to(decode_dtype)
     prompts = prompts_and_refs[:, :P].to(device)
     pad_id = judge.config.eos_token_id if judge.config.eos_token_id is not None else 0
