@@ -73,11 +73,15 @@ class _CompilingClock(_Clock):
 
 
 class _SlowClock(_Clock):
-    """As :class:`_Clock`, five seconds per training step."""
+    """As :class:`_Clock`, ``seconds`` (default 5) per training step."""
+
+    def __init__(self, seconds: float = 5.0) -> None:
+        super().__init__()
+        self.seconds = seconds
 
     def hook(self, module, args, output) -> None:
         if module.training and torch.is_grad_enabled():
-            self.now += 5.0
+            self.now += self.seconds
 
 
 def _run_tiny_demo(tmp_path, monkeypatch, clock, budget="5", extra=()):
@@ -100,7 +104,7 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, budget="5", extra=()):
     parser = demo.add_demo_arguments(argparse.ArgumentParser())
     out = tmp_path / "demo"
     args = parser.parse_args(["--train-seconds", budget, "--num-samples", "2", "--seq-len", "16", "--block-size", "4",
-                              "--prompt-len", "4", "--new-tokens", "8", "--batch-size", "2", "--no-bf16",
+                              "--prompt-len", "4", "--new-tokens", "8", "--batch-size", "2", "--dtype", "float32",
                               "--device", "cpu", "--out", str(out), *extra])
     return demo.run_demo(args), out
 
@@ -158,6 +162,48 @@ def test_seconds_spent_compiling_inside_a_step_are_not_counted_in_the_budget(tmp
     assert "7 s of training, 4 s of it compiling (not counted)" in capsys.readouterr().out
 
 
+def test_a_step_the_budget_cannot_finish_is_not_started(tmp_path, monkeypatch):
+    """Steps of 2 s in a 5 s budget: after two (4 s) the estimate says a third would end at 6 s, so it is not
+    started; the old loop (checked only between steps) ran it and ended at 6 s."""
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _SlowClock(2.0), budget="5")
+    assert metrics["train_steps"] == 2 and metrics["train_seconds"] == 4.0 <= 5.0
+    assert metrics["train_seconds_counted"] == 4.0
+
+
+def test_a_first_step_longer_than_the_rest_of_the_budget_ends_training(tmp_path, monkeypatch, capsys):
+    """One step of 3 s in a 5 s budget: the second would end at 6 s, so training stops after one update, and the
+    report says plainly that one update is too few to judge the decoders (no goal verdict)."""
+    from unifusion.demo import MIN_MEANINGFUL_UPDATES
+
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _SlowClock(3.0), budget="5")
+    assert metrics["train_steps"] == 1 and metrics["train_seconds"] == 3.0
+    assert metrics["undertrained"] is True and metrics["goal_reached_by"] == []
+    out = capsys.readouterr().out
+    assert f"1 updates are too few (< {MIN_MEANINGFUL_UPDATES})" in out
+    assert "not judged: the diffusion model made only 1 updates" in out
+
+
+def test_the_demo_announces_the_device_and_the_dtype_it_chose(tmp_path, monkeypatch, capsys):
+    """--dtype auto resolves through unifusion.precision (patched here to a CPU without native bf16: float32
+    training, no autocast) and the choice is printed and recorded."""
+    from unifusion import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device="cpu": False)
+    autocast_dtypes = []
+    real_autocast = torch.autocast
+
+    def recording_autocast(device_type, dtype=None, enabled=True, **kwargs):
+        autocast_dtypes.append((dtype, enabled))
+        return real_autocast(device_type, dtype=dtype, enabled=enabled, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", recording_autocast)
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _Clock(), budget="2", extra=("--dtype", "auto"))
+    assert metrics["dtype"] == "float32" and metrics["dtype_option"] == "auto"
+    assert metrics["cpu_capability"] == precision.cpu_capability()
+    assert autocast_dtypes and all(not enabled for _, enabled in autocast_dtypes)
+    assert "--dtype auto → float32" in capsys.readouterr().out
+
+
 def test_demo_help_names_the_block_decoding_options(capsys):
     from unifusion.cli import main
 
@@ -166,6 +212,6 @@ def test_demo_help_names_the_block_decoding_options(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--kernel", "--block-size", "--steps", "--policy", "--threshold", "--prompt-len", "--new-tokens",
-                 "--train-seconds", "--seq-len", "--model", "--device", "--out"):
+                 "--train-seconds", "--seq-len", "--model", "--device", "--out", "--dtype"):
         assert flag in text, flag
     assert "KV cache" in text and "GenPPL" in text and "SmolLM2-135M-Instruct" in text

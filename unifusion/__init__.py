@@ -21,7 +21,7 @@ import warnings as _warnings
 from importlib import metadata as _metadata
 from typing import Any as _Any
 
-from . import backend, eval, hf, losses, samplers, schedules, validation
+from . import backend, eval, hf, losses, precision, samplers, schedules, validation
 from .conversions import convert_x0_to
 from .hf import DiffusionLM, adapt_ar_model, wrap_diffusion_lm
 from .kernels import GeneratorKernel, HybridKernel, Kernel, MaskKernel, UniformKernel
@@ -55,6 +55,7 @@ __all__ = [
     "eval",
     "hf",
     "losses",
+    "precision",
     "sample_times",
     "samplers",
     "schedules",

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .precision import DTYPE_CHOICES
+
 __all__ = ["DEMO_DESCRIPTION", "add_demo_arguments", "run_demo"]
 
 CORPUS = Path(__file__).parent / "data" / "python_docs_prose.txt"
@@ -32,12 +34,14 @@ Block diffusion from a real pretrained model, on a laptop-class CPU:
   2. adapt it into a block-diffusion model (--kernel mask: an added mask token, blocks of --block-size tokens, the
      way Fast-dLLM v2 and SDAR adapt AR models; --kernel uniform: the paper's uniform noise) with the GIDD loss,
      every block trained at once with one time per block, attention annealed from causal to block-causal over the
-     first half of --train-seconds (seconds spent compiling are not counted), bf16 autocast;
+     first half of --train-seconds (seconds spent compiling are not counted; a step that the steps so far say
+     would end past the budget is not started), in --dtype (auto: bf16 autocast where the hardware computes bf16
+     natively, float32 elsewhere);
   3. continue --num-samples held-out prompts of --prompt-len tokens by --new-tokens tokens, one prompt at a time:
      block decoding with the KV cache (each step runs one block against the cached prefix; a finished block enters
      the cache within the next block's first step) at --steps denoising steps per block (a fixed count per step,
      --policy) and with Fast-dLLM's confidence threshold (--threshold), and the AR model's own cached `generate` at
-     the same temperature, both in --decode-dtype (bf16 by default). For each: samples, tokens per forward,
+     the same temperature, both in --dtype. For each: samples, tokens per forward,
      wall time, GenPPL of the continuations (judge: the original AR model) and unigram entropy (GPT-2 tokens),
      and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
 
@@ -82,10 +86,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to train and sample")
-    parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
-    parser.add_argument("--decode-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="weights of both decoders (the block model and the AR model) while they generate; "
-                             "GenPPL is judged in float32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="training (bf16 autocast or float32) and the weights of both decoders (the block model "
+                             "and the AR model) while they generate; GenPPL is judged in float32. auto: bfloat16 "
+                             "where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), "
+                             "float32 elsewhere (default: auto)")
     parser.add_argument("--out", default="unifusion-demo", help="output folder")
     return parser
 
@@ -133,12 +138,22 @@ def _compile_seconds() -> float:
     return float(backend.compile_stats()["seconds"])
 
 
-def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace,
-           device: torch.device) -> dict[str, Any]:
+#: Fewer updates than this and the demo's decoding numbers describe a barely trained model: it says so beside them.
+MIN_MEANINGFUL_UPDATES = 20
+#: The budget's estimate of the next step's time: the mean of this many latest steps (compilation excluded).
+STEP_ESTIMATE_WINDOW = 5
+
+
+def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace, device: torch.device,
+           dtype: torch.dtype) -> dict[str, Any]:
     """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), or for
     ``args.train_steps`` updates; γ annealed causal → block-causal over the first half of the budget, the learning rate
     on a cosine over all of it. With a time budget both schedules follow the clock (so runs differ with the machine's
-    speed); with a step budget they follow the step count."""
+    speed); with a step budget they follow the step count.
+
+    The time budget holds: before each step after the first, the next step's time is estimated as the mean of the
+    last :data:`STEP_ESTIMATE_WINDOW` steps (their compilation seconds excluded), and a step that would end past
+    ``args.train_seconds`` is not started. ``dtype`` bf16 trains under bf16 autocast, float32 without."""
     from tqdm.auto import tqdm
 
     import unifusion as uf
@@ -152,11 +167,20 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
     start = time.time()
     step, tokens, ema = 0, 0, float("nan")
     elapsed, compiling = 0.0, 0.0  # the budget clock: training time less the seconds a step spent compiling
+    step_seconds: list[float] = []  # each step's time, compilation excluded
     n_steps = args.train_steps
     unit = "step" if n_steps else "s"
     bar = tqdm(total=n_steps or int(budget), unit=unit, desc="train",
                bar_format="{l_bar}{bar}| {n:.0f}/{total}" + unit + " {postfix}")
-    while (step < n_steps) if n_steps else (step < args.max_train_steps and elapsed < budget):
+
+    def another_step() -> bool:
+        if n_steps:
+            return step < n_steps
+        recent = step_seconds[-STEP_ESTIMATE_WINDOW:]
+        estimate = sum(recent) / len(recent) if recent else 0.0
+        return step < args.max_train_steps and elapsed + estimate <= budget
+
+    while another_step():
         step_start, compiled_before = time.time(), _compile_seconds()
         progress = step / n_steps if n_steps else elapsed / budget  # of the budget, in [0, 1)
         gamma = min(1.0, progress / 0.5)  # γ: causal → block-causal
@@ -164,7 +188,7 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
         for group in opt.param_groups:
             group["lr"] = lr
         x0 = train[torch.randint(0, len(train), (args.batch_size,), generator=g_cpu)].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = uf.diffusion_loss(model, x0, kernel, objective="gidd", bidirectional_prob=gamma,
                                      generator=g).mean()
         opt.zero_grad(set_to_none=True)
@@ -177,7 +201,8 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
         ema = value if step == 1 else 0.9 * ema + 0.1 * value
         spent = _compile_seconds() - compiled_before
         compiling += spent
-        elapsed += max(0.0, time.time() - step_start - spent)
+        step_seconds.append(max(0.0, time.time() - step_start - spent))
+        elapsed += step_seconds[-1]
         now = time.time() - start
         history.append({"step": step, "seconds": now, "loss": value, "gamma": gamma})
         bar.n = step if n_steps else min(int(elapsed), int(budget))
@@ -185,8 +210,8 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
     bar.close()
     model.eval()
     return {"train_steps": step, "train_tokens": tokens, "train_seconds": round(time.time() - start, 1),
-            "train_seconds_compiling": round(compiling, 1), "final_loss_ema": ema,
-            "loss_history": history[:: max(1, len(history) // 200)]}
+            "train_seconds_counted": round(elapsed, 1), "train_seconds_compiling": round(compiling, 1),
+            "final_loss_ema": ema, "loss_history": history[:: max(1, len(history) // 200)]}
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -278,8 +303,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     import unifusion as uf
 
     from .hf import loading
+    from .precision import cpu_capability, describe_device, resolve_dtype
 
     device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -292,6 +320,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
 
     # 1. load + AR perplexity -----------------------------------------------------------------------------
+    print(f"      device {describe_device(device)}: --dtype {args.dtype} → {dtype_name}", flush=True)
     print(f"[1/3] loading {args.model} ...", flush=True)
     hf_model, tokenizer = loading.load_causal_lm(args.model, device=str(device))
     train_ids, held_ids = _token_streams(tokenizer)
@@ -311,21 +340,25 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[2/3] adapting to block diffusion: {args.kernel} kernel, blocks of {K}, GIDD loss, one time per block, "
           "attention annealed causal → block-causal over the first half of a "
           + (f"{args.train_steps}-step" if args.train_steps else f"{args.train_seconds:.0f} s") + " budget"
-          f"{'' if args.no_bf16 else ' (bf16 autocast)'}", flush=True)
-    trained = _train(model, kernel, train, args, device)
-    print(f"      {trained['train_steps']} steps, {trained['train_tokens']} tokens, final loss (EMA) "
+          f" ({'bf16 autocast' if dtype == torch.bfloat16 else 'float32'})", flush=True)
+    trained = _train(model, kernel, train, args, device, dtype)
+    undertrained = trained["train_steps"] < MIN_MEANINGFUL_UPDATES
+    print(f"      {trained['train_steps']} updates, {trained['train_tokens']} tokens, final loss (EMA) "
           f"{trained['final_loss_ema']:.3f}; {trained['train_seconds']:.0f} s of training, "
           f"{trained['train_seconds_compiling']:.0f} s of it compiling (not counted)", flush=True)
+    if undertrained:
+        print(f"      note: {trained['train_steps']} updates are too few (< {MIN_MEANINGFUL_UPDATES}) for the "
+              "diffusion model to have learnt much; the comparison below describes a barely trained model",
+              flush=True)
 
     # 3. decode + evaluate --------------------------------------------------------------------------------
     print(f"[3/3] continuing {len(prompts_and_refs)} held-out prompts of {P} tokens by {N} tokens, one at a time, "
           f"temperature {args.temperature} ...", flush=True)
     judge, judge_tok = loading.load_causal_lm(args.model, device=str(device))  # the original AR weights
     judge.eval()
-    decode_dtype = getattr(torch, args.decode_dtype)
     # the AR decoder, in the block model's decoding dtype (a copy only when that differs from the judge's)
-    ar_model = judge if judge.dtype == decode_dtype else copy.deepcopy(judge).to(decode_dtype)
-    model.to(decode_dtype)
+    ar_model = judge if judge.dtype == dtype else copy.deepcopy(judge).to(dtype)
+    model.to(dtype)
     prompts = prompts_and_refs[:, :P].to(device)
     pad_id = judge.config.eos_token_id if judge.config.eos_token_id is not None else 0
 
@@ -378,7 +411,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in trained.items() if k != "loss_history"},
         "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows,
         "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
-        "bf16": not args.no_bf16, "decode_dtype": args.decode_dtype, "unifusion_version": uf.__version__,
+        "dtype": dtype_name, "dtype_option": args.dtype, "cpu_capability": cpu_capability(),
+        "device_description": describe_device(device), "undertrained": undertrained,
+        "unifusion_version": uf.__version__,
         "total_seconds": round(time.time() - t0, 1),
         "files": {"samples": str(out_dir / "samples.jsonl"), "png": png},
     }
@@ -390,9 +425,15 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     # the goal this demo is built for: parallel decoding that is faster than AR and still reads like it
     reached = [row["name"] for row in rows[1:] if row["tokens_per_forward"] >= 2.0
                and row["genppl_ratio_vs_ar"] <= 2.0 and row["wall_ratio_vs_ar"] <= 0.6]
-    metrics["goal_reached_by"] = reached
-    print("\n  goal (≥ 2 tokens/forward, GenPPL ≤ 2× AR's, wall time ≤ 0.6× AR's): "
-          + (f"reached by {', '.join(reached)}" if reached else "not reached by any decoder in this run"))
+    metrics["goal_reached_by"] = [] if undertrained else reached
+    goal = "\n  goal (≥ 2 tokens/forward, GenPPL ≤ 2× AR's, wall time ≤ 0.6× AR's): "
+    if undertrained:
+        print(f"{goal}not judged: the diffusion model made only {trained['train_steps']} updates "
+              f"(< {MIN_MEANINGFUL_UPDATES}) in the budget on {describe_device(device)} in {dtype_name}; its GenPPL "
+              "ratios above are those of a barely trained model, not results (a longer --train-seconds, or --dtype "
+              "float32 where bf16 is not native)")
+    else:
+        print(goal + (f"reached by {', '.join(reached)}" if reached else "not reached by any decoder in this run"))
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"\n  AR perplexity (held-out) {ar_ppl:.2f}; GenPPL of the held-out continuations themselves {ref_ppl:.1f}; "
           f"wrote {out_dir / 'metrics.json'}, {out_dir / 'samples.jsonl'}{', ' + png if png else ''}; "

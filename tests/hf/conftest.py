@@ -12,12 +12,16 @@ def _quiet_transformers():
 
 
 @pytest.fixture
-def static_flex(monkeypatch: pytest.MonkeyPatch):
+def static_flex():
     """Inductor's CPU flex template fails on dynamic sizes (hf/blocks.py's docstring): every shape static here, and
-    dynamo's caches cleared before and after, so that no other test's flex compilation sees this one's shapes."""
+    dynamo's caches cleared before and after, so that no other test's flex compilation sees this one's shapes.
+
+    The setting goes through dynamo's own ``config.patch``, which restores the value it found: pytest's
+    ``monkeypatch.setattr`` on dynamo's config module *deletes* the attribute on undo with pytest ≥ 9.2 (the module's
+    ``__getattr__`` hides that it exists), after which every ``torch.compile`` in the process fails."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    yield
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
     torch._dynamo.reset()

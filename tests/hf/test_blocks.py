@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _cpu import FLEX_WRONG_ON_THIS_CPU
 from _hf_tiny import VOCAB, tiny_model
 
 import unifusion as uf
@@ -331,6 +332,40 @@ def test_layout_and_ragged_rule() -> None:
     assert torch.equal(add == 0, A)
 
 
+@FLEX_WRONG_ON_THIS_CPU
+@torch.no_grad()
+def test_compiled_flex_attention_itself_matches_sdpa_on_this_cpu(static_flex: None) -> None:
+    """The root cause behind the flex tests' marker, with no unifusion code: torch's compiled ``flex_attention`` under
+    a causal-offset BlockMask (the shape of a cached block step) against SDPA with the same dense mask."""
+    flex_attention = pytest.importorskip("torch.nn.attention.flex_attention")
+    compiled = torch.compile(flex_attention.flex_attention, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    for q_len, kv_len in ((4, 8), (2, 8), (2, 10)):
+        q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (q_len, kv_len, kv_len))
+        offset = kv_len - q_len
+
+        def causal_offset(b, h, q_idx, kv_idx, offset=offset):
+            return kv_idx <= q_idx + offset
+
+        block_mask = flex_attention.create_block_mask(causal_offset, 2, 1, q_len, kv_len, device="cpu")
+        dense = torch.ones(q_len, kv_len, dtype=torch.bool).tril(offset)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        torch.testing.assert_close(compiled(q, k, v, block_mask=block_mask), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_static_flex_fixture_leaves_dynamo_config_as_it_found_it(static_flex: None) -> None:
+    """Inside: sizes static. The next test checks that the setting is back and still an attribute afterwards."""
+    assert torch._dynamo.config.automatic_dynamic_shapes is False
+
+
+def test_dynamo_config_is_intact_after_the_static_flex_fixture() -> None:
+    """pytest ≥ 9.2's monkeypatch deleted this attribute on undo, which broke every later torch.compile."""
+    assert hasattr(torch._dynamo.config, "automatic_dynamic_shapes")
+    assert torch._dynamo.config.automatic_dynamic_shapes is True
+    assert torch.compile(lambda x: x * 2)(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+@FLEX_WRONG_ON_THIS_CPU
 @torch.no_grad()
 def test_flex_attention_block_mask_matches_sdpa(static_flex: None) -> None:
     pytest.importorskip("torch.nn.attention.flex_attention")

@@ -35,7 +35,10 @@ its additive form, flex attention a ``BlockMask`` built by :func:`create_block_m
 (no dense pattern is made; skipped tiles cost nothing in the kernel). Flash attention takes no mask: a ``ValueError``.
 On the CPU, Inductor's flex-attention template fails to compile once a second shape makes dynamo mark the sizes
 dynamic (a C++ error naming ``cur_kvSplitSize``): with flex attention on the CPU, run the cache helpers (whose shapes
-change every block) with ``torch._dynamo.config.automatic_dynamic_shapes = False``, or use SDPA there.
+change every block) with ``torch._dynamo.config.automatic_dynamic_shapes = False``, or use SDPA there. On a CPU
+below AVX512 (torch's capability ``AVX2``), the same template computes wrong outputs for some shapes (torch 2.14.1:
+4 queries against 8 keys 1.86 off SDPA, NaN with an all-visible mask; ``tests/_cpu.py``): use SDPA or eager attention
+on such a CPU.
 
 **Cached decoding** (:func:`prefill`, :func:`denoise_block`, :func:`commit_block`): the cache holds the clean stream
 exactly as training writes it, a denoising step runs a block's ``k + 1`` noisy positions against it, so cached and
