@@ -36,6 +36,7 @@ import torch
 import unifusion as uf
 from unifusion.hf import adapt_ar_model
 from unifusion.hf.decoding import BlockCacheDecoder
+from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
 from unifusion.samplers import PolicySampler
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
 
@@ -79,7 +80,8 @@ def main() -> None:
     parser.add_argument("--rates", type=int, nargs="+", default=[2, 4, 8], help="tokens per forward (fixed count)")
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.7, 0.9])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bf16 where the device computes it natively, float32 elsewhere (default: auto)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--approx", action="store_true",
                         help="also the approximate dual cache of a bidirectional model")
@@ -92,7 +94,9 @@ def main() -> None:
         args.new_tokens, args.prompt_len, args.block_size, args.repeats = [32], 8, 8, 1
         args.rates = [r for r in args.rates if r <= 8]
     torch.set_grad_enabled(False)
-    hf, _ = _tiny() if args.quick else _smollm2(getattr(torch, args.dtype))
+    dtype = resolve_dtype(args.dtype, args.device)
+    print(f"device {describe_device(args.device)}: --dtype {args.dtype} → {dtype}", flush=True)
+    hf, _ = _tiny() if args.quick else _smollm2(dtype)
     hf = hf.to(args.device)
     K, P = args.block_size, args.prompt_len
     if args.step_costs:

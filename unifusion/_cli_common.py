@@ -113,7 +113,9 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 # shared argument groups
 
 
-def model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
+def model_args(p: argparse.ArgumentParser, *, kernel: bool = True, dtype: str = "float32") -> None:
+    """The model options; ``dtype``: the ``--dtype`` default (``"auto"`` for commands that generate, float32 for
+    the ones that score, where bf16 rounding would move the numbers)."""
     from ._kernel_config import DEFAULT_P_UNIFORM, KERNEL_NAMES
 
     g = p.add_argument_group("model")
@@ -127,8 +129,9 @@ def model_args(p: argparse.ArgumentParser, *, kernel: bool = True) -> None:
                             "model has a mask token, uniform otherwise; the choice is printed)")
         g.add_argument("--p-uniform", type=probability, default=None,
                        help=f"the hybrid kernel's uniform share, with --kernel hybrid (default: {DEFAULT_P_UNIFORM})")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
-                   help="weights' dtype")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float64"), default=dtype,
+                   help="weights' dtype; auto: bfloat16 where the device computes it natively (CUDA with bf16, a CPU "
+                        f"with AVX512-BF16 or AMX), float32 elsewhere (default: {dtype})")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 
 
@@ -158,7 +161,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if getattr(args, "p_uniform", None) is not None and args.kernel != "hybrid":  # before loading anything
         resolve_kernel(args.kernel, None, p_uniform=args.p_uniform)
     model, tok = load_diffusion_model(args.model, kernel=getattr(args, "kernel", None), gguf_file=args.gguf_file,
-                                      tokenizer=args.tokenizer, dtype=args.dtype, device=device)
+                                      tokenizer=args.tokenizer, dtype=dtype_name(args.dtype, device), device=device)
     if not hasattr(args, "kernel"):
         return model, tok, None
     kernel, why = resolve_kernel(args.kernel, model, p_uniform=args.p_uniform)
@@ -166,6 +169,13 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         command = " ".join(c for c in (args.command, getattr(args, "eval_command", None)) if c)
         print(f"unifusion {command}: kernel {kernel!r} ({why}; pass --kernel to choose)", file=sys.stderr)
     return model, tok, kernel
+
+
+def dtype_name(dtype: str, device: str) -> str:
+    """A ``--dtype`` value with ``auto`` resolved for ``device`` (:func:`unifusion.precision.auto_dtype`)."""
+    from .precision import auto_dtype
+
+    return str(auto_dtype(device)).removeprefix("torch.") if dtype == "auto" else dtype
 
 
 def load_judge(args: argparse.Namespace) -> tuple[Any, Any]:

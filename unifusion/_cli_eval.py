@@ -12,6 +12,7 @@ from typing import Any
 
 from ._cli_common import (
     HelpFormatter,
+    dtype_name,
     entropy_tokenizer,
     judge_args,
     load_judge,
@@ -140,8 +141,9 @@ def cmd_eval_mc(args: argparse.Namespace) -> int:
     from .hf.loading import load_causal_lm
 
     if args.method == "ar":
-        model, tok = load_causal_lm(args.model, gguf_file=args.gguf_file, dtype=args.dtype,
-                                    device=resolve_device(args.device))
+        device = resolve_device(args.device)
+        model, tok = load_causal_lm(args.model, gguf_file=args.gguf_file, dtype=dtype_name(args.dtype, device),
+                                    device=device)
         if args.tokenizer is not None:
             from transformers import AutoTokenizer
 

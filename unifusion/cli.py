@@ -64,7 +64,7 @@ def _add_sample(sub: Any) -> None:
     p = sub.add_parser("sample", formatter_class=HelpFormatter,
                        help="generate unconditional samples",
                        description="Generate samples with the Bayesian (Algorithm 2) or Euler sampler.")
-    model_args(p)
+    model_args(p, dtype="auto")
     sampler_args(p)
     p.add_argument("--steps", "--num-steps", dest="steps", type=positive_int, default=None,
                    help="sampling steps N (default 64); with --policy, steps per block (default: the block size)")
