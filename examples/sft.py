@@ -31,7 +31,8 @@ vocabulary and tokenizer)::
 
 SmolLM2-135M-Instruct on one GPU::
 
-    python examples/sft.py --max-steps 2000 --seq-len 256 --block-size 32 --micro-batch 16 --bf16 --out runs/sft
+    python examples/sft.py --max-steps 2000 --seq-len 256 --block-size 32 --micro-batch 16 --dtype bfloat16 \\
+        --out runs/sft
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import (  # noqa: E402
     accumulation_steps,
+    add_dtype_argument,
     all_reduce_sum,
     cosine_lr,
     global_batch_indices,
     save_pretrained_from_state_dict,
     setup_distributed,
     stream_generator,
+    training_autocast,
+    training_dtype,
     wrap_model,
 )
 
@@ -163,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--anneal-steps", type=int, default=0,
                         help="causal → block-causal attention annealing horizon (0: block-causal from the start)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0 = off)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    add_dtype_argument(parser)
     parser.add_argument("--fused", action="store_true", help="the fused linear loss (no (B, L, V) logits)")
     parser.add_argument("--backend", choices=["eager", "compiled"], default="eager",
                         help="unifusion's loss/sampler backend (uf.backend.set_backend)")
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         accum = accumulation_steps(global_batch, args.micro_batch, world)
     except ValueError as err:
         raise SystemExit(f"--global-batch/--micro-batch: {err}") from None
+    dtype, dtype_line = training_dtype(args.dtype, device)
 
     # ---- model: the chat model as a block-diffusion model with an added mask token
     hf_model, tokenizer = load_chat_model(args)
@@ -234,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         scored = int(rows.loss_mask.sum())
         print(f"world_size {world} | dist {mode} | device {device.type} | micro_batch {args.micro_batch} | "
               f"grad_accum {accum} | global_batch {global_batch} rows x {L} tok", flush=True)
+        print(dtype_line, flush=True)
         print(f"model {type(inner.base_model).__name__} {sum(p.numel() for p in inner.parameters()) / 1e6:.2f}M "
               f"params | block_size {args.block_size} | kernel {kernel!r} | data {N} rows, "
               f"{int(rows.attention_mask.sum()):,} tokens, {scored:,} scored (assistant)", flush=True)
 
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+    autocast = training_autocast(dtype, device)
     t_start = time.perf_counter()
     loss = torch.zeros((), device=device)
     for step in range(args.max_steps):

@@ -2,7 +2,8 @@
 
 The recipe, the data and the random streams are those of ``train_torchrun.py`` (imported from it), so with the same
 flags the two scripts train the same model. Accelerate wraps the model (DDP on several processes), handles bf16
-(``--bf16`` → ``mixed_precision="bf16"``) and device placement; the loop keeps the global token-count normaliser
+(``--dtype bfloat16`` → ``mixed_precision="bf16"``; the default ``--dtype auto`` takes it where the device computes
+bf16 natively) and device placement; the loop keeps the global token-count normaliser
 ``loss.sum() · num_processes / n_global`` and skips the gradient all-reduce on all but the last micro-batch of an
 update with ``accelerator.no_sync``. (Accelerate's own ``gradient_accumulation_steps`` would divide the loss once
 more, so it stays at 1 here.)
@@ -19,8 +20,8 @@ CPU smoke run: Accelerate runs on the processes ``torchrun`` starts (``Accelerat
 
 Multi-GPU::
 
-    accelerate launch --num_processes 8 --mixed_precision bf16 examples/train_accelerate.py --model gpt2-folder \\
-        --data fineweb.txt --micro-batch 12 --global-batch 864 --seq-len 512 --bf16
+    accelerate launch --num_processes 8 examples/train_accelerate.py --model gpt2-folder \\
+        --data fineweb.txt --micro-batch 12 --global-batch 864 --seq-len 512 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import (  # noqa: E402
     PAPER_SEQ_LEN,
     accumulation_steps,
+    add_dtype_argument,
     add_model_arguments,
     build_diffusion_model,
     cosine_lr,
@@ -46,6 +48,7 @@ from train_torchrun import (  # noqa: E402
     make_kernel,
     stream_generator,
     token_blocks,
+    training_dtype,
 )
 
 import unifusion as uf  # noqa: E402
@@ -72,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel", choices=["uniform", "mask", "hybrid"], default="uniform")
     parser.add_argument("--p-uniform", type=float, default=0.1)
     parser.add_argument("--objective", choices=list(uf.training.OBJECTIVES), default="gidd")
-    parser.add_argument("--bf16", action="store_true", help="mixed_precision='bf16'")
+    add_dtype_argument(parser, bf16_means="Accelerate's mixed_precision='bf16'")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--save-every", type=int, default=1000)
     parser.add_argument("--out", default="unifusion-acc-run")
@@ -87,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
 
     args = parse_args(argv)
-    accelerator = Accelerator(cpu=args.cpu, mixed_precision="bf16" if args.bf16 else "no")
+    # resolved before the Accelerator exists (it takes the precision), for the device type it will pick
+    planned = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    dtype, dtype_line = training_dtype(args.dtype, planned, bf16_means="mixed_precision='bf16'")
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     global_batch = args.global_batch or args.micro_batch * world
     try:
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     accelerator.print(f"world_size {world} | accelerate {accelerator.distributed_type} | device {device} | "
                       f"micro_batch {args.micro_batch} | grad_accum {accum} | global_batch {global_batch} seq x {L} "
                       f"tok = {global_batch * L:,} tok/update")
+    accelerator.print(dtype_line)
 
     model, tokenizer = build_diffusion_model(args)
     model.train()

@@ -2,9 +2,10 @@
 
 The paper's recipe: AdamW, cosine learning rate with linear warmup (peak 3e-4, 3,000 warmup steps), the GIDD loss
 under linear uniform corruption (α_t = 1 − t), causal → bidirectional attention annealing over the first 10,000
-updates (γ_k = min(1, k / K_ann), passed as ``step=``), bf16 autocast, gradient accumulation, gradient clipping,
-periodic checkpoints with ``save_pretrained`` (rank 0; the training kernel recorded, so ``generate``, ``unifusion
-sample`` and the lm-eval harness use it by default) and exact resume. Global batch: 864 sequences × 512 tokens.
+updates (γ_k = min(1, k / K_ann), passed as ``step=``), bf16 autocast (``--dtype``; the default ``auto`` takes bf16
+where the device computes it natively, float32 elsewhere), gradient accumulation, gradient clipping, periodic
+checkpoints with ``save_pretrained`` (rank 0; the training kernel recorded, so ``generate``, ``unifusion sample`` and
+the lm-eval harness use it by default) and exact resume. Global batch: 864 sequences × 512 tokens.
 
 Multi-process: ``--dist ddp`` (DistributedDataParallel) or ``--dist fsdp2`` (``fully_shard`` on every decoder layer,
 then on the whole model). NCCL on GPUs, gloo on CPU, chosen automatically. The loss of every micro-batch is
@@ -23,7 +24,7 @@ CPU smoke run (2 processes, gloo)::
 The paper's setup on 24 GPUs (micro-batch 12 → accumulation 3)::
 
     torchrun --nproc_per_node=24 examples/train_torchrun.py --model gpt2-folder --data fineweb.txt \\
-        --global-batch 864 --micro-batch 12 --seq-len 512 --steps 240000 --bf16 --dist ddp
+        --global-batch 864 --micro-batch 12 --seq-len 512 --steps 240000 --dtype bfloat16 --dist ddp
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import unifusion as uf
+from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
 
 PAPER_GLOBAL_BATCH = 864  # sequences per update (App. C.3)
 PAPER_SEQ_LEN = 512  # tokens per sequence (UnifusionGPT-S)
@@ -97,6 +99,32 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plain-text file (default: the corpus bundled in unifusion/data)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; 32 with --tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed for model init, data order, times and corruption")
+
+
+# ------------------------------------------------------------------------------------------------ dtype
+def add_dtype_argument(parser: argparse.ArgumentParser, *, bf16_means: str = "bf16 autocast") -> None:
+    """``--dtype {auto,float32,bfloat16}`` (default ``auto``), shared by the example scripts; resolve it with
+    :func:`training_dtype`. ``bf16_means`` says what bfloat16 does in the script (autocast, Accelerate's mixed
+    precision, bf16 weights)."""
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help=f"training precision: bfloat16 ({bf16_means}) or float32 (no autocast). auto: bfloat16 "
+                             "where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), "
+                             "float32 elsewhere (default: auto)")
+
+
+def training_dtype(option: str, device: torch.device | str,
+                   *, bf16_means: str = "bf16 autocast") -> tuple[torch.dtype, str]:
+    """``--dtype`` resolved for ``device`` (:func:`unifusion.precision.resolve_dtype`), and the line the scripts
+    print at start, e.g. ``device cpu (AVX2, no native bf16) | --dtype auto → float32``."""
+    dtype = resolve_dtype(option, device)
+    name = str(dtype).removeprefix("torch.")
+    how = f" ({bf16_means})" if dtype == torch.bfloat16 else ""
+    return dtype, f"device {describe_device(device)} | --dtype {option} → {name}{how}"
+
+
+def training_autocast(dtype: torch.dtype, device: torch.device) -> torch.autocast:
+    """bf16 autocast when ``dtype`` is bfloat16; disabled (float32 compute) otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
 def tiny_ar_model(seed: int) -> Any:
@@ -319,7 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel", choices=["uniform", "mask", "hybrid"], default="uniform")
     parser.add_argument("--p-uniform", type=float, default=0.1, help="uniform share of the hybrid (GIDD) kernel")
     parser.add_argument("--objective", choices=list(uf.training.OBJECTIVES), default="gidd")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU and CPU)")
+    add_dtype_argument(parser)
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--save-every", type=int, default=1000, help="checkpoint period in updates (0 = only at end)")
@@ -351,10 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise SystemExit(f"--global-batch/--micro-batch: {err}") from None
     L = args.seq_len
+    dtype, dtype_line = training_dtype(args.dtype, device)
     if is_main:
         print(f"world_size {world} | dist {mode} | device {device.type} | micro_batch {args.micro_batch} | "
               f"grad_accum {accum} | global_batch {global_batch} seq x {L} tok = {global_batch * L:,} tok/update",
               flush=True)
+        print(dtype_line, flush=True)
         if global_batch != PAPER_GLOBAL_BATCH or L != PAPER_SEQ_LEN:
             print(f"(paper: {PAPER_GLOBAL_BATCH} x {PAPER_SEQ_LEN} = {PAPER_GLOBAL_BATCH * PAPER_SEQ_LEN:,} "
                   f"tok/update)", flush=True)
@@ -401,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {type(inner.base_model).__name__} {params / 1e6:.2f}M params, num_states {inner.num_states}, "
               f"kernel {kernel!r}, objective {args.objective}, data {blocks.shape[0]} blocks of {L} tokens", flush=True)
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext())
+    autocast = training_autocast(dtype, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start, tokens_seen = time.perf_counter(), 0
     loss = torch.zeros((), device=device)

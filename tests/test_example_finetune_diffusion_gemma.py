@@ -38,7 +38,7 @@ def test_help():
     ["--fused", "--self-conditioning", "0.5", "--ar-weight", "0.5", "--freeze-router", "--weighting", "clip"],
 ])
 def test_finetune_runs_and_saves(flags, tmp_path):
-    out = _run("--tiny", "--steps", "2", "--out", str(tmp_path / "m"), *flags)
+    out = _run("--tiny", "--steps", "2", "--dtype", "float32", "--out", str(tmp_path / "m"), *flags)
     steps = STEP.findall(out)
     assert [int(s) for s, _, _ in steps] == [1, 2]
     assert all(math.isfinite(float(v)) and float(v) > 0 and math.isfinite(float(g)) for _, v, g in steps)

@@ -28,6 +28,8 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTH
 # over 2 updates so the random causal/bidirectional mask is exercised; checkpoints after updates 2 and 4.
 TRAIN_FLAGS = ["--tiny", "--steps", "4", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "32",
                "--warmup", "1", "--anneal-steps", "2", "--save-every", "2", "--seed", "3"]
+# the smoke runs compute in float32 whatever the machine (--dtype auto would take bf16 autocast where it is native)
+FLOAT32 = ["--dtype", "float32"]
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) \| lr \S+ \| gamma \S+ \| grad_norm (\S+)", re.M)
 
 
@@ -123,12 +125,37 @@ def test_every_example_prints_help():
     assert "--global-batch" in out and "--deepspeed-config" in out and "--phase-steps" in out
 
 
+@pytest.mark.parametrize("name, required", [
+    ("train_torchrun", []), ("train_accelerate", []), ("conversion_paths", []), ("objectives", []), ("sft", []),
+    ("finetune_diffusion_gemma", ["--tiny"]),
+])
+def test_examples_take_dtype_not_bf16(name, required, capsys):
+    parse_args = _load_example(name).parse_args
+    assert parse_args(required).dtype == "auto"
+    for choice in uf.precision.DTYPE_CHOICES:
+        assert parse_args([*required, "--dtype", choice]).dtype == choice
+    for gone in (["--bf16"], ["--dtype", "float16"]):
+        with pytest.raises(SystemExit):
+            parse_args([*required, *gone])
+    assert "unrecognized arguments: --bf16" in capsys.readouterr().err
+
+
+def test_training_dtype_resolves_and_describes_the_choice():
+    module = _load_example("train_torchrun")
+    for option, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        got, line = module.training_dtype(option, "cpu")
+        assert got == dtype and line.startswith("device cpu (") and line.count(f"--dtype {option} → {option}") == 1
+        with module.training_autocast(got, torch.device("cpu")):  # bf16 autocast, or float32 compute
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+    assert module.training_dtype("auto", "cpu")[0] == uf.precision.auto_dtype("cpu")
+
+
 # ------------------------------------------------------------------------------------------------ train_torchrun
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
     """The reference: one process, 4 accumulation steps of 2 sequences per update."""
     out = tmp_path_factory.mktemp("single")
-    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "none", "--out", str(out)])
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, *FLOAT32, "--dist", "none", "--out", str(out)])
     assert "grad_accum 4 | global_batch 8 seq x 32 tok = 256 tok/update" in stdout
     return _losses(stdout), out
 
@@ -145,8 +172,8 @@ def test_train_torchrun_single_process_trains_and_checkpoints(single_process_run
 @pytest.mark.distributed
 def test_train_torchrun_ddp_matches_single_process(single_process_run, tmp_path):
     reference, ref_dir = single_process_run
-    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "ddp", "--out", str(tmp_path)],
-                  torchrun=True)
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, *FLOAT32, "--dist", "ddp", "--out",
+                   str(tmp_path)], torchrun=True)
     assert "world_size 2 | dist ddp" in stdout and "grad_accum 2" in stdout
     _assert_same_losses(_losses(stdout), reference)
     assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
@@ -159,13 +186,13 @@ def test_train_torchrun_fsdp2_matches_single_process_and_resumes(single_process_
     if not hasattr(fsdp, "fully_shard"):  # FSDP2 needs torch >= 2.6
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
     reference, ref_dir = single_process_run
-    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "fsdp2", "--out", str(tmp_path)],
-                  torchrun=True)
+    stdout = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, *FLOAT32, "--dist", "fsdp2", "--out",
+                   str(tmp_path)], torchrun=True)
     assert "world_size 2 | dist fsdp2" in stdout
     _assert_same_losses(_losses(stdout), reference)
     assert _max_weight_diff(_reload(tmp_path / "checkpoint-4"), _reload(ref_dir / "checkpoint-4")) < 1e-5
     # resume the sharded run's update-2 checkpoint on one process: updates 3 and 4 need the restored AdamW state
-    resumed = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, "--dist", "none", "--out",
+    resumed = _run([str(EXAMPLES / "train_torchrun.py"), *TRAIN_FLAGS, *FLOAT32, "--dist", "none", "--out",
                     str(tmp_path / "resumed"), "--resume", str(tmp_path / "checkpoint-2")])
     assert "at step 2" in resumed
     losses = _losses(resumed)
@@ -192,7 +219,7 @@ def test_train_deepspeed_matches_single_process(single_process_run, tmp_path, co
 def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
     pytest.importorskip("accelerate")
     reference, ref_dir = single_process_run
-    stdout = _run([str(EXAMPLES / "train_accelerate.py"), "--cpu", *TRAIN_FLAGS, "--out", str(tmp_path)],
+    stdout = _run([str(EXAMPLES / "train_accelerate.py"), "--cpu", *TRAIN_FLAGS, *FLOAT32, "--out", str(tmp_path)],
                   torchrun=True)
     assert "world_size 2 | accelerate" in stdout
     _assert_same_losses(_losses(stdout), reference)
@@ -201,7 +228,8 @@ def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ paper §4.1 / §4.2
 def test_conversion_paths_runs_all_four_paths():
-    stdout = _run([str(EXAMPLES / "conversion_paths.py"), "--tiny", "--phase-steps", "2", "--eval-blocks", "16"])
+    stdout = _run([str(EXAMPLES / "conversion_paths.py"), "--tiny", "--phase-steps", "2", "--eval-blocks", "16",
+                   *FLOAT32])
     for path, kernels in [("AR→mask", ("mask", "mask")), ("AR→uniform", ("uniform", "uniform")),
                           ("AR→mask→uniform", ("mask", "uniform")), ("AR→uniform→mask", ("uniform", "mask"))]:
         for phase, kernel in enumerate(kernels, start=1):
@@ -217,7 +245,7 @@ def test_conversion_paths_runs_all_four_paths():
 
 
 def test_objectives_rate_equivalent_losses_train_identically():
-    stdout = _run([str(EXAMPLES / "objectives.py"), "--tiny", "--steps", "3", "--eval-blocks", "16"])
+    stdout = _run([str(EXAMPLES / "objectives.py"), "--tiny", "--steps", "3", "--eval-blocks", "16", *FLOAT32])
     rows = {}
     for line in stdout.split("eval ELBO@0.5")[1].splitlines():
         cells = re.split(r"\s{2,}", line.strip())

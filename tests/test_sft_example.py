@@ -27,7 +27,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) \| lr \S+ \| gamma \S+ \| grad_norm (\S+)", re.M)
 TINY = ["--tiny", "--max-steps", "2", "--seq-len", "64", "--block-size", "32", "--micro-batch", "2",
-        "--global-batch", "4", "--warmup", "1", "--lr", "1e-3", "--sample-steps", "2", "--max-new-tokens", "32"]
+        "--global-batch", "4", "--warmup", "1", "--lr", "1e-3", "--sample-steps", "2", "--max-new-tokens", "32",
+        "--dtype", "float32"]  # float32 whatever the machine (--dtype auto takes bf16 autocast where it is native)
 NEEDS_BLOCKS = pytest.mark.skipif(
     "block_size" not in inspect.signature(uf.adapt_ar_model).parameters
     or "prompt_mask" not in inspect.signature(uf.diffusion_loss).parameters,
@@ -139,6 +140,6 @@ def test_sft_tiny_distributed_matches_one_process(tiny_run, tmp_path, dist):
 @pytest.mark.slow
 def test_sft_smollm2_instruct_smoke_run(tmp_path):
     stdout = _run(["--max-steps", "2", "--seq-len", "64", "--micro-batch", "1", "--sample-steps", "2",
-                   "--max-new-tokens", "32", "--out", str(tmp_path)])
+                   "--max-new-tokens", "32", "--dtype", "float32", "--out", str(tmp_path)])
     assert sorted(_losses(stdout)) == [1, 2] and "reply: " in stdout
     assert uf.DiffusionLM.from_pretrained(tmp_path / "final").block_size == 32
