@@ -37,6 +37,7 @@ import torch
 
 import unifusion as uf
 from unifusion.eval.frontier import DEFAULT_SEEDS
+from unifusion.precision import DTYPE_CHOICES, resolve_dtype
 
 CORPUS = Path(uf.__file__).parent / "data" / "python_docs_prose.txt"
 
@@ -91,7 +92,8 @@ PROBE = 1  # generator key of the sample probes: generator(seed, update, PROBE),
 def train(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, args: argparse.Namespace, *,
           steps: int, first_step: int = 0, anneal_steps: int, objective: str = "gidd", head: str = "x0",
           seed: int | None = None, log_every: int = 0, on_log: Any = None) -> list[float]:
-    """``steps`` AdamW updates (warmup + cosine) with bf16 autocast; per-update token-mean losses.
+    """``steps`` AdamW updates (warmup + cosine) in ``--dtype`` (auto: bf16 autocast where the CPU computes bf16
+    natively, float32 elsewhere; float32 with ``--tiny``); per-update token-mean losses.
 
     Batches, times and corruptions are keyed by (``seed``, default ``--seed``; the global update index
     ``first_step + i``), so two runs with the same keys see exactly the same data (the Fig. 2 comparison, the
@@ -100,6 +102,7 @@ def train(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, args: 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0,
                             betas=(0.9, 0.98))
     losses = []
+    bf16 = not args.tiny and resolve_dtype(args.dtype, "cpu") == torch.bfloat16
     model.train()
     for i in range(steps):
         k = first_step + i
@@ -108,7 +111,7 @@ def train(model: uf.DiffusionLM, kernel: uf.Kernel, blocks: torch.Tensor, args: 
             group["lr"] = lr
         g = generator(seed, k)
         x0 = blocks[torch.randint(0, len(blocks), (args.batch_size,), generator=g)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.tiny):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = uf.diffusion_loss(model, x0, kernel, objective=objective, head=head, step=k,
                                     anneal_steps=anneal_steps, generator=g)
         loss = out.mean()
@@ -640,6 +643,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--anneal-steps", type=int, default=None,
                         help="attention annealing horizon in updates (default: half of --steps for adapt, else "
                              "--steps)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="training precision; auto: bf16 autocast where the CPU computes bf16 natively "
+                             "(AVX512-BF16 or AMX), float32 elsewhere; --tiny trains in float32 (default: auto)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (16 with --tiny)")
     parser.add_argument("--lr", type=float, default=5e-5)
