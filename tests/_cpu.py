@@ -14,3 +14,11 @@ FLEX_WRONG_ON_THIS_CPU = pytest.mark.xfail(
     torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX"),
     reason="Inductor's AVX2 flex-attention template computes wrong outputs for some shapes (tests/_cpu.py)",
     strict=True)
+
+#: The same defect reached through a whole decoding run: whether a wrong kernel is hit depends on which shapes the
+#: process compiled before (alone the test passes on an emulated AVX2 CPU, after the rest of the suite it decoded
+#: different tokens), so this one is not strict.
+FLEX_UNRELIABLE_ON_THIS_CPU = pytest.mark.xfail(
+    torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX"),
+    reason="Inductor's AVX2 flex-attention template computes wrong outputs for some shapes (tests/_cpu.py)",
+    strict=False)
