@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from . import _validation as V
+from ._device import rand
 from .conversions import log_heads_from_x0_logits
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
@@ -50,16 +51,16 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
     dev = torch.device(device) if device is not None else (generator.device if generator is not None else None)
     if low_discrepancy:
         n = batch_size * world_size
-        u = torch.rand((), generator=generator, device=dev, dtype=torch.float64)
+        u = rand((), generator=generator, device=dev, dtype=torch.float64)
         i = torch.arange(rank * batch_size, (rank + 1) * batch_size, device=dev, dtype=torch.float64)
         frac = torch.remainder(u + i / n, 1.0)
     else:
         if world_size > 1:
             # consume the same stream as the other ranks, keep this rank's slice
-            frac = torch.rand(batch_size * world_size, generator=generator, device=dev, dtype=torch.float64)
+            frac = rand((batch_size * world_size,), generator=generator, device=dev, dtype=torch.float64)
             frac = frac[rank * batch_size:(rank + 1) * batch_size]
         else:
-            frac = torch.rand(batch_size, generator=generator, device=dev, dtype=torch.float64)
+            frac = rand((batch_size,), generator=generator, device=dev, dtype=torch.float64)
     t = t_min + (1.0 - t_min) * frac
     return t.clamp(max=MAX_TIME).to(dtype)
 

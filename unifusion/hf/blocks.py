@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from .._device import rand
 from .attention import draws_bernoulli, mask_style
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
@@ -177,7 +178,7 @@ def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float | torch.Te
     host: exactly no entry at 0, every entry at 1)."""
     K = layout.block_size
     shape = (batch_size, layout.num_blocks, K + 1, K + 1)
-    return torch.rand(shape, generator=generator, device=layout.internal.device) < gamma
+    return rand(shape, generator=generator, device=layout.internal.device) < gamma
 
 
 def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | torch.Tensor, *,
