@@ -14,8 +14,8 @@ import torch
 __all__ = ["categorical", "host_to_device", "rand", "randint"]
 
 
-def rand(shape: tuple[int, ...] | torch.Size, *, generator: torch.Generator | None, device: torch.device,
-         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rand(shape: tuple[int, ...] | torch.Size, *, generator: torch.Generator | None,
+         device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``torch.rand(shape, ...)`` that passes ``generator=`` only when one is given: Dynamo traces the generator-free
     call with symbolic sizes (a compiled step whose batch length changes), while ``generator=None`` selects an
     overload it cannot trace with them. Eagerly the two calls draw the same numbers."""

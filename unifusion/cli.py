@@ -83,12 +83,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     check_decoding_args(args)
     model, tok, kernel = load_model(args)
-    if args.prompt or args.policy:
-        return sample_with_generate(args, model, tok, kernel)
     K = getattr(model, "block_size", None)
-    if K is not None and args.seq_len > K:
-        raise ValueError(f"--policy: this block model (block_size={K}) decodes block by block against its cache; "
-                         f"pass --policy (e.g. --policy low_confidence) instead of --sampler {args.sampler}")
+    if K is not None and args.sampler != "bayesian":
+        raise ValueError(f"--sampler: this block model (block_size={K}) decodes block by block against its cache; "
+                         f"drop --sampler {args.sampler} (the default policy decodes it) or pass --policy")
+    if args.prompt or args.policy or K is not None:  # a block model: its default policy without --policy
+        return sample_with_generate(args, model, tok, kernel)
     if args.steps is None:
         args.steps = 64
     device = next(model.parameters()).device

@@ -132,7 +132,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     Args:
         model: a :class:`~unifusion.DiffusionLM` (possibly inside DDP/FSDP/DeepSpeed/compile wrappers) or any callable
             ``(x_t (B, L), t (B,)) → logits (B, L, S)``.
-        x0: clean tokens ``(B, L)`` int64.
+        x0: clean tokens ``(B, L)`` int64, never the kernel's mask id at a real position; ``L + 1`` (bos) at most
+            the model's ``max_position_embeddings``.
         kernel: the forward kernel (switching kernels mid-training is just passing another one).
         objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
             exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
@@ -146,6 +147,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
             the paper's Fig. 2 comparison).
         attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
+            A block model takes right padding only (its blocks are cut at column multiples of ``block_size``; a
+            left-padded row is a ``ValueError``).
         generator: randomness for times, corruption and the annealed mask. ``torch.compile`` cannot trace a
             ``torch.Generator``: a compiled step passes ``None`` and seeds the global generator
             (``torch.manual_seed``).
@@ -212,6 +215,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if B == 0 or L == 0:
         raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got {(B, L)}")
     V.check_model_device(model, "x0", x0)
+    V.check_model_length(model, L, "x0")
     # every value check of the step in one host sync, then kernel, model and loss run unchecked
     with V.batched_checks():
         x0 = V.check_token_ids("x0", x0, kernel.num_states)
@@ -230,6 +234,16 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             else:
                 t = blocks.block_times(t, B, blocks.num_blocks(L, block), x0.device)
         valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
+        if kernel.mask_id is not None and V.validation_enabled():  # x_t would hold a mask the kernel did not put there
+            mask_id = kernel.mask_id
+            V.fail_if(((x0 == mask_id) & valid).any(), lambda: (
+                f"x0: expected clean tokens, got the kernel's mask id {mask_id} at a real (non-padding) position; "
+                "clean data never holds the mask state (was the mask token used as padding or as a text token?)"))
+        if block is not None and attention_mask is not None and V.validation_enabled():
+            V.fail_if((~valid[:, 0] & valid[:, -1]).any(), lambda: (
+                f"attention_mask: a block model cuts blocks at column multiples of block_size = {block}, so a "
+                "left-padded row would train on other blocks than the same text right-padded; right-pad the batch "
+                "(tokenizer padding_side='right')"))
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
         gamma: float | torch.Tensor = 1.0

@@ -66,6 +66,9 @@ class CacheState:
         step: denoising steps run in the current block.
         pending: a committed block not in the cache yet, ``(ids (R, K), position ids (R, K))`` of its clean inputs
             (block caches: it runs with the next denoising step).
+        extra_forwards: ``(B,)`` int64, the backbone calls each row took part in outside the denoising steps (the
+            prompt's prefill, a committed block appended by itself), which
+            :class:`~unifusion.samplers.PolicySampler` adds to ``num_forwards``.
     """
 
     cache: Any
@@ -79,6 +82,7 @@ class CacheState:
     length: int = 0
     step: int = 0
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    extra_forwards: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """``(cache, key_valid, key_pos)`` of ``rows`` (a subset of :attr:`rows`, ascending); the cache itself when
@@ -172,7 +176,8 @@ class BlockCacheDecoder(_Decoder):
         pos = (col - pads).clamp_min(0)
         state = CacheState(cache=DynamicCache(), rows=torch.arange(B, device=dev), key_valid=valid, key_pos=pos,
                            anchor=torch.where(pads[:, 0] < P, prefix[:, -1], bos[:, 0]) if P else bos[:, 0],
-                           next_pos=(P - pads[:, 0]), length=P)
+                           next_pos=(P - pads[:, 0]), length=P,
+                           extra_forwards=torch.full((B,), int(P > 0), dtype=torch.long, device=dev))
         if P:
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
             allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
@@ -241,6 +246,8 @@ class BlockCacheDecoder(_Decoder):
         allowed = torch.cat([state.key_valid[:, None, :n - K].expand(Ba, K, -1), causal], -1)
         _forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
         state.pending = None
+        if state.extra_forwards is not None:
+            state.extra_forwards.index_add_(0, state.rows, torch.ones_like(state.rows))
 
 
 def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step and never changes. Two samplers:
 
-* ``policy=None`` (default): :class:`~unifusion.BayesianSampler` (Algorithm 2) generates the positions after it,
-  bidirectionally (``γ = 1``), ``num_steps`` (default 64) full-sequence model calls.
+* ``policy=None`` (default) on a fully bidirectional model: :class:`~unifusion.BayesianSampler` (Algorithm 2)
+  generates the positions after it, bidirectionally (``γ = 1``), ``num_steps`` (default 64) full-sequence model calls.
+  On a block model ``policy=None`` means :func:`~unifusion.samplers.policies.default_policy` (``LowConfidence`` for
+  a mask kernel, ``EntropyBound`` for a uniform one, ``block_size`` steps per block unless ``num_steps`` says
+  otherwise), decoded as below.
 * a decoding policy (:mod:`unifusion.samplers.policies`): :class:`~unifusion.samplers.PolicySampler`, block by block.
   On a block model (``adapt_ar_model(..., block_size=K)``) with ``use_cache=True`` the exact KV-cache path of
   :class:`~unifusion.hf.decoding.BlockCacheDecoder`; on a fully bidirectional model ``cache_refresh=N`` opts into
@@ -19,8 +22,8 @@ tokens are text. The pad id is ``pad_token_id``, else the tokenizer's, else the 
 
 **EOS.** ``eos_token_id="auto"`` (default) is the tokenizer's EOS id (else the config's) when a policy decodes —
 rows then stop there, cost no further forwards, and every later position is EOS (or ``pad_token_id``) — and no EOS
-for ``policy=None`` (whose tokens stay as they were). ``None``: never stop. An int: that id (with ``policy=None`` the
-positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
+for the Bayesian sampler (whose tokens stay as they were). ``None``: never stop. An int: that id (with the Bayesian
+sampler the positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from .._kernel_config import default_kernel
+from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
 
 __all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
 
@@ -86,6 +89,8 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids: expected shape (B, P) with B >= 1, got {tuple(prompt_ids.shape)}")
     B, P = prompt_ids.shape
+    if attention_mask is not None:
+        attention_mask = _check_attention_mask(attention_mask, B, P)
     generator = check_generators(generator, B)  # None, one generator, or one per row
     for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
         if g.device.type != device.type:
@@ -101,12 +106,14 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if L is None or L <= P:
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
-    _check_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
+    V.check_model_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
     for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if kernel is None:
         kernel = default_kernel(model)[0]
+    else:
+        warn_if_not_recorded_kernel(model, kernel)
     prompt_ids = prompt_ids.to(device, torch.int64)
     num_states = model.num_states
     if V.validation_enabled() and prompt_ids.numel():  # one host sync, named for generate's argument
@@ -121,6 +128,10 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
     elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
+    if policy is None and getattr(model, "block_size", None) is not None:  # a block model decodes block by block
+        from ..samplers.policies import default_policy
+
+        policy = default_policy(kernel)
     eos = _resolve_eos(model, eos_token_id, policy)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
@@ -135,8 +146,6 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None)
     shift = -P % model_block if decoder is None and model_block is not None else 0
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        shift = 0  # the sampler names the argument's type
     if shift:  # the uncached block forward cuts at multiples of K: invisible pads put a cut at the prompt's end
         prompt, attention_mask = _pad_left(prompt, attention_mask, P, shift)
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
@@ -156,12 +165,18 @@ def _pad_left(prompt: torch.Tensor, attention_mask: torch.Tensor | None, P: int,
     return torch.cat([pads, prompt], 1), torch.cat([mask.new_zeros((B, shift)), mask], 1)
 
 
-def _check_length(model: Any, L: int, name: str) -> None:
-    """The network runs ``L + 1`` positions (bos first): more than ``max_position_embeddings`` is refused."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and L + 1 > limit:
-        raise ValueError(f"{name}: the total length {L} (+1 for bos) exceeds the model's max_position_embeddings "
-                         f"= {limit}; generate at most {limit - 1} tokens in all (prompt included)")
+def _check_attention_mask(attention_mask: object, B: int, P: int) -> torch.Tensor | None:
+    """The tokenizer's mask over the prompt: a tensor of shape ``(B, P)`` exactly, like ``prompt_ids`` (``(P,)`` for
+    one row); anything narrower or wider would pair the mask's columns with the wrong tokens. ``None`` for an empty
+    prompt (nothing to mask)."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a ({B}, {P}) tensor like prompt_ids (1 = real token), got "
+                        f"{type(attention_mask).__name__}")
+    mask = attention_mask[None] if attention_mask.dim() == 1 and B == 1 else attention_mask
+    if tuple(mask.shape) != (B, P):
+        raise ValueError(f"attention_mask: expected shape ({B}, {P}) like prompt_ids (the tokenizer's mask over the "
+                         f"prompt), got {tuple(attention_mask.shape)}")
+    return mask if P else None
 
 
 def _refuse_ambiguous_padding(prompt_ids: torch.Tensor, pad: int | None) -> None:
@@ -254,11 +269,6 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps
     B, L = prompt.shape
-    K = getattr(model, "block_size", None)
-    if K is not None and L > K:
-        raise ValueError(f"policy: this block model (block_size={K}) decodes block by block against its cache; pass a "
-                         "decoding policy (policy=uf.samplers.policies.LowConfidence(), or RandomOrder() for the "
-                         "ancestral order); policy=None runs the full-sequence BayesianSampler")
     x0_model = model
     if attention_mask is not None:
         from ..samplers import _policy_run as R

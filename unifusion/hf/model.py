@@ -448,7 +448,8 @@ class DiffusionLM(nn.Module, Denoiser):
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False) -> Any:
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
-        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given.
+        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
+        or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
 
         The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
         generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
@@ -460,7 +461,9 @@ class DiffusionLM(nn.Module, Denoiser):
             max_new_tokens: number of tokens to generate after the prompt; or give
             seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
                 config's ``max_position_embeddings`` is a ``ValueError``.
-            policy: ``None`` (the BayesianSampler; not for a block model), or a
+            policy: ``None`` (the BayesianSampler; on a block model the default policy:
+                :func:`~unifusion.samplers.policies.default_policy`, ``LowConfidence()`` for a mask kernel and
+                ``EntropyBound(1.0)`` for a uniform one, one token per step unless ``num_steps`` is given), or a
                 :class:`~unifusion.samplers.policies.DecodingPolicy` (``LowConfidence()``, ``ConfidenceThreshold(0.9)``,
                 ``EntropyBound(bound)`` with a uniform kernel, ...).
             num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
@@ -476,7 +479,7 @@ class DiffusionLM(nn.Module, Denoiser):
                 between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
             attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
             eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
-                ``policy=None``), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
+                the BayesianSampler), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
                 becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
             pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
             return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
