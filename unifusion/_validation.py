@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._device import host_to_device
-from .denoiser import ConvertedHead, Denoiser
+from .denoiser import ConvertedHead, Denoiser, unwrap_model
 from .validation import set_validation, validation, validation_enabled
 
 __all__ = ["set_validation", "validation", "validation_enabled"]  # the switch, re-exported from unifusion.validation
@@ -333,17 +333,6 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
         if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
             return torch.float64
     return torch.float32
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    inner = model
-    for _ in range(4):
-        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
-        if nxt is None:
-            break
-        inner = nxt
-    return inner
 
 
 def is_diffusion_lm(model: Any) -> bool:

@@ -7,6 +7,12 @@ trained and sampled; a :class:`Denoiser` additionally declares its state space a
 the options it understands (attention annealing, padding, the fused loss). The Hugging Face adapters
 (:class:`unifusion.hf.DiffusionLM`) subclass it.
 
+**The prompt rule.** Every function that conditions a model on a clean prompt — :func:`~unifusion.diffusion_loss`,
+:func:`~unifusion.eval.nll_bound`, the harness — keeps the prompt clean in ``x_t`` and calls the model with
+:func:`prompt_conditioning`'s keyword arguments: nothing for a model that reads its prompt from ``x_t`` (a
+:class:`~unifusion.DiffusionLM`, any x0 callable), the prompt mask and the clean tokens for a model that encodes its
+prompt separately (:attr:`Denoiser.conditions_on_prompt`, e.g. DiffusionGemma).
+
 This module sits below every module that takes a model, so they test ``isinstance(model, Denoiser)`` without
 importing the layer that defines the models.
 """
@@ -15,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConvertedHead", "Denoiser"]
+import torch
+
+__all__ = ["ConvertedHead", "Denoiser", "prompt_conditioning", "unwrap_model"]
 
 
 class Denoiser:
@@ -37,6 +45,41 @@ class Denoiser:
 
     conditions_on_prompt: bool = False
     """Whether calls take ``prompt_mask=`` (``(B, L)`` bool) and the clean tokens ``x0=`` besides ``x_t``."""
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    inner = model
+    for _ in range(4):
+        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if nxt is None:
+            break
+        inner = nxt
+    return inner
+
+
+def prompt_conditioning(model: Any, x0: torch.Tensor, prompt_mask: torch.Tensor | None) -> dict[str, Any]:
+    """The keyword arguments that condition ``model`` on the clean prompt ``x0[prompt_mask]``, for a call
+    ``model(x_t, t, **prompt_conditioning(model, x0, prompt_mask))`` whose ``x_t`` holds the prompt clean.
+
+    ``{}`` without a prompt, and for a model that reads its prompt from ``x_t`` (a :class:`~unifusion.DiffusionLM` or
+    any x0 callable: the clean prompt tokens are simply there). ``{"prompt_mask": prompt_mask, "x0": x0}`` for a
+    model (inside any DDP/FSDP/compile wrapper) that declares :attr:`Denoiser.conditions_on_prompt` — it encodes the
+    prompt, and reads the clean prefix of each canvas, separately.
+
+    Args:
+        model: the model (or its wrapper) about to be called.
+        x0: clean tokens ``(B, L)`` of the call's rows.
+        prompt_mask: ``(B, L)`` bool, True on the prompt, or ``None``.
+
+    A model that conditions on a prompt and is given none cannot predict: a ``ValueError`` naming ``prompt_mask``.
+    """
+    if not getattr(unwrap_model(model), "conditions_on_prompt", False):
+        return {}
+    if prompt_mask is None:
+        raise ValueError(f"prompt_mask: {type(unwrap_model(model)).__name__} conditions on a clean prompt it encodes "
+                         "separately; pass prompt_mask ((B, L) bool, True on the prompt)")
+    return {"prompt_mask": prompt_mask, "x0": x0}
 
 
 class ConvertedHead:

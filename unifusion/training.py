@@ -20,6 +20,7 @@ import torch
 from . import _validation as V
 from ._device import rand
 from .conversions import log_heads_from_x0_logits
+from .denoiser import prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, check_kernel
@@ -166,7 +167,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
 
         prompt_mask: optional ``(B, L)`` bool, True on prompt tokens (supervised fine-tuning): they stay clean in
             ``x_t`` at every time, are seen by every prediction that may see them, score exactly 0 and do not count
-            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt.
+            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt. The
+            model is conditioned on it by :func:`unifusion.denoiser.prompt_conditioning` (the rule ``nll_bound``
+            and the harness follow too; DiffusionGemma needs no ``conditioned_on`` wrapper).
         block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
@@ -268,8 +271,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         x_t = torch.where(scored, x_t, x0)
         valid = scored
     block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
-    if getattr(V.unwrap_model(model), "conditions_on_prompt", False):  # e.g. DiffusionGemma: the prompt is encoded
-        block_kwargs["prompt_mask"] = prompt_mask
+    conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)
 
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
@@ -285,17 +287,16 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         # padded positions weighted 0: exactly 0 loss, and no gradient work for them in the fused backward
         with V.validation(False):
             loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                         x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
+                         kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
                          position_weight=None if attention_mask is None and prompt_mask is None else valid,
-                         **block_kwargs)
+                         **block_kwargs, **{**conditioning, "x0": x0})
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
     with V.validation(False):
         if V.is_diffusion_lm(model):
-            clean = {"x0": x0} if "prompt_mask" in block_kwargs else {}
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                           **block_kwargs, **clean)
+                           **block_kwargs, **conditioning)
         else:
             logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validation as V
-from ..denoiser import Denoiser
+from ..denoiser import Denoiser, prompt_conditioning
 from ..kernels import UniformKernel, check_kernel
 from .diffusion_gemma_layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
@@ -501,8 +501,9 @@ class PromptConditioned:
         n = x_t.shape[0] // self.x0.shape[0]
         x0, prompt = self.x0.repeat(n, 1), self.prompt_mask.repeat(n, 1)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(n, 1)
-        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0, attention_mask=mask,
-                          self_conditioning_prob=self.self_conditioning_prob, generator=self.generator)
+        return self.model(torch.where(prompt, x0, x_t), t, **prompt_conditioning(self.model, x0, prompt),
+                          attention_mask=mask, self_conditioning_prob=self.self_conditioning_prob,
+                          generator=self.generator)
 
 
 class PromptFixed:
