@@ -180,13 +180,6 @@ def test_is_oom_reads_the_cause_chain():
     assert not _compile.is_oom(loop)
 
 
-def test_wait_for_compilation_is_a_deprecated_no_op():
-    with pytest.warns(DeprecationWarning, match="wait_for_compilation"):
-        assert backend.wait_for_compilation(0.0) is True
-    with pytest.warns(DeprecationWarning):
-        assert uf.backend.wait_for_compilation() is True
-
-
 def test_auto_on_the_real_loss(monkeypatch):
     """The fast loss under "auto": a call at or above the threshold runs compiled (the shared "hybrid-mid" float32
     configuration of tests/conftest.py), one below it eagerly, both with the eager values (to float32 rounding)."""

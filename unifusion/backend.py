@@ -30,7 +30,6 @@ Inside a caller's own ``torch.compile`` region the functions are traced inline, 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Literal
 
@@ -38,7 +37,7 @@ from . import _compile
 from ._compile import AUTO_MIN_LOGITS, BACKENDS
 
 __all__ = ["AUTO_MIN_LOGITS", "BACKENDS", "compile_failures", "compile_stats", "get_backend", "runs_compiled",
-           "set_backend", "using", "wait_for_compilation"]
+           "set_backend", "using"]
 
 
 def set_backend(backend: Literal["auto", "compiled", "eager"]) -> None:
@@ -84,11 +83,3 @@ def compile_failures() -> dict[str, str]:
     """The configurations whose compilation failed in this process, ``{what it was: the error}``; each runs eagerly
     from then on (the others still compile)."""
     return dict(_compile.FAILED.values())
-
-
-def wait_for_compilation(timeout: float | None = None) -> bool:
-    """Deprecated: nothing compiles in the background any more (a call that compiles does so before it returns).
-    Returns ``True`` at once."""
-    warnings.warn("unifusion.backend.wait_for_compilation is deprecated and does nothing: compilation is synchronous "
-                  "(see unifusion.backend)", DeprecationWarning, stacklevel=2)
-    return True

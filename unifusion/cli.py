@@ -208,22 +208,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"unifusion {args.command}: error: {err}", file=sys.stderr)
         return 2
-
-
-def __getattr__(name: str) -> Any:
-    """``make_kernel``: moved to ``unifusion._kernel_config.make_kernel`` (kept here for one release with a
-    ``DeprecationWarning``)."""
-    if name == "make_kernel":
-        import warnings
-
-        from ._kernel_config import DEFAULT_P_UNIFORM, make_kernel
-
-        warnings.warn("unifusion.cli.make_kernel is deprecated and will be removed in the next release; build the "
-                      "kernel directly (uf.UniformKernel, uf.MaskKernel, uf.HybridKernel)", DeprecationWarning,
-                      stacklevel=2)
-
-        def cli_make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) -> Any:
-            return make_kernel(kind, int(model.num_states), model.mask_token_id, p_uniform=p_uniform, name="--kernel")
-
-        return cli_make_kernel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 A block model (``adapt_ar_model(..., block_size=K)``) cuts the L tokens into ``nb = ⌈L / K⌉`` blocks; block b is
 tokens ``[bK, min((b+1)K, L))``. **Ragged rule**: when K does not divide L the *last* block is shorter
 (``L − (nb − 1)K`` tokens); every other block has K tokens. With ``K ≥ L`` there is one block and the model is the
-plain bidirectional :class:`~unifusion.adapters.DiffusionLM` (the same code path, bit for bit).
+plain bidirectional :class:`~unifusion.hf.DiffusionLM` (the same code path, bit for bit).
 
 **Which inputs each prediction sees.** The plain model runs ``[bos, y_0 … y_{L−1}]`` and its output at internal
 position i predicts ``x_0[i]``. The block layout is one forward over two streams side by side, ``[clean | noisy]``:
@@ -301,7 +301,7 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     ``[clean | noisy]``; module docstring). Inputs are assumed checked (``DiffusionLM.forward`` checks them).
 
     Args:
-        model: the block :class:`~unifusion.adapters.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
+        model: the block :class:`~unifusion.hf.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
         x_t: ``(B, L)`` noisy tokens.  t: ``(B, nb)`` block times or ``None`` (no time conditioning).
         clean: ``(B, L)`` clean tokens x_0.  gamma: γ, a float or a 0-d tensor.
         attention_mask: ``(B, L)`` bool or ``None``.
