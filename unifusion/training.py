@@ -24,8 +24,7 @@ from .denoiser import prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, check_kernel
-from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
-from .losses._x0_rows import check_objective
+from .losses import X0_HEAD_OBJECTIVES, check_objective, native, x0_head_loss
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 

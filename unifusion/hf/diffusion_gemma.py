@@ -37,8 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validation as V
+from .._kernel_config import kernel_config, kernel_from_config
 from ..denoiser import Denoiser, prompt_conditioning
 from ..kernels import UniformKernel, check_kernel
+from ..losses.fused_linear import fused_linear_diffusion_loss
 from .diffusion_gemma_layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
 __all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "CONFIG_NAME"]
@@ -198,8 +200,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
             out = logits.new_full((B * L + 1, self.vocab_size), CARRY_LOGIT)
             out[: B * L].scatter_(-1, context.reshape(-1, 1), 0.0)  # the point mass on the clean token
             return layout.unfold(logits, out)
-        from ..losses.fused_linear import fused_linear_diffusion_loss
-
         assert x0 is not None
         hidden = layout.unfold(h, h.new_zeros(B * L + 1, h.shape[-1]))  # (B, L, d), 0 off the canvases
         response = layout.response()
@@ -421,8 +421,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         """Write the model as a Hugging Face checkpoint (``config.json``, ``model.safetensors``: tied weights once),
         the tokenizer's files if any, and ``unifusion_config.json`` (the wrapper and the kernel record), so the
         folder loads both with :meth:`from_pretrained` and with transformers."""
-        from .._kernel_config import kernel_config
-
         kernel = kernel if kernel is not None else self.kernel
         V.check_model_kernel(self, kernel, who="save_pretrained")
         record = kernel_config(kernel)
@@ -447,8 +445,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         (``config.json`` with ``model_type: diffusion_gemma``), in eval mode; the recorded kernel, if any, becomes
         :attr:`kernel` (else ``UniformKernel(V)``)."""
         from transformers import DiffusionGemmaForBlockDiffusion
-
-        from .._kernel_config import kernel_from_config
 
         path = Path(directory)
         if not (path / "config.json").is_file():

@@ -36,6 +36,16 @@ import torch
 
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
+from ..samplers import (
+    PROMPT_FILL,
+    BayesianSampler,
+    PolicyOutput,
+    PolicySampler,
+    eos_stop,
+    resolve_attention_mask,
+)
+from ..samplers.policies import default_policy
+from . import decoding
 
 __all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
 
@@ -75,8 +85,6 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True``), the prompt unchanged in the first ``P``
     columns.
     """
-    from ..samplers._setup import PROMPT_FILL, check_generators
-
     if not isinstance(prompt_ids, torch.Tensor):
         raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
     if prompt_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -91,7 +99,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     B, P = prompt_ids.shape
     if attention_mask is not None:
         attention_mask = _check_attention_mask(attention_mask, B, P)
-    generator = check_generators(generator, B)  # None, one generator, or one per row
+    generator = V.check_generators(generator, B)  # None, one generator, or one per row
     for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
         if g.device.type != device.type:
             raise ValueError(f"generator: is on {g.device} but the model is on {device}; create it there, "
@@ -129,8 +137,6 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
     if policy is None and getattr(model, "block_size", None) is not None:  # a block model decodes block by block
-        from ..samplers.policies import default_policy
-
         policy = default_policy(kernel)
     eos = _resolve_eos(model, eos_token_id, policy)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
@@ -138,8 +144,6 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if policy is None:
         return _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
                          eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
-    from ..samplers.policy_sampler import PolicySampler
-
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = getattr(model, "block_size", None)
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
@@ -208,8 +212,6 @@ def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | None
 def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
              merge_commits: bool) -> Any:
     """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls)."""
-    from . import decoding
-
     model_block = getattr(model, "block_size", None)
     if merge_commits and (model_block is None or not use_cache):
         raise ValueError("merge_commits: merges commits into the exact block cache, which needs a block model "
@@ -259,8 +261,6 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
               eos: int | None, pad: int | None, return_dict: bool, progress: bool, block_size: int | None,
               cache_refresh: int | None, merge_commits: bool) -> Any:
     """``policy=None``: today's :class:`~unifusion.BayesianSampler` path (full-sequence steps)."""
-    from ..samplers.bayesian import BayesianSampler
-
     named = [n for n, v in (("block_size", block_size), ("cache_refresh", cache_refresh),
                             ("merge_commits", merge_commits or None)) if v is not None]
     if named:
@@ -271,25 +271,19 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
     B, L = prompt.shape
     x0_model = model
     if attention_mask is not None:
-        from ..samplers import _policy_run as R
-
         keep = prompt != -1
         with V.batched_checks():
-            mask = R.resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
+            mask = resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
         if mask is not None and not bool(mask.all()):
             x0_model = _Padded(model, mask)
     sampler = BayesianSampler(x0_model, kernel, steps, eps=eps, temperature=temperature, top_p=top_p, top_k=top_k)
     out = sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=prompt.device)
     generated = prompt == -1
     if eos is not None:
-        from ..samplers import _policy_run as R
-
         undecided = torch.zeros_like(generated)
-        done, first, out, _ = R.eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
+        done, first, out, _ = eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
     if not return_dict:
         return out
-    from ..samplers.policy_sampler import PolicyOutput
-
     end = first if eos is not None else torch.full((B,), L, device=out.device)
     end = torch.where(done, end, L) if eos is not None else end
     tokens = (generated & (torch.arange(L, device=out.device) <= end[:, None])).sum(-1)

@@ -37,6 +37,8 @@ from torch import nn
 
 from .. import _validation as V
 from ..denoiser import Denoiser
+from ..kernels import check_kernel
+from ..losses.fused_linear import fused_linear_diffusion_loss
 from . import attention, blocks, generation, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .families import Family, family_for, unwrap_peft
@@ -323,9 +325,6 @@ class DiffusionLM(nn.Module, Denoiser):
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
-            from ..kernels import check_kernel
-            from ..losses.fused_linear import fused_linear_diffusion_loss
-
             V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
@@ -365,9 +364,6 @@ class DiffusionLM(nn.Module, Denoiser):
             return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
         if x0 is None or kernel is None:
             raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
-        from ..kernels import check_kernel
-        from ..losses.fused_linear import fused_linear_diffusion_loss
-
         V.check_model_kernel(self, check_kernel(kernel))
         assert t_blocks is not None
         h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)

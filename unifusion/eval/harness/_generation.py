@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 
 from ..._device import host_to_device
+from ...samplers.policies import default_policy, make_policy
 from ._args import (
     DEFAULT_MAX_GEN_TOKS,
     GEN_KEYS,
@@ -58,8 +59,6 @@ def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh
                      base: DecodingOptions | None = None, merge_commits: Any = None) -> DecodingOptions:
     """Checked :class:`DecodingOptions` from model arguments or ``gen_kwargs`` (strings as the command line gives
     them; ``None`` keeps ``base``'s value). A policy is checked by building it once."""
-    from ...samplers.policies import make_policy
-
     base = base if base is not None else DecodingOptions()
     if isinstance(policy, str) and policy.lower() in ("none", ""):
         name: str | None = None
@@ -86,8 +85,6 @@ def check_decoding_for_model(options: DecodingOptions, model: Any, kernel: Any) 
     """What ``generate_until`` would refuse with these options on this model and kernel, raised before any task runs:
     a policy of the other noise family, a block size other than a block model's own, the approximate cache on a block
     model (or without a mask kernel), and a block model whose kernel has no default policy."""
-    from ...samplers.policies import default_policy, make_policy
-
     K = getattr(model, "block_size", None)
     if options.policy is not None:
         make_policy(options.policy, threshold=options.threshold).check_kernel(kernel)
@@ -235,8 +232,6 @@ class GenerationRequests(HarnessBase):
         if decoding is None or (decoding.policy is None and not block_model):
             return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
                                        temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
-        from ...samplers.policies import default_policy, make_policy
-
         eos = getattr(self.tokenizer, "eos_token_id", None)
         policy = (default_policy(self.kernel) if decoding.policy is None
                   else make_policy(decoding.policy, threshold=decoding.threshold))
