@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange, repeat
 
 from .. import _validation as V
 from .._device import rand
@@ -137,8 +138,7 @@ def block_times(t: object, batch_size: int, nb: int, device: torch.device) -> to
 
 def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Per-block times ``(B, nb)`` → per-position times ``(B, L)`` (token i gets the time of block ``i // K``)."""
-    idx = torch.arange(length, device=t.device) // block_size
-    return t[:, idx]
+    return repeat(t, "b nb -> b (nb k)", k=block_size)[:, :length]  # each block's time on its K positions
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def _embed(model: Any, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -
         return {"input_ids": ids}
     assert t_pos is not None
     h = hf.get_input_embeddings()(ids)  # (B, n, d)
-    e = model.time_embedding(t_pos.reshape(-1)).view(*t_pos.shape, -1)
+    e = rearrange(model.time_embedding(rearrange(t_pos, "b n -> (b n)")), "(b n) d -> b n d", b=t_pos.shape[0])
     return {"inputs_embeds": h + e.to(h.dtype)}
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange
 
 from .blocks import cached_forward
 from .layout import shifted_layout
@@ -257,8 +258,9 @@ def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torc
         return model.logits_from_hidden(h)
     B, K = h.shape[:2]
     rows = (positions + K * torch.arange(B, device=h.device)[:, None]).flatten()  # (B·m,) rows of the (B·K, ·) views
-    picked = model.logits_from_hidden(h.reshape(B * K, -1).index_select(0, rows))  # (B·m, V)
-    return picked.new_zeros((B * K, picked.shape[-1])).index_copy_(0, rows, picked).view(B, K, -1)
+    picked = model.logits_from_hidden(rearrange(h, "b k d -> (b k) d").index_select(0, rows))  # (B·m, V)
+    logits = picked.new_zeros((B * K, picked.shape[-1])).index_copy_(0, rows, picked)
+    return rearrange(logits, "(b k) v -> b k v", b=B)
 
 
 class PrefixCacheDecoder(_Decoder):

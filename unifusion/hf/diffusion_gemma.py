@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .. import _validation as V
@@ -364,10 +365,9 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
                 if layout.plain:
                     k, v = k[:, :, k.shape[2] - window:], v[:, :, v.shape[2] - window:]
                 else:  # (B, H, L_enc, D) → the window of each canvas, (B·n_c, H, window, D)
-                    cols = layout.window(window)[0]
+                    cols = layout.window(window)[0]  # (B, n_c, window)
                     rows = torch.arange(B, device=cols.device)[:, None, None]
-                    k, v = (x[rows, :, cols].permute(0, 1, 3, 2, 4).reshape(B * n_c, x.shape[1], window, -1)
-                            for x in (k, v))
+                    k, v = (rearrange(x[rows, :, cols], "b c w h d -> (b c) h w d") for x in (k, v))
             elif n_c > 1:
                 k, v = k.repeat_interleave(n_c, dim=0), v.repeat_interleave(n_c, dim=0)
             data.append((k, v))
