@@ -116,8 +116,8 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
     return DynamicCache(ddp_cache_data=data)
 
 
-def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, key_pos: torch.Tensor,
-             cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
+def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+             key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
     """:func:`~unifusion.hf.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after the
     first ``clean`` (which, like ``t=None``, are at time 0)."""
     t_pos = None
@@ -284,7 +284,9 @@ class PrefixCacheDecoder(_Decoder):
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CacheState:
         B, P = prefix.shape
         dev = prefix.device
-        tokens = torch.full((B, self.seq_len), self.model.mask_token_id, dtype=torch.long, device=dev)
+        mask_id = self.model.mask_token_id
+        assert mask_id is not None  # checked in __init__
+        tokens = torch.full((B, self.seq_len), mask_id, dtype=torch.long, device=dev)
         tokens[:, :P] = prefix
         mask = None
         if not bool(prefix_mask.all()):  # once per run

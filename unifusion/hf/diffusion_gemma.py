@@ -222,9 +222,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         h = self._decode(x_t, context, layout, attention_mask, self_conditioning_logits, 0.0, None)
         return layout.unfold(h, h.new_zeros(x_t.numel() + 1, h.shape[-1]))
 
-    def loss(self, x_t: torch.Tensor, t: Any, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
-        """The fused per-position loss: ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``."""
-        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def conditioned_on(self, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None = None,
                        prompt_length: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -71,8 +71,9 @@ def model_pad_token_id(model: Any) -> int | None:
     return pad if pad is not None else _first_id(getattr(model.config, "pad_token_id", None))
 
 
-def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
-             policy: Any = None, num_steps: int | None = None, block_size: int | None = None, use_cache: bool = True,
+def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None,
+             seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
+             block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
              kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
@@ -269,7 +270,7 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps
     B, L = prompt.shape
-    x0_model = model
+    x0_model: Any = model
     if attention_mask is not None:
         keep = prompt != -1
         with V.batched_checks():

@@ -408,13 +408,6 @@ class DiffusionLM(nn.Module, Denoiser):
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
 
-    def loss(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
-        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss), or its
-        weighted sum / mean with ``reduction=``, ``position_weight=``.
-
-        Same as ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``; under DDP/FSDP call the wrapper that way instead.
-        """
-        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.
