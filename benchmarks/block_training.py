@@ -1,7 +1,7 @@
 """Cost of a block-diffusion training step against a plain one (not a test).
 
 One training step (``diffusion_loss`` forward + backward, mask kernel, bf16 autocast by default) of SmolLM2-135M
-(``unifusion.models.load_smollm2``) adapted twice: ``block_size=None`` (the baseline: one bidirectional forward over
+(``unifusion.hf.load_smollm2``) adapted twice: ``block_size=None`` (the baseline: one bidirectional forward over
 L + 1 positions) and ``block_size=K`` (one forward over the ``[clean | noisy]`` stream of ``2L − K + L/K`` positions,
 :mod:`unifusion.hf.blocks`). Each variant runs in a fresh process (``--child``) so its peak memory is its own: peak
 RSS increase over the loaded model and inputs on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA. The table
@@ -39,7 +39,7 @@ def _load(args: argparse.Namespace) -> torch.nn.Module:
         torch.manual_seed(0)
         hf = LlamaForCausalLM(cfg)
     else:
-        from unifusion.models import load_smollm2
+        from unifusion.hf import load_smollm2
 
         hf = load_smollm2(torch.float32)
     hf.set_attn_implementation(args.attn)

@@ -14,9 +14,10 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
 * ``dual cache, 4/fwd`` (``--approx``): the fully bidirectional model with Fast-dLLM's approximate cache
   (``cache_refresh=K/4``: a full forward at each block's first step), and its token agreement with uncached decoding.
 
-Printed: wall time (best of ``--repeats``), forwards (denoising steps; block commits in parentheses), tokens per
-forward, the ratio to AR, and the ratio to the full-sequence sampler at the same number of forwards (its measured time
-per forward × the row's forwards). The adapted model is untrained (weights of SmolLM2): the times are what matter.
+Printed: wall time (best of ``--repeats``), forwards (every backbone call: denoising steps, the prompt's prefill and
+commit passes), tokens per forward, the ratio to AR, and the ratio to the full-sequence sampler at the same number of
+forwards (its measured time per forward × the row's forwards). The adapted model is untrained (weights of SmolLM2):
+the times are what matter.
 Run it on a quiet machine; ``--quick`` runs a tiny random model in seconds (a smoke test of the script).
 
     python benchmarks/decoding.py                      # SmolLM2-135M, N = 128 and 512, P = 32, K = 32
@@ -171,7 +172,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
                                              generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
     per_forward = t_full / steps
     rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
-    model, tag, commits = block, f"block {K} + cache", -(-N // K) - 1
+    model, tag = block, f"block {K} + cache"
     for r in args.rates:
         def fixed(r: int = r) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
@@ -180,7 +181,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
 
         t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
-        rows.append((N, f"{tag}, {r}/fwd", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+        rows.append((N, f"{tag}, {r}/fwd", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))
     sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
                             block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
@@ -188,7 +189,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
     t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
                                           generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
     f = int(out.num_forwards[0])
-    rows.append((N, f"{tag}, merged commits, 4/fwd", t, f"{f} (+0)", float(out.tokens_per_forward[0]),
+    rows.append((N, f"{tag}, merged commits, 4/fwd", t, str(f), float(out.tokens_per_forward[0]),
                  per_forward * f))
     for tau in args.thresholds:
         def thr(tau: float = tau) -> Any:
@@ -198,7 +199,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
 
         t, out = _best(thr, args.repeats)
         f = int(out.num_forwards[0])
-        rows.append((N, f"{tag}, thr {tau}", t, f"{f} (+{commits})", float(out.tokens_per_forward[0]),
+        rows.append((N, f"{tag}, thr {tau}", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))
     if args.approx:
         def approx(refresh: int | None) -> Any:
@@ -222,7 +223,7 @@ def _print(rows: list[Row]) -> None:
         vs_full = f"{full / t:7.2f}x" if full is not None and name.startswith(("block", "dual", "no block")) else ""
         print(f"{N:>5}  {name:<48} {t:8.3f} {forwards:>12} {rate:8.2f} {t / ar_time[N]:6.2f}x {vs_full:>8}")
     print("vs AR: wall time / AR's (lower is faster); vs full: full-sequence time at the same number of forwards / "
-          "this row's (higher is faster). Block commits are extra forwards, not counted in tok/fwd.")
+          "this row's (higher is faster). Forwards count every backbone call: prefill and commit passes included.")
 
 
 if __name__ == "__main__":

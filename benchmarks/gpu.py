@@ -42,9 +42,10 @@ defaults a user meets (checks on, with their host read-backs): the first kernel 
 (b), the sampler at the first step count in (c). Each row records ``"validation"``; the ratios and goals use the rows
 with validation off.
 
-Every timed row records the backend it asked for (``backend``), the backend in force after it ran
-(``backend_after``: a compiler failure inside a compiled call serves it eagerly and switches the whole process to
-eager, so a "compiled" row whose ``backend_after`` is ``"eager"`` was not compiled), ``compile_stats`` (the
+Every timed row records the backend it asked for (``backend``), what ran (``backend_after``: the setting after it
+ran, or ``"eager"`` once a configuration failed to compile — a compiler failure serves that configuration eagerly
+from then on, ``uf.backend.compile_failures()`` — so a "compiled" row whose ``backend_after`` is ``"eager"`` may not
+have been compiled), ``compile_stats`` (the
 background compilations of ``"auto"``) and the warnings it raised. A row that raises (an OOM, a missing kernel) is
 recorded with its ``error`` and the section goes on.
 
@@ -211,8 +212,10 @@ class Timer:
 
 
 def _backend_state() -> dict[str, Any]:
-    """What actually ran: ``uf.backend.get_backend()`` now, and ``uf.backend.compile_stats()``."""
-    return {"backend_after": uf.backend.get_backend(), "compile_stats": uf.backend.compile_stats()}
+    """What actually ran: ``uf.backend.get_backend()`` now (``"eager"`` once a configuration failed to compile), and
+    ``uf.backend.compile_stats()``."""
+    ran = "eager" if uf.backend.compile_failures() else uf.backend.get_backend()
+    return {"backend_after": ran, "compile_stats": uf.backend.compile_stats()}
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:

@@ -226,14 +226,13 @@ def test_p_uniform_is_for_the_hybrid_kernel_only(folders, capsys):
     assert rc == 0 and err == ""
 
 
-def test_make_kernel_moved_and_warns():
+def test_make_kernel_lives_in_the_kernel_config_module():
     import unifusion.cli as cli
+    from unifusion._kernel_config import make_kernel
 
-    model = argparse.Namespace(num_states=9, mask_token_id=8)
-    with pytest.warns(DeprecationWarning, match="cli.make_kernel is deprecated"):
-        make_kernel = cli.make_kernel
-    assert type(make_kernel("hybrid", model)) is uf.HybridKernel and make_kernel("hybrid", model).p_uniform == 0.1
+    assert not hasattr(cli, "make_kernel")
+    assert type(make_kernel("hybrid", 9, 8)) is uf.HybridKernel and make_kernel("hybrid", 9, 8).p_uniform == 0.1
     with pytest.raises(ValueError, match="--kernel: 'mask' needs a model with a mask token"):
-        make_kernel("mask", argparse.Namespace(num_states=9, mask_token_id=None))
+        make_kernel("mask", 9, None, name="--kernel")
     with pytest.raises(ValueError, match=r"--kernel: expected one of \('uniform', 'mask', 'hybrid'\), got 'nope'"):
-        make_kernel("nope", model)
+        make_kernel("nope", 9, 8, name="--kernel")

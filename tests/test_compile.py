@@ -51,6 +51,7 @@ def fake(monkeypatch):
     """``"auto"`` with no compiled copies yet, a threshold of 100 logits and a fake torch.compile."""
     monkeypatch.setattr(_compile, "_copies", {})
     monkeypatch.setattr(_compile, "_first_call_done", set())
+    monkeypatch.setattr(_compile, "FAILED", {})
     monkeypatch.setattr(_compile, "STATS", {"compiled": 0, "seconds": 0.0})
     monkeypatch.setattr(_compile, "AUTO_MIN_LOGITS", 100)
     backend.set_backend("auto")
@@ -122,16 +123,23 @@ def test_a_large_call_compiles_in_the_callers_thread_once_and_says_so(fake, capl
     assert _call(torch.arange(1000.0))[0] == "eager"  # "eager": never
 
 
-def test_a_compiler_failure_serves_the_call_eagerly_warns_once_and_stays_eager(fake):
+def test_a_compiler_failure_is_remembered_for_its_configuration_only(fake):
+    """A failed compilation serves the call eagerly and warns once, naming the configuration and the error; that
+    configuration stays eager (no second attempt, no second warning), the setting is unchanged, and another
+    configuration still compiles."""
     fake.raises.append(RuntimeError("no C++ compiler"))
     eager_calls: list[int] = []
-    with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C\\+\\+ compiler"):
+    with pytest.warns(RuntimeWarning, match="torch.compile failed for doubling \\('k',\\) .*no C\\+\\+ compiler"):
         kind, out = _call(torch.arange(200.0), eager_calls=eager_calls)
     assert kind == "eager" and torch.equal(out, torch.arange(200.0) * 2) and eager_calls == [1]
-    assert backend.get_backend() == "eager" and backend.compile_stats()["compiled"] == 0
+    assert backend.get_backend() == "auto" and backend.compile_stats()["compiled"] == 0
+    assert backend.compile_failures() == {"doubling ('k',)": "RuntimeError: no C++ compiler"}
+    fake.raises.clear()  # the compiler works again: only the failed configuration stays eager
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _call(torch.arange(200.0))[0] == "eager"
+        assert _call(torch.arange(200.0), key=("other",))[0] == "compiled"
+    assert fake.compiled == ["_double_0", "_double_1"] and backend.compile_stats()["compiled"] == 1
 
 
 def _wrapped_oom() -> RuntimeError:
@@ -170,13 +178,6 @@ def test_is_oom_reads_the_cause_chain():
     loop = RuntimeError("a")
     loop.__context__ = loop  # a cycle ends the walk
     assert not _compile.is_oom(loop)
-
-
-def test_wait_for_compilation_is_a_deprecated_no_op():
-    with pytest.warns(DeprecationWarning, match="wait_for_compilation"):
-        assert backend.wait_for_compilation(0.0) is True
-    with pytest.warns(DeprecationWarning):
-        assert uf.backend.wait_for_compilation() is True
 
 
 def test_auto_on_the_real_loss(monkeypatch):

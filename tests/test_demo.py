@@ -39,7 +39,8 @@ def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     rows = metrics["decoding"]
     assert [r["name"] for r in rows] == ["AR", "low-confidence, 4 steps/block", "threshold 0.9"]
     assert all(set(r) == ROW_FIELDS and r["genppl"] > 1.0 and r["entropy"] > 0.0 for r in rows)
-    assert rows[0]["tokens_per_forward"] == 1.0 and rows[1]["tokens_per_forward"] >= 2.0
+    # 16 tokens in 2 blocks × 4 steps, plus the prompt's prefill: every backbone call counts
+    assert rows[0]["tokens_per_forward"] == 1.0 and rows[1]["tokens_per_forward"] >= 16 / 9
     assert (out / "decoding.png").stat().st_size > 1000
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert len(samples) == 6 and all(isinstance(s["continuation"], str) for s in samples)

@@ -9,6 +9,13 @@
   unifusion module defines. Private *modules* (``_validation``, ``_math``, ...) may be imported within the package:
   their names are the package's internal API.
 * No ``sys.modules`` look-ups: a lower layer never reaches an upper one behind the import graph's back.
+* No module imports a private *module* of another subpackage (``unifusion.hf.generation`` importing
+  ``unifusion.samplers._setup``): a private module is the internal API of the package that holds it (and of that
+  package's subpackages); the top level's private modules (``unifusion._validation``, ...) serve the whole library.
+  Another subpackage uses the public names its package re-exports.
+* No library module hides an edge to another subpackage in a function-local import: the edge is at the top of the
+  module, where the import graph (and a reader) sees it. The command line (``cli``, ``_cli_*``, ``demo``) imports its
+  subcommands' layers lazily, to start fast.
 """
 
 from __future__ import annotations
@@ -169,3 +176,66 @@ def test_no_private_name_crosses_a_module_boundary():
     assert not new, "private names across modules (make the seam public):\n" + "\n".join(new)
     gone = sorted(KNOWN_OFFENCES - offences)
     assert not gone, "no longer occurs, remove from KNOWN_OFFENCES:\n" + "\n".join(gone)
+
+
+def _private_module_imports(modules: dict[str, tuple[Path, ast.Module]]) -> set[str]:
+    """``"importer imports the private module M"`` for each import of a private module whose package neither is nor
+    contains the importer's package."""
+    found: set[str] = set()
+    for name, (path, tree) in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _source(name, path, node)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                package, _, last = target.rpartition(".")
+                if target in modules and _private(last) and not (here == package or here.startswith(package + ".")):
+                    found.add(f"{name} imports the private module {target}")
+    return found
+
+
+def test_no_module_imports_a_private_module_of_another_subpackage():
+    toy = {"unifusion.a.__init__": "", "unifusion.a._inner": "X = 1\n", "unifusion.a.b.__init__": "",
+           "unifusion.a.b.deep": "from .. import _inner\n", "unifusion.c.__init__": "",
+           "unifusion.c.user": "from ..a import _inner\nfrom ..a._inner import X\nimport unifusion.a._inner\n",
+           "unifusion._top": "", "unifusion.c.top_user": "from .. import _top\n"}
+    parsed = {k.removesuffix(".__init__"): (Path("__init__.py" if k.endswith("__init__") else k.rpartition(".")[2]
+                                                 + ".py"), ast.parse(v)) for k, v in toy.items()}
+    assert _private_module_imports(parsed) == {"unifusion.c.user imports the private module unifusion.a._inner"}
+    offences = sorted(_private_module_imports(_parsed()))
+    assert not offences, "private modules of another subpackage (re-export a public name instead):\n" + \
+        "\n".join(offences)
+
+
+LAZY = ("unifusion.cli", "unifusion._cli_", "unifusion.demo", "unifusion.__main__")
+"""The command line, whose subcommands import their layers when they run."""
+
+
+def _subpackage(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_library_module_hides_an_edge_to_another_subpackage_in_a_function():
+    modules = _parsed()
+    hidden = []
+    for name, (path, tree) in modules.items():
+        if name.startswith(LAZY):
+            continue
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    source = _source(name, path, node)
+                    targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source
+                               for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                hidden += [f"{name}:{node.lineno} -> {t}" for t in targets
+                           if (t == "unifusion" or t.startswith("unifusion.")) and _subpackage(t) != _subpackage(name)]
+    assert not hidden, "function-local imports of another subpackage (hoist them):\n" + "\n".join(sorted(hidden))

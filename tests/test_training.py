@@ -206,3 +206,30 @@ def test_fused_loss_through_a_diffusion_lm_equals_the_logits_path():
         torch.testing.assert_close(model.lm_head_weight.grad, grads[1], rtol=1e-4, atol=1e-6)
     with pytest.raises(TypeError, match="fused"):
         uf.diffusion_loss(EmbedHead(), _x0(), uf.UniformKernel(S), fused=True)
+
+
+def test_clean_tokens_holding_the_mask_id_are_a_value_error():
+    """x0 holding the kernel's mask id at a real position would train on masks the kernel never put there (generate
+    refuses it in prompts too); at padding it is allowed (padding stays clean and does not count)."""
+    from _hf_tiny import tiny_model
+
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3)
+    kernel = uf.MaskKernel(model.num_states, 3)
+    x0 = torch.randint(4, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    x0[1, 7] = 3
+    with pytest.raises(ValueError, match="x0: expected clean tokens, got the kernel's mask id 3"):
+        uf.diffusion_loss(model, x0, kernel)
+    pad = torch.ones_like(x0)
+    pad[1, 7] = 0
+    assert uf.diffusion_loss(model, x0, kernel, attention_mask=pad).num_tokens.item() == 15
+
+
+def test_a_length_beyond_the_models_positions_is_a_value_error():
+    """The adapter runs L + 1 positions (bos first): diffusion_loss refuses what generate refuses."""
+    from _hf_tiny import tiny_model
+
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3)  # max_position_embeddings = 128
+    kernel = uf.MaskKernel(model.num_states, 3)
+    with pytest.raises(ValueError, match="x0: the total length 128 .* max_position_embeddings = 128"):
+        uf.diffusion_loss(model, torch.full((1, 128), 5), kernel)
+    assert uf.diffusion_loss(model, torch.full((1, 127), 5), kernel).loss.shape == (1, 127)

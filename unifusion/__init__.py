@@ -17,9 +17,7 @@ subpackages (:mod:`unifusion.losses`, :mod:`unifusion.samplers`, :mod:`unifusion
 :mod:`unifusion.schedules`) and the runtime switches in :mod:`unifusion.backend` and :mod:`unifusion.validation`.
 """
 
-import warnings as _warnings
 from importlib import metadata as _metadata
-from typing import Any as _Any
 
 from . import backend, eval, hf, losses, precision, samplers, schedules, validation
 from .conversions import convert_x0_to
@@ -62,42 +60,3 @@ __all__ = [
     "validation",
     "wrap_diffusion_lm",
 ]
-
-
-class _ValidationModule(type(validation)):  # type: ignore[misc]
-    """:mod:`unifusion.validation`, also callable for one release: ``uf.validation(False)`` was the context manager
-    (now ``unifusion.validation.validation``)."""
-
-    def __call__(self, enabled: bool) -> _Any:
-        _warnings.warn("calling unifusion.validation(...) is deprecated and will be removed in the next release; use "
-                      "unifusion.validation.validation(...)", DeprecationWarning, stacklevel=2)
-        return self.validation(enabled)
-
-
-validation.__class__ = _ValidationModule
-
-# Names the front door held before this release: each still resolves, with a DeprecationWarning naming its home.
-_MOVED = {
-    "set_validation": "unifusion.validation", "validation_enabled": "unifusion.validation",
-    "set_backend": "unifusion.backend", "get_backend": "unifusion.backend",
-    "compile_stats": "unifusion.backend", "wait_for_compilation": "unifusion.backend",
-    "anneal_schedule": "unifusion.hf", "InterpolatingKernel": "unifusion.kernels",
-    "DiffusionLossOutput": "unifusion.training",
-    "Schedule": "unifusion.schedules", "LinearSchedule": "unifusion.schedules",
-    "CosineSchedule": "unifusion.schedules", "LogLinearSchedule": "unifusion.schedules",
-    "GeometricSchedule": "unifusion.schedules", "MDLMCosineSchedule": "unifusion.schedules",
-    "DUOCosineSchedule": "unifusion.schedules",
-}
-
-
-def __getattr__(name: str) -> _Any:
-    import importlib
-
-    if name in ("adapters", "models"):  # deprecated modules kept for one release (their names warn)
-        return importlib.import_module(f".{name}", __name__)
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn(f"unifusion.{name} is deprecated and will be removed in the next release; use {home}.{name}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(home), name)

@@ -31,7 +31,8 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=positive_int, default=None, help="keep the k most likely tokens (default: off)")
     g.add_argument("--policy", choices=POLICY_NAMES, default=None,
                    help="decode block by block with this policy (DiffusionLM.generate(policy=...)); default: the "
-                        "--sampler over the whole sequence")
+                        "--sampler over the whole sequence, or for a block model low_confidence (mask kernel) / "
+                        "entropy_bound (uniform kernel)")
     g.add_argument("--block-size", type=positive_int, default=None,
                    help="positions per block with --policy (a block model: its own; default: one block)")
     g.add_argument("--threshold", type=float, default=None,
@@ -85,7 +86,12 @@ def sample_with_generate(args: argparse.Namespace, model: Any, tok: Any, kernel:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     new = args.max_new_tokens or args.seq_len
-    label = f"{args.policy} policy" if policy is not None else f"{args.steps or 64} steps"
+    if policy is None and getattr(model, "block_size", None) is not None:  # what generate would pick, named
+        from .samplers.policies import default_policy
+
+        policy = default_policy(kernel)
+    label = (f"{args.policy or type(policy).__name__} policy" if policy is not None
+             else f"{args.steps or 64} steps")
     records = []
     for lo in range(0, len(rows), args.batch_size):
         chunk = rows[lo: lo + args.batch_size]

@@ -53,6 +53,9 @@ BASE_OPTIONS: dict[str, Any] = {"cpp.min_chunk_size": 1}
 _COMPILER_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError, NotImplementedError)
 _copies: dict[tuple, Callable] = {}
 _first_call_done: set[tuple] = set()
+FAILED: dict[tuple, tuple[str, str]] = {}
+"""Configurations whose compilation failed: full key → (what it was, the error). Each runs eagerly from then on; the
+others still compile (:func:`unifusion.backend.compile_failures`)."""
 
 
 def chooses_compiled(num_logits: int) -> bool:
@@ -101,24 +104,30 @@ def run(fn: Callable, key: tuple, compiled_call: Callable[[Callable], Any], eage
 
     The first compiled call of a configuration compiles it in this thread and logs one record (logger
     ``"unifusion"``, level WARNING so that it shows without any logging set up) naming ``what()`` and the seconds it
-    took. A compilation failure reruns the call eagerly, warns once (``RuntimeWarning``) and switches the process to
-    ``"eager"``; an out-of-memory error propagates and changes nothing (it is the batch, not the compiler). Callers
-    trace ``fn`` inline themselves when ``torch.compiler.is_compiling()``.
+    took. A compilation failure reruns the call eagerly, warns once (``RuntimeWarning``, with ``what()`` and the
+    error) and remembers the failure for *this configuration* (:data:`FAILED`), which runs eagerly from then on; the
+    setting and every other configuration are left as they were. An out-of-memory error propagates and changes nothing
+    (it is the batch, not the compiler). Callers trace ``fn`` inline themselves when ``torch.compiler.is_compiling()``.
     """
     if not chooses_compiled(num_logits):
         return eager_call()
-    fn_c = compiled(fn, key, options)
     full_key = (fn.__module__, fn.__qualname__) + key
+    if full_key in FAILED:  # this configuration failed to compile before: eager, already reported
+        return eager_call()
+    fn_c = compiled(fn, key, options)
     start = time.perf_counter()
     try:
         out = compiled_call(fn_c)
     except _COMPILER_ERRORS as err:
         if is_oom(err):
             raise
-        out = eager_call()  # bad inputs raise here too, and the setting stays as it is
-        warnings.warn(f"unifusion: torch.compile failed ({type(err).__name__}: {err}); running eagerly from now on "
-                      "(unifusion.backend.set_backend('eager') skips compiling)", RuntimeWarning, stacklevel=3)
-        SETTING["backend"] = "eager"
+        out = eager_call()  # bad inputs raise here too, and nothing is remembered
+        description = what()
+        FAILED[full_key] = (description, f"{type(err).__name__}: {err}")
+        warnings.warn(f"unifusion: torch.compile failed for {description} ({type(err).__name__}: {err}); this "
+                      "configuration runs eagerly from now on, others still compile (unifusion.backend."
+                      "compile_failures() lists the failures; set_backend('eager') skips compiling)", RuntimeWarning,
+                      stacklevel=3)
         return out
     if full_key not in _first_call_done:
         seconds = time.perf_counter() - start

@@ -11,7 +11,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["categorical", "host_to_device"]
+__all__ = ["categorical", "host_to_device", "rand", "randint"]
+
+
+def rand(shape: tuple[int, ...] | torch.Size, *, generator: torch.Generator | None,
+         device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.rand(shape, ...)`` that passes ``generator=`` only when one is given: Dynamo traces the generator-free
+    call with symbolic sizes (a compiled step whose batch length changes), while ``generator=None`` selects an
+    overload it cannot trace with them. Eagerly the two calls draw the same numbers."""
+    if generator is None:
+        return torch.rand(shape, device=device, dtype=dtype)
+    return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+
+
+def randint(high: int, shape: tuple[int, ...] | torch.Size, *, generator: torch.Generator | None,
+            device: torch.device) -> torch.Tensor:
+    """``torch.randint(0, high, shape, ...)`` int64, passing ``generator=`` only when one is given (:func:`rand`)."""
+    if generator is None:
+        return torch.randint(0, high, shape, device=device)
+    return torch.randint(0, high, shape, generator=generator, device=device)
 
 
 def categorical(weights: torch.Tensor, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -10,13 +10,14 @@ model wrapper, the loaders, the command line and the harness can all use it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from . import schedules
 from .kernels import HybridKernel, Kernel, MaskKernel, UniformKernel
 
 __all__ = ["KERNEL_NAMES", "DEFAULT_P_UNIFORM", "make_kernel", "kernel_config", "kernel_from_config",
-           "default_kernel"]
+           "default_kernel", "warn_if_not_recorded_kernel"]
 
 KERNEL_NAMES = ("uniform", "mask", "hybrid")
 """The kernels that have a name: :class:`~unifusion.UniformKernel`, :class:`~unifusion.MaskKernel`,
@@ -97,3 +98,16 @@ def default_kernel(model: Any) -> tuple[Kernel, str]:
         return (make_kernel("mask", model.num_states, model.mask_token_id),
                 f"no kernel recorded with the model, and it has a mask token ({model.mask_token_id})")
     return make_kernel("uniform", model.num_states, None), "no kernel recorded with the model, and it has no mask token"
+
+
+def warn_if_not_recorded_kernel(model: Any, kernel: Any, name: str = "kernel") -> bool:
+    """Warn (``UserWarning``, naming both) when ``kernel`` is of another family than the kernel recorded with the model
+    (``model.kernel``, saved in its config): a mask-trained model decoded with uniform noise, say, produces tokens its
+    training never prepared it for. Returns whether it warned; nothing is recorded: no warning."""
+    recorded = getattr(model, "kernel", None)
+    if recorded is None or not isinstance(kernel, Kernel) or type(kernel) is type(recorded):
+        return False
+    warnings.warn(f"{name}: {type(kernel).__name__} contradicts the kernel recorded with the model "
+                  f"({type(recorded).__name__}, model.kernel, saved in its config): the model was trained on other "
+                  f"noise; leave {name}=None to use the recorded one", UserWarning, stacklevel=3)
+    return True

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._device import host_to_device
-from .denoiser import ConvertedHead, Denoiser
+from .denoiser import ConvertedHead, Denoiser, unwrap_model
 from .validation import set_validation, validation, validation_enabled
 
 __all__ = ["set_validation", "validation", "validation_enabled"]  # the switch, re-exported from unifusion.validation
@@ -203,6 +203,17 @@ def check_padding(name: str, attention_mask: torch.Tensor) -> None:
         f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
 
 
+def check_model_length(model: Any, length: int, name: str) -> None:
+    """A :class:`~unifusion.DiffusionLM` runs ``length + 1`` positions (bos first): more than its config's
+    ``max_position_embeddings`` is a ``ValueError`` naming ``name`` (host metadata only, no sync)."""
+    if not is_diffusion_lm(model):
+        return
+    limit = getattr(getattr(unwrap_model(model), "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and length + 1 > limit:
+        raise ValueError(f"{name}: the total length {length} (+1 for bos) exceeds the model's max_position_embeddings "
+                         f"= {limit}; use at most {limit - 1} tokens in all (prompt included)")
+
+
 def check_finite(name: str, value: torch.Tensor) -> None:
     if validation_enabled() and value.is_floating_point() and value.numel() > 0:
         fail_if(torch.isnan(value.detach()).any(), lambda: f"{name}: contains NaN")
@@ -322,17 +333,6 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
         if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
             return torch.float64
     return torch.float32
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    inner = model
-    for _ in range(4):
-        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
-        if nxt is None:
-            break
-        inner = nxt
-    return inner
 
 
 def is_diffusion_lm(model: Any) -> bool:

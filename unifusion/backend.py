@@ -20,24 +20,24 @@ shapes make the same choice. (A run whose calls straddle :data:`AUTO_MIN_LOGITS`
 it, mixes the two implementations deterministically; pin ``"compiled"`` or ``"eager"`` to avoid that.) Nothing runs
 in the background: unifusion starts no threads and changes no thread counts or priorities.
 
-If compiling fails (no C++ compiler, no Triton, an unsupported device) the call is served eagerly, one
-``RuntimeWarning`` says so and the process switches to ``"eager"``. Running out of device memory is not a compiler
-failure: ``torch.OutOfMemoryError`` propagates from the call as it would eagerly. Inside a caller's own
-``torch.compile`` region the functions are traced inline, whatever the setting.
+If compiling a configuration fails (no C++ compiler, no Triton, an unsupported device) the call is served eagerly and
+one ``RuntimeWarning`` names the configuration and the error; that configuration runs eagerly from then on
+(:func:`compile_failures` lists it), while the setting and every other configuration stay as they were. Running out
+of device memory is not a compiler failure: ``torch.OutOfMemoryError`` propagates from the call as it would eagerly.
+Inside a caller's own ``torch.compile`` region the functions are traced inline, whatever the setting.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Literal
 
 from . import _compile
 from ._compile import AUTO_MIN_LOGITS, BACKENDS
 
-__all__ = ["AUTO_MIN_LOGITS", "BACKENDS", "compile_stats", "get_backend", "runs_compiled", "set_backend", "using",
-           "wait_for_compilation"]
+__all__ = ["AUTO_MIN_LOGITS", "BACKENDS", "compile_failures", "compile_stats", "get_backend", "runs_compiled",
+           "set_backend", "using"]
 
 
 def set_backend(backend: Literal["auto", "compiled", "eager"]) -> None:
@@ -47,7 +47,7 @@ def set_backend(backend: Literal["auto", "compiled", "eager"]) -> None:
 
 
 def get_backend() -> str:
-    """The current setting: ``"auto"``, ``"compiled"`` or ``"eager"`` (``"eager"`` also after a compiler failure)."""
+    """The current setting: ``"auto"``, ``"compiled"`` or ``"eager"`` (a compiler failure does not change it)."""
     return _compile.SETTING["backend"]
 
 
@@ -79,9 +79,7 @@ def compile_stats() -> dict[str, float]:
     return {"compiled": _compile.STATS["compiled"], "seconds": _compile.STATS["seconds"]}
 
 
-def wait_for_compilation(timeout: float | None = None) -> bool:
-    """Deprecated: nothing compiles in the background any more (a call that compiles does so before it returns).
-    Returns ``True`` at once."""
-    warnings.warn("unifusion.backend.wait_for_compilation is deprecated and does nothing: compilation is synchronous "
-                  "(see unifusion.backend)", DeprecationWarning, stacklevel=2)
-    return True
+def compile_failures() -> dict[str, str]:
+    """The configurations whose compilation failed in this process, ``{what it was: the error}``; each runs eagerly
+    from then on (the others still compile)."""
+    return dict(_compile.FAILED.values())

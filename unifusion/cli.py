@@ -83,12 +83,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     check_decoding_args(args)
     model, tok, kernel = load_model(args)
-    if args.prompt or args.policy:
-        return sample_with_generate(args, model, tok, kernel)
     K = getattr(model, "block_size", None)
-    if K is not None and args.seq_len > K:
-        raise ValueError(f"--policy: this block model (block_size={K}) decodes block by block against its cache; "
-                         f"pass --policy (e.g. --policy low_confidence) instead of --sampler {args.sampler}")
+    if K is not None and args.sampler != "bayesian":
+        raise ValueError(f"--sampler: this block model (block_size={K}) decodes block by block against its cache; "
+                         f"drop --sampler {args.sampler} (the default policy decodes it) or pass --policy")
+    if args.prompt or args.policy or K is not None:  # a block model: its default policy without --policy
+        return sample_with_generate(args, model, tok, kernel)
     if args.steps is None:
         args.steps = 64
     device = next(model.parameters()).device
@@ -208,22 +208,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"unifusion {args.command}: error: {err}", file=sys.stderr)
         return 2
-
-
-def __getattr__(name: str) -> Any:
-    """``make_kernel``: moved to ``unifusion._kernel_config.make_kernel`` (kept here for one release with a
-    ``DeprecationWarning``)."""
-    if name == "make_kernel":
-        import warnings
-
-        from ._kernel_config import DEFAULT_P_UNIFORM, make_kernel
-
-        warnings.warn("unifusion.cli.make_kernel is deprecated and will be removed in the next release; build the "
-                      "kernel directly (uf.UniformKernel, uf.MaskKernel, uf.HybridKernel)", DeprecationWarning,
-                      stacklevel=2)
-
-        def cli_make_kernel(kind: str, model: Any, *, p_uniform: float = DEFAULT_P_UNIFORM) -> Any:
-            return make_kernel(kind, int(model.num_states), model.mask_token_id, p_uniform=p_uniform, name="--kernel")
-
-        return cli_make_kernel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

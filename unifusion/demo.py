@@ -239,7 +239,7 @@ def _block_decode(model: Any, kernel: Any, variant: _Variant, prompt: torch.Tens
                   temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """One prompt ``(1, P)`` continued by block decoding with the exact KV cache of the block model (each denoising
     step runs one block against the cached prefix; a finished block enters the cache within the next block's first
-    step): (the new tokens ``(N,)``, the denoising forwards it took)."""
+    step): (the new tokens ``(N,)``, the backbone calls it took, prefill included)."""
     from .hf.decoding import BlockCacheDecoder
     from .samplers import PolicyOutput, PolicySampler
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _validation as V
-from ._device import categorical
+from ._device import categorical, rand, randint
 from ._math import safe_log
 from .schedules import LinearSchedule, Schedule
 
@@ -360,12 +360,12 @@ class InterpolatingKernel(Kernel):
         alpha, a, b = self.coefficients(t)
         shape = torch.broadcast_shapes(ids.shape, alpha.shape)
         ids = ids.expand(shape)
-        u = torch.rand(shape, generator=generator, device=ids.device, dtype=alpha.dtype)
+        u = rand(shape, generator=generator, device=ids.device, dtype=alpha.dtype)
         alpha, a = torch.broadcast_to(alpha, shape), torch.broadcast_to(a, shape)
         keep = u < alpha
         to_mask = (u >= alpha) & (u < alpha + a)
         n_unif = self.num_uniform_states
-        noise = torch.randint(0, n_unif, shape, generator=generator, device=ids.device)
+        noise = randint(n_unif, shape, generator=generator, device=ids.device)
         if not self.uniform_over_all and self.mask_id is not None:
             noise = noise + (noise >= self.mask_id).long()  # skip the mask id
         out = torch.where(keep, ids, noise)

@@ -18,12 +18,13 @@ from typing import Any, Literal
 import torch
 
 from . import _validation as V
+from ._device import rand
 from .conversions import log_heads_from_x0_logits
+from .denoiser import prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, check_kernel
-from .losses import X0_HEAD_OBJECTIVES, native, x0_head_loss
-from .losses._x0_rows import check_objective
+from .losses import X0_HEAD_OBJECTIVES, check_objective, native, x0_head_loss
 
 __all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
 
@@ -50,16 +51,16 @@ def sample_times(batch_size: int, *, t_min: float = 1e-3, low_discrepancy: bool 
     dev = torch.device(device) if device is not None else (generator.device if generator is not None else None)
     if low_discrepancy:
         n = batch_size * world_size
-        u = torch.rand((), generator=generator, device=dev, dtype=torch.float64)
+        u = rand((), generator=generator, device=dev, dtype=torch.float64)
         i = torch.arange(rank * batch_size, (rank + 1) * batch_size, device=dev, dtype=torch.float64)
         frac = torch.remainder(u + i / n, 1.0)
     else:
         if world_size > 1:
             # consume the same stream as the other ranks, keep this rank's slice
-            frac = torch.rand(batch_size * world_size, generator=generator, device=dev, dtype=torch.float64)
+            frac = rand((batch_size * world_size,), generator=generator, device=dev, dtype=torch.float64)
             frac = frac[rank * batch_size:(rank + 1) * batch_size]
         else:
-            frac = torch.rand(batch_size, generator=generator, device=dev, dtype=torch.float64)
+            frac = rand((batch_size,), generator=generator, device=dev, dtype=torch.float64)
     t = t_min + (1.0 - t_min) * frac
     return t.clamp(max=MAX_TIME).to(dtype)
 
@@ -131,7 +132,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     Args:
         model: a :class:`~unifusion.DiffusionLM` (possibly inside DDP/FSDP/DeepSpeed/compile wrappers) or any callable
             ``(x_t (B, L), t (B,)) → logits (B, L, S)``.
-        x0: clean tokens ``(B, L)`` int64.
+        x0: clean tokens ``(B, L)`` int64, never the kernel's mask id at a real position; ``L + 1`` (bos) at most
+            the model's ``max_position_embeddings``.
         kernel: the forward kernel (switching kernels mid-training is just passing another one).
         objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
             exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
@@ -145,6 +147,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
             the paper's Fig. 2 comparison).
         attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
+            A block model takes right padding only (its blocks are cut at column multiples of ``block_size``; a
+            left-padded row is a ``ValueError``).
         generator: randomness for times, corruption and the annealed mask. ``torch.compile`` cannot trace a
             ``torch.Generator``: a compiled step passes ``None`` and seeds the global generator
             (``torch.manual_seed``).
@@ -162,7 +166,9 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
 
         prompt_mask: optional ``(B, L)`` bool, True on prompt tokens (supervised fine-tuning): they stay clean in
             ``x_t`` at every time, are seen by every prediction that may see them, score exactly 0 and do not count
-            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt.
+            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt. The
+            model is conditioned on it by :func:`unifusion.denoiser.prompt_conditioning` (the rule ``nll_bound``
+            and the harness follow too; DiffusionGemma needs no ``conditioned_on`` wrapper).
         block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
@@ -211,6 +217,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if B == 0 or L == 0:
         raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got {(B, L)}")
     V.check_model_device(model, "x0", x0)
+    V.check_model_length(model, L, "x0")
     # every value check of the step in one host sync, then kernel, model and loss run unchecked
     with V.batched_checks():
         x0 = V.check_token_ids("x0", x0, kernel.num_states)
@@ -229,6 +236,16 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             else:
                 t = blocks.block_times(t, B, blocks.num_blocks(L, block), x0.device)
         valid = torch.ones_like(x0, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool)
+        if kernel.mask_id is not None and V.validation_enabled():  # x_t would hold a mask the kernel did not put there
+            mask_id = kernel.mask_id
+            V.fail_if(((x0 == mask_id) & valid).any(), lambda: (
+                f"x0: expected clean tokens, got the kernel's mask id {mask_id} at a real (non-padding) position; "
+                "clean data never holds the mask state (was the mask token used as padding or as a text token?)"))
+        if block is not None and attention_mask is not None and V.validation_enabled():
+            V.fail_if((~valid[:, 0] & valid[:, -1]).any(), lambda: (
+                f"attention_mask: a block model cuts blocks at column multiples of block_size = {block}, so a "
+                "left-padded row would train on other blocks than the same text right-padded; right-pad the batch "
+                "(tokenizer padding_side='right')"))
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
         gamma: float | torch.Tensor = 1.0
@@ -253,8 +270,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         x_t = torch.where(scored, x_t, x0)
         valid = scored
     block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
-    if getattr(V.unwrap_model(model), "conditions_on_prompt", False):  # e.g. DiffusionGemma: the prompt is encoded
-        block_kwargs["prompt_mask"] = prompt_mask
+    conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)
 
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
@@ -270,17 +286,16 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         # padded positions weighted 0: exactly 0 loss, and no gradient work for them in the fused backward
         with V.validation(False):
             loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                         x0=x0, kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
+                         kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
                          position_weight=None if attention_mask is None and prompt_mask is None else valid,
-                         **block_kwargs)
+                         **block_kwargs, **{**conditioning, "x0": x0})
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
     with V.validation(False):
         if V.is_diffusion_lm(model):
-            clean = {"x0": x0} if "prompt_mask" in block_kwargs else {}
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
-                           **block_kwargs, **clean)
+                           **block_kwargs, **conditioning)
         else:
             logits = model(x_t, t)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (B, L, kernel.num_states):

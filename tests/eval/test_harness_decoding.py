@@ -89,8 +89,27 @@ def test_merge_commits_on_a_block_model_gives_the_same_texts(tokenizer):
     texts = [UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", num_steps=2, seed=1,
                          merge_commits=merge).generate_until(batch) for merge in ("false", "true")]
     assert texts[0] == texts[1]
-    with pytest.raises(ValueError, match="policy=low_confidence"):  # no policy: not a full-sequence sampler
-        UnifusionLM(model=block, tokenizer=tokenizer, seed=1).generate_until(batch)
+    # no policy: a block model decodes with the default policy (low_confidence for its mask kernel), as generate does
+    # (the request seeds follow the named options, so its texts are other draws than policy=low_confidence's)
+    default = UnifusionLM(model=block, tokenizer=tokenizer, num_steps=2, seed=1).generate_until(batch)
+    assert len(default) == 2 and all(isinstance(text, str) for text in default)
+
+
+def test_model_arguments_that_generate_until_would_refuse_fail_before_any_task(model, tokenizer):
+    """The decoding options are checked against the model and kernel when the harness model is built, so a wrong one
+    does not cost the loglikelihood tasks that run before generate_until."""
+    block = uf.adapt_ar_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), tokenizer=tokenizer,
+                              block_size=4).eval()
+    with pytest.raises(ValueError, match="policy: EntropyBound renoises positions uniformly"):
+        UnifusionLM(model=block, tokenizer=tokenizer, policy="entropy_bound")  # a mask kernel
+    with pytest.raises(ValueError, match="policy: LowConfidence commits masked positions"):
+        UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", kernel="uniform")
+    with pytest.raises(ValueError, match="block_size: the model was trained with blocks of 4, got 8"):
+        UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", block_size=8)
+    with pytest.raises(ValueError, match="cache_refresh: this is a block model"):
+        UnifusionLM(model=block, tokenizer=tokenizer, policy="low_confidence", cache_refresh=2)
+    with pytest.raises(ValueError, match="cache_refresh: the approximate prefix cache"):
+        UnifusionLM(model=model, tokenizer=tokenizer, policy="entropy_bound", kernel="uniform", cache_refresh=2)
 
 
 def test_bad_decoding_options(model, tokenizer):

@@ -193,6 +193,20 @@ def test_right_padding_equals_the_shorter_row() -> None:
     torch.testing.assert_close(padded[:, :6], short, rtol=1e-5, atol=1e-5)
 
 
+def test_left_padding_in_block_training_is_a_value_error_saying_to_right_pad() -> None:
+    """A block model cuts blocks at column multiples of K: a left-padded row would train on other blocks than its
+    right-padded twin, so diffusion_loss refuses it; the right-padded batch trains."""
+    model = _model(4)
+    x0, kernel = _x0(2, 8), _kernel("mask")
+    left = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
+    with pytest.raises(ValueError, match="attention_mask: a block model cuts blocks .* right-pad the batch"):
+        _loss(model, x0, kernel, None, attention_mask=left)
+    out = _loss(model, x0, kernel, None, attention_mask=left.flip(-1))
+    assert out.num_tokens.item() == 13 and torch.isfinite(out.loss).all()
+    # a plain (bidirectional) model takes left padding as before
+    _loss(_model(None), x0, kernel, None, attention_mask=left)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # identity 2: block size 1, mask kernel, causal attention = the AR model
 

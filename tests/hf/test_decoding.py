@@ -301,7 +301,9 @@ def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
     assert lengths[0] == [P] + [K + 1] * 2 + [K, K + 1, K + 1] * (nb - 1)
     assert lengths[1] == [P] + [K + 1] * 2 + [2 * K + 1, K + 1] * (nb - 1)
     assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert outs[0].num_forwards.tolist() == outs[1].num_forwards.tolist() == [2 * nb] * 2
+    # num_forwards counts every backbone call: the prefill, the steps and the separate commits
+    assert [o.num_forwards.tolist() for o in outs] == [[len(n)] * 2 for n in lengths] == [[3 * nb] * 2,
+                                                                                          [2 * nb + 1] * 2]
 
 
 @pytest.mark.parametrize("time_conditioning", [False, True])
@@ -327,7 +329,9 @@ def test_merged_commits_equal_the_uncached_blocks(time_conditioning) -> None:
     assert runs[0].num_forwards.min() < runs[0].num_forwards.max()  # a row stopped at EOS before the others
     for run in runs:
         assert torch.equal(run.sequences, uncached.sequences)
-        assert torch.equal(run.num_forwards, uncached.num_forwards)
+        # the same steps, plus the cache's own calls (the prefill; commits, fewer when merged)
+        assert (run.num_forwards >= uncached.num_forwards + 1).all(), (run.num_forwards, uncached.num_forwards)
+    assert (runs[0].num_forwards <= runs[1].num_forwards).all()
 
 
 @pytest.mark.parametrize("P", [0, 4])
@@ -346,7 +350,8 @@ def test_block_cache_equals_uncached_under_uniform_noise(P) -> None:
         B, L, prompt=prompt, generator=_gens(B), return_dict=True)
         for m in (BlockCacheDecoder(model), UncachedBlocks(model, P, K))]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
-    assert torch.equal(runs[0].num_forwards, runs[1].num_forwards)
+    # the same steps; the cache adds its prefill (P > 0) and one commit call per finished block but the last
+    assert torch.equal(runs[0].num_forwards, runs[1].num_forwards + (L - P) // K - 1 + int(P > 0))
 
 
 # -- generate on a block model: the exact cache against the block-causal training forward
@@ -380,9 +385,11 @@ def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
     cached = model.generate(prompt, generator=_gens(B), **kw)
     uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
     merged = model.generate(prompt, generator=_gens(B), merge_commits=True, **kw)
-    for other in (uncached, merged):
+    nb = -(-10 // 4)
+    # the same steps; the cache adds its prefill (P > 0) and, unmerged, one commit call per block but the last
+    for other, extra in ((uncached, nb - 1 + int(P > 0)), (merged, nb - 1)):
         assert torch.equal(cached.sequences, other.sequences)
-        assert torch.equal(cached.num_forwards, other.num_forwards)
+        assert torch.equal(cached.num_forwards, other.num_forwards + extra), (cached.num_forwards, other.num_forwards)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -410,7 +417,7 @@ def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -
     finally:
         calls.close()
     assert calls.lengths[0] == P and max(calls.lengths[1:]) <= 4 + 1
-    assert sum(n == 5 for n in calls.lengths) == int(out.num_forwards.max())
+    assert len(calls.lengths) == int(out.num_forwards.max())  # every call: prefill, steps, commits
     # the uncached path runs the two-stream forward over the whole sequence at every step
     calls = BackboneCalls(model)
     try:
@@ -446,11 +453,8 @@ def test_block_model_arguments() -> None:
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), block_size=8)
     with pytest.raises(ValueError, match="cache_refresh"):
         model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), cache_refresh=2)
-    with pytest.raises(ValueError, match="policy"):  # the full-sequence Bayesian sampler is not a block decoder
-        model.generate(_prompt(1, 4), max_new_tokens=8)
-    for bad in (dict(use_cache=False), dict(policy=None)):
-        with pytest.raises(ValueError, match="merge_commits"):
-            model.generate(_prompt(1, 4), max_new_tokens=8, **{"policy": LowConfidence(), **bad}, merge_commits=True)
+    with pytest.raises(ValueError, match="merge_commits"):
+        model.generate(_prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), use_cache=False, merge_commits=True)
     with pytest.raises(ValueError, match="merge_commits"):
         adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID).generate(
             _prompt(1, 4), max_new_tokens=8, policy=LowConfidence(), merge_commits=True)
@@ -471,3 +475,97 @@ def test_flex_attention_block_model_cached_equals_uncached(static_flex: None) ->
     cached = model.generate(_prompt(2, 4), generator=_gens(2), **kw)
     uncached = model.generate(_prompt(2, 4), generator=_gens(2), use_cache=False, **kw)
     assert torch.equal(cached.sequences, uncached.sequences)
+
+
+# -- defaults that work, numbers that are true (issue 31)
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_block_model_decodes_with_the_default_policy(mask) -> None:
+    """``generate(prompt, max_new_tokens=N)`` with no policy on a block model: the default policy
+    (:func:`~unifusion.samplers.policies.default_policy`: LowConfidence for a mask kernel, EntropyBound(1.0) for a
+    uniform one), the same tokens as naming it."""
+    from unifusion.samplers.policies import EntropyBound, default_policy
+    from unifusion.samplers.policies.registry import DEFAULT_BOUND
+
+    model = _block_model(mask=mask)
+    kernel = uf.MaskKernel(model.num_states, MASK_ID) if mask else uf.UniformKernel(model.num_states)
+    named = LowConfidence() if mask else EntropyBound(DEFAULT_BOUND)
+    assert type(default_policy(kernel)) is type(named)
+    out = model.generate(_prompt(2, 3), max_new_tokens=9, generator=_gens(2))
+    ref = model.generate(_prompt(2, 3), max_new_tokens=9, policy=named, generator=_gens(2))
+    assert out.shape == (2, 12) and torch.equal(out, ref)
+    with pytest.raises(ValueError, match="policy: no decoding policy decodes HybridKernel"):
+        default_policy(uf.HybridKernel(model.num_states, MASK_ID, p_uniform=0.2))
+
+
+FORWARD_CASES = {
+    "low_confidence-2-steps": dict(policy=LowConfidence(), num_steps=2),
+    "low_confidence-default-steps": dict(policy=LowConfidence()),
+    "threshold-0": dict(policy=ConfidenceThreshold(0.0)),
+    "threshold-0.5": dict(policy=ConfidenceThreshold(0.5)),
+    "merged-commits": dict(policy=LowConfidence(), num_steps=2, merge_commits=True),
+    "uncached": dict(policy=LowConfidence(), num_steps=2, use_cache=False),
+    "no-prompt": dict(policy=RandomOrder(), num_steps=2, P=0),
+    "entropy-bound": dict(policy="entropy_bound", num_steps=3),
+    "bidirectional-policy": dict(policy=LowConfidence(), num_steps=2, block_size=4, block=False),
+    "bidirectional-dual-cache": dict(policy=LowConfidence(), num_steps=2, block_size=4, cache_refresh=2, block=False),
+    "bidirectional-bayesian": dict(policy=None, num_steps=5, block=False),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_num_forwards_counts_every_backbone_call(case) -> None:
+    """A forward hook on the backbone counts its calls; ``num_forwards`` reports exactly that many (prefill and
+    commit passes included), so ``tokens_per_forward`` is generated tokens / backbone calls."""
+    from unifusion.samplers.policies import EntropyBound
+
+    kw = dict(FORWARD_CASES[case])
+    P, block = kw.pop("P", 5), kw.pop("block", True)
+    if kw["policy"] == "entropy_bound":
+        model, kw["policy"] = _block_model(mask=False), EntropyBound(1.0)
+    else:
+        model = _block_model() if block else _model()
+    prompt = _prompt(1, P) if P else torch.zeros((1, 0), dtype=torch.long)
+    calls = BackboneCalls(model)
+    try:
+        out = model.generate(prompt, max_new_tokens=14, eos_token_id=None, return_dict=True,
+                             generator=_gens(1), **kw)
+    finally:
+        calls.close()
+    assert int(out.num_forwards[0]) == len(calls.lengths), (out.num_forwards, calls.lengths)
+    assert float(out.tokens_per_forward[0]) == pytest.approx(14 / len(calls.lengths))
+
+
+def test_a_wrong_shape_attention_mask_in_generate_is_a_value_error() -> None:
+    """A mask narrower or wider than the prompt would pair its columns with the wrong tokens."""
+    model = _model()
+    prompt = _prompt(2, 6)
+    for bad in (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 7, dtype=torch.long),
+                torch.ones(1, 6, dtype=torch.long), torch.ones(6, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"attention_mask: expected shape \(2, 6\) like prompt_ids"):
+            model.generate(prompt, max_new_tokens=4, policy=LowConfidence(), attention_mask=bad)
+    with pytest.raises(TypeError, match="attention_mask: expected a"):
+        model.generate(prompt, max_new_tokens=4, attention_mask=[[1] * 6] * 2)
+    # a (P,) mask for a (P,) prompt is one row
+    out = model.generate(prompt[0], max_new_tokens=4, policy=LowConfidence(), attention_mask=torch.ones(6),
+                         generator=_gens(1))
+    assert out.shape == (1, 10)
+
+
+def test_a_kernel_contradicting_the_recorded_one_warns_naming_both() -> None:
+    """A mask-trained block model decoded with uniform noise (UniformKernel + EntropyBound) runs, with a warning that
+    names both kernels; the recorded kernel itself (or none given) does not warn."""
+    from unifusion.samplers.policies import EntropyBound
+
+    model = _block_model()
+    model.kernel = uf.MaskKernel(model.num_states, MASK_ID)
+    with pytest.warns(UserWarning, match="kernel: UniformKernel contradicts the kernel recorded with the model "
+                                         r"\(MaskKernel"):
+        model.generate(_prompt(1, 4), max_new_tokens=4, kernel=uf.UniformKernel(model.num_states),
+                       policy=EntropyBound(1.0), generator=_gens(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(_prompt(1, 4), max_new_tokens=4, generator=_gens(1))
+        model.generate(_prompt(1, 4), max_new_tokens=4, kernel=uf.MaskKernel(model.num_states, MASK_ID),
+                       generator=_gens(1))

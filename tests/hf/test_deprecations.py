@@ -1,12 +1,15 @@
-"""The deprecated import paths ``unifusion.adapters`` and ``unifusion.models`` (kept for one release): each moved name
-still resolves, to the very object of its new home, with a ``DeprecationWarning`` naming that home; the library itself
-never goes through them."""
+"""No shims: the names moved before the first release live only at their new homes (docs/changelog.md lists the
+moves). The old paths ``unifusion.adapters``, ``unifusion.models``, the front door's moved names, the callable
+``unifusion.validation`` module, ``backend.wait_for_compilation``, ``losses.native``'s former names and
+``cli.make_kernel`` are gone; no source file of the package raises a ``DeprecationWarning``, and the library itself
+raises none when used."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -15,41 +18,48 @@ from pathlib import Path
 import pytest
 
 import unifusion
-import unifusion.hf as hf
 
 ROOT = Path(unifusion.__file__).parent
 
-MOVED = {
-    "unifusion.adapters": ["DiffusionLM", "adapt_ar_model", "anneal_schedule", "annealed_attention_mask",
-                           "TimeEmbedding", "CONFIG_NAME", "WEIGHTS_NAME"],
-    "unifusion.models": ["load_smollm2", "load_smollm2_tokenizer", "smollm2_gguf_path", "load_causal_lm",
-                         "load_diffusion_model", "dtype_from_name", "KERNEL_NAMES", "kernel_config",
-                         "kernel_from_config", "default_kernel"],
+GONE_MODULES = ["unifusion.adapters", "unifusion.models", "unifusion._deprecation"]
+GONE_NAMES = {
+    "unifusion": ["set_validation", "validation_enabled", "set_backend", "get_backend", "compile_stats",
+                  "wait_for_compilation", "anneal_schedule", "InterpolatingKernel", "DiffusionLossOutput",
+                  "LinearSchedule", "adapters", "models"],
+    "unifusion.backend": ["wait_for_compilation"],
+    "unifusion.losses.native": ["gidd_loss", "mdlm_loss", "x0_log_probs"],
+    "unifusion.cli": ["make_kernel"],
 }
 
 
-@pytest.mark.parametrize("module", sorted(MOVED))
-def test_moved_names_warn_and_resolve_to_their_new_home(module: str) -> None:
-    old = importlib.import_module(module)
-    for name in MOVED[module]:
-        with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} is deprecated .*use unifusion\.hf\.{name}"):
-            value = getattr(old, name)
-        assert value is getattr(hf, name), name
-    assert sorted(MOVED[module]) == [n for n in dir(old) if n in MOVED[module]]
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        old.nothing_here  # noqa: B018
+def test_the_moved_modules_are_gone() -> None:
+    """Read from the package's own folder (an editable install of another checkout may still map the old names)."""
+    present = {info.name for info in pkgutil.iter_modules(unifusion.__path__)}
+    assert not present & {name.split(".")[-1] for name in GONE_MODULES}, present
 
 
-def test_the_old_paths_work_as_imports_and_attributes() -> None:
-    with pytest.warns(DeprecationWarning, match=r"use unifusion\.hf\.DiffusionLM"):
-        from unifusion.adapters import DiffusionLM
-    assert DiffusionLM is hf.DiffusionLM
-    with pytest.warns(DeprecationWarning, match=r"use unifusion\.hf\.embedded\.SMOLLM2_GGUF"):
-        assert unifusion.models.SMOLLM2_GGUF == hf.embedded.SMOLLM2_GGUF
-    with pytest.warns(DeprecationWarning, match=r"use unifusion\.hf\.default_kernel"):
-        assert unifusion.models.default_kernel is hf.default_kernel  # the package attribute, as uf.models.X
-    with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):
-        unifusion.not_a_module  # noqa: B018
+@pytest.mark.parametrize("module", sorted(GONE_NAMES))
+def test_the_moved_names_are_gone(module: str) -> None:
+    mod = importlib.import_module(module)
+    for name in GONE_NAMES[module]:
+        assert not hasattr(mod, name), f"{module}.{name}"
+    assert not callable(unifusion.validation)  # a module again, not a module that is also a context manager
+    assert type(unifusion.validation) is type(unifusion)
+
+
+def test_no_source_file_of_the_package_raises_a_deprecation_warning() -> None:
+    """Grep-style: no ``DeprecationWarning`` (or ``FutureWarning``, ``PendingDeprecationWarning``) named anywhere in
+    the package's code, and no module-level ``__getattr__`` (the device of moved-name shims)."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in ("DeprecationWarning", "PendingDeprecationWarning",
+                                                          "FutureWarning"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.id}")
+        offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: module __getattr__" for node in tree.body
+                      if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert not offenders, offenders
 
 
 def _package_imports() -> list[tuple[str, str]]:
@@ -69,9 +79,9 @@ def _package_imports() -> list[tuple[str, str]]:
     return found
 
 
-def test_the_package_never_imports_the_deprecated_modules() -> None:
+def test_the_package_never_imports_the_removed_modules() -> None:
     offenders = [(f, m) for f, m in _package_imports()
-                 if m in MOVED or any(m.startswith(old + ".") for old in MOVED)]
+                 if m in GONE_MODULES or any(m.startswith(old + ".") for old in GONE_MODULES)]
     assert not offenders, offenders
 
 

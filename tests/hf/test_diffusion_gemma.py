@@ -429,3 +429,24 @@ def test_bad_input_names_the_argument(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(x_t, 0.5, prompt_length=torch.tensor([4, 5]))
+
+
+def test_nll_bound_and_diffusion_loss_condition_on_the_prompt_without_a_wrapper(model):
+    """One prompt rule (``unifusion.denoiser.prompt_conditioning``): ``nll_bound(model, x0, kernel, prompt_mask=pm)``
+    runs on DiffusionGemma as it is and equals the bound through ``conditioned_on`` (the same draws; the prompt
+    columns, which the wrapper scores exactly 0, are simply not summed); ``diffusion_loss`` passes the same keywords;
+    without a prompt the error names ``prompt_mask``."""
+    from unifusion.denoiser import prompt_conditioning
+
+    x0, _, _, prompt = _sft_batch(model, L=12, P=(5, 8))
+    kw = dict(num_times=4, per_token=False)
+    plain = uf.eval.nll_bound(model, x0, model.kernel, prompt_mask=prompt, generator=torch.Generator().manual_seed(0),
+                              **kw)
+    wrapped = uf.eval.nll_bound(model.conditioned_on(x0, prompt_mask=prompt), x0, model.kernel, prompt_mask=prompt,
+                                generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.isfinite(plain).all() and (plain > 0).all()
+    torch.testing.assert_close(plain, wrapped, rtol=1e-12, atol=0.0)
+    assert prompt_conditioning(model, x0, prompt).keys() == {"prompt_mask", "x0"}
+    assert prompt_conditioning(lambda x_t, t: x_t, x0, prompt) == {}  # a model that reads its prompt from x_t
+    with pytest.raises(ValueError, match="prompt_mask: DiffusionGemmaLM conditions on a clean prompt"):
+        uf.eval.nll_bound(model, x0, model.kernel, **kw)

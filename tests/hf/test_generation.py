@@ -22,6 +22,7 @@ def _prompt(B: int = 2, P: int = 3, seed: int = 0) -> torch.Tensor:
 def test_generate_defaults_to_the_recorded_kernel_else_mask_else_uniform(recorded, monkeypatch) -> None:
     """generate's default kernel: the recorded one; else the mask kernel on the mask token; else uniform (a model
     without a mask token) — the rule of unifusion.hf.default_kernel, which the CLI follows too."""
+    from unifusion.hf import generation
     from unifusion.samplers import bayesian
 
     used: list[uf.Kernel] = []
@@ -31,7 +32,7 @@ def test_generate_defaults_to_the_recorded_kernel_else_mask_else_uniform(recorde
             used.append(kernel)
             super().__init__(model, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(bayesian, "BayesianSampler", Spy)
+    monkeypatch.setattr(generation, "BayesianSampler", Spy)  # the name generate calls
     with_mask = adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID)
     S = with_mask.num_states
     kernels = {None: None, "uniform": uf.UniformKernel(S), "hybrid": uf.HybridKernel(S, MASK_ID, 0.3)}

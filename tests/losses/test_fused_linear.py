@@ -45,7 +45,7 @@ def test_equals_materialised_logits_and_reference(name, weighting, softcap):
     z = (h @ W.T + b) * 1.3
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    ref = native.gidd_loss(z, x0, x_t, t, kernel, weighting)
+    ref = native.reference_gidd_loss(z, x0, x_t, t, kernel, weighting)
     g_ref = torch.autograd.grad((ref * scale).sum(), (h, W, b))
     out = fused_linear_diffusion_loss(h, W, x0, x_t, t, kernel, weighting=weighting, lm_head_bias=b,
                                       logit_scale=1.3, final_logit_softcap=softcap, chunk_size=7)
@@ -68,11 +68,11 @@ def test_bias_less_head_any_chunk_size_float32(chunk_size, backend_name):
     h, W, _, x0, x_t, t, scale = _inputs(kernel, dtype=torch.float32)
     if backend_name == "compiled":
         scale = torch.ones_like(scale)
-    ref = native.gidd_loss(h.double() @ W.double().T, x0, x_t, t, kernel)
+    ref = native.reference_gidd_loss(h.double() @ W.double().T, x0, x_t, t, kernel)
     out = fused_linear_diffusion_loss(h, W, x0, x_t, t.float(), kernel, chunk_size=chunk_size)
     gh, gw = torch.autograd.grad((out * scale.float()).sum(), (h, W))
     hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
-    gh_ref, gw_ref = torch.autograd.grad((native.gidd_loss(hd @ Wd.T, x0, x_t, t.float().double(), kernel)
+    gh_ref, gw_ref = torch.autograd.grad((native.reference_gidd_loss(hd @ Wd.T, x0, x_t, t.float().double(), kernel)
                                           * scale).sum(), (hd, Wd))
     assert out.dtype == torch.float32 and gh.dtype == torch.float32 and gw.dtype == torch.float32
     assert backend.get_backend() == backend_name  # no compiler failure
@@ -90,7 +90,7 @@ def test_bf16_is_finite_and_close():
     assert out.shape == (5, 10) and out.dtype == torch.float32
     assert W.grad.dtype == torch.bfloat16 and torch.isfinite(W.grad.float()).all()
     assert torch.isfinite(h.grad.float()).all()
-    ref = native.gidd_loss(h.detach().float() @ W.detach().float().T, x0, x_t, t.float(), kernel)
+    ref = native.reference_gidd_loss(h.detach().float() @ W.detach().float().T, x0, x_t, t.float(), kernel)
     torch.testing.assert_close(out.reshape(-1), ref, rtol=2e-2, atol=1e-2)
 
 
@@ -147,7 +147,7 @@ def _reference_grads(kernel, h, W, b, x0, x_t, t, upstream):
     hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
     bd = None if b is None else b.detach().double().requires_grad_()
     z = hd @ Wd.T + (0.0 if bd is None else bd)
-    ref = native.gidd_loss(z, x0, x_t, t.double(), kernel)
+    ref = native.reference_gidd_loss(z, x0, x_t, t.double(), kernel)
     leaves = (hd, Wd) if bd is None else (hd, Wd, bd)
     return ref.detach(), torch.autograd.grad((ref * upstream.double()).sum(), leaves)
 

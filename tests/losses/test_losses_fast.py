@@ -63,7 +63,7 @@ def _batch(kernel, n=72, dtype=torch.float64, seed=0, times=None):
 
 def _ref_and_grad(logits, x0, x_t, t, kernel, weighting, scale):
     L = logits.detach().to(torch.float64).requires_grad_()
-    ref = native.gidd_loss(L, x0, x_t, t, kernel, weighting)
+    ref = native.reference_gidd_loss(L, x0, x_t, t, kernel, weighting)
     (g,) = torch.autograd.grad((ref * scale).sum(), L)
     return ref.detach(), g
 
@@ -95,7 +95,7 @@ def test_float32_is_as_accurate_as_a_float32_cross_entropy(name, backend_name):
     scale = torch.ones(len(x0), dtype=torch.float64)
     ref, g_ref = _ref_and_grad(logits, x0, x_t, t, kernel, "elbo", scale)
     L = logits.clone().requires_grad_()
-    ref32 = native.gidd_loss(L, x0, x_t, t.float(), kernel)
+    ref32 = native.reference_gidd_loss(L, x0, x_t, t.float(), kernel)
     (g_ref32,) = torch.autograd.grad(ref32.sum(), L)
     with backend.using(backend_name), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -222,7 +222,7 @@ def test_batched_shapes_and_scalar_time():
     kernel = KERNELS["hybrid-random"]
     logits, x0, x_t, _ = _batch(kernel, n=24)
     out = fast.gidd_loss(logits.reshape(4, 6, S), x0.reshape(4, 6), x_t.reshape(4, 6), 0.3, kernel)
-    ref = native.gidd_loss(logits.reshape(4, 6, S), x0.reshape(4, 6), x_t.reshape(4, 6), 0.3, kernel)
+    ref = native.reference_gidd_loss(logits.reshape(4, 6, S), x0.reshape(4, 6), x_t.reshape(4, 6), 0.3, kernel)
     assert out.shape == (4, 6)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
 
@@ -242,7 +242,7 @@ def test_x0_head_objectives_equal_native_losses_of_converted_heads(name):
     kernel = KERNELS[name]
     logits, x0, x_t, t = _batch(kernel, n=30)
     probs = uf.rates.x0_log_probs(kernel, logits).exp()
-    expected = native.gidd_loss(logits, x0, x_t, t, kernel)
+    expected = native.reference_gidd_loss(logits, x0, x_t, t, kernel)
     score = convert_x0_to("sedd", probs, kernel, x_t, t)
     sedd = native.sedd_loss(torch.log(score), x0, x_t, t, kernel)
     mu = convert_x0_to("m2s", probs, kernel, x_t, t, strict=False)
@@ -257,8 +257,8 @@ def test_x0_head_objectives_equal_native_losses_of_converted_heads(name):
 def test_mdlm_equals_native_mdlm():
     kernel = KERNELS["mask-linear"]
     logits, x0, x_t, t = _batch(kernel)
-    torch.testing.assert_close(fast.mdlm_loss(logits, x0, x_t, t, kernel), native.mdlm_loss(logits, x0, x_t, t, kernel),
-                               rtol=1e-10, atol=1e-300)
+    torch.testing.assert_close(fast.mdlm_loss(logits, x0, x_t, t, kernel),
+                               native.reference_mdlm_loss(logits, x0, x_t, t, kernel), rtol=1e-10, atol=1e-300)
     with pytest.raises(TypeError, match="kernel"):
         fast.x0_head_loss(logits, x0, x_t, t, KERNELS["uniform-linear"], objective="mdlm")
 
@@ -272,7 +272,7 @@ def test_generator_kernel_falls_back_to_reference():
     x0 = torch.randint(0, n, (10,), generator=g)
     x_t = kernel.sample(x0, 0.4, generator=g)
     torch.testing.assert_close(fast.gidd_loss(logits, x0, x_t, 0.4, kernel),
-                               native.gidd_loss(logits, x0, x_t, 0.4, kernel))
+                               native.reference_gidd_loss(logits, x0, x_t, 0.4, kernel))
     with pytest.raises(ValueError, match="weighting"):
         fast.gidd_loss(logits, x0, x_t, 0.4, kernel, weighting="clip")
 

@@ -34,6 +34,7 @@ import torch
 
 from .._validation import check_model_kernel, check_positive_int
 from ..kernels import Kernel, check_kernel
+from ..samplers import BayesianSampler, EulerSampler, PolicySampler
 from ._shared import input_device, progress_bar
 from .quality import generative_perplexity, gpt2_tokenizer, unigram_entropy
 
@@ -114,8 +115,6 @@ def make_sampler(sampler: str | SamplerFactory, model: Any, kernel: Kernel, num_
     run)."""
     if callable(sampler):
         return sampler(model, kernel, num_steps, **sampler_kwargs)
-    from ..samplers import BayesianSampler, EulerSampler
-
     if sampler == "bayesian":
         return BayesianSampler(model, kernel, num_steps, **sampler_kwargs)
     if sampler == "euler":
@@ -132,8 +131,6 @@ class PolicyFrontierSampler:
 
     def __init__(self, model: Any, kernel: Kernel, num_steps: int, *, policy: Any, block_size: int | None = None,
                  **sampler_kwargs: Any) -> None:
-        from ..samplers import PolicySampler
-
         self.model, self.kernel, self.num_steps, self.policy = model, kernel, num_steps, policy
         self.block_size, self.kwargs = block_size, sampler_kwargs
         self.tokens = self.forwards = 0

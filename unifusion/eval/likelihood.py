@@ -35,6 +35,7 @@ import torch
 from .. import _validation as V
 from .._device import host_to_device
 from .._validation import check_token_ids
+from ..denoiser import prompt_conditioning
 from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..losses.fast import x0_head_loss
 from ..losses.native import reference_gidd_loss
@@ -103,7 +104,9 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             the fast path.
         prompt_mask: optional ``(B, L)`` bool, True on prompt tokens: the *conditional* bound on
             −log p_θ(x0[¬prompt] | x0[prompt]). Prompt tokens are clean in x_t at every time, contribute no D_t and
-            no C_ELBO, and are not counted by ``per_token``. Each row needs a real token outside the prompt.
+            no C_ELBO, and are not counted by ``per_token``. Each row needs a real token outside the prompt. The
+            model is conditioned on it by :func:`unifusion.denoiser.prompt_conditioning` (as in
+            :func:`~unifusion.diffusion_loss`): ``nll_bound(dgemma, x0, kernel, prompt_mask=pm)`` runs as it is.
         batch_size: rows per model call, each row one sequence at one time: ``max(1, batch_size // B)`` times go
             into a call (at least one: a batch is never split). Default: as many as keep a call's logits within
             :data:`LOGITS_PER_CALL` elements (one time per call with ``reference=True``). The draws depend on it
@@ -139,8 +142,11 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
             raise ValueError(f"attention_mask: expected a tensor of shape {tuple(x_0.shape)} like x0")
         attention_mask = host_to_device(attention_mask, x_0.device)  # once, not once per model call
         valid = attention_mask.to(torch.bool)
+    prompt: torch.Tensor | None = None
     if prompt_mask is not None:
         valid = V.check_prompt_mask(prompt_mask, valid)  # the conditional bound: prompt clean, unscored
+        prompt = host_to_device(prompt_mask, x_0.device).to(torch.bool)
+    prompt_conditioning(model, x_0, prompt)  # a model that needs a prompt and has none: refused before any call
     clean = _is_block_model(model, L)
 
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
@@ -160,6 +166,7 @@ def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 
         extra: dict[str, Any] = {} if attention_mask is None else {"attention_mask": attention_mask.repeat(n, 1)}
         if clean:
             extra["clean"] = x_0n
+        extra.update(prompt_conditioning(model, x_0n, None if prompt is None else prompt.repeat(n, 1)))
         with V.validation(False):
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
             x_t = torch.where(valid_n, x_t, x_0n)

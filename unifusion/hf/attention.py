@@ -49,6 +49,7 @@ from typing import Any, ClassVar, Literal, overload
 import torch
 
 from .. import _validation as V
+from .._device import rand
 from .families import Family, WindowStyle
 
 __all__ = [
@@ -188,7 +189,7 @@ def annealed_attention_mask(
     elif not isinstance(gamma, torch.Tensor) and gamma >= 1.0:
         A = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, length, length)
     else:
-        B_ij = torch.rand((batch_size, 1, length, length), generator=generator, device=device) < gamma
+        B_ij = rand((batch_size, 1, length, length), generator=generator, device=device) < gamma
         A = causal | B_ij
     if key_valid is not None:
         eye = i[None, :] == i[:, None]

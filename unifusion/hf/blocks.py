@@ -3,7 +3,7 @@
 A block model (``adapt_ar_model(..., block_size=K)``) cuts the L tokens into ``nb = ⌈L / K⌉`` blocks; block b is
 tokens ``[bK, min((b+1)K, L))``. **Ragged rule**: when K does not divide L the *last* block is shorter
 (``L − (nb − 1)K`` tokens); every other block has K tokens. With ``K ≥ L`` there is one block and the model is the
-plain bidirectional :class:`~unifusion.adapters.DiffusionLM` (the same code path, bit for bit).
+plain bidirectional :class:`~unifusion.hf.DiffusionLM` (the same code path, bit for bit).
 
 **Which inputs each prediction sees.** The plain model runs ``[bos, y_0 … y_{L−1}]`` and its output at internal
 position i predicts ``x_0[i]``. The block layout is one forward over two streams side by side, ``[clean | noisy]``:
@@ -55,8 +55,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange, repeat
 
 from .. import _validation as V
+from .._device import rand
 from .attention import draws_bernoulli, mask_style
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
@@ -139,8 +141,7 @@ def block_times(t: object, batch_size: int, nb: int, device: torch.device) -> to
 
 def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Per-block times ``(B, nb)`` → per-position times ``(B, L)`` (token i gets the time of block ``i // K``)."""
-    idx = torch.arange(length, device=t.device) // block_size
-    return t[:, idx]
+    return repeat(t, "b nb -> b (nb k)", k=block_size)[:, :length]  # each block's time on its K positions
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float | torch.Te
     host: exactly no entry at 0, every entry at 1)."""
     K = layout.block_size
     shape = (batch_size, layout.num_blocks, K + 1, K + 1)
-    return torch.rand(shape, generator=generator, device=layout.internal.device) < gamma
+    return rand(shape, generator=generator, device=layout.internal.device) < gamma
 
 
 def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | torch.Tensor, *,
@@ -245,7 +246,7 @@ def _embed(model: Any, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -
         return {"input_ids": ids}
     assert t_pos is not None
     h = hf.get_input_embeddings()(ids)  # (B, n, d)
-    e = model.time_embedding(t_pos.reshape(-1)).view(*t_pos.shape, -1)
+    e = rearrange(model.time_embedding(rearrange(t_pos, "b n -> (b n)")), "(b n) d -> b n d", b=t_pos.shape[0])
     return {"inputs_embeds": h + e.to(h.dtype)}
 
 
@@ -303,7 +304,7 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     ``[clean | noisy]``; module docstring). Inputs are assumed checked (``DiffusionLM.forward`` checks them).
 
     Args:
-        model: the block :class:`~unifusion.adapters.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
+        model: the block :class:`~unifusion.hf.DiffusionLM`.  hf: its Hugging Face ``*ForCausalLM``.
         x_t: ``(B, L)`` noisy tokens.  t: ``(B, nb)`` block times or ``None`` (no time conditioning).
         clean: ``(B, L)`` clean tokens x_0.  gamma: γ, a float or a 0-d tensor.
         attention_mask: ``(B, L)`` bool or ``None``.

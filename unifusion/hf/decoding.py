@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange
 
 from .blocks import cached_forward
 from .layout import shifted_layout
@@ -66,6 +67,9 @@ class CacheState:
         step: denoising steps run in the current block.
         pending: a committed block not in the cache yet, ``(ids (R, K), position ids (R, K))`` of its clean inputs
             (block caches: it runs with the next denoising step).
+        extra_forwards: ``(B,)`` int64, the backbone calls each row took part in outside the denoising steps (the
+            prompt's prefill, a committed block appended by itself), which
+            :class:`~unifusion.samplers.PolicySampler` adds to ``num_forwards``.
     """
 
     cache: Any
@@ -79,6 +83,7 @@ class CacheState:
     length: int = 0
     step: int = 0
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    extra_forwards: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """``(cache, key_valid, key_pos)`` of ``rows`` (a subset of :attr:`rows`, ascending); the cache itself when
@@ -111,8 +116,8 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
     return DynamicCache(ddp_cache_data=data)
 
 
-def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, key_pos: torch.Tensor,
-             cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
+def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+             key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
     """:func:`~unifusion.hf.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after the
     first ``clean`` (which, like ``t=None``, are at time 0)."""
     t_pos = None
@@ -172,7 +177,8 @@ class BlockCacheDecoder(_Decoder):
         pos = (col - pads).clamp_min(0)
         state = CacheState(cache=DynamicCache(), rows=torch.arange(B, device=dev), key_valid=valid, key_pos=pos,
                            anchor=torch.where(pads[:, 0] < P, prefix[:, -1], bos[:, 0]) if P else bos[:, 0],
-                           next_pos=(P - pads[:, 0]), length=P)
+                           next_pos=(P - pads[:, 0]), length=P,
+                           extra_forwards=torch.full((B,), int(P > 0), dtype=torch.long, device=dev))
         if P:
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
             allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
@@ -241,6 +247,8 @@ class BlockCacheDecoder(_Decoder):
         allowed = torch.cat([state.key_valid[:, None, :n - K].expand(Ba, K, -1), causal], -1)
         _forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
         state.pending = None
+        if state.extra_forwards is not None:
+            state.extra_forwards.index_add_(0, state.rows, torch.ones_like(state.rows))
 
 
 def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -250,8 +258,9 @@ def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torc
         return model.logits_from_hidden(h)
     B, K = h.shape[:2]
     rows = (positions + K * torch.arange(B, device=h.device)[:, None]).flatten()  # (B·m,) rows of the (B·K, ·) views
-    picked = model.logits_from_hidden(h.reshape(B * K, -1).index_select(0, rows))  # (B·m, V)
-    return picked.new_zeros((B * K, picked.shape[-1])).index_copy_(0, rows, picked).view(B, K, -1)
+    picked = model.logits_from_hidden(rearrange(h, "b k d -> (b k) d").index_select(0, rows))  # (B·m, V)
+    logits = picked.new_zeros((B * K, picked.shape[-1])).index_copy_(0, rows, picked)
+    return rearrange(logits, "(b k) v -> b k v", b=B)
 
 
 class PrefixCacheDecoder(_Decoder):
@@ -275,7 +284,9 @@ class PrefixCacheDecoder(_Decoder):
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CacheState:
         B, P = prefix.shape
         dev = prefix.device
-        tokens = torch.full((B, self.seq_len), self.model.mask_token_id, dtype=torch.long, device=dev)
+        mask_id = self.model.mask_token_id
+        assert mask_id is not None  # checked in __init__
+        tokens = torch.full((B, self.seq_len), mask_id, dtype=torch.long, device=dev)
         tokens[:, :P] = prefix
         mask = None
         if not bool(prefix_mask.all()):  # once per run

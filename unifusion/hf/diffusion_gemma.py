@@ -34,11 +34,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .. import _validation as V
-from ..denoiser import Denoiser
+from .._kernel_config import kernel_config, kernel_from_config
+from ..denoiser import Denoiser, prompt_conditioning
 from ..kernels import UniformKernel, check_kernel
+from ..losses.fused_linear import fused_linear_diffusion_loss
 from .diffusion_gemma_layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
 __all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "CONFIG_NAME"]
@@ -198,8 +201,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
             out = logits.new_full((B * L + 1, self.vocab_size), CARRY_LOGIT)
             out[: B * L].scatter_(-1, context.reshape(-1, 1), 0.0)  # the point mass on the clean token
             return layout.unfold(logits, out)
-        from ..losses.fused_linear import fused_linear_diffusion_loss
-
         assert x0 is not None
         hidden = layout.unfold(h, h.new_zeros(B * L + 1, h.shape[-1]))  # (B, L, d), 0 off the canvases
         response = layout.response()
@@ -221,9 +222,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         h = self._decode(x_t, context, layout, attention_mask, self_conditioning_logits, 0.0, None)
         return layout.unfold(h, h.new_zeros(x_t.numel() + 1, h.shape[-1]))
 
-    def loss(self, x_t: torch.Tensor, t: Any, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
-        """The fused per-position loss: ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``."""
-        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def conditioned_on(self, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None = None,
                        prompt_length: int | torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -364,10 +362,9 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
                 if layout.plain:
                     k, v = k[:, :, k.shape[2] - window:], v[:, :, v.shape[2] - window:]
                 else:  # (B, H, L_enc, D) → the window of each canvas, (B·n_c, H, window, D)
-                    cols = layout.window(window)[0]
+                    cols = layout.window(window)[0]  # (B, n_c, window)
                     rows = torch.arange(B, device=cols.device)[:, None, None]
-                    k, v = (x[rows, :, cols].permute(0, 1, 3, 2, 4).reshape(B * n_c, x.shape[1], window, -1)
-                            for x in (k, v))
+                    k, v = (rearrange(x[rows, :, cols], "b c w h d -> (b c) h w d") for x in (k, v))
             elif n_c > 1:
                 k, v = k.repeat_interleave(n_c, dim=0), v.repeat_interleave(n_c, dim=0)
             data.append((k, v))
@@ -421,8 +418,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         """Write the model as a Hugging Face checkpoint (``config.json``, ``model.safetensors``: tied weights once),
         the tokenizer's files if any, and ``unifusion_config.json`` (the wrapper and the kernel record), so the
         folder loads both with :meth:`from_pretrained` and with transformers."""
-        from .._kernel_config import kernel_config
-
         kernel = kernel if kernel is not None else self.kernel
         V.check_model_kernel(self, kernel, who="save_pretrained")
         record = kernel_config(kernel)
@@ -447,8 +442,6 @@ class DiffusionGemmaLM(nn.Module, Denoiser):
         (``config.json`` with ``model_type: diffusion_gemma``), in eval mode; the recorded kernel, if any, becomes
         :attr:`kernel` (else ``UniformKernel(V)``)."""
         from transformers import DiffusionGemmaForBlockDiffusion
-
-        from .._kernel_config import kernel_from_config
 
         path = Path(directory)
         if not (path / "config.json").is_file():
@@ -501,8 +494,9 @@ class PromptConditioned:
         n = x_t.shape[0] // self.x0.shape[0]
         x0, prompt = self.x0.repeat(n, 1), self.prompt_mask.repeat(n, 1)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(n, 1)
-        return self.model(torch.where(prompt, x0, x_t), t, prompt_mask=prompt, x0=x0, attention_mask=mask,
-                          self_conditioning_prob=self.self_conditioning_prob, generator=self.generator)
+        return self.model(torch.where(prompt, x0, x_t), t, **prompt_conditioning(self.model, x0, prompt),
+                          attention_mask=mask, self_conditioning_prob=self.self_conditioning_prob,
+                          generator=self.generator)
 
 
 class PromptFixed:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..samplers import PolicySampler
+from ..samplers.policies import EntropyBound
 from .diffusion_gemma_cache import CanvasState, commit, prefill
 
 DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
@@ -224,9 +226,6 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
         return_dict: return a :class:`DiffusionGemmaOutput`.
         parity: reproduce the reference, defects included.
     """
-    from ..samplers.policies import EntropyBound
-    from ..samplers.policy_sampler import PolicySampler
-
     if not isinstance(parity, bool) or not isinstance(return_dict, bool):
         raise TypeError("parity, return_dict: expected bools")
     prompt_ids, mask = _check_prompt(model, prompt_ids, attention_mask)

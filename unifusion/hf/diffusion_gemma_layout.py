@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange
 
 __all__ = ["CanvasLayout", "canvas_layout", "decoder_masks", "prompt_bounds"]
 
@@ -92,7 +93,7 @@ class CanvasLayout:
         B = x.shape[0]
         idx = self.columns.reshape(B, -1)  # (B, n_c · width)
         idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:])
-        return x.gather(1, idx).reshape(B * self.num_canvases, self.width, *x.shape[2:])
+        return rearrange(x.gather(1, idx), "b (c w) ... -> (b c) w ...", c=self.num_canvases)
 
     def flat_rows(self) -> torch.Tensor:
         """``(B · n_c · width,)`` row of each canvas slot in ``x.reshape(B · L + 1, ...)``: ``b · L + column`` for a

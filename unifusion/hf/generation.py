@@ -2,8 +2,11 @@
 
 The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step and never changes. Two samplers:
 
-* ``policy=None`` (default): :class:`~unifusion.BayesianSampler` (Algorithm 2) generates the positions after it,
-  bidirectionally (``γ = 1``), ``num_steps`` (default 64) full-sequence model calls.
+* ``policy=None`` (default) on a fully bidirectional model: :class:`~unifusion.BayesianSampler` (Algorithm 2)
+  generates the positions after it, bidirectionally (``γ = 1``), ``num_steps`` (default 64) full-sequence model calls.
+  On a block model ``policy=None`` means :func:`~unifusion.samplers.policies.default_policy` (``LowConfidence`` for
+  a mask kernel, ``EntropyBound`` for a uniform one, ``block_size`` steps per block unless ``num_steps`` says
+  otherwise), decoded as below.
 * a decoding policy (:mod:`unifusion.samplers.policies`): :class:`~unifusion.samplers.PolicySampler`, block by block.
   On a block model (``adapt_ar_model(..., block_size=K)``) with ``use_cache=True`` the exact KV-cache path of
   :class:`~unifusion.hf.decoding.BlockCacheDecoder`; on a fully bidirectional model ``cache_refresh=N`` opts into
@@ -19,8 +22,8 @@ tokens are text. The pad id is ``pad_token_id``, else the tokenizer's, else the 
 
 **EOS.** ``eos_token_id="auto"`` (default) is the tokenizer's EOS id (else the config's) when a policy decodes —
 rows then stop there, cost no further forwards, and every later position is EOS (or ``pad_token_id``) — and no EOS
-for ``policy=None`` (whose tokens stay as they were). ``None``: never stop. An int: that id (with ``policy=None`` the
-positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
+for the Bayesian sampler (whose tokens stay as they were). ``None``: never stop. An int: that id (with the Bayesian
+sampler the positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
 """
 
 from __future__ import annotations
@@ -32,7 +35,17 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from .._kernel_config import default_kernel
+from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
+from ..samplers import (
+    PROMPT_FILL,
+    BayesianSampler,
+    PolicyOutput,
+    PolicySampler,
+    eos_stop,
+    resolve_attention_mask,
+)
+from ..samplers.policies import default_policy
+from . import decoding
 
 __all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
 
@@ -58,8 +71,9 @@ def model_pad_token_id(model: Any) -> int | None:
     return pad if pad is not None else _first_id(getattr(model.config, "pad_token_id", None))
 
 
-def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
-             policy: Any = None, num_steps: int | None = None, block_size: int | None = None, use_cache: bool = True,
+def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None,
+             seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
+             block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
              kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
@@ -72,8 +86,6 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True``), the prompt unchanged in the first ``P``
     columns.
     """
-    from ..samplers._setup import PROMPT_FILL, check_generators
-
     if not isinstance(prompt_ids, torch.Tensor):
         raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
     if prompt_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -86,7 +98,9 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids: expected shape (B, P) with B >= 1, got {tuple(prompt_ids.shape)}")
     B, P = prompt_ids.shape
-    generator = check_generators(generator, B)  # None, one generator, or one per row
+    if attention_mask is not None:
+        attention_mask = _check_attention_mask(attention_mask, B, P)
+    generator = V.check_generators(generator, B)  # None, one generator, or one per row
     for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
         if g.device.type != device.type:
             raise ValueError(f"generator: is on {g.device} but the model is on {device}; create it there, "
@@ -101,12 +115,14 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if L is None or L <= P:
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
-    _check_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
+    V.check_model_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
     for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if kernel is None:
         kernel = default_kernel(model)[0]
+    else:
+        warn_if_not_recorded_kernel(model, kernel)
     prompt_ids = prompt_ids.to(device, torch.int64)
     num_states = model.num_states
     if V.validation_enabled() and prompt_ids.numel():  # one host sync, named for generate's argument
@@ -121,22 +137,20 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
     elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
+    if policy is None and getattr(model, "block_size", None) is not None:  # a block model decodes block by block
+        policy = default_policy(kernel)
     eos = _resolve_eos(model, eos_token_id, policy)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
     if policy is None:
         return _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
                          eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
-    from ..samplers.policy_sampler import PolicySampler
-
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = getattr(model, "block_size", None)
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None)
     shift = -P % model_block if decoder is None and model_block is not None else 0
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        shift = 0  # the sampler names the argument's type
     if shift:  # the uncached block forward cuts at multiples of K: invisible pads put a cut at the prompt's end
         prompt, attention_mask = _pad_left(prompt, attention_mask, P, shift)
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
@@ -156,12 +170,18 @@ def _pad_left(prompt: torch.Tensor, attention_mask: torch.Tensor | None, P: int,
     return torch.cat([pads, prompt], 1), torch.cat([mask.new_zeros((B, shift)), mask], 1)
 
 
-def _check_length(model: Any, L: int, name: str) -> None:
-    """The network runs ``L + 1`` positions (bos first): more than ``max_position_embeddings`` is refused."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and L + 1 > limit:
-        raise ValueError(f"{name}: the total length {L} (+1 for bos) exceeds the model's max_position_embeddings "
-                         f"= {limit}; generate at most {limit - 1} tokens in all (prompt included)")
+def _check_attention_mask(attention_mask: object, B: int, P: int) -> torch.Tensor | None:
+    """The tokenizer's mask over the prompt: a tensor of shape ``(B, P)`` exactly, like ``prompt_ids`` (``(P,)`` for
+    one row); anything narrower or wider would pair the mask's columns with the wrong tokens. ``None`` for an empty
+    prompt (nothing to mask)."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a ({B}, {P}) tensor like prompt_ids (1 = real token), got "
+                        f"{type(attention_mask).__name__}")
+    mask = attention_mask[None] if attention_mask.dim() == 1 and B == 1 else attention_mask
+    if tuple(mask.shape) != (B, P):
+        raise ValueError(f"attention_mask: expected shape ({B}, {P}) like prompt_ids (the tokenizer's mask over the "
+                         f"prompt), got {tuple(attention_mask.shape)}")
+    return mask if P else None
 
 
 def _refuse_ambiguous_padding(prompt_ids: torch.Tensor, pad: int | None) -> None:
@@ -193,8 +213,6 @@ def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | None
 def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
              merge_commits: bool) -> Any:
     """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls)."""
-    from . import decoding
-
     model_block = getattr(model, "block_size", None)
     if merge_commits and (model_block is None or not use_cache):
         raise ValueError("merge_commits: merges commits into the exact block cache, which needs a block model "
@@ -244,8 +262,6 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
               eos: int | None, pad: int | None, return_dict: bool, progress: bool, block_size: int | None,
               cache_refresh: int | None, merge_commits: bool) -> Any:
     """``policy=None``: today's :class:`~unifusion.BayesianSampler` path (full-sequence steps)."""
-    from ..samplers.bayesian import BayesianSampler
-
     named = [n for n, v in (("block_size", block_size), ("cache_refresh", cache_refresh),
                             ("merge_commits", merge_commits or None)) if v is not None]
     if named:
@@ -254,32 +270,21 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps
     B, L = prompt.shape
-    K = getattr(model, "block_size", None)
-    if K is not None and L > K:
-        raise ValueError(f"policy: this block model (block_size={K}) decodes block by block against its cache; pass a "
-                         "decoding policy (policy=uf.samplers.policies.LowConfidence(), or RandomOrder() for the "
-                         "ancestral order); policy=None runs the full-sequence BayesianSampler")
-    x0_model = model
+    x0_model: Any = model
     if attention_mask is not None:
-        from ..samplers import _policy_run as R
-
         keep = prompt != -1
         with V.batched_checks():
-            mask = R.resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
+            mask = resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
         if mask is not None and not bool(mask.all()):
             x0_model = _Padded(model, mask)
     sampler = BayesianSampler(x0_model, kernel, steps, eps=eps, temperature=temperature, top_p=top_p, top_k=top_k)
     out = sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=prompt.device)
     generated = prompt == -1
     if eos is not None:
-        from ..samplers import _policy_run as R
-
         undecided = torch.zeros_like(generated)
-        done, first, out, _ = R.eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
+        done, first, out, _ = eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
     if not return_dict:
         return out
-    from ..samplers.policy_sampler import PolicyOutput
-
     end = first if eos is not None else torch.full((B,), L, device=out.device)
     end = torch.where(done, end, L) if eos is not None else end
     tokens = (generated & (torch.arange(L, device=out.device) <= end[:, None])).sum(-1)

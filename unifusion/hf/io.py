@@ -21,6 +21,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 
 from .. import _validation as V
 from .._kernel_config import kernel_config, kernel_from_config
+from ..kernels import Kernel
 
 __all__ = ["CONFIG_KEYS", "CONFIG_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp", "from_pretrained",
            "parse_dtype", "save_pretrained"]
@@ -94,8 +96,6 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenize
     :meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>`. Everything is checked before
     anything is written."""
     from safetensors.torch import save_file
-
-    from ..kernels import Kernel
 
     kernel = kernel if kernel is not None else model.kernel
     kernel_entry = None
@@ -227,12 +227,8 @@ def _no_init() -> Any:
 
 
 def _library_version() -> str:
+    """``unifusion.__version__``, read where the package reads it (no import of the package from inside it)."""
     try:
-        from .. import __version__
-        return str(__version__)
-    except ImportError:
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            return version("unifusion")
-        except PackageNotFoundError:
-            return "unknown"
+        return metadata.version("unifusion")
+    except metadata.PackageNotFoundError:  # a source tree without install, as unifusion.__version__ says
+        return "0.0.0+local"

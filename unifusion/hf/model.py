@@ -37,6 +37,8 @@ from torch import nn
 
 from .. import _validation as V
 from ..denoiser import Denoiser
+from ..kernels import check_kernel
+from ..losses.fused_linear import fused_linear_diffusion_loss
 from . import attention, blocks, generation, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .families import Family, family_for, unwrap_peft
@@ -323,9 +325,6 @@ class DiffusionLM(nn.Module, Denoiser):
         if x0 is not None or kernel is not None:
             if x0 is None or kernel is None or t is None:
                 raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
-            from ..kernels import check_kernel
-            from ..losses.fused_linear import fused_linear_diffusion_loss
-
             V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
@@ -365,9 +364,6 @@ class DiffusionLM(nn.Module, Denoiser):
             return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
         if x0 is None or kernel is None:
             raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
-        from ..kernels import check_kernel
-        from ..losses.fused_linear import fused_linear_diffusion_loss
-
         V.check_model_kernel(self, check_kernel(kernel))
         assert t_blocks is not None
         h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
@@ -412,13 +408,6 @@ class DiffusionLM(nn.Module, Denoiser):
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
 
-    def loss(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, kernel: Any, **kwargs: Any) -> torch.Tensor:
-        """Per-position ``(B, L)`` x0-head loss without materialising the logits (fused linear + loss), or its
-        weighted sum / mean with ``reduction=``, ``position_weight=``.
-
-        Same as ``self(x_t, t, x0=x0, kernel=kernel, **kwargs)``; under DDP/FSDP call the wrapper that way instead.
-        """
-        return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.
@@ -448,7 +437,8 @@ class DiffusionLM(nn.Module, Denoiser):
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False) -> Any:
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
-        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given.
+        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
+        or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
 
         The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
         generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
@@ -460,7 +450,9 @@ class DiffusionLM(nn.Module, Denoiser):
             max_new_tokens: number of tokens to generate after the prompt; or give
             seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
                 config's ``max_position_embeddings`` is a ``ValueError``.
-            policy: ``None`` (the BayesianSampler; not for a block model), or a
+            policy: ``None`` (the BayesianSampler; on a block model the default policy:
+                :func:`~unifusion.samplers.policies.default_policy`, ``LowConfidence()`` for a mask kernel and
+                ``EntropyBound(1.0)`` for a uniform one, one token per step unless ``num_steps`` is given), or a
                 :class:`~unifusion.samplers.policies.DecodingPolicy` (``LowConfidence()``, ``ConfidenceThreshold(0.9)``,
                 ``EntropyBound(bound)`` with a uniform kernel, ...).
             num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
@@ -476,7 +468,7 @@ class DiffusionLM(nn.Module, Denoiser):
                 between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
             attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
             eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
-                ``policy=None``), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
+                the BayesianSampler), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
                 becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
             pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
             return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,

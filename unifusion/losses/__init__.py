@@ -7,12 +7,14 @@
 * :func:`x0_head_loss` — D_t of an x0 head (GIDD / MDLM / the x0-head SEDD, M2S, CTMC losses) at the cost of a
   cross-entropy; :func:`gidd_loss` and :func:`mdlm_loss` here are its fast paths (same values as the references).
 * :func:`fused_linear_diffusion_loss` — output head + x0-head loss without materialising the logits.
+* :func:`check_objective` — the objective's name checked against the kernel (what every x0-head loss accepts).
   Both run ``torch.compile``-fused on training-sized calls and eagerly on small ones (:mod:`unifusion.backend`).
 
 The straightforward O(S)-per-position implementations live in :mod:`unifusion.losses.native`; the references of the
 two fast losses are :func:`reference_gidd_loss` and :func:`reference_mdlm_loss`.
 """
 
+from ._x0_rows import check_objective
 from .bregman import bregman_divergence, bregman_rate_loss
 from .fast import X0_HEAD_OBJECTIVES, gidd_loss, mdlm_loss, x0_head_loss
 from .fused_linear import fused_linear_diffusion_loss
@@ -31,6 +33,7 @@ __all__ = [
     "X0_HEAD_OBJECTIVES",
     "bregman_divergence",
     "bregman_rate_loss",
+    "check_objective",
     "ctmc_loss",
     "fused_linear_diffusion_loss",
     "gidd_loss",

@@ -91,7 +91,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
         x0: clean tokens, int64 ``(...)``.  x_t: noisy tokens, int64 ``(...)``.  t: times in (0, 1), ``(...)`` or
             a float.
         kernel: :class:`UniformKernel`, :class:`MaskKernel` or :class:`HybridKernel` (fast path); other kernels
-            fall back to :func:`unifusion.losses.native.gidd_loss` (ELBO only).
+            fall back to :func:`unifusion.losses.native.reference_gidd_loss` (ELBO only).
         objective: which published loss of the *x0 head* to evaluate: ``"gidd"``, ``"mdlm"`` (mask kernel only),
             or the x0-head SEDD / M2S / Neural-CTMC losses (the head converted by Theorem 3.5). With
             ``weighting="elbo"`` they are all the same number, D_t (Corollary 3.4); the argument documents intent
@@ -133,7 +133,7 @@ def x0_head_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t
 def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: Kernel, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
               max_weight: float = 2.0) -> torch.Tensor:
-    """:func:`unifusion.losses.native.gidd_loss` (same signature, same values) at cross-entropy cost; see
+    """:func:`unifusion.losses.native.reference_gidd_loss` (same signature, same values) at cross-entropy cost; see
     :func:`x0_head_loss`."""
     return x0_head_loss(x0_logits, x0, x_t, t, kernel, objective="gidd", weighting=weighting,
                         max_weight=max_weight)
@@ -141,8 +141,8 @@ def gidd_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
 
 def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float,
               kernel: MaskKernel) -> torch.Tensor:
-    """:func:`unifusion.losses.native.mdlm_loss` (same signature, same values) at cross-entropy cost: on the mask
-    kernel MDLM's weighted cross-entropy is D_t of the x0 head; see :func:`x0_head_loss`."""
+    """:func:`unifusion.losses.native.reference_mdlm_loss` (same signature, same values) at cross-entropy cost: on the
+    mask kernel MDLM's weighted cross-entropy is D_t of the x0 head; see :func:`x0_head_loss`."""
     if not isinstance(kernel, MaskKernel):
         raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
     return x0_head_loss(x0_logits, x0, x_t, t, kernel, objective="mdlm")

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from .. import _validation as V
+from .. import rates
 from .._math import bregman_from_log_ratio, bregman_from_logs, expm1_minus_x, log_softmax, safe_log, softplus
 from ..kernels import (
     GeneratorKernel,
@@ -28,7 +29,6 @@ from ..kernels import (
     check_kernel,
 )
 from ..rates import ReverseRate, b_operator
-from ..rates import x0_log_probs as _x0_log_probs  # private here: native.x0_log_probs is a deprecated alias
 from .bregman import bregman_rate_loss
 
 __all__ = ["sedd_loss", "reference_mdlm_loss", "reference_gidd_loss", "gidd_loss_weight", "m2s_loss", "ctmc_loss",
@@ -129,7 +129,7 @@ def _x0_log_probs_at(kernel: Kernel, logits: torch.Tensor, x0: torch.Tensor) -> 
     log x_θ(x0) ≈ −δ once δ is below it (float64: δ < 1e-16, logit gaps of ~40 nats), and the losses of such rows are
     O(δ) and need δ to full relative precision.
     """
-    log_x = _x0_log_probs(kernel, logits, exact_gradient=True)
+    log_x = rates.x0_log_probs(kernel, logits, exact_gradient=True)
     idx = x0.unsqueeze(-1)
     delta = log_x.scatter(-1, idx, float("-inf")).exp().sum(-1)
     near = delta < 0.5
@@ -460,7 +460,7 @@ def m2s_loss(mu_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: to
     h(s, r) = s − r log s + r log r − r,  μ = softmax(mu_logits) over clean states.
     """
     kernel, h, x0, x_t, t, dtype = _prepare(kernel, {"mu_logits": mu_logits}, x0, x_t, t)
-    log_mu = _x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
+    log_mu = rates.x0_log_probs(kernel, h["mu_logits"], exact_gradient=True)
     R = kernel.rate_column(x_t, t)
     if isinstance(kernel, InterpolatingKernel):
         return _m2s_interp(kernel, log_mu, x0, x_t, t, R)
@@ -548,30 +548,3 @@ def ctmc_loss(log_exit_rate: torch.Tensor, jump_logits: torch.Tensor, x0: torch.
     cat = bregman_from_logs(log_r_hat, log_r_theta).sum(-1)
     lam_hat = torch.exp(log_lam_hat)
     return poisson + torch.where(has_jump, lam_hat * cat, torch.zeros_like(cat))
-
-
-_RENAMED = {"gidd_loss": "reference_gidd_loss", "mdlm_loss": "reference_mdlm_loss"}
-
-
-def _exact_x0_log_probs(kernel: Kernel, logits: torch.Tensor) -> torch.Tensor:
-    return _x0_log_probs(kernel, logits, exact_gradient=True)
-
-
-def __getattr__(name: str) -> object:
-    """Former names, for one release (a ``DeprecationWarning``): ``gidd_loss`` / ``mdlm_loss`` are
-    :func:`reference_gidd_loss` / :func:`reference_mdlm_loss` (``unifusion.losses.gidd_loss`` / ``mdlm_loss`` are the
-    fast losses, same values); ``x0_log_probs`` is ``unifusion.rates.x0_log_probs(..., exact_gradient=True)``."""
-    import warnings
-
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"unifusion.losses.native.{name} is deprecated and will be removed in the next release; use "
-                      f"unifusion.losses.native.{new} (the same function; also unifusion.losses.{new}), or "
-                      f"unifusion.losses.{name} (the fast loss, same values)", DeprecationWarning, stacklevel=2)
-        return globals()[new]
-    if name == "x0_log_probs":
-        warnings.warn("unifusion.losses.native.x0_log_probs is deprecated and will be removed in the next release; "
-                      "use unifusion.rates.x0_log_probs(kernel, logits, exact_gradient=True)", DeprecationWarning,
-                      stacklevel=2)
-        return _exact_x0_log_probs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,13 +7,15 @@
   Fast-dLLM, DiffusionGemma), EOS stopping, tokens per forward.
 
 Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_FILL` (−1) at the positions to
-generate, or a pair ``(ids, keep_mask)``.
+generate, or a pair ``(ids, keep_mask)``. :func:`resolve_attention_mask` (a tokenizer's left-padding mask, checked) and
+:func:`eos_stop` (the EOS rule) are the pieces of the policy sampler's run that a model's own ``generate`` shares.
 """
 
+from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .euler import PARAMETERIZATIONS, ConvertedModel, EulerSampler, x0_model_as
 from .policy_sampler import BlockDenoiser, PolicyOutput, PolicySampler
 
 __all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "BlockDenoiser", "ConvertedModel", "EulerSampler",
-           "PolicyOutput", "PolicySampler", "x0_model_as"]
+           "PolicyOutput", "PolicySampler", "eos_stop", "resolve_attention_mask", "x0_model_as"]

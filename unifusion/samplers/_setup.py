@@ -17,7 +17,6 @@ import torch
 
 from .. import _validation as V
 from .._device import host_to_device
-from .._validation import check_generators as check_generators  # unifusion.hf.generation imports it from here
 from ..kernels import Kernel
 from ._draws import Generators, draw_rows
 

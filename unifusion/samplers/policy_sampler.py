@@ -67,6 +67,10 @@ class BlockDenoiser(Protocol):
     sampler calls :meth:`start_blocks` once, then for each block :meth:`denoise_block` at every step and, except
     after the last block, :meth:`commit_block`. ``rows`` are indices into the batch given to :meth:`start_blocks`:
     the rows still running (finished rows are dropped, and never come back once a row has stopped at EOS).
+
+    The sampler counts one model call per row and denoising step. A denoiser that also calls its network elsewhere
+    (a prefill in :meth:`start_blocks`, a commit pass) gives its state an ``extra_forwards`` attribute: ``(B,)``
+    int64, those calls per row, which :attr:`PolicyOutput.num_forwards` then includes.
     """
 
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
@@ -92,7 +96,8 @@ class PolicyOutput:
 
     Attributes:
         sequences: ``(B, L)`` int64, prompt included.
-        num_forwards: ``(B,)`` int64, the model calls each row took part in.
+        num_forwards: ``(B,)`` int64, the model calls each row took part in: every denoising step, plus a
+            :class:`BlockDenoiser`'s own calls (prefill, commit passes; its state's ``extra_forwards``).
         tokens_per_forward: ``(B,)`` float32, generated tokens (up to and including the first EOS) / num_forwards
             (0 for a row with nothing to generate).
     """
@@ -245,6 +250,9 @@ class PolicySampler:
         sequences = run.x[:, :L].contiguous()
         if not return_dict:
             return sequences
+        extra = getattr(run.block_state, "extra_forwards", None)
+        if extra is not None:  # the denoiser's calls outside the steps (prefill, commits)
+            run.forwards += extra
         col = torch.arange(L, device=dev)
         tokens = (run.generated & (col <= run.eos_at.unsqueeze(-1))).sum(-1)
         rate = tokens.float() / run.forwards.clamp_min(1).float()

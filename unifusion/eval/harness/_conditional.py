@@ -2,8 +2,9 @@
 conditions on a clean prefix read by its own encoder, so a continuation is scored by the *conditional* bound.
 
 * ``loglikelihood(context, continuation)`` = −(the bound on −log p_θ(continuation | context)) in nats:
-  :func:`~unifusion.eval.nll_bound` of ``model.conditioned_on(x0, prompt_length=P)`` with ``num_times`` stratified
-  times, ``x0 = [BOS, context, continuation]`` (the prompt terms are exactly 0, so only the continuation counts);
+  :func:`~unifusion.eval.nll_bound` of the model with ``prompt_mask`` on ``[BOS, context]`` (the one prompt rule,
+  :func:`unifusion.denoiser.prompt_conditioning`) with ``num_times`` stratified times,
+  ``x0 = [BOS, context, continuation]`` (the prompt is not scored, so only the continuation counts);
   ``is_greedy``: every continuation token is the argmax of x_θ with the continuation replaced by uniform noise.
 * ``loglikelihood_rolling(text)``: the same bound of each window of ``max_length − 1`` tokens given BOS.
 * ``generate_until``: the model's own ``generate`` (DiffusionGemma: the entropy-bound sampler of its generation
@@ -24,7 +25,7 @@ import torch
 
 from ..._device import host_to_device
 from ..._validation import unwrap_model
-from ...denoiser import Denoiser
+from ...denoiser import Denoiser, prompt_conditioning
 from ...hf.model import DiffusionLM
 from ..likelihood import nll_bound
 from ._common import Cuts, HarnessBase, request_seed, seeded_generator
@@ -36,6 +37,11 @@ def is_prefix_conditioned(model: Any) -> bool:
     inner = unwrap_model(model)
     return isinstance(inner, Denoiser) and not isinstance(inner, DiffusionLM) and callable(
         getattr(inner, "conditioned_on", None))
+
+
+def _prompt_mask(x0: torch.Tensor, length: int) -> torch.Tensor:
+    """``(B, L)`` bool, True on the first ``length`` columns of ``x0``."""
+    return (torch.arange(x0.shape[1], device=x0.device) < length)[None].expand(x0.shape[0], -1)
 
 
 class ConditionalRequests(HarnessBase):
@@ -62,8 +68,8 @@ class ConditionalRequests(HarnessBase):
         """The bound on −log p(continuation | prompt) in nats, a 0-d float64 tensor on the model's device."""
         device = self.model.device
         x0 = host_to_device(torch.tensor([prompt + continuation], dtype=torch.long), device)
-        scorer = self._wrapped.conditioned_on(x0, prompt_length=len(prompt))
-        return nll_bound(scorer, x0, self.kernel, num_times=self.num_times, generator=generator,
+        return nll_bound(self._wrapped, x0, self.kernel, num_times=self.num_times, generator=generator,
+                         prompt_mask=_prompt_mask(x0, len(prompt)),
                          per_token=False)[0]
 
     def _conditional_loglikelihood(self, requests: list[Any], disable_tqdm: bool) -> list[tuple[float, bool]]:
@@ -95,7 +101,8 @@ class ConditionalRequests(HarnessBase):
                 x0 = host_to_device(torch.tensor([prompt + answer], dtype=torch.long), device)
                 noise = torch.randint(0, self.model.num_states, (1, len(answer)), generator=g, device=device)
                 x_t = torch.cat([x0[:, : len(prompt)], noise], dim=1)
-                logits = self._wrapped.conditioned_on(x0, prompt_length=len(prompt))(x_t, None)
+                logits = self._wrapped(x_t, None, **prompt_conditioning(self._wrapped, x0,
+                                                                        _prompt_mask(x0, len(prompt))))
                 greedy.append((logits[0, len(prompt):].argmax(-1) == x0[0, len(prompt):]).all())
             bar.update(1)
         bar.close()

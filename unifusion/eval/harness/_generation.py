@@ -2,8 +2,10 @@
 harness's gen_kwargs conventions), sampled by :meth:`DiffusionLM.generate <unifusion.DiffusionLM.generate>` with one
 generator per request, and cut at EOS and the first stop string.
 
-**Decoding.** ``policy=None`` (the default) is the Bayesian sampler over the whole sequence (``num_steps`` forwards).
-A decoding policy (model argument ``policy=``, or per task in ``gen_kwargs``: ``policy``, ``block_size``,
+**Decoding.** ``policy=None`` (the default) is the Bayesian sampler over the whole sequence (``num_steps`` forwards)
+on a fully bidirectional model; a block model decodes with :func:`~unifusion.samplers.policies.default_policy`
+(``low_confidence`` for a mask kernel, ``entropy_bound`` for a uniform one) as ``DiffusionLM.generate`` does. A
+decoding policy (model argument ``policy=``, or per task in ``gen_kwargs``: ``policy``, ``block_size``,
 ``threshold``, ``num_steps``) decodes block by block with :class:`~unifusion.samplers.PolicySampler`: rows stop at the
 tokenizer's EOS (no further forwards), a block model decodes through its exact KV cache, a bidirectional one through
 the approximate dual cache when ``cache_refresh`` is set. Names: :data:`unifusion.samplers.policies.POLICY_NAMES`;
@@ -20,6 +22,7 @@ from typing import Any, cast
 import torch
 
 from ..._device import host_to_device
+from ...samplers.policies import default_policy, make_policy
 from ._args import (
     DEFAULT_MAX_GEN_TOKS,
     GEN_KEYS,
@@ -56,8 +59,6 @@ def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh
                      base: DecodingOptions | None = None, merge_commits: Any = None) -> DecodingOptions:
     """Checked :class:`DecodingOptions` from model arguments or ``gen_kwargs`` (strings as the command line gives
     them; ``None`` keeps ``base``'s value). A policy is checked by building it once."""
-    from ...samplers.policies import make_policy
-
     base = base if base is not None else DecodingOptions()
     if isinstance(policy, str) and policy.lower() in ("none", ""):
         name: str | None = None
@@ -78,6 +79,27 @@ def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh
         raise ValueError("policy: block_size, cache_refresh and merge_commits need a decoding policy "
                          "(policy=low_confidence, threshold, ...); policy=none runs the full-sequence Bayesian sampler")
     return options
+
+
+def check_decoding_for_model(options: DecodingOptions, model: Any, kernel: Any) -> None:
+    """What ``generate_until`` would refuse with these options on this model and kernel, raised before any task runs:
+    a policy of the other noise family, a block size other than a block model's own, the approximate cache on a block
+    model (or without a mask kernel), and a block model whose kernel has no default policy."""
+    K = getattr(model, "block_size", None)
+    if options.policy is not None:
+        make_policy(options.policy, threshold=options.threshold).check_kernel(kernel)
+    elif K is not None:
+        default_policy(kernel)
+    if K is not None and options.block_size is not None and options.block_size != K:
+        raise ValueError(f"block_size: the model was trained with blocks of {K}, got {options.block_size}; leave it "
+                         "unset (the model's) or pass the same size")
+    if options.cache_refresh is not None:
+        if K is not None:
+            raise ValueError("cache_refresh: this is a block model, whose cache is exact; the approximate prefix cache "
+                             "is for fully bidirectional models (leave cache_refresh unset)")
+        if getattr(kernel, "mask_id", None) is None:
+            raise ValueError("cache_refresh: the approximate prefix cache fills later blocks with the mask token; "
+                             "the kernel has none")
 
 
 @dataclass
@@ -206,20 +228,16 @@ class GenerationRequests(HarnessBase):
         t_0 = 1 − 10⁻³) on ``prompts`` ``(B, P)`` with one generator per row: row b equals
         ``model.generate(prompts[b:b + 1], ..., generator=generators[b])`` whatever rows are beside it (up to the
         model's arithmetic, which on some devices differs with the batch shape). Returns ``(B, P + max_new)``."""
-        if decoding is None or decoding.policy is None:
-            K = getattr(self.model, "block_size", None)
-            if K is not None and prompts.shape[1] + max_new > K:
-                raise ValueError(f"policy: this block model (block_size={K}) decodes block by block; set the model "
-                                 "argument policy=low_confidence (or threshold, random, ...) for generate_until")
+        block_model = getattr(self.model, "block_size", None) is not None
+        if decoding is None or (decoding.policy is None and not block_model):
             return self.model.generate(prompts, max_new_tokens=max_new, num_steps=self.num_steps, kernel=self.kernel,
                                        temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators))
-        from ...samplers.policies import make_policy
-
         eos = getattr(self.tokenizer, "eos_token_id", None)
+        policy = (default_policy(self.kernel) if decoding.policy is None
+                  else make_policy(decoding.policy, threshold=decoding.threshold))
         return self.model.generate(
-            prompts, max_new_tokens=max_new, policy=make_policy(decoding.policy, threshold=decoding.threshold),
-            num_steps=decoding.steps, block_size=decoding.block_size, cache_refresh=decoding.cache_refresh,
-            merge_commits=decoding.merge_commits,
+            prompts, max_new_tokens=max_new, policy=policy, num_steps=decoding.steps, block_size=decoding.block_size,
+            cache_refresh=decoding.cache_refresh, merge_commits=decoding.merge_commits,
             kernel=self.kernel, temperature=temperature, top_k=top_k, top_p=top_p, generator=list(generators),
             eos_token_id=eos if isinstance(eos, int) else None, attention_mask=torch.ones_like(prompts))
 

@@ -11,7 +11,7 @@ import torch
 from lm_eval.api.model import LM
 
 from ... import _validation as V
-from ..._kernel_config import default_kernel, make_kernel
+from ..._kernel_config import default_kernel, make_kernel, warn_if_not_recorded_kernel
 from ...hf.loading import dtype_from_name
 from ...hf.model import DiffusionLM
 from ...hf.registry import load_registered, registered_model_type
@@ -32,7 +32,7 @@ from ._args import (
 )
 from ._common import evaluating
 from ._conditional import ConditionalRequests, is_prefix_conditioned
-from ._generation import GenerationRequests, decoding_options
+from ._generation import GenerationRequests, check_decoding_for_model, decoding_options
 from ._loglikelihood import LoglikelihoodRequests
 
 
@@ -170,6 +170,8 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
         if self.conditional and self.decoding.policy is not None:
             raise ValueError(f"policy: {type(model).__name__} samples with its own sampler (generate_until uses its "
                              "generate); leave policy, block_size, threshold and cache_refresh unset")
+        if not self.conditional:  # what generate_until would refuse, before any task runs
+            check_decoding_for_model(self.decoding, self.model, self.kernel)
         self.do_sample = as_bool("do_sample", do_sample)
         self.temperature = as_temperature(temperature)
         if self.temperature == 0.0:
@@ -206,13 +208,14 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
     def _kernel(self, kernel: str | Kernel | None) -> Kernel:
         """``kernel=`` as a :class:`~unifusion.Kernel`: a Kernel as given, ``"mask"``/``"uniform"`` on the model's
         states, ``None`` by :func:`unifusion.hf.default_kernel` (the recorded kernel, else mask, else uniform)."""
-        if isinstance(kernel, Kernel):
-            return kernel
         if kernel is None:
             return default_kernel(self.model)[0]
-        if kernel not in ("mask", "uniform"):
-            raise ValueError(f"kernel: expected 'mask', 'uniform' or a unifusion Kernel, got {kernel!r}")
-        return make_kernel(kernel, self.model.num_states, self.model.mask_token_id)
+        if not isinstance(kernel, Kernel):
+            if kernel not in ("mask", "uniform"):
+                raise ValueError(f"kernel: expected 'mask', 'uniform' or a unifusion Kernel, got {kernel!r}")
+            kernel = make_kernel(kernel, self.model.num_states, self.model.mask_token_id)
+        warn_if_not_recorded_kernel(self.model, kernel)
+        return kernel
 
     def _position_limit(self) -> int:
         """Tokens the model takes after the BOS the adapter prepends: its config's position limit − 1."""

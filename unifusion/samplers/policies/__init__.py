@@ -8,9 +8,9 @@ Mask noise (:mod:`.mask`): :class:`RandomOrder`, :class:`LowConfidence` (LLaDA),
 
 from .mask import ConfidenceThreshold, LowConfidence, RandomOrder, TopKEntropy, TopKMargin
 from .protocol import DecodingPolicy, MaskPolicy, PolicyStep, RowRandomness, select_top
-from .registry import POLICY_NAMES, make_policy
+from .registry import POLICY_NAMES, default_policy, make_policy
 from .uniform import EntropyBound, categorical_entropy
 
 __all__ = ["POLICY_NAMES", "ConfidenceThreshold", "DecodingPolicy", "EntropyBound", "LowConfidence", "MaskPolicy",
            "PolicyStep", "RandomOrder", "RowRandomness", "TopKEntropy", "TopKMargin", "categorical_entropy",
-           "make_policy", "select_top"]
+           "default_policy", "make_policy", "select_top"]

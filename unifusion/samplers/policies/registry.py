@@ -11,15 +11,18 @@ name                  policy                                          option
 ``threshold``         :class:`~.mask.ConfidenceThreshold` (Fast-dLLM) ``threshold`` (default 0.9)
 ``entropy_bound``     :class:`~.uniform.EntropyBound` (DiffusionGemma) ``bound`` (default 1.0)
 ====================  ==============================================  ====================
+
+:func:`default_policy` is what a block model decodes with when no policy is given.
 """
 
 from __future__ import annotations
 
+from ...kernels import InterpolatingKernel, Kernel
 from .mask import ConfidenceThreshold, LowConfidence, RandomOrder, TopKEntropy, TopKMargin
 from .protocol import DecodingPolicy
 from .uniform import EntropyBound
 
-__all__ = ["DEFAULT_BOUND", "DEFAULT_THRESHOLD", "POLICY_NAMES", "make_policy"]
+__all__ = ["DEFAULT_BOUND", "DEFAULT_THRESHOLD", "POLICY_NAMES", "default_policy", "make_policy"]
 
 POLICY_NAMES = ("low_confidence", "random", "margin", "entropy", "threshold", "entropy_bound")
 """The names :func:`make_policy` takes."""
@@ -47,3 +50,19 @@ def make_policy(name: str, *, threshold: float | None = None, bound: float | Non
         return EntropyBound(DEFAULT_BOUND if bound is None else bound)
     return {"low_confidence": LowConfidence, "random": RandomOrder, "margin": TopKMargin,
             "entropy": TopKEntropy}[name]()
+
+
+def default_policy(kernel: Kernel) -> DecodingPolicy:
+    """The policy a block model decodes with when none is given (``DiffusionLM.generate(policy=None)``, ``unifusion
+    sample``, the harness's ``generate_until``): :class:`~.mask.LowConfidence` (LLaDA's order) for a mask kernel,
+    :class:`~.uniform.EntropyBound` with bound :data:`DEFAULT_BOUND` for a uniform one. With the sampler's default of
+    ``block_size`` steps per block, a fixed-count policy commits one token per step: the slowest and most careful
+    setting; pass ``num_steps`` (fewer steps per block) or ``ConfidenceThreshold`` for more tokens per forward.
+    A kernel with both mask and uniform noise has no decoding policy: a ``ValueError`` naming ``policy``."""
+    if isinstance(kernel, InterpolatingKernel) and not kernel.has_uniform_noise and kernel.mask_id is not None:
+        return LowConfidence()
+    if isinstance(kernel, InterpolatingKernel) and kernel.mask_id is None:
+        return EntropyBound(DEFAULT_BOUND)
+    raise ValueError(f"policy: no decoding policy decodes {type(kernel).__name__} noise (mask policies need a "
+                     "MaskKernel, EntropyBound a UniformKernel), so a block model trained with it has no default; "
+                     "decode with a kernel a policy takes")
