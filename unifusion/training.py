@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -23,10 +23,11 @@ from .conversions import log_heads_from_x0_logits
 from .denoiser import prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
-from .kernels import MAX_TIME, Kernel, check_kernel
+from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from .losses import X0_HEAD_OBJECTIVES, check_objective, native, x0_head_loss
+from .schedules import LinearSchedule, Schedule
 
-__all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
+__all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES", "complement_time"]
 
 OBJECTIVES = X0_HEAD_OBJECTIVES  # every objective trains an x0 head
 
@@ -109,6 +110,25 @@ def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t:
     return native.ctmc_loss(log_exit, jump, x0, x_t, t, kernel)
 
 
+def complement_time(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
+    """The time t' whose mask probability is the keep probability at ``t``: 1 − α_{t'} = α_t (any shape, dtype kept).
+
+    The complement Mᶜ of a mask M drawn at time t (each token masked with probability 1 − α_t) is a mask drawn at t'.
+    Exact for the linear schedule (t' = 1 − t); otherwise found by bisection on the monotone 1 − α (float64, 60
+    halvings, no host sync). Capped at ``MAX_TIME`` like every sampled time (a schedule with α_1 > 0 cannot reach the
+    keep probability of the smallest times exactly).
+    """
+    if isinstance(schedule, LinearSchedule):
+        return (1.0 - t).clamp(1e-6, MAX_TIME)
+    target = schedule.alpha(t.to(torch.float64))
+    lo, hi = torch.zeros_like(target), torch.full_like(target, MAX_TIME)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        below = schedule.one_minus_alpha(mid) < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return ((lo + hi) / 2).clamp(1e-6, MAX_TIME).to(t.dtype)
+
+
 def _block_size(model: Any, length: int) -> int | None:
     """The block size K of a block model when it splits ``length`` tokens into several blocks, else ``None``."""
     if not V.is_diffusion_lm(model):
@@ -126,7 +146,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    max_weight: float = 2.0, t_min: float = 1e-3,
                    bidirectional_prob: float | torch.Tensor | None = None, fused: bool = False,
                    reference: bool = False, prompt_mask: torch.Tensor | None = None,
-                   block_times: Literal["block", "sequence"] = "block") -> DiffusionLossOutput:
+                   block_times: Literal["block", "sequence"] = "block",
+                   complementary: bool = False) -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
 
     Args:
@@ -172,6 +193,17 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
+        complementary: complementary masking (Fast-dLLM v2, LLaDA 2.0 SFT), :class:`~unifusion.MaskKernel` and
+            ``weighting="elbo"`` only. Each row is trained twice in one forward batch of ``2B`` rows: rows ``[0, B)``
+            with the mask M drawn at its time t, rows ``[B, 2B)`` with the complement Mᶜ (every scored token that M
+            kept is masked and vice versa) at the complementary time t' (1 − α_{t'} = α_t, :func:`complement_time`;
+            t' = 1 − t for the linear schedule), so every scored token is scored in exactly one half of its pair.
+            A block model complements each block's mask and time. The second half's losses carry the importance
+            weight α'_t / α'_{t'} (1 for the linear schedule), so each half — and their average — is an unbiased
+            estimate of the ELBO. The output then has ``2B`` rows: ``loss``, ``mask``, ``x_t`` ``(2B, L)``, ``t``
+            ``(2B,)`` (``(2B, nb)``), and ``num_tokens`` counts every scored token twice (once per half), so
+            ``out.mean()`` is the per-token ELBO estimate of the pair average. ``x0``, ``attention_mask`` and
+            ``prompt_mask`` keep their ``B`` rows (they are repeated inside).
 
     **Block models** (``adapt_ar_model(..., block_size=K)`` with ``K < L``) are trained block-causally in one forward
     (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
@@ -205,6 +237,14 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                          f"{bidirectional_prob!r} (step anneals γ = min(1, step/anneal_steps); bidirectional_prob "
                          "sets γ directly)")
     kernel = check_kernel(kernel)
+    if not isinstance(complementary, bool):
+        raise TypeError(f"complementary: expected a bool, got {type(complementary).__name__}")
+    if complementary and not isinstance(kernel, MaskKernel):
+        raise ValueError(f"complementary: expected a MaskKernel (the complement of a mask is a mask only for the "
+                         f"absorbing kernel), got {type(kernel).__name__}")
+    if complementary and weighting != "elbo":
+        raise ValueError(f"complementary: the pair is an unbiased ELBO estimate with weighting='elbo' only, got "
+                         f"weighting={weighting!r}")
     generator = V.check_generator(generator)
     if generator is not None and torch.compiler.is_compiling():
         raise ValueError("generator: torch.compile cannot trace a torch.Generator; in a compiled step pass "
@@ -269,6 +309,23 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
         x_t = torch.where(scored, x_t, x0)
         valid = scored
+    half_weight: torch.Tensor | None = None  # importance weight of the complementary half, (B,) or (B, L)
+    if complementary:
+        # rows [0, B): mask M at time t; rows [B, 2B): its complement at t' (1 − α_{t'} = α_t), one batch
+        mask_kernel = cast(MaskKernel, kernel)
+        schedule, mask_id = mask_kernel.schedule, mask_kernel.mask_id
+        t_c = complement_time(schedule, t)
+        half_weight = schedule.alpha_prime(t.to(torch.float64)) / schedule.alpha_prime(t_c.to(torch.float64))
+        if block is not None:
+            half_weight = blocks.expand_block_times(half_weight, L, block)
+        x_c = torch.where(valid & (x_t == mask_id), x0, torch.full_like(x0, mask_id))
+        x_c = torch.where(valid, x_c, x0)
+        x0, x_t, t = x0.repeat(2, 1), torch.cat([x_t, x_c]), torch.cat([t, t_c])
+        valid = valid.repeat(2, 1)
+        attention_mask = None if attention_mask is None else attention_mask.repeat(2, 1)
+        prompt_mask = None if prompt_mask is None else prompt_mask.repeat(2, 1)
+        t_tokens = t if block is None else blocks.expand_block_times(t, L, block)
+        B = 2 * B
     block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
     conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)
 
@@ -289,6 +346,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                          kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
                          position_weight=None if attention_mask is None and prompt_mask is None else valid,
                          **block_kwargs, **{**conditioning, "x0": x0})
+        loss = _weight_second_half(loss, half_weight)
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
@@ -314,7 +372,17 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         else:
             loss = x0_head_loss(logits, x0, x_t, t_pos, kernel, objective=objective, weighting=weighting,
                                 max_weight=max_weight)
+    loss = _weight_second_half(loss, half_weight)
     mask = valid.to(loss.dtype)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                bidirectional_prob=gamma)
+
+
+def _weight_second_half(loss: torch.Tensor, half_weight: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` ``(2B, L)`` with rows ``[B, 2B)`` times the complementary half's weight (``(B,)`` or ``(B, L)``)."""
+    if half_weight is None:
+        return loss
+    w = half_weight if half_weight.dim() == 2 else half_weight[:, None]
+    B = loss.shape[0] // 2
+    return torch.cat([loss[:B], loss[B:] * w.to(loss.dtype)])
