@@ -531,8 +531,12 @@ class DiffusionLM(nn.Module, Denoiser):
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
                         kernel: Any = None) -> None:
-        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory, and
-        the tokenizer's files next to them (:mod:`unifusion.hf.io`).
+        """Write a standard Hugging Face folder: the backbone's ``config.json`` (its vocabulary includes an added mask
+        token), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once),
+        so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the backbone with identical weights;
+        unifusion's record ``unifusion_config.json`` (kernel, block size, mask and BOS ids, time conditioning) and,
+        for a time-conditioned model, ``unifusion_weights.safetensors`` (the time embedding) beside them; and the
+        tokenizer's files (:mod:`unifusion.hf.io`). What a serving engine needs is in docs/guides/serving.md.
 
         Args:
             save_directory: the folder (created if missing).
@@ -553,7 +557,9 @@ class DiffusionLM(nn.Module, Denoiser):
         recorded training kernel as :attr:`kernel` (``None`` when none was recorded).
 
         Args:
-            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``).
+            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``), in
+                today's format or the earlier one (the wrapper's state dict in ``model.safetensors``, no
+                ``config.json``).
             dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default: the dtype they
                 were saved in.
             device: where to put the model; default CPU.
