@@ -122,6 +122,13 @@ class DiffusionLM(nn.Module, Denoiser):
         return int(declared) if declared and weight_rows in (0, declared) else weight_rows
 
     @property
+    def generation_config(self) -> Any:
+        """The backbone's ``transformers.GenerationConfig`` (``generation_config.json`` of a saved folder, else the
+        one transformers derived from the config), for ``generate(..., generation_config=model.generation_config)``;
+        ``None`` if the backbone has none."""
+        return getattr(self._hf, "generation_config", None)
+
+    @property
     def device(self) -> torch.device:
         """Device of the input embeddings (where ``x_t`` must live)."""
         return self._hf.get_input_embeddings().weight.device
@@ -442,7 +449,9 @@ class DiffusionLM(nn.Module, Denoiser):
                  pad_token_id: int | None = None, return_dict: bool = False, kernel: Any = None,
                  temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 progress: bool = False) -> Any:
+                 progress: bool = False, generation_config: Any = None, max_length: int | None = None,
+                 do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None,
+                 tokenizer: Any = None, streamer: Any = None, **kwargs: Any) -> Any:
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
         block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
         or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
@@ -491,6 +500,27 @@ class DiffusionLM(nn.Module, Denoiser):
                 generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
                 generator=generator[b])`` whatever rows are beside it.
             progress: show a progress bar.
+            generation_config: a ``transformers.GenerationConfig`` (e.g. :attr:`generation_config`, the backbone's
+                saved one). Its ``max_new_tokens``/``max_length``, ``do_sample``, ``temperature``, ``top_k``,
+                ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id`` and ``stop_strings`` are read; a
+                keyword given here with another value than its default wins. Fields that say how transformers runs
+                (``use_cache``, ``output_*``, ...) are ignored; any field that would change the tokens and does not
+                apply to diffusion decoding (``num_beams`` > 1, ``repetition_penalty`` ≠ 1, ...) is a ``ValueError``.
+            max_length: transformers' name for ``seq_len`` (the total length, prompt included).
+            do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (the policy still
+                ranks positions by x_θ; mask kernels; ``policy=None`` then means the default policy, block by
+                block). ``None`` (default): sample, unless ``generation_config`` says otherwise.
+            stop_strings: a string or a list: a row stops after the token that completes one of them in its decoded
+                generated text (checked after each block; the later positions become ``pad_token_id``, else EOS).
+                Needs ``tokenizer=`` (or :attr:`tokenizer`).
+            tokenizer: decodes for ``stop_strings`` (default :attr:`tokenizer`).
+            streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any ``BaseStreamer``),
+                batch size 1: ``put`` gets the prompt ``(1, P)`` first, as transformers' ``generate`` does, then each
+                block's generated tokens ``(k,)`` as soon as the block is decided (stop strings and EOS applied, so
+                the fill after EOS is pushed too: what is pushed after the prompt is exactly the returned row's
+                generated tokens), and ``end()`` last. The full-sequence sampler pushes the whole completion once.
+            **kwargs: other ``transformers.GenerationConfig`` fields, accepted at their neutral value only
+                (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other name is a ``TypeError``.
 
         Returns:
             ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
@@ -506,7 +536,8 @@ class DiffusionLM(nn.Module, Denoiser):
             block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
             attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
             return_dict=return_dict, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
-            generator=generator, progress=progress)
+            generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
+            do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 
