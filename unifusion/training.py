@@ -147,7 +147,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    bidirectional_prob: float | torch.Tensor | None = None, fused: bool = False,
                    reference: bool = False, prompt_mask: torch.Tensor | None = None,
                    block_times: Literal["block", "sequence"] = "block",
-                   complementary: bool = False) -> DiffusionLossOutput:
+                   complementary: bool = False, document_ids: torch.Tensor | None = None) -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
 
     Args:
@@ -204,6 +204,14 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             ``(2B,)`` (``(2B, nb)``), and ``num_tokens`` counts every scored token twice (once per half), so
             ``out.mean()`` is the per-token ELBO estimate of the pair average. ``x0``, ``attention_mask`` and
             ``prompt_mask`` keep their ``B`` rows (they are repeated inside).
+        document_ids: ``(B, L)`` integer document id of each token, for right-padded packed rows
+            (``ChatCollator(..., packing=True)``'s ``conversation_ids``). No token attends to another
+            document, each document has its own BOS and position ids restart per document
+            (:meth:`DiffusionLM.forward`), so a packed row's per-token losses are those of its documents trained
+            alone with the same times and masks, for documents that start at block boundaries. Block models on rows
+            of several blocks only (else a ``ValueError``). A document that starts inside a block has its first
+            token predicted at the previous document's last position (the shift), so that token must not be
+            scored: a prompt token (``prompt_mask``), else a ``ValueError`` (chat templates start with one).
 
     **Block models** (``adapt_ar_model(..., block_size=K)`` with ``K < L``) are trained block-causally in one forward
     (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
@@ -288,6 +296,31 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                 "(tokenizer padding_side='right')"))
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
+        if document_ids is not None:
+            if not V.is_diffusion_lm(model):
+                raise TypeError(f"document_ids: needs a DiffusionLM (its attention mask and position ids), got "
+                                f"{type(V.unwrap_model(model)).__name__}")
+            if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point \
+                    or tuple(document_ids.shape) != (B, L):
+                found = (f"shape {tuple(document_ids.shape)}, dtype {document_ids.dtype}"
+                         if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__)
+                raise ValueError(f"document_ids: expected an integer tensor of shape {(B, L)} like x0, got {found}")
+            document_ids = document_ids.to(x0.device, torch.long)
+            if block is None:
+                raise ValueError(f"document_ids: packed documents need a block model whose rows span several blocks "
+                                 f"(adapt_ar_model(..., block_size=K) with K < L = {L}); a fully bidirectional "
+                                 "model shares one BOS between the documents of a row")
+            if V.validation_enabled():
+                starts = torch.zeros_like(valid)
+                starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+                starts[:, ::block] = False  # a document starting at a block boundary gets its own BOS
+                counted = scored if prompt_mask is not None else valid
+                K_ = block
+                V.fail_if((starts & counted).any(), lambda: (
+                    f"document_ids: a document starts inside a block (block_size = {K_}) with a scored first token, "
+                    "whose prediction is read at the previous document's last position (the shifted AR head); start "
+                    "documents at block boundaries, or make that token a prompt token (prompt_mask), as a chat "
+                    "template's first token is"))
         gamma: float | torch.Tensor = 1.0
         if bidirectional_prob is not None:
             gamma = check_bidirectional_prob(
@@ -324,9 +357,12 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         valid = valid.repeat(2, 1)
         attention_mask = None if attention_mask is None else attention_mask.repeat(2, 1)
         prompt_mask = None if prompt_mask is None else prompt_mask.repeat(2, 1)
+        document_ids = None if document_ids is None else document_ids.repeat(2, 1)
         t_tokens = t if block is None else blocks.expand_block_times(t, L, block)
         B = 2 * B
     block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
+    if document_ids is not None:
+        block_kwargs["document_ids"] = document_ids
     conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)
 
     if not isinstance(fused, bool):

@@ -260,8 +260,14 @@ class DiffusionLM(nn.Module, Denoiser):
         return self._network_inputs(x_t, t, gamma, attention_mask, generator)
 
     def _network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
-                        attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
+                        attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                        document_ids: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`network_inputs` of checked arguments."""
+        if document_ids is not None:
+            raise ValueError(
+                f"document_ids: packed documents need the block-causal forward (a block model, adapt_ar_model(..., "
+                f"block_size=K), on rows longer than one block), got block_size={self.block_size} and length "
+                f"{x_t.shape[1]}; a fully bidirectional model shares one BOS between the documents of a row")
         layout = shifted_layout(x_t, self.bos_token_id, gamma, attention_mask=attention_mask, generator=generator)
         kwargs: dict[str, Any] = {"use_cache": False}
         if layout.position_ids is not None:
@@ -284,7 +290,8 @@ class DiffusionLM(nn.Module, Denoiser):
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -309,6 +316,14 @@ class DiffusionLM(nn.Module, Denoiser):
                 layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. Required over
                 more than one block unless ``γ = 0`` (the causal AR forward); with one block (``block_size >= L``)
                 unused: the plain bidirectional forward.
+            document_ids: block models with ``clean`` only: ``(B, L)`` int64, the document each token belongs to, for
+                right-padded rows that pack several documents (:class:`~unifusion.ChatCollator` with
+                ``packing=True`` gives them as ``conversation_ids``). A position then attends only to positions of
+                its own document, each document gets its own BOS (in the clean-stream slot and anchor of its first
+                column, :func:`unifusion.hf.blocks.block_hidden_states`) and position ids restart at each document,
+                so a document that starts at a block boundary is computed exactly as it would be alone; one that
+                starts inside a block has its first token predicted at the previous document's last position (that
+                token should be unscored). Anything else (a plain model, one block) is a ``ValueError``.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
@@ -324,9 +339,11 @@ class DiffusionLM(nn.Module, Denoiser):
             raise ValueError(f"clean: this block model (block_size={self.block_size}) predicts a block from the clean "
                              f"tokens before it; pass clean=x_0 ({tuple(x_t.shape)}, as diffusion_loss does), or "
                              "decode block by block (generate(policy=...), PolicySampler)")
+        if document_ids is not None:
+            document_ids = self._check_documents(document_ids, x_t)
         if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
             routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
-                                         objective, weighting, max_weight, reduction, position_weight)
+                                         objective, weighting, max_weight, reduction, position_weight, document_ids)
             if routed is not None:
                 return routed
         if x0 is not None or kernel is not None:
@@ -335,18 +352,32 @@ class DiffusionLM(nn.Module, Denoiser):
             V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
-            h = self._hidden(x_t, t, gamma, attention_mask, generator)
+            h = self._hidden(x_t, t, gamma, attention_mask, generator, document_ids)
             return fused_linear_diffusion_loss(
                 h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
                 weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
                 logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
-        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids),
+                            x_t.shape[1])
+
+    @staticmethod
+    def _check_documents(document_ids: object, x_t: object) -> torch.Tensor:
+        """``document_ids`` as an int64 tensor of ``x_t``'s shape ``(B, L)`` on its device."""
+        if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point:
+            got = document_ids.dtype if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__
+            raise TypeError(f"document_ids: expected a (B, L) integer tensor (one document id per token), got {got}")
+        shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else None
+        if tuple(document_ids.shape) != shape:
+            raise ValueError(f"document_ids: expected shape {shape} like x_t, got {tuple(document_ids.shape)}")
+        assert isinstance(x_t, torch.Tensor)
+        return document_ids.to(device=x_t.device, dtype=torch.long)
 
     def _block_forward(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any,
                        generator: torch.Generator | None, clean: Any, x0: Any, kernel: Any, objective: Any,
-                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any) -> torch.Tensor | None:
+                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
         call is the plain one (one block)."""
         if self.block_size is None:
@@ -368,12 +399,14 @@ class DiffusionLM(nn.Module, Denoiser):
         if t_blocks is None and (self.time_conditioning or x0 is not None or kernel is not None):
             raise ValueError("t: needed with time conditioning and for the fused loss, got None")
         if x0 is None and kernel is None:
-            return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+            return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
+                                       document_ids)
         if x0 is None or kernel is None:
             raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
         V.check_model_kernel(self, check_kernel(kernel))
         assert t_blocks is not None
-        h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
+                                       document_ids)
         return fused_linear_diffusion_loss(
             h, self.lm_head_weight, x0, x_t, blocks.expand_block_times(t_blocks, L, self.block_size), kernel,
             objective=objective, weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
@@ -410,8 +443,9 @@ class DiffusionLM(nn.Module, Denoiser):
         return self._hidden(x_t, t, gamma, attention_mask, generator)
 
     def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
-                attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
-        kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator)
+                attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids)
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
 
