@@ -576,9 +576,17 @@ class DiffusionLM(nn.Module, Denoiser):
     # -- passthroughs -------------------------------------------------------------------------------------------
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode."""
+        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode. The
+        ``gradient_checkpointing_kwargs=`` that ``transformers.Trainer`` passes reach transformers 5's
+        ``activation_checkpointing_enable`` as ``activation_checkpointing_kwargs=``."""
         enable = getattr(self._hf, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        if enable is not None and "gradient_checkpointing_kwargs" in kwargs:
+            kwargs["activation_checkpointing_kwargs"] = kwargs.pop("gradient_checkpointing_kwargs")
         (enable or self._hf.gradient_checkpointing_enable)(**kwargs)
+
+    def add_model_tags(self, tags: str | list[str]) -> None:
+        """Add tags to the wrapped model's card (transformers' ``add_model_tags``; TRL's trainers call it)."""
+        self._hf.add_model_tags(tags)
 
     def gradient_checkpointing_disable(self) -> None:
         """Turn the wrapped model's gradient checkpointing off."""
