@@ -33,6 +33,7 @@ from transformers import Trainer
 
 from .._kernel_config import default_kernel
 from ..chat import ChatCollator
+from ..denoiser import unwrap_model
 from ..kernels import Kernel
 from ..training import diffusion_loss
 
@@ -88,10 +89,16 @@ class DiffusionLossMixin:
     diffusion_loss_kwargs: dict[str, Any] = {}
     _signature_columns: Any  # Trainer's cache of the kept columns
 
+    def set_diffusion_options(self, kernel: Kernel | None = None,
+                              loss_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Check and set the kernel (``None``: the model's default) and the :func:`~unifusion.diffusion_loss`
+        keywords (not those that come from the batch or the trainer: ``attention_mask``, ``prompt_mask``,
+        ``document_ids``, ``step``, ...)."""
+        self.diffusion_kernel = _check_kernel(kernel)
+        self.diffusion_loss_kwargs = _check_loss_kwargs(loss_kwargs)
+
     def _kernel(self, model: Any) -> Kernel:
         if self.diffusion_kernel is None:
-            from ..denoiser import unwrap_model
-
             self.diffusion_kernel = default_kernel(unwrap_model(model))[0]
         return self.diffusion_kernel
 
@@ -135,8 +142,7 @@ class DiffusionTrainer(DiffusionLossMixin, Trainer):
 
     def __init__(self, model: Any = None, args: Any = None, *, kernel: Kernel | None = None,
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.diffusion_kernel = _check_kernel(kernel)
-        self.diffusion_loss_kwargs = _check_loss_kwargs(loss_kwargs)
+        self.set_diffusion_options(kernel, loss_kwargs)
         super().__init__(model=model, args=args, **kwargs)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from trl import SFTTrainer
 
 from ..kernels import Kernel
-from . import DiffusionLossMixin, _check_kernel, _check_loss_kwargs
+from . import DiffusionLossMixin
 
 __all__ = ["DiffusionSFTTrainer"]
 
@@ -38,6 +38,5 @@ class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):
 
     def __init__(self, model: Any, args: Any = None, *, kernel: Kernel | None = None,
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.diffusion_kernel = _check_kernel(kernel)
-        self.diffusion_loss_kwargs = _check_loss_kwargs(loss_kwargs)
+        self.set_diffusion_options(kernel, loss_kwargs)
         super().__init__(model=model, args=args, **kwargs)
