@@ -431,7 +431,7 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
             raise TypeError(f"generation_config: expected a transformers.GenerationConfig (e.g. "
                             f"model.generation_config), got {type(generation_config).__name__}")
         fields = {k: v for k, v in to_dict().items() if v is not None}
-    known = _known_hf_fields()
+    known = _known_hf_fields() if extra else frozenset()
     for name in extra:
         if name not in known and name not in _HF_NEUTRAL:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
