@@ -33,10 +33,12 @@ lengths beforehand).
 rows of ``max_length`` tokens; one that does not fit in the rest of the current row starts a new row (a conversation
 is never split across rows), one longer than ``max_length`` is truncated as above and fills a row alone, and each
 row is right-padded. ``conversation_ids`` tells which input conversation each position holds (-1 on padding).
-Attention: the model sees a packed row as one sequence — the conversations of a row **see each other** (causally
-in the clean stream, and bidirectionally where they share a diffusion block or, without blocks, everywhere) and
-position ids run on across them. What is scored is unchanged; to keep conversations apart, build a document mask
-from ``conversation_ids`` (``ids[:, :, None] == ids[:, None, :]``) for a model that takes one, or use padding.
+Attention: without more, the model sees a packed row as one sequence — its conversations **see each other** and
+position ids run on across them. Pass ``conversation_ids`` as the document ids of a block model
+(``diffusion_loss(..., document_ids=batch.conversation_ids)``, :meth:`DiffusionLM.forward
+<unifusion.hf.DiffusionLM.forward>`): no token then attends to another conversation, each gets its own BOS and
+position ids, and a conversation that starts at a block boundary scores exactly as it would alone (one that starts
+inside a block has its first token — a template token, so prompt — predicted at the previous one's last position).
 
 Example::
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -23,10 +23,11 @@ from .conversions import log_heads_from_x0_logits
 from .denoiser import prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
-from .kernels import MAX_TIME, Kernel, check_kernel
+from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from .losses import X0_HEAD_OBJECTIVES, check_objective, native, x0_head_loss
+from .schedules import LinearSchedule, Schedule
 
-__all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES"]
+__all__ = ["sample_times", "diffusion_loss", "DiffusionLossOutput", "OBJECTIVES", "complement_time"]
 
 OBJECTIVES = X0_HEAD_OBJECTIVES  # every objective trains an x0 head
 
@@ -109,6 +110,25 @@ def _reference_loss(objective: str, logits: torch.Tensor, x0: torch.Tensor, x_t:
     return native.ctmc_loss(log_exit, jump, x0, x_t, t, kernel)
 
 
+def complement_time(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
+    """The time t' whose mask probability is the keep probability at ``t``: 1 − α_{t'} = α_t (any shape, dtype kept).
+
+    The complement Mᶜ of a mask M drawn at time t (each token masked with probability 1 − α_t) is a mask drawn at t'.
+    Exact for the linear schedule (t' = 1 − t); otherwise found by bisection on the monotone 1 − α (float64, 60
+    halvings, no host sync). Capped at ``MAX_TIME`` like every sampled time (a schedule with α_1 > 0 cannot reach the
+    keep probability of the smallest times exactly).
+    """
+    if isinstance(schedule, LinearSchedule):
+        return (1.0 - t).clamp(1e-6, MAX_TIME)
+    target = schedule.alpha(t.to(torch.float64))
+    lo, hi = torch.zeros_like(target), torch.full_like(target, MAX_TIME)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        below = schedule.one_minus_alpha(mid) < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return ((lo + hi) / 2).clamp(1e-6, MAX_TIME).to(t.dtype)
+
+
 def _block_size(model: Any, length: int) -> int | None:
     """The block size K of a block model when it splits ``length`` tokens into several blocks, else ``None``."""
     if not V.is_diffusion_lm(model):
@@ -126,7 +146,8 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                    max_weight: float = 2.0, t_min: float = 1e-3,
                    bidirectional_prob: float | torch.Tensor | None = None, fused: bool = False,
                    reference: bool = False, prompt_mask: torch.Tensor | None = None,
-                   block_times: Literal["block", "sequence"] = "block") -> DiffusionLossOutput:
+                   block_times: Literal["block", "sequence"] = "block",
+                   complementary: bool = False, document_ids: torch.Tensor | None = None) -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
 
     Args:
@@ -172,6 +193,25 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
+        complementary: complementary masking (Fast-dLLM v2, LLaDA 2.0 SFT), :class:`~unifusion.MaskKernel` and
+            ``weighting="elbo"`` only. Each row is trained twice in one forward batch of ``2B`` rows: rows ``[0, B)``
+            with the mask M drawn at its time t, rows ``[B, 2B)`` with the complement Mᶜ (every scored token that M
+            kept is masked and vice versa) at the complementary time t' (1 − α_{t'} = α_t, :func:`complement_time`;
+            t' = 1 − t for the linear schedule), so every scored token is scored in exactly one half of its pair.
+            A block model complements each block's mask and time. The second half's losses carry the importance
+            weight α'_t / α'_{t'} (1 for the linear schedule), so each half — and their average — is an unbiased
+            estimate of the ELBO. The output then has ``2B`` rows: ``loss``, ``mask``, ``x_t`` ``(2B, L)``, ``t``
+            ``(2B,)`` (``(2B, nb)``), and ``num_tokens`` counts every scored token twice (once per half), so
+            ``out.mean()`` is the per-token ELBO estimate of the pair average. ``x0``, ``attention_mask`` and
+            ``prompt_mask`` keep their ``B`` rows (they are repeated inside).
+        document_ids: ``(B, L)`` integer document id of each token, for right-padded packed rows
+            (``ChatCollator(..., packing=True)``'s ``conversation_ids``). No token attends to another
+            document, each document has its own BOS and position ids restart per document
+            (:meth:`DiffusionLM.forward`), so a packed row's per-token losses are those of its documents trained
+            alone with the same times and masks, for documents that start at block boundaries. Block models on rows
+            of several blocks only (else a ``ValueError``). A document that starts inside a block has its first
+            token predicted at the previous document's last position (the shift), so that token must not be
+            scored: a prompt token (``prompt_mask``), else a ``ValueError`` (chat templates start with one).
 
     **Block models** (``adapt_ar_model(..., block_size=K)`` with ``K < L``) are trained block-causally in one forward
     (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
@@ -205,6 +245,14 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                          f"{bidirectional_prob!r} (step anneals γ = min(1, step/anneal_steps); bidirectional_prob "
                          "sets γ directly)")
     kernel = check_kernel(kernel)
+    if not isinstance(complementary, bool):
+        raise TypeError(f"complementary: expected a bool, got {type(complementary).__name__}")
+    if complementary and not isinstance(kernel, MaskKernel):
+        raise ValueError(f"complementary: expected a MaskKernel (the complement of a mask is a mask only for the "
+                         f"absorbing kernel), got {type(kernel).__name__}")
+    if complementary and weighting != "elbo":
+        raise ValueError(f"complementary: the pair is an unbiased ELBO estimate with weighting='elbo' only, got "
+                         f"weighting={weighting!r}")
     generator = V.check_generator(generator)
     if generator is not None and torch.compiler.is_compiling():
         raise ValueError("generator: torch.compile cannot trace a torch.Generator; in a compiled step pass "
@@ -248,6 +296,31 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                 "(tokenizer padding_side='right')"))
         if prompt_mask is not None:
             scored = V.check_prompt_mask(prompt_mask, valid)
+        if document_ids is not None:
+            if not V.is_diffusion_lm(model):
+                raise TypeError(f"document_ids: needs a DiffusionLM (its attention mask and position ids), got "
+                                f"{type(V.unwrap_model(model)).__name__}")
+            if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point \
+                    or tuple(document_ids.shape) != (B, L):
+                found = (f"shape {tuple(document_ids.shape)}, dtype {document_ids.dtype}"
+                         if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__)
+                raise ValueError(f"document_ids: expected an integer tensor of shape {(B, L)} like x0, got {found}")
+            document_ids = document_ids.to(x0.device, torch.long)
+            if block is None:
+                raise ValueError(f"document_ids: packed documents need a block model whose rows span several blocks "
+                                 f"(adapt_ar_model(..., block_size=K) with K < L = {L}); a fully bidirectional "
+                                 "model shares one BOS between the documents of a row")
+            if V.validation_enabled():
+                starts = torch.zeros_like(valid)
+                starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+                starts[:, ::block] = False  # a document starting at a block boundary gets its own BOS
+                counted = scored if prompt_mask is not None else valid
+                K_ = block
+                V.fail_if((starts & counted).any(), lambda: (
+                    f"document_ids: a document starts inside a block (block_size = {K_}) with a scored first token, "
+                    "whose prediction is read at the previous document's last position (the shifted AR head); start "
+                    "documents at block boundaries, or make that token a prompt token (prompt_mask), as a chat "
+                    "template's first token is"))
         gamma: float | torch.Tensor = 1.0
         if bidirectional_prob is not None:
             gamma = check_bidirectional_prob(
@@ -269,7 +342,27 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
         x_t = torch.where(scored, x_t, x0)
         valid = scored
+    half_weight: torch.Tensor | None = None  # importance weight of the complementary half, (B,) or (B, L)
+    if complementary:
+        # rows [0, B): mask M at time t; rows [B, 2B): its complement at t' (1 − α_{t'} = α_t), one batch
+        mask_kernel = cast(MaskKernel, kernel)
+        schedule, mask_id = mask_kernel.schedule, mask_kernel.mask_id
+        t_c = complement_time(schedule, t)
+        half_weight = schedule.alpha_prime(t.to(torch.float64)) / schedule.alpha_prime(t_c.to(torch.float64))
+        if block is not None:
+            half_weight = blocks.expand_block_times(half_weight, L, block)
+        x_c = torch.where(valid & (x_t == mask_id), x0, torch.full_like(x0, mask_id))
+        x_c = torch.where(valid, x_c, x0)
+        x0, x_t, t = x0.repeat(2, 1), torch.cat([x_t, x_c]), torch.cat([t, t_c])
+        valid = valid.repeat(2, 1)
+        attention_mask = None if attention_mask is None else attention_mask.repeat(2, 1)
+        prompt_mask = None if prompt_mask is None else prompt_mask.repeat(2, 1)
+        document_ids = None if document_ids is None else document_ids.repeat(2, 1)
+        t_tokens = t if block is None else blocks.expand_block_times(t, L, block)
+        B = 2 * B
     block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
+    if document_ids is not None:
+        block_kwargs["document_ids"] = document_ids
     conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)
 
     if not isinstance(fused, bool):
@@ -289,6 +382,7 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
                          kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
                          position_weight=None if attention_mask is None and prompt_mask is None else valid,
                          **block_kwargs, **{**conditioning, "x0": x0})
+        loss = _weight_second_half(loss, half_weight)
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
@@ -314,7 +408,17 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         else:
             loss = x0_head_loss(logits, x0, x_t, t_pos, kernel, objective=objective, weighting=weighting,
                                 max_weight=max_weight)
+    loss = _weight_second_half(loss, half_weight)
     mask = valid.to(loss.dtype)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                bidirectional_prob=gamma)
+
+
+def _weight_second_half(loss: torch.Tensor, half_weight: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` ``(2B, L)`` with rows ``[B, 2B)`` times the complementary half's weight (``(B,)`` or ``(B, L)``)."""
+    if half_weight is None:
+        return loss
+    w = half_weight if half_weight.dim() == 2 else half_weight[:, None]
+    B = loss.shape[0] // 2
+    return torch.cat([loss[:B], loss[B:] * w.to(loss.dtype)])

@@ -224,3 +224,88 @@ def test_save_pretrained_checks_the_kernel(tmp_path) -> None:
     (tmp_path / "c" / CONFIG_NAME).write_text(json.dumps(stamp))
     with pytest.raises(ValueError, match=r"unifusion_config.json: kernel: cannot rebuild the kernel"):
         DiffusionLM.from_pretrained(tmp_path / "c")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a standard Hugging Face folder (issue 34): transformers opens the backbone, older folders keep loading
+
+
+def _block_model(tokenizer, **kwargs) -> DiffusionLM:
+    model = adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer, **kwargs)
+    model.kernel = uf.MaskKernel(model.num_states, model.mask_token_id)
+    return model
+
+
+def _same_generate(a: DiffusionLM, b: DiffusionLM) -> None:
+    prompt = _prompt()
+    outs = [m.generate(prompt, max_new_tokens=8, generator=torch.Generator().manual_seed(3)) for m in (a, b)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: tied embeddings, stored once
+def test_a_saved_model_is_a_transformers_folder(tmp_path, tokenizer, family) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = adapt_ar_model(tiny_model(family), add_mask_token=True, block_size=4, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path)
+    assert {"config.json", "model.safetensors", CONFIG_NAME, "generation_config.json"} <= {
+        p.name for p in tmp_path.iterdir()}
+    assert not (tmp_path / "unifusion_weights.safetensors").exists()  # no time embedding: nothing outside it
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vocab_size"] == VOCAB + 1 == model.num_states  # the added mask token is in the vocabulary
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(hf) is type(model.hf_model)
+    expected = model.hf_model.state_dict()
+    got = hf.state_dict()
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    again = DiffusionLM.from_pretrained(tmp_path)
+    assert again.block_size == 4 and again.mask_token_id == model.mask_token_id
+    _same_generate(model.eval(), again)
+
+
+def test_the_unifusion_record_and_generate_survive_the_round_trip(tmp_path, tokenizer) -> None:
+    model = _block_model(tokenizer, time_conditioning=True)
+    model.save_pretrained(tmp_path)
+    stamp = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert stamp["block_size"] == 4 and stamp["mask_token_id"] == VOCAB and stamp["kernel"]["name"] == "mask"
+    assert (tmp_path / "unifusion_weights.safetensors").is_file()  # the time embedding, outside the backbone
+    again = DiffusionLM.from_pretrained(tmp_path)
+    for (n, p), (m, q) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n == m and torch.equal(p, q), n
+    assert isinstance(again.kernel, uf.MaskKernel) and again.tokenizer is not None
+    _same_generate(model.eval(), again)
+
+
+def _save_in_the_earlier_format(model: DiffusionLM, folder: Path) -> None:
+    """What save_pretrained wrote before issue 34: unifusion_config.json and the wrapper's whole state dict (names
+    prefixed ``base_model.``, tied tensors once) in model.safetensors, no config.json."""
+    from safetensors.torch import save_file
+
+    from unifusion.hf import kernel_config
+    from unifusion.hf.io import config_stamp
+
+    folder.mkdir()
+    stamp = config_stamp(model, kernel_config(model.kernel) if model.kernel is not None else None)
+    (folder / CONFIG_NAME).write_text(json.dumps(stamp, default=str))
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_folders_of_the_earlier_format_keep_loading(tmp_path, tokenizer, family) -> None:
+    model = adapt_ar_model(tiny_model(family), add_mask_token=True, block_size=4, time_conditioning=True)
+    model.kernel = uf.MaskKernel(model.num_states, model.mask_token_id)
+    _save_in_the_earlier_format(model, tmp_path / "old")
+    assert not (tmp_path / "old" / "config.json").exists()
+    again = DiffusionLM.from_pretrained(tmp_path / "old")
+    for (n, p), (m, q) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n == m and torch.equal(p, q), n
+    assert again.block_size == 4 and isinstance(again.kernel, uf.MaskKernel)
+    _same_generate(model.eval(), again)

@@ -149,7 +149,7 @@ def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.T
 
 
 def _mask_mod(layout: BlockLayout, gamma: float | torch.Tensor, key_valid: torch.Tensor | None,
-              extra: torch.Tensor | None, window: int | None) -> Any:
+              extra: torch.Tensor | None, window: int | None, documents: torch.Tensor | None = None) -> Any:
     """``mask_mod(b, h, q, kv) -> bool`` of the block layout (module docstring); works on broadcast index tensors
     (the dense mask) and under flex attention's vmap (the ``BlockMask``). ``extra``: ``(B, nb, K+1, K+1)`` Bernoulli(γ)
     entries for ``0 < γ < 1`` or a tensor ``γ`` (:func:`~unifusion.hf.attention.draws_bernoulli`)."""
@@ -166,6 +166,8 @@ def _mask_mod(layout: BlockLayout, gamma: float | torch.Tensor, key_valid: torch
         allowed = to_clean | same
         if key_valid is not None:
             allowed = allowed & key_valid[b, ki]
+        if documents is not None:  # packed rows: a position sees its own document only
+            allowed = allowed & (documents[b, qi] == documents[b, ki])
         allowed = allowed | (qi == ki)
         if window is not None:
             allowed = allowed & ((qq - qk).abs() < window)
@@ -187,7 +189,8 @@ def draw_bernoulli(layout: BlockLayout, batch_size: int, gamma: float | torch.Te
 def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | torch.Tensor, *,
                          key_valid: torch.Tensor | None = None, window: int | None = None,
                          generator: torch.Generator | None = None, style: str = "bool",
-                         dtype: torch.dtype = torch.float32, bernoulli: torch.Tensor | None = None) -> Any:
+                         dtype: torch.dtype = torch.float32, bernoulli: torch.Tensor | None = None,
+                         documents: torch.Tensor | None = None) -> Any:
     """The block layout's attention mask: ``style="bool"`` a dense ``(B, 1, N, N)`` bool (True = attend),
     ``"additive"`` the same as ``dtype`` (0 / finfo.min), ``"block"`` a flex-attention ``BlockMask``.
 
@@ -204,12 +207,12 @@ def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | to
     extra = None
     if draws_bernoulli(gamma):
         extra = bernoulli if bernoulli is not None else draw_bernoulli(layout, batch_size, gamma, generator)
-    mod = _mask_mod(layout, gamma, key_valid, extra, window)
+    mod = _mask_mod(layout, gamma, key_valid, extra, window, documents)
     N = layout.size
     if style == "block":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        per_row = key_valid is not None or extra is not None
+        per_row = key_valid is not None or extra is not None or documents is not None
         return create_block_mask(mod, batch_size if per_row else None, None, N, N, device=device)
     i = torch.arange(N, device=device)
     b = torch.arange(batch_size, device=device)[:, None, None]
@@ -299,7 +302,8 @@ def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allow
 
 def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
                         gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+                        generator: torch.Generator | None = None, document_ids: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Final hidden states ``(B, L, d)`` of the noisy stream's prediction positions (one forward over
     ``[clean | noisy]``; module docstring). Inputs are assumed checked (``DiffusionLM.forward`` checks them).
 
@@ -308,6 +312,10 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
         x_t: ``(B, L)`` noisy tokens.  t: ``(B, nb)`` block times or ``None`` (no time conditioning).
         clean: ``(B, L)`` clean tokens x_0.  gamma: γ, a float or a 0-d tensor.
         attention_mask: ``(B, L)`` bool or ``None``.
+        document_ids: ``(B, L)`` int64 document of each token (packed rows), or ``None``: every stream position
+            then sees only positions of its own document and BOS, and position ids restart at each document
+            (:func:`unifusion.hf.layout.document_positions`), so a document that starts at a block boundary is
+            computed as it would be alone.
     """
     B, L = x_t.shape
     K = int(model.block_size)
@@ -321,6 +329,9 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     ids = torch.cat([cin[:, :C], torch.where(anchor, cin[:, noisy_q], nin[:, noisy_q])], dim=1)  # (B, N)
     kwargs: dict[str, Any] = {"use_cache": False}
     kwargs["position_ids"] = (q[None, :] if pos is None else pos[:, q]).expand(B, -1)
+    documents = None
+    if document_ids is not None:  # packed rows: each document its own BOS, positions and keys
+        ids, kwargs["position_ids"], documents = _documents(model, lay, ids, document_ids)
     t_pos = None
     if t is not None:
         t_pos = torch.cat([torch.zeros((B, C), dtype=t.dtype, device=t.device), t[:, lay.block[C:]]], dim=1)
@@ -337,18 +348,51 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
 
     def pattern(w: int | None) -> Any:
         return block_attention_mask(lay, B, gamma, key_valid=key_valid, window=w, style=style, dtype=dtype,
-                                    bernoulli=extra)
+                                    bernoulli=extra, documents=documents)
 
     kwargs["attention_mask"] = _masks_for(model, pattern, window)
     h = hf.base_model(**kwargs).last_hidden_state  # (B, N, d)
     return h[:, lay.predict]  # (B, L, d)
 
 
+def _documents(model: Any, lay: BlockLayout, ids: torch.Tensor, document_ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stream's input ids, position ids and document of each position for a right-padded packed row.
+
+    Token ``j`` belongs to document ``doc[j]``; document d starts at column ``s_d``. A clean-stream position or an
+    anchor at internal position ``q`` holds ``x_0[q − 1]``, except where ``q`` is a document start ``s_d`` (d ≥ 1):
+    it then holds BOS — that document's own BOS, at position id 0 — in place of the previous document's last token,
+    which nothing of that document reads there (its last block sees clean positions before its own start; the token's
+    noisy copy stays in the noisy stream). A noisy token position holds ``x_t[q − 1]`` and belongs to its document.
+    Position ids restart at every document (BOS 0, the document's tokens 1, 2, …), so a document that starts at a
+    block boundary is computed exactly as it would be alone."""
+    B = ids.shape[0]
+    doc = document_ids.long()  # (B, L)
+    L = doc.shape[1]
+    col = torch.arange(L, device=doc.device)
+    start = torch.ones_like(doc, dtype=torch.bool)
+    start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.where(start, col, torch.zeros_like(col)).cummax(-1).values  # (B, L): s of each token's document
+    q, C = lay.internal, lay.num_clean
+    holds_clean = torch.ones_like(q, dtype=torch.bool)
+    holds_clean[C:] = lay.offset[C:] == 0  # clean positions and anchors hold x_0[q − 1] (BOS at q = 0)
+    # internal q as a BOS (q = 0, or a document start) or as the token q − 1
+    is_bos = (q == 0)[None, :] | (holds_clean[None, :] & start.gather(1, q.clamp(0, L - 1).expand(B, -1))
+                                  & (q < L)[None, :])
+    token = (q - 1).clamp_min(0).expand(B, -1)  # the token a non-BOS position holds
+    bos_doc = doc.gather(1, q.clamp(0, L - 1).expand(B, -1))  # the document a BOS at q opens
+    documents = torch.where(is_bos, bos_doc, doc.gather(1, token))
+    positions = torch.where(is_bos, 0, token - first.gather(1, token) + 1)
+    ids = torch.where(is_bos, model.bos_token_id, ids)
+    return ids, positions, documents
+
+
 def block_logits(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
                  gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, document_ids: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Logits ``(B, L, V)`` of :func:`block_hidden_states` (the output head on the L prediction positions only)."""
-    h = block_hidden_states(model, hf, x_t, t, clean, gamma, attention_mask, generator)
+    h = block_hidden_states(model, hf, x_t, t, clean, gamma, attention_mask, generator, document_ids)
     return model.logits_from_hidden(h)
 
 

@@ -47,7 +47,8 @@ from ..samplers import (
 from ..samplers.policies import default_policy
 from . import decoding
 
-__all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
+__all__ = ["HF_SUPPORTED", "HFOptions", "generate", "model_eos_token_id", "model_pad_token_id", "resolve_hf_options",
+           "stop_column"]
 
 
 def _first_id(value: Any) -> int | None:
@@ -78,7 +79,9 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
              eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
              kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
              eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
-             progress: bool = False) -> Any:
+             progress: bool = False, generation_config: Any = None, max_length: int | None = None,
+             do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
+             streamer: Any = None, **kwargs: Any) -> Any:
     """Continue ``prompt_ids`` with ``model`` (a :class:`~unifusion.hf.DiffusionLM`).
 
     The arguments and the result are those of :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>`:
@@ -86,6 +89,13 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True``), the prompt unchanged in the first ``P``
     columns.
     """
+    hf = resolve_hf_options(generation_config, kwargs, max_new_tokens=max_new_tokens, seq_len=seq_len,
+                            max_length=max_length, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            stop_strings=stop_strings)
+    max_new_tokens, seq_len, temperature, top_k, top_p = (hf.max_new_tokens, hf.seq_len, hf.temperature, hf.top_k,
+                                                          hf.top_p)
+    eos_token_id, pad_token_id = hf.eos_token_id, hf.pad_token_id
     if not isinstance(prompt_ids, torch.Tensor):
         raise TypeError(f"prompt_ids: expected a (B, P) int64 tensor of token ids, got {type(prompt_ids).__name__}")
     if prompt_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -137,24 +147,41 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
     elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
-    if policy is None and getattr(model, "block_size", None) is not None:  # a block model decodes block by block
-        policy = default_policy(kernel)
+    if policy is None and (getattr(model, "block_size", None) is not None or not hf.do_sample):
+        policy = default_policy(kernel)  # a block model decodes block by block; greedy decoding needs a policy
     eos = _resolve_eos(model, eos_token_id, policy)
+    stream = _streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
+    if streamer is not None:
+        streamer.put(prompt_ids.cpu())  # the prompt first, as transformers' generate does
     if policy is None:
-        return _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
-                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
+        out = _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
+                        eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
+        if stream is not None:  # one "block": the whole generated region, decided at the end
+            out = _stop_after(out, stream, P, L, pad_token_id, eos)
+            seqs = out if isinstance(out, torch.Tensor) else out.sequences
+            stream.on_block(0, seqs, torch.arange(P, L, device=seqs.device).expand(B, -1))
+            if streamer is not None:
+                streamer.end()
+        return out
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = getattr(model, "block_size", None)
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
-                            temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None)
+                            temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None,
+                            do_sample=hf.do_sample)
     shift = -P % model_block if decoder is None and model_block is not None else 0
     if shift:  # the uncached block forward cuts at multiples of K: invisible pads put a cut at the prompt's end
         prompt, attention_mask = _pad_left(prompt, attention_mask, P, shift)
+    if stream is not None:
+        stream.start, stream.length = P + shift, L + shift
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
-                         eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress)
+                         eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress,
+                         stopping=stream.stopping if stream is not None and stream.stop_strings else None,
+                         on_block=stream.on_block if stream is not None and streamer is not None else None)
+    if streamer is not None:
+        streamer.end()
     if isinstance(out, torch.Tensor):
         return out[:, shift:]
     return dataclasses.replace(out, sequences=out.sequences[:, shift:]) if shift else out
@@ -200,14 +227,58 @@ def _refuse_ambiguous_padding(prompt_ids: torch.Tensor, pad: int | None) -> None
             "attention_mask=torch.ones_like(prompt_ids) if those tokens are text")
 
 
-def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | None:
+def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | tuple[int, ...] | None:
     if isinstance(eos_token_id, str):
         if eos_token_id != "auto":
-            raise ValueError(f"eos_token_id: expected an int, None or 'auto', got {eos_token_id!r}")
+            raise ValueError(f"eos_token_id: expected an int, a list of ints, None or 'auto', got {eos_token_id!r}")
         return model_eos_token_id(model) if policy is not None else None
+    if isinstance(eos_token_id, (list, tuple)):
+        if not eos_token_id or any(isinstance(e, bool) or not isinstance(e, int) for e in eos_token_id):
+            raise TypeError(f"eos_token_id: expected an int, a non-empty list of ints, None or 'auto', got "
+                            f"{eos_token_id!r}")
+        return tuple(eos_token_id) if len(eos_token_id) > 1 else int(eos_token_id[0])
     if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
-        raise TypeError(f"eos_token_id: expected an int, None or 'auto', got {type(eos_token_id).__name__}")
+        raise TypeError(f"eos_token_id: expected an int, a list of ints, None or 'auto', got "
+                        f"{type(eos_token_id).__name__}")
     return eos_token_id
+
+
+def _streaming(model: Any, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], B: int, P: int, L: int,
+               eos: Any, pad: int | None) -> _Streaming | None:
+    """The streamer and stop-string hooks of one call, checked, or ``None`` when neither is asked for."""
+    if streamer is None and not stop_strings:
+        return None
+    if streamer is not None:
+        if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+            raise TypeError(f"streamer: expected a transformers streamer (put() and end(), e.g. TextStreamer), got "
+                            f"{type(streamer).__name__}")
+        if B != 1:
+            raise ValueError(f"streamer: streams one sequence, as transformers' streamers do, got a batch of {B}")
+    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if stop_strings:
+        if tok is None or not callable(getattr(tok, "decode", None)):
+            raise ValueError("stop_strings: need a tokenizer to decode the text (pass tokenizer=, or adapt the "
+                             "model with one)")
+        if pad is None and eos is None:
+            raise ValueError("stop_strings: a stopped row's later positions need a fill; pass pad_token_id or "
+                             "eos_token_id")
+    return _Streaming(streamer, tok, stop_strings, P, L)
+
+
+def _stop_after(out: Any, stream: _Streaming, P: int, L: int, pad: int | None, eos: Any) -> Any:
+    """Stop strings on a finished run (the full-sequence sampler): every position after a row's stop becomes the
+    fill (``pad``, else the first EOS id)."""
+    if not stream.stop_strings:
+        return out
+    seqs = out if isinstance(out, torch.Tensor) else out.sequences
+    stop = stream.stopping(0, seqs, torch.arange(P, L, device=seqs.device).expand(seqs.shape[0], -1))
+    if stop is None:
+        return out
+    fill = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
+    col = torch.arange(L, device=seqs.device)
+    after = (stop[:, None] >= 0) & (col > stop[:, None]) & (col >= P)
+    seqs = torch.where(after, fill, seqs)
+    return seqs if isinstance(out, torch.Tensor) else dataclasses.replace(out, sequences=seqs)
 
 
 def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
@@ -259,7 +330,8 @@ class BlockForward:
 
 def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
               num_steps: int | None, temperature: float, top_p: float | None, top_k: int | None, eps: float,
-              eos: int | None, pad: int | None, return_dict: bool, progress: bool, block_size: int | None,
+              eos: int | tuple[int, ...] | None, pad: int | None, return_dict: bool, progress: bool,
+              block_size: int | None,
               cache_refresh: int | None, merge_commits: bool) -> Any:
     """``policy=None``: today's :class:`~unifusion.BayesianSampler` path (full-sequence steps)."""
     named = [n for n, v in (("block_size", block_size), ("cache_refresh", cache_refresh),
@@ -282,7 +354,8 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
     generated = prompt == -1
     if eos is not None:
         undecided = torch.zeros_like(generated)
-        done, first, out, _ = eos_stop(out, undecided, generated, eos, pad if pad is not None else eos)
+        fill = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
+        done, first, out, _ = eos_stop(out, undecided, generated, eos, fill)
     if not return_dict:
         return out
     end = first if eos is not None else torch.full((B,), L, device=out.device)
@@ -301,3 +374,169 @@ class _Padded:
 
     def __call__(self, x_t: torch.Tensor, t: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         return self.model(x_t, t, attention_mask=self.mask, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers' generation vocabulary
+
+HF_SUPPORTED = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                "pad_token_id", "stop_strings")
+"""The ``transformers.GenerationConfig`` fields ``generate`` reads (from a config or as keywords)."""
+
+_HF_IGNORED = frozenset({
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+    "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+    "_from_model_config", "transformers_version", "compile_config", "disable_compile", "low_memory",
+    "renormalize_logits", "remove_invalid_values", "prefill_chunk_size", "is_assistant", "num_assistant_tokens",
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "continuous_batching_config"})
+"""Fields that say how transformers runs (caches, outputs, bookkeeping), not which tokens come out: ignored."""
+
+_HF_NEUTRAL: dict[str, Any] = {
+    "num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
+"""Fields that do not apply to diffusion decoding but are accepted at their neutral value (``num_beams=1``, ...)."""
+
+
+@dataclasses.dataclass
+class HFOptions:
+    """transformers' options resolved for one ``generate`` call (explicit keywords over the config's fields)."""
+
+    max_new_tokens: int | None
+    seq_len: int | None
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_token_id: Any
+    pad_token_id: int | None
+    stop_strings: tuple[str, ...]
+
+
+def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new_tokens: int | None,
+                       seq_len: int | None, max_length: int | None, do_sample: bool | None, temperature: float,
+                       top_k: int | None, top_p: float | None, eos_token_id: Any, pad_token_id: int | None,
+                       stop_strings: Any) -> HFOptions:
+    """Merge a ``transformers.GenerationConfig`` with ``generate``'s keywords (a keyword given with another value
+    than its default wins) and refuse what diffusion decoding cannot honour.
+
+    ``extra``: keywords ``generate`` does not name. A ``GenerationConfig`` field among them is taken at its neutral
+    value (``num_beams=1``) and is a ``ValueError`` otherwise (``num_beams=4``: no beam search here); any other name
+    is a ``TypeError``, as an unknown keyword is in Python.
+    """
+    fields: dict[str, Any] = {}
+    if generation_config is not None:
+        to_dict = getattr(generation_config, "to_dict", None)
+        if not callable(to_dict) or not hasattr(generation_config, "max_new_tokens"):
+            raise TypeError(f"generation_config: expected a transformers.GenerationConfig (e.g. "
+                            f"model.generation_config), got {type(generation_config).__name__}")
+        fields = {k: v for k, v in to_dict().items() if v is not None}
+    known = _known_hf_fields() if extra else frozenset()
+    for name in extra:
+        if name not in known and name not in _HF_NEUTRAL:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+    for source, items in (("generation_config.", fields.items()), ("", extra.items())):
+        for name, value in items:
+            if name in HF_SUPPORTED or name in _HF_IGNORED or value is None:
+                continue
+            if name in _HF_NEUTRAL and value == _HF_NEUTRAL[name]:
+                continue
+            neutral = f" (only {_HF_NEUTRAL[name]!r} is accepted)" if name in _HF_NEUTRAL else ""
+            raise ValueError(f"{source}{name}: does not apply to diffusion decoding{neutral}, got {value!r}; "
+                             f"generate reads {', '.join(HF_SUPPORTED)}")
+    given = [n for n, v in (("max_new_tokens", max_new_tokens), ("seq_len", seq_len), ("max_length", max_length))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{', '.join(given)}: give one of them (max_length and seq_len are both the total length "
+                         "including the prompt), got " + ", ".join(f"{n}={v!r}" for n, v in
+                                                             (("max_new_tokens", max_new_tokens),
+                                                              ("seq_len", seq_len), ("max_length", max_length))
+                                                             if v is not None))
+    if max_length is not None:
+        seq_len = max_length
+    elif not given:
+        if fields.get("max_new_tokens") is not None:
+            max_new_tokens = fields["max_new_tokens"]
+        elif fields.get("max_length") is not None:
+            seq_len = fields["max_length"]
+    if do_sample is None:
+        do_sample = fields.get("do_sample", True)
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample: expected a bool, got {type(do_sample).__name__}")
+    if temperature == 1.0 and "temperature" in fields:
+        temperature = float(fields["temperature"])
+    if top_k is None and "top_k" in fields:
+        top_k = int(fields["top_k"])
+    if top_p is None and "top_p" in fields:
+        top_p = float(fields["top_p"])
+    if isinstance(eos_token_id, str) and eos_token_id == "auto" and "eos_token_id" in fields:
+        eos_token_id = fields["eos_token_id"]
+    if pad_token_id is None and "pad_token_id" in fields:
+        pad_token_id = int(fields["pad_token_id"])
+    if stop_strings is None:
+        stop_strings = fields.get("stop_strings")
+    if stop_strings is None:
+        strings: tuple[str, ...] = ()
+    elif isinstance(stop_strings, str):
+        strings = (stop_strings,)
+    elif isinstance(stop_strings, (list, tuple)) and all(isinstance(s, str) and s for s in stop_strings):
+        strings = tuple(stop_strings)
+    else:
+        raise TypeError(f"stop_strings: expected a non-empty string or a list of them, got {stop_strings!r}")
+    if any(not s for s in strings):
+        raise ValueError("stop_strings: expected non-empty strings, got ''")
+    return HFOptions(max_new_tokens=max_new_tokens, seq_len=seq_len, do_sample=do_sample, temperature=temperature,
+                     top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                     stop_strings=strings)
+
+
+def _known_hf_fields() -> frozenset[str]:
+    """The field names of ``transformers.GenerationConfig`` (read from an instance of this release)."""
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())
+
+
+def stop_column(tokenizer: Any, stop_strings: Sequence[str], tokens: Sequence[int], checked: int = 0) -> int | None:
+    """The index ``e`` of the token that completes the first stop string of ``tokens`` (generated ids): the
+    smallest ``e`` whose decoded prefix ``tokens[:e + 1]`` contains one; ``None`` if none does. The prefixes up to
+    ``checked`` tokens are known to hold none (they are not decoded again)."""
+    def found(n: int) -> bool:
+        text = tokenizer.decode(list(tokens[:n]))
+        return any(s in text for s in stop_strings)
+
+    if not tokens or not found(len(tokens)):
+        return None
+    for n in range(max(checked, 0) + 1, len(tokens) + 1):
+        if found(n):
+            return n - 1
+    return len(tokens) - 1
+
+
+class _Streaming:
+    """Feeds a transformers streamer as HF's ``generate`` does (batch 1): the prompt first, then each decided block
+    (its generated columns), then ``end()``; and applies stop strings after each block."""
+
+    def __init__(self, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], start: int, length: int
+                 ) -> None:
+        self.streamer, self.tokenizer, self.stop_strings = streamer, tokenizer, stop_strings
+        self.start, self.length = start, length  # the first generated column, the sequence length
+        self.checked = 0  # generated tokens known to hold no stop string
+
+    def stopping(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+        end = int(cols[:, -1].clamp_max(self.length - 1).max()) + 1  # the generated region decided so far
+        stops = []
+        for row in tokens[:, self.start:end].tolist():
+            e = stop_column(self.tokenizer, self.stop_strings, row, self.checked)
+            stops.append(-1 if e is None else self.start + e)
+        self.checked = end - self.start
+        return torch.tensor(stops, dtype=torch.long, device=tokens.device)
+
+    def on_block(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
+        if self.streamer is None:
+            return
+        c = cols[0]
+        c = c[(c < self.length) & (c >= self.start)]
+        if c.numel():
+            self.streamer.put(tokens[0, c].cpu())

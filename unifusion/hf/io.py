@@ -2,21 +2,30 @@
 :meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>` and
 :meth:`DiffusionLM.from_pretrained <unifusion.hf.DiffusionLM.from_pretrained>` do.
 
-A saved folder holds
+A saved folder is a standard Hugging Face checkpoint of the backbone plus unifusion's record:
 
+* ``config.json``: the backbone's own config (``architectures`` and ``dtype`` set; the vocabulary includes an added
+  mask token), so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens it, and serving engines and
+  the Hub's tooling see an ordinary model folder; ``generation_config.json`` when the backbone has one.
+* ``model.safetensors`` (:data:`WEIGHTS_NAME`): the backbone's state dict under transformers' names, tied tensors
+  stored once (``AutoModelForCausalLM`` loads identical weights).
 * ``unifusion_config.json`` (:data:`CONFIG_NAME`): the library version, the BOS and mask token ids, whether the mask
   token was added, time conditioning, the family, the architecture class, the weights' dtype, the wrapped model's own
-  config (``base_config``) and, when known, the training kernel (``"kernel"``, see
+  config (``base_config``), the block size of a block model and, when known, the training kernel (``"kernel"``, see
   :func:`unifusion.hf.kernel_config`). Unknown keys are ignored with a warning on load.
-* ``model.safetensors`` (:data:`WEIGHTS_NAME`): the wrapper's state dict, tied tensors stored once.
+* ``unifusion_weights.safetensors`` (:data:`EXTRA_WEIGHTS_NAME`): the wrapper's own parameters that are not the
+  backbone's (the time embedding of a ``time_conditioning`` model), only when there are any.
 * the tokenizer's files, when the model has a tokenizer (:data:`TOKENIZER_FILES` tell that one is there).
 
-Loading rebuilds the Hugging Face model from ``base_config`` without initialising weights, ties its embeddings and
-loads the file: bit-identical weights.
+Loading opens the backbone with transformers' ``from_pretrained`` and the wrapper's parameters from their file:
+bit-identical weights. Folders of the earlier format (``unifusion_config.json`` and a ``model.safetensors`` holding
+the wrapper's state dict, names prefixed ``base_model.``, no ``config.json``) keep loading: the backbone is rebuilt
+from ``base_config`` without initialising weights and the file is loaded into the wrapper.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -31,14 +40,19 @@ from .. import _validation as V
 from .._kernel_config import kernel_config, kernel_from_config
 from ..kernels import Kernel
 
-__all__ = ["CONFIG_KEYS", "CONFIG_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp", "from_pretrained",
-           "parse_dtype", "save_pretrained"]
+__all__ = ["CONFIG_KEYS", "CONFIG_NAME", "EXTRA_WEIGHTS_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp",
+           "from_pretrained", "hf_config", "parse_dtype", "save_pretrained"]
 
 CONFIG_NAME = "unifusion_config.json"
 """The file that marks a folder written by ``save_pretrained``."""
 
 WEIGHTS_NAME = "model.safetensors"
-"""The weights' file."""
+"""The backbone's weights (transformers' names and file), or the whole wrapper's in a folder of the earlier format."""
+
+EXTRA_WEIGHTS_NAME = "unifusion_weights.safetensors"
+"""The wrapper's parameters outside the backbone (the time embedding), when there are any."""
+
+_BACKBONE_PREFIX = "base_model."  # the backbone's parameters inside the wrapper's state dict
 
 CONFIG_KEYS = frozenset({"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
                          "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel",
@@ -90,6 +104,33 @@ def config_stamp(model: Any, kernel: dict[str, Any] | None = None) -> dict[str, 
     return stamp
 
 
+def hf_config(model: Any) -> Any:
+    """The backbone's config as ``config.json`` gets it: a copy of ``model.config`` without a GGUF
+    ``quantization_config`` (the weights are stored dequantised), with ``architectures`` naming the backbone's class
+    and ``dtype`` the weights' dtype. ``vocab_size`` already counts an added mask token (the embeddings were resized
+    when it was added)."""
+    hf = model.hf_model
+    config = copy.deepcopy(hf.config)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    config.architectures = [type(hf).__name__]
+    config.dtype = hf.get_input_embeddings().weight.dtype
+    return config
+
+
+def _state_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` on the CPU, contiguous, each tied tensor (same storage, shape and stride) once (its first name)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
 def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
                     kernel: Any = None) -> None:
     """Write ``model`` (a :class:`~unifusion.hf.DiffusionLM`) to ``save_directory``; the arguments are those of
@@ -119,17 +160,21 @@ def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenize
     path.mkdir(parents=True, exist_ok=True)
     with open(path / CONFIG_NAME, "w") as f:
         json.dump(config_stamp(model, kernel_entry), f, indent=2, sort_keys=True, default=str)
-    # Tied tensors (same storage, shape and stride) are stored once; every tensor is copied out contiguously, so
+    # The backbone as transformers saves it (config.json + model.safetensors under its own names), the wrapper's
+    # other parameters beside it. Tied tensors are stored once; every tensor is copied out contiguously, so
     # parameters that are views into one flat buffer (DeepSpeed ZeRO-2, FSDP-gathered) save too.
-    state: dict[str, torch.Tensor] = {}
-    seen: set[tuple[Any, ...]] = set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        state[name] = tensor.detach().to("cpu", copy=True).contiguous()
-    save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    hf_config(model).save_pretrained(str(path))
+    state = _state_once(model.state_dict())
+    backbone = {n[len(_BACKBONE_PREFIX):]: v for n, v in state.items() if n.startswith(_BACKBONE_PREFIX)}
+    extra = {n: v for n, v in state.items() if not n.startswith(_BACKBONE_PREFIX)}
+    save_file(backbone, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    if extra:
+        save_file(extra, str(path / EXTRA_WEIGHTS_NAME), metadata={"format": "pt"})
+    elif (path / EXTRA_WEIGHTS_NAME).exists():  # left by an earlier save of another model into the same folder
+        (path / EXTRA_WEIGHTS_NAME).unlink()
+    generation_config = getattr(model.hf_model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(path))
     if tok is not None:
         tok.save_pretrained(str(path))
     elif not any((path / name).exists() for name in TOKENIZER_FILES):
@@ -179,28 +224,41 @@ def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str]
     if unknown:
         warnings.warn(f"{CONFIG_NAME}: ignoring unknown keys {unknown} (written by unifusion "
                       f"{stamp.get('unifusion_version', '?')})", stacklevel=3)
-    base_config = dict(stamp["base_config"])
-    model_type = base_config.pop("model_type", stamp.get("model_type"))
-    config = AutoConfig.for_model(model_type, **base_config)
     saved_dtype = parse_dtype(stamp.get("dtype", "float32"))
     build_dtype = weights_dtype if weights_dtype is not None else saved_dtype
     model_cls = getattr(transformers, stamp.get("architecture", ""), None)
-    with _no_init():
-        hf = (model_cls._from_config(config, dtype=build_dtype) if model_cls is not None
-              else AutoModelForCausalLM.from_config(config, dtype=build_dtype))
-    hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
-    model = build(hf, bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
-                  time_conditioning=stamp.get("time_conditioning", False),
-                  added_mask_token=stamp.get("added_mask_token", False), block_size=stamp.get("block_size"))
-    state = load_file(str(path / WEIGHTS_NAME), device=str(device) if device is not None else "cpu")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # names left out of the file must be tied to a tensor that was loaded
-    params = dict(model.state_dict(keep_vars=True))
-    loaded_ptrs = {params[n].data_ptr() for n in state if n in params}
-    untied = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
-    if untied or unexpected:
-        raise ValueError(f"directory: {WEIGHTS_NAME} does not match the model (missing {untied[:5]}, "
-                         f"unexpected {list(unexpected)[:5]})")
+    wrapper_kwargs = dict(bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
+                          time_conditioning=stamp.get("time_conditioning", False),
+                          added_mask_token=stamp.get("added_mask_token", False), block_size=stamp.get("block_size"))
+    if _is_transformers_folder(path):
+        loader = model_cls if model_cls is not None else AutoModelForCausalLM
+        hf = loader.from_pretrained(str(path), dtype=build_dtype)
+        model = build(hf, **wrapper_kwargs)
+        extra_path = path / EXTRA_WEIGHTS_NAME
+        state = load_file(str(extra_path), device="cpu") if extra_path.is_file() else {}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [n for n in missing if not n.startswith(_BACKBONE_PREFIX)]
+        if missing or unexpected:
+            raise ValueError(f"directory: {EXTRA_WEIGHTS_NAME} does not match the model (missing {missing[:5]}, "
+                             f"unexpected {list(unexpected)[:5]})")
+    else:  # the earlier format: the wrapper's state dict, the backbone rebuilt from base_config
+        base_config = dict(stamp["base_config"])
+        model_type = base_config.pop("model_type", stamp.get("model_type"))
+        config = AutoConfig.for_model(model_type, **base_config)
+        with _no_init():
+            hf = (model_cls._from_config(config, dtype=build_dtype) if model_cls is not None
+                  else AutoModelForCausalLM.from_config(config, dtype=build_dtype))
+        hf.tie_weights()  # skipped under no_init_weights; the saved file holds tied tensors once
+        model = build(hf, **wrapper_kwargs)
+        state = load_file(str(path / WEIGHTS_NAME), device="cpu")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # names left out of the file must be tied to a tensor that was loaded
+        params = dict(model.state_dict(keep_vars=True))
+        loaded_ptrs = {params[n].data_ptr() for n in state if n in params}
+        untied = [n for n in missing if params[n].data_ptr() not in loaded_ptrs]
+        if untied or unexpected:
+            raise ValueError(f"directory: {WEIGHTS_NAME} does not match the model (missing {untied[:5]}, "
+                             f"unexpected {list(unexpected)[:5]})")
     if device is not None:
         model.to(device)
     if stamp.get("kernel") is not None:  # the training kernel, recorded by save_pretrained
@@ -215,6 +273,17 @@ def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str]
             warnings.warn(f"{str(path)!r}: the tokenizer files could not be loaded ({err}); model.tokenizer is "
                           "None", stacklevel=3)
     return model.eval()
+
+
+def _is_transformers_folder(path: Path) -> bool:
+    """Whether ``path`` holds the backbone as a transformers checkpoint (``config.json`` and a weights file under
+    transformers' names), rather than the earlier format (the wrapper's state dict, names prefixed ``base_model.``)."""
+    from safetensors import safe_open
+
+    if not (path / "config.json").is_file():
+        return False
+    with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
+        return not any(name.startswith(_BACKBONE_PREFIX) for name in f.keys())
 
 
 def _no_init() -> Any:

@@ -122,6 +122,13 @@ class DiffusionLM(nn.Module, Denoiser):
         return int(declared) if declared and weight_rows in (0, declared) else weight_rows
 
     @property
+    def generation_config(self) -> Any:
+        """The backbone's ``transformers.GenerationConfig`` (``generation_config.json`` of a saved folder, else the
+        one transformers derived from the config), for ``generate(..., generation_config=model.generation_config)``;
+        ``None`` if the backbone has none."""
+        return getattr(self._hf, "generation_config", None)
+
+    @property
     def device(self) -> torch.device:
         """Device of the input embeddings (where ``x_t`` must live)."""
         return self._hf.get_input_embeddings().weight.device
@@ -253,8 +260,14 @@ class DiffusionLM(nn.Module, Denoiser):
         return self._network_inputs(x_t, t, gamma, attention_mask, generator)
 
     def _network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
-                        attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> dict[str, Any]:
+                        attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                        document_ids: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`network_inputs` of checked arguments."""
+        if document_ids is not None:
+            raise ValueError(
+                f"document_ids: packed documents need the block-causal forward (a block model, adapt_ar_model(..., "
+                f"block_size=K), on rows longer than one block), got block_size={self.block_size} and length "
+                f"{x_t.shape[1]}; a fully bidirectional model shares one BOS between the documents of a row")
         layout = shifted_layout(x_t, self.bos_token_id, gamma, attention_mask=attention_mask, generator=generator)
         kwargs: dict[str, Any] = {"use_cache": False}
         if layout.position_ids is not None:
@@ -277,7 +290,8 @@ class DiffusionLM(nn.Module, Denoiser):
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -302,6 +316,14 @@ class DiffusionLM(nn.Module, Denoiser):
                 layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. Required over
                 more than one block unless ``γ = 0`` (the causal AR forward); with one block (``block_size >= L``)
                 unused: the plain bidirectional forward.
+            document_ids: block models with ``clean`` only: ``(B, L)`` int64, the document each token belongs to, for
+                right-padded rows that pack several documents (:class:`~unifusion.ChatCollator` with
+                ``packing=True`` gives them as ``conversation_ids``). A position then attends only to positions of
+                its own document, each document gets its own BOS (in the clean-stream slot and anchor of its first
+                column, :func:`unifusion.hf.blocks.block_hidden_states`) and position ids restart at each document,
+                so a document that starts at a block boundary is computed exactly as it would be alone; one that
+                starts inside a block has its first token predicted at the previous document's last position (that
+                token should be unscored). Anything else (a plain model, one block) is a ``ValueError``.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
@@ -317,9 +339,11 @@ class DiffusionLM(nn.Module, Denoiser):
             raise ValueError(f"clean: this block model (block_size={self.block_size}) predicts a block from the clean "
                              f"tokens before it; pass clean=x_0 ({tuple(x_t.shape)}, as diffusion_loss does), or "
                              "decode block by block (generate(policy=...), PolicySampler)")
+        if document_ids is not None:
+            document_ids = self._check_documents(document_ids, x_t)
         if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
             routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
-                                         objective, weighting, max_weight, reduction, position_weight)
+                                         objective, weighting, max_weight, reduction, position_weight, document_ids)
             if routed is not None:
                 return routed
         if x0 is not None or kernel is not None:
@@ -328,18 +352,32 @@ class DiffusionLM(nn.Module, Denoiser):
             V.check_model_kernel(self, check_kernel(kernel))  # states and mask token (host metadata, no sync)
             x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
             assert t is not None
-            h = self._hidden(x_t, t, gamma, attention_mask, generator)
+            h = self._hidden(x_t, t, gamma, attention_mask, generator, document_ids)
             return fused_linear_diffusion_loss(
                 h, self.lm_head_weight, x0, x_t, t[:, None].expand(x_t.shape), kernel, objective=objective,
                 weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
                 logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
-        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator), x_t.shape[1])
+        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids),
+                            x_t.shape[1])
+
+    @staticmethod
+    def _check_documents(document_ids: object, x_t: object) -> torch.Tensor:
+        """``document_ids`` as an int64 tensor of ``x_t``'s shape ``(B, L)`` on its device."""
+        if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point:
+            got = document_ids.dtype if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__
+            raise TypeError(f"document_ids: expected a (B, L) integer tensor (one document id per token), got {got}")
+        shape = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else None
+        if tuple(document_ids.shape) != shape:
+            raise ValueError(f"document_ids: expected shape {shape} like x_t, got {tuple(document_ids.shape)}")
+        assert isinstance(x_t, torch.Tensor)
+        return document_ids.to(device=x_t.device, dtype=torch.long)
 
     def _block_forward(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any,
                        generator: torch.Generator | None, clean: Any, x0: Any, kernel: Any, objective: Any,
-                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any) -> torch.Tensor | None:
+                       weighting: Any, max_weight: float, reduction: Any, position_weight: Any,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
         call is the plain one (one block)."""
         if self.block_size is None:
@@ -361,12 +399,14 @@ class DiffusionLM(nn.Module, Denoiser):
         if t_blocks is None and (self.time_conditioning or x0 is not None or kernel is not None):
             raise ValueError("t: needed with time conditioning and for the fused loss, got None")
         if x0 is None and kernel is None:
-            return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+            return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
+                                       document_ids)
         if x0 is None or kernel is None:
             raise ValueError("x0, kernel, t: the fused loss needs all three (or none of x0/kernel for logits)")
         V.check_model_kernel(self, check_kernel(kernel))
         assert t_blocks is not None
-        h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator)
+        h = blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
+                                       document_ids)
         return fused_linear_diffusion_loss(
             h, self.lm_head_weight, x0, x_t, blocks.expand_block_times(t_blocks, L, self.block_size), kernel,
             objective=objective, weighting=weighting, max_weight=max_weight, lm_head_bias=self.lm_head_bias,
@@ -403,8 +443,9 @@ class DiffusionLM(nn.Module, Denoiser):
         return self._hidden(x_t, t, gamma, attention_mask, generator)
 
     def _hidden(self, x_t: torch.Tensor, t: torch.Tensor | None, gamma: float | torch.Tensor,
-                attention_mask: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
-        kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator)
+                attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids)
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
 
@@ -435,7 +476,9 @@ class DiffusionLM(nn.Module, Denoiser):
                  pad_token_id: int | None = None, return_dict: bool = False, kernel: Any = None,
                  temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 progress: bool = False) -> Any:
+                 progress: bool = False, generation_config: Any = None, max_length: int | None = None,
+                 do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None,
+                 tokenizer: Any = None, streamer: Any = None, **kwargs: Any) -> Any:
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
         block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
         or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
@@ -484,6 +527,27 @@ class DiffusionLM(nn.Module, Denoiser):
                 generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
                 generator=generator[b])`` whatever rows are beside it.
             progress: show a progress bar.
+            generation_config: a ``transformers.GenerationConfig`` (e.g. :attr:`generation_config`, the backbone's
+                saved one). Its ``max_new_tokens``/``max_length``, ``do_sample``, ``temperature``, ``top_k``,
+                ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id`` and ``stop_strings`` are read; a
+                keyword given here with another value than its default wins. Fields that say how transformers runs
+                (``use_cache``, ``output_*``, ...) are ignored; any field that would change the tokens and does not
+                apply to diffusion decoding (``num_beams`` > 1, ``repetition_penalty`` ≠ 1, ...) is a ``ValueError``.
+            max_length: transformers' name for ``seq_len`` (the total length, prompt included).
+            do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (the policy still
+                ranks positions by x_θ; mask kernels; ``policy=None`` then means the default policy, block by
+                block). ``None`` (default): sample, unless ``generation_config`` says otherwise.
+            stop_strings: a string or a list: a row stops after the token that completes one of them in its decoded
+                generated text (checked after each block; the later positions become ``pad_token_id``, else EOS).
+                Needs ``tokenizer=`` (or :attr:`tokenizer`).
+            tokenizer: decodes for ``stop_strings`` (default :attr:`tokenizer`).
+            streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any ``BaseStreamer``),
+                batch size 1: ``put`` gets the prompt ``(1, P)`` first, as transformers' ``generate`` does, then each
+                block's generated tokens ``(k,)`` as soon as the block is decided (stop strings and EOS applied, so
+                the fill after EOS is pushed too: what is pushed after the prompt is exactly the returned row's
+                generated tokens), and ``end()`` last. The full-sequence sampler pushes the whole completion once.
+            **kwargs: other ``transformers.GenerationConfig`` fields, accepted at their neutral value only
+                (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other name is a ``TypeError``.
 
         Returns:
             ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
@@ -499,14 +563,23 @@ class DiffusionLM(nn.Module, Denoiser):
             block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
             attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
             return_dict=return_dict, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
-            generator=generator, progress=progress)
+            generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
+            do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode."""
+        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode. The
+        ``gradient_checkpointing_kwargs=`` that ``transformers.Trainer`` passes reach transformers 5's
+        ``activation_checkpointing_enable`` as ``activation_checkpointing_kwargs=``."""
         enable = getattr(self._hf, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        if enable is not None and "gradient_checkpointing_kwargs" in kwargs:
+            kwargs["activation_checkpointing_kwargs"] = kwargs.pop("gradient_checkpointing_kwargs")
         (enable or self._hf.gradient_checkpointing_enable)(**kwargs)
+
+    def add_model_tags(self, tags: str | list[str]) -> None:
+        """Add tags to the wrapped model's card (transformers' ``add_model_tags``; TRL's trainers call it)."""
+        self._hf.add_model_tags(tags)
 
     def gradient_checkpointing_disable(self) -> None:
         """Turn the wrapped model's gradient checkpointing off."""
@@ -524,8 +597,12 @@ class DiffusionLM(nn.Module, Denoiser):
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
                         kernel: Any = None) -> None:
-        """Write ``unifusion_config.json`` and ``model.safetensors`` (tied weights stored once) to a directory, and
-        the tokenizer's files next to them (:mod:`unifusion.hf.io`).
+        """Write a standard Hugging Face folder: the backbone's ``config.json`` (its vocabulary includes an added mask
+        token), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once),
+        so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the backbone with identical weights;
+        unifusion's record ``unifusion_config.json`` (kernel, block size, mask and BOS ids, time conditioning) and,
+        for a time-conditioned model, ``unifusion_weights.safetensors`` (the time embedding) beside them; and the
+        tokenizer's files (:mod:`unifusion.hf.io`). What a serving engine needs is in docs/guides/serving.md.
 
         Args:
             save_directory: the folder (created if missing).
@@ -546,7 +623,9 @@ class DiffusionLM(nn.Module, Denoiser):
         recorded training kernel as :attr:`kernel` (``None`` when none was recorded).
 
         Args:
-            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``).
+            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``), in
+                today's format or the earlier one (the wrapper's state dict in ``model.safetensors``, no
+                ``config.json``).
             dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default: the dtype they
                 were saved in.
             device: where to put the model; default CPU.

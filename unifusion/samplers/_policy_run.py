@@ -7,7 +7,9 @@ Nothing here reads a value back to the host except :func:`row_starts` (once per 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -28,6 +30,23 @@ def check_token_id(name: str, value: object, kernel: Kernel) -> int | None:
     if kernel.mask_id is not None and value == kernel.mask_id:
         raise ValueError(f"{name}: is the kernel's mask id {value}; a generated token is never the mask state")
     return value
+
+
+def check_eos_ids(name: str, value: object, kernel: Kernel) -> int | tuple[int, ...] | None:
+    """``None``, one EOS id (an int) or several (a non-empty list or tuple of ints, kept as a tuple; one id becomes
+    an int): each a clean token id as :func:`check_token_id` says."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) == 0:
+            raise ValueError(f"{name}: expected an int or a non-empty list of ints, got an empty "
+                             f"{type(value).__name__}")
+        ids = tuple(check_token_id(name, v, kernel) for v in value)
+        return cast(tuple[int, ...], ids) if len(ids) > 1 else ids[0]
+    return check_token_id(name, value, kernel)
+
+
+def first_id(eos_id: int | Sequence[int]) -> int:
+    """The first of several EOS ids (the default fill), or the one id."""
+    return eos_id if isinstance(eos_id, int) else int(eos_id[0])
 
 
 def takes_attention_mask(model: object) -> bool:
@@ -117,15 +136,22 @@ def noise_time(kernel: Kernel, fraction: torch.Tensor) -> torch.Tensor:
     return t.clamp(TIME_EPS, 1.0 - TIME_EPS).float()
 
 
-def first_eos(tokens: torch.Tensor, generated: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(has (B,), index (B,))``: whether each row has EOS at a generated position, and the first such column."""
-    is_eos = (tokens == eos_id) & generated
+def first_eos(tokens: torch.Tensor, generated: torch.Tensor, eos_id: int | Sequence[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(has (B,), index (B,))``: whether each row has EOS (any of the ids, when several) at a generated position,
+    and the first such column."""
+    ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    is_eos = tokens == ids[0]
+    for other in ids[1:]:
+        is_eos = is_eos | (tokens == other)
+    is_eos = is_eos & generated
     return is_eos.any(-1), is_eos.int().argmax(-1)
 
 
-def eos_stop(tokens: torch.Tensor, undecided: torch.Tensor, generated: torch.Tensor, eos_id: int, fill_id: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EOS stopping for the rows given ``(B, L)``: a row is done when a generated position holds a decided EOS and
+def eos_stop(tokens: torch.Tensor, undecided: torch.Tensor, generated: torch.Tensor, eos_id: int | Sequence[int],
+             fill_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EOS stopping for the rows given ``(B, L)`` (``eos_id``: one id or several, any of which stops a row): a row is
+    done when a generated position holds a decided EOS and
     every generated position before it is decided. Returns ``(done (B,), first EOS column (B,), tokens,
     undecided)`` with every generated position after the first EOS of a done row set to ``fill_id`` and decided
     (kept prompt positions stay as they are)."""

@@ -34,7 +34,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -159,6 +159,8 @@ class PolicySampler:
         temperature: T > 0; x_θ = softmax(logits / T) (for EntropyBound it multiplies the schedule).
         top_k, top_p: truncation of x_θ after the temperature (as :class:`~unifusion.BayesianSampler`).
         use_cache: use a :class:`BlockDenoiser` model's block path (``False``: call it as an x0 callable).
+        do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (mask policies only; the
+            policy still ranks positions by x_θ). The random draws are made either way.
 
     Randomness: one generator (or ``None``, the global one) draws every random tensor with the whole batch's shape,
     rows that have finished included (the reference implementations' order); a list of ``batch_size`` generators
@@ -170,8 +172,14 @@ class PolicySampler:
 
     def __init__(self, model: Any, kernel: Kernel, policy: DecodingPolicy, *, num_steps: int | None = None,
                  block_size: int | None = None, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True) -> None:
+                 top_p: float | None = None, use_cache: bool = True, do_sample: bool = True) -> None:
         self.kernel = check_kernel(kernel)
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"do_sample: expected a bool, got {type(do_sample).__name__}")
+        if not do_sample and getattr(policy, "family", None) != "mask":
+            raise ValueError(f"do_sample: greedy decoding (False) is defined for the mask policies, got "
+                             f"{type(policy).__name__} (which already keeps each block's argmax)")
+        self.do_sample = do_sample
         if not isinstance(policy, DecodingPolicy):
             raise TypeError(f"policy: expected a DecodingPolicy (uf.samplers.policies: LowConfidence(), "
                             f"EntropyBound(bound), ...), got {type(policy).__name__}")
@@ -202,9 +210,12 @@ class PolicySampler:
 
     def sample(self, batch_size: int, seq_len: int, *, prompt: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
                | None = None, attention_mask: torch.Tensor | None = None,
-               generator: torch.Generator | Sequence[torch.Generator] | None = None, eos_token_id: int | None = None,
-               pad_token_id: int | None = None, return_dict: bool = False,
-               progress: bool = False) -> torch.Tensor | PolicyOutput:
+               generator: torch.Generator | Sequence[torch.Generator] | None = None,
+               eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+               return_dict: bool = False, progress: bool = False,
+               stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+               on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+               ) -> torch.Tensor | PolicyOutput:
         """Generate ``(batch_size, seq_len)`` int64 token ids (or a :class:`PolicyOutput`).
 
         Args:
@@ -215,20 +226,34 @@ class PolicySampler:
                 the prompt columns; later columns count as real) or ``(B, L)``, 1 = real token, 0 = padding (at kept
                 prompt positions, on the left). Passed to the model as ``attention_mask=`` (``(B, L)`` bool).
             generator: a ``torch.Generator``, ``None`` (the global generator) or ``batch_size`` of them, one per row.
-            eos_token_id: a row stops once a generated position holds EOS and every generated position before it is
-                decided (mask policies: after any step; EntropyBound: when a block ends); every later generated
-                position becomes EOS, or ``pad_token_id`` if given, and the row takes no further model calls.
-            pad_token_id: the fill after EOS (needs ``eos_token_id``).
+            eos_token_id: one id or a list of ids: a row stops once a generated position holds EOS (any of them) and
+                every generated position before it is decided (mask policies: after any step; EntropyBound: when a
+                block ends); every later generated position becomes EOS (the first id), or ``pad_token_id`` if given,
+                and the row takes no further model calls.
+            pad_token_id: the fill after EOS (needs ``eos_token_id``, or ``stopping``).
             return_dict: return a :class:`PolicyOutput` (sequences, num_forwards, tokens_per_forward).
             progress: a tqdm bar over the blocks.
+            stopping: called after each block ``b`` is decided as ``stopping(b, tokens (B, L), cols (B, K_b))``
+                (``cols``: the block's columns per row, values ``≥ L`` past a row's end); it returns ``None`` or a
+                ``(B,)`` int64 column per row: ``≥ 0`` stops that row there, as EOS does (every later generated
+                position becomes ``pad_token_id``, else the first EOS id; one of them is needed), ``-1`` lets it
+                run (e.g. stop strings).
+            on_block: called after each block is decided (and ``stopping`` applied) as ``on_block(b, tokens (B, L),
+                cols (B, K_b))``: the block's tokens are final (e.g. a streamer).
         """
         B = V.check_positive_int("batch_size", batch_size)
         L = V.check_positive_int("seq_len", seq_len)
         generators = V.check_generators(generator, B)
-        eos = R.check_token_id("eos_token_id", eos_token_id, self.kernel)
+        eos = R.check_eos_ids("eos_token_id", eos_token_id, self.kernel)
         pad = R.check_token_id("pad_token_id", pad_token_id, self.kernel)
-        if pad is not None and eos is None:
+        if pad is not None and eos is None and stopping is None:
             raise ValueError("pad_token_id: fills the positions after EOS; pass eos_token_id too")
+        if stopping is not None and pad is None and eos is None:
+            raise ValueError("stopping: a stopped row's later positions need a fill; pass pad_token_id or "
+                             "eos_token_id")
+        for name, fn in (("stopping", stopping), ("on_block", on_block)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name}: expected a callable (block, tokens, cols) or None, got {type(fn).__name__}")
         if not isinstance(return_dict, bool):
             raise TypeError(f"return_dict: expected a bool, got {type(return_dict).__name__}")
         dev, source = resolve_device(self.model, prompt, generators, None)
@@ -245,6 +270,13 @@ class PolicySampler:
                     self._mask_block(run, b, eos, pad)
                 else:
                     self._uniform_block(run, b, eos, pad)
+                if stopping is not None or on_block is not None:
+                    cols, _ = run.grid.columns(b)
+                    if stopping is not None:
+                        fill = pad if pad is not None else R.first_id(cast(Any, eos))
+                        self._stop_at(run, stopping(b, run.x[:, :L], cols), fill)
+                    if on_block is not None:
+                        on_block(b, run.x[:, :L], cols)
                 if run.block_state is not None and b + 1 < run.grid.num_blocks:
                     self._commit(run, b)
         sequences = run.x[:, :L].contiguous()
@@ -362,12 +394,28 @@ class PolicySampler:
             noised = noised - clean_in_block.sum(-1).float()
         return R.noise_time(self.kernel, noised / run.num_generated[rows].clamp_min(1.0))
 
-    def _finish_eos(self, run: _Run, rows: torch.Tensor, eos: int | None, pad: int | None) -> None:
+    def _stop_at(self, run: _Run, stop: torch.Tensor | None, fill: int) -> None:
+        """Rows with ``stop[b] ≥ 0`` end at that column: later generated positions become ``fill`` and are decided."""
+        if stop is None:
+            return
+        L = run.grid.seq_len
+        stop = stop.to(run.x.device, torch.long)
+        if tuple(stop.shape) != (run.x.shape[0],):
+            raise ValueError(f"stopping: expected a ({run.x.shape[0]},) column per row or None, got shape "
+                             f"{tuple(stop.shape)}")
+        done = (stop >= 0) & ~run.finished
+        after = done.unsqueeze(-1) & run.generated & (torch.arange(L, device=run.x.device) > stop.unsqueeze(-1))
+        run.x[:, :L] = torch.where(after, fill, run.x[:, :L])
+        run.undecided[:, :L] &= ~after
+        run.finished |= done
+        run.eos_at = torch.where(done, stop, run.eos_at)
+
+    def _finish_eos(self, run: _Run, rows: torch.Tensor, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         if eos is None:
             return
         L = run.grid.seq_len
         done, first, tokens, undecided = R.eos_stop(run.x[rows, :L], run.undecided[rows, :L], run.generated[rows],
-                                                    eos, pad if pad is not None else eos)
+                                                    eos, pad if pad is not None else R.first_id(eos))
         run.x[rows, :L] = tokens
         run.undecided[rows, :L] = undecided
         run.finished[rows] |= done
@@ -375,7 +423,7 @@ class PolicySampler:
 
     # -- the two families
 
-    def _mask_block(self, run: _Run, b: int, eos: int | None, pad: int | None) -> None:
+    def _mask_block(self, run: _Run, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         policy = cast(MaskPolicy, self.policy)
         cols, K_b = run.grid.columns(b)
         fixed = policy.fixed_count or self.num_steps is not None
@@ -396,7 +444,7 @@ class PolicySampler:
             num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
             tokens, commit = mask_step(policy, logits, und_r, num_commit, run.randomness(rows, rows_host),
                                        mask_id=self.kernel.mask_id, temperature=self.temperature, top_k=self.top_k,
-                                       top_p=self.top_p)
+                                       top_p=self.top_p, do_sample=self.do_sample)
             x_r, u_r = run.x[rows], run.undecided[rows]
             x_r.scatter_(1, cols_r, torch.where(commit, tokens, x_r.gather(1, cols_r)))
             u_r.scatter_(1, cols_r, und_r & ~commit)
@@ -405,7 +453,7 @@ class PolicySampler:
             if run.block_state is not None:
                 previous = (logits.float() / self.temperature, rows_host)
 
-    def _uniform_block(self, run: _Run, b: int, eos: int | None, pad: int | None) -> None:
+    def _uniform_block(self, run: _Run, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         policy = cast(EntropyBound, self.policy)
         B = run.x.shape[0]
         cols, K_b = run.grid.columns(b)

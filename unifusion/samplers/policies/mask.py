@@ -125,9 +125,10 @@ class ConfidenceThreshold(MaskPolicy):
 
 def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
               randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0, top_k: int | None = None,
-              top_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              top_p: float | None = None, do_sample: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of a mask policy on a block: x_θ = softmax(logits / T) with the mask state at 0, then top-k and
-    top-p; one candidate per position; the policy's commit set.
+    top-p; one candidate per position (drawn from x_θ, or its argmax with ``do_sample=False``: greedy decoding,
+    the policy still ranks positions by x_θ); the policy's commit set.
 
     Args:
         logits: the model's x0 logits at the block's positions ``(B, K, V)`` (any floating dtype).
@@ -142,8 +143,10 @@ def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor,
     B, K, V = logits.shape
     weights = x0_weights(logits, torch.empty((B, K, V), dtype=torch.float32, device=logits.device), mask_id=mask_id,
                          temperature=temperature, top_k=top_k, top_p=top_p)
-    u = randomness.rand((K, 2), logits.device)
+    u = randomness.rand((K, 2), logits.device)  # drawn either way: greedy runs consume the same stream
     tokens, total = sample_weights(weights, u)
+    if not do_sample:
+        tokens = weights.argmax(-1)
     probs = weights.div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
     step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit, randomness=randomness)
     return tokens, policy.select(step) & undecided
