@@ -21,7 +21,7 @@ import warnings as _warnings
 from importlib import metadata as _metadata
 from typing import Any as _Any
 
-from . import backend, eval, hf, losses, samplers, schedules, validation
+from . import backend, eval, hf, losses, rl, samplers, schedules, validation
 from .conversions import convert_x0_to
 from .hf import DiffusionLM, adapt_ar_model, wrap_diffusion_lm
 from .kernels import GeneratorKernel, HybridKernel, Kernel, MaskKernel, UniformKernel
@@ -56,6 +56,7 @@ __all__ = [
     "hf",
     "losses",
     "sample_times",
+    "rl",
     "samplers",
     "schedules",
     "validation",
