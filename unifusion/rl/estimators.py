@@ -221,10 +221,10 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
         raise ValueError(f"prompt_mask_prob: expected a float in [0, 1], got {p!r}")
     prompt = ~completion if prompt_mask is None else prompt_mask.to(device=device, dtype=torch.bool) & ~completion
     r = _uniforms(gens, (K, L), device).transpose(0, 1)  # (K, B, L)
-    noised = completion[None] | (prompt[None] & (r < p))
+    corrupted = completion[None] | (prompt[None] & (r < p))
     scored = completion[None].expand(K, B, L)
     coef = torch.full((K, B), 1.0 / K, dtype=torch.float64, device=device)
-    return MaskPlan(noised, scored, coef, torch.ones(K, B, dtype=torch.float64, device=device), estimator)
+    return MaskPlan(corrupted, scored, coef, torch.ones(K, B, dtype=torch.float64, device=device), estimator)
 
 
 def combine_log_probs(plan: MaskPlan, log_probs: torch.Tensor) -> torch.Tensor:

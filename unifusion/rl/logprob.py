@@ -189,6 +189,7 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
 
     plan = plan_masks(estimator, completion, num_samples=K, generator=generator, row_offset=row_offset,
                       prompt_mask=valid & ~completion, **options)
+    assert isinstance(kernel, MaskKernel)
     return _score_plan(model, x0, plan, kernel.mask_id, attention_mask)
 
 
