@@ -7,7 +7,15 @@
   :func:`group_advantages`, per sample or per token (the caller reduces).
 """
 
-from .estimators import ESTIMATORS, MaskPlan, combine_log_probs, gauss_legendre, plan_masks, row_generators
+from .estimators import (
+    ESTIMATORS,
+    MaskPlan,
+    combine_log_probs,
+    gauss_legendre,
+    plan_from_masks,
+    plan_masks,
+    row_generators,
+)
 from .logprob import SequenceLogProb, sequence_logprob
 from .objectives import dpo_loss, group_advantages, grpo_loss, spg_loss, wd1_loss
 
@@ -20,6 +28,7 @@ __all__ = [
     "gauss_legendre",
     "group_advantages",
     "grpo_loss",
+    "plan_from_masks",
     "plan_masks",
     "row_generators",
     "sequence_logprob",

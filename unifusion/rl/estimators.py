@@ -37,7 +37,7 @@ import torch
 
 from .. import _validation as V
 
-__all__ = ["ESTIMATORS", "MaskPlan", "plan_masks", "combine_log_probs", "row_generators", "gauss_legendre"]
+__all__ = ["ESTIMATORS", "MaskPlan", "plan_masks", "plan_from_masks", "combine_log_probs", "row_generators", "gauss_legendre"]
 
 ESTIMATORS = ("elbo", "elbo_discrete", "coupled", "quadrature", "mean_field", "eubo")
 """The estimator names of :func:`~unifusion.rl.sequence_logprob`."""
@@ -176,44 +176,28 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
 
     if estimator in ("elbo_discrete", "eubo"):
         r = _uniforms(gens, (K, L), device).transpose(0, 1)  # (K, B, L)
-        count = torch.minimum(torch.floor(n * frac) + 1, n)  # (K, B) in 1..n
-        scored = _exact_count(r, completion, count.long())
-        coef = n / count if estimator == "eubo" else n / (K * count)
-        return MaskPlan(scored, scored, coef, count / n, estimator, beta=_check_beta(beta) if estimator == "eubo"
-                        else 1.0)
+        count = torch.minimum(torch.floor(n * frac) + 1, n)  # (K, B) in 1..n, stratified
+        return plan_from_masks(estimator, completion, _exact_count(r, completion, count.long()), beta=beta)
 
     if estimator == "coupled":
         a, b = _check_t_range(t_range)
-        if not isinstance(fully_masked, bool):
-            raise TypeError(f"fully_masked: expected a bool, got {type(fully_masked).__name__}")
         t = a + (b - a) * frac  # (K, B)
         r = _uniforms(gens, (K, L), device).transpose(0, 1)  # (K, B, L)
-        m1 = (r < t[..., None]) & completion
-        m2 = (r > t[..., None]) & completion
-        noised = [m1, m2]
-        coefs = [1.0 / (2 * K * t), 1.0 / (2 * K * (1.0 - t))]
-        times = [t, 1.0 - t]
-        if fully_masked:
-            noised.append(completion[None])
-            coefs.append(torch.full((1, B), 0.5, dtype=torch.float64, device=device))
-            times.append(torch.ones(1, B, dtype=torch.float64, device=device))
-        nz = torch.cat(noised)
-        return MaskPlan(nz, nz, torch.cat(coefs), torch.cat(times), estimator)
+        return plan_from_masks(estimator, completion, r < t[..., None], t=t, fully_masked=fully_masked)
 
     if estimator == "quadrature":
         D = V.check_positive_int("draws", draws)
         if masks not in ("exact_count", "bernoulli"):
             raise ValueError(f"masks: expected 'exact_count' (GDPO) or 'bernoulli', got {masks!r}")
-        nodes, weights = gauss_legendre(K)
+        nodes, _ = gauss_legendre(K)
         t = torch.tensor(np.repeat(nodes, D), dtype=torch.float64, device=device)[:, None].expand(K * D, B)
-        w = torch.tensor(np.repeat(weights, D), dtype=torch.float64, device=device)[:, None]
         r = _uniforms(gens, (K * D, L), device).transpose(0, 1)  # (K·D, B, L)
         if masks == "exact_count":
             count = torch.minimum(torch.round(n * t).clamp_min(1), n)  # GDPO's rule
-            scored = _exact_count(r, completion, count.long())
+            chosen = _exact_count(r, completion, count.long())
         else:
-            scored = (r < t[..., None]) & completion
-        return MaskPlan(scored, scored, w / (D * t), t.clone(), estimator)
+            chosen = r < t[..., None]
+        return plan_from_masks(estimator, completion, chosen, num_nodes=K, draws=D)
 
     # mean_field
     p = prompt_mask_prob
@@ -221,10 +205,71 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
         raise ValueError(f"prompt_mask_prob: expected a float in [0, 1], got {p!r}")
     prompt = ~completion if prompt_mask is None else prompt_mask.to(device=device, dtype=torch.bool) & ~completion
     r = _uniforms(gens, (K, L), device).transpose(0, 1)  # (K, B, L)
-    corrupted = completion[None] | (prompt[None] & (r < p))
-    scored = completion[None].expand(K, B, L)
-    coef = torch.full((K, B), 1.0 / K, dtype=torch.float64, device=device)
-    return MaskPlan(corrupted, scored, coef, torch.ones(K, B, dtype=torch.float64, device=device), estimator)
+    return plan_from_masks(estimator, completion, completion[None] | (prompt[None] & (r < p)))
+
+
+def plan_from_masks(estimator: str, completion_mask: torch.Tensor, masks: torch.Tensor, *,
+                    t: torch.Tensor | None = None, fully_masked: bool = False, num_nodes: int | None = None,
+                    draws: int = 1, beta: float = 1.5) -> MaskPlan:
+    """The plan of given masks ``(K, B, L)`` bool with the estimator's weights (:func:`plan_masks` draws the masks
+    and calls this; given masks reproduce another code's draws exactly).
+
+    * ``"elbo_discrete"``: ``coef_k = n / (K l_k)``, ``l_k = |M_k ∩ completion|`` (≥ 1 per pass); ``"eubo"``:
+      ``coef_k = n / l_k``, ``t_k = l_k / n``.
+    * ``"coupled"``: ``masks`` are the first sets M_k; ``t`` ``(K, B)`` their times; the passes are M_k
+      (``coef = 1/(2K t_k)``), ``completion ∖ M_k`` (``coef = 1/(2K (1 − t_k))``) and with ``fully_masked`` the
+      whole completion (``coef = ½``).
+    * ``"quadrature"``: ``num_nodes · draws`` masks, node-major (node j's draws together); node j's time and weight
+      from :func:`gauss_legendre`, ``coef = w_j / (draws · t_j)``.
+    * ``"mean_field"``: ``masks`` are the corrupted positions (the completion and any prompt tokens);
+      ``coef = 1/K``, every completion token scored.
+    """
+    completion = _check_completion(completion_mask)
+    if not isinstance(masks, torch.Tensor) or masks.dim() != 3 or tuple(masks.shape[1:]) != tuple(completion.shape):
+        got = tuple(masks.shape) if isinstance(masks, torch.Tensor) else type(masks).__name__
+        raise ValueError(f"masks: expected (K, B, L) bool with (B, L) = {tuple(completion.shape)}, got {got}")
+    masks = masks.to(device=completion.device, dtype=torch.bool)
+    K, B, L = masks.shape
+    device = completion.device
+    n = completion.sum(-1).to(torch.float64)  # (B,)
+    if estimator in ("elbo_discrete", "eubo"):
+        scored = masks & completion
+        count = scored.sum(-1).to(torch.float64)  # (K, B)
+        V.fail_if((count == 0).any(), lambda: "masks: a pass masks no completion token (l = 0)")
+        coef = n / count if estimator == "eubo" else n / (K * count)
+        return MaskPlan(scored, scored, coef, count / n, estimator,
+                        beta=_check_beta(beta) if estimator == "eubo" else 1.0)
+    if estimator == "coupled":
+        if not isinstance(fully_masked, bool):
+            raise TypeError(f"fully_masked: expected a bool, got {type(fully_masked).__name__}")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (K, B):
+            raise ValueError(f"t: the coupled plan needs the times of its masks, shape {(K, B)}")
+        t = t.to(device=device, dtype=torch.float64)
+        m1 = masks & completion
+        m2 = completion & ~masks
+        noised, coefs, times = [m1, m2], [1.0 / (2 * K * t), 1.0 / (2 * K * (1.0 - t))], [t, 1.0 - t]
+        if fully_masked:
+            noised.append(completion[None])
+            coefs.append(torch.full((1, B), 0.5, dtype=torch.float64, device=device))
+            times.append(torch.ones(1, B, dtype=torch.float64, device=device))
+        nz = torch.cat(noised)
+        return MaskPlan(nz, nz, torch.cat(coefs), torch.cat(times), estimator)
+    if estimator == "quadrature":
+        D = V.check_positive_int("draws", draws)
+        J = K // D if num_nodes is None else V.check_positive_int("num_nodes", num_nodes)
+        if J * D != K:
+            raise ValueError(f"masks: expected num_nodes · draws = {J} · {D} passes, got {K}")
+        nodes, weights = gauss_legendre(J)
+        tq = torch.tensor(np.repeat(nodes, D), dtype=torch.float64, device=device)[:, None].expand(K, B)
+        w = torch.tensor(np.repeat(weights, D), dtype=torch.float64, device=device)[:, None]
+        scored = masks & completion
+        return MaskPlan(scored, scored, (w / (D * tq)).expand(K, B).clone(), tq.clone(), estimator)
+    if estimator == "mean_field":
+        scored = completion[None].expand(K, B, L)
+        coef = torch.full((K, B), 1.0 / K, dtype=torch.float64, device=device)
+        return MaskPlan(masks | scored, scored, coef, torch.ones(K, B, dtype=torch.float64, device=device),
+                        estimator)
+    raise ValueError(f"estimator: plan_from_masks makes the plans of {ESTIMATORS[1:]}, got {estimator!r}")
 
 
 def combine_log_probs(plan: MaskPlan, log_probs: torch.Tensor) -> torch.Tensor:
