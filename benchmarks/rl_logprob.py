@@ -11,9 +11,9 @@ row, the rest completion, fully masked: one pass of ``estimator="mean_field"``, 
   tokens, ``.sum().backward()``.
 * ``fused``: ``uf.rl.sequence_logprob(...).sequence.sum().backward()`` (no ``(B, L, V)`` tensor).
 
-Each variant runs in its own process (peak RSS increase over the inputs and model, after a warm-up call on a short
-batch, the eager backend: compilation memory not counted), and timed in another (one run after a full-size warm-up, so one-off compilation is not counted; the
-library's default backend). Prints the ratios fused / materialised.
+Memory: peak RSS increase of one full-size run over the inputs and model, in its own process, after a warm-up call
+on a short batch (eager backend: a compiler's one-off memory is not counted). Time: one run in another process after
+a full-size warm-up (the library's default backend; one-off compilation not counted). Prints fused / materialised.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ import torch
 
 from .. import _validation as V
 
-__all__ = ["ESTIMATORS", "MaskPlan", "plan_masks", "plan_from_masks", "combine_log_probs", "row_generators", "gauss_legendre"]
+__all__ = ["ESTIMATORS", "MaskPlan", "plan_masks", "plan_from_masks", "combine_log_probs", "row_generators",
+           "gauss_legendre"]
 
 ESTIMATORS = ("elbo", "elbo_discrete", "coupled", "quadrature", "mean_field", "eubo")
 """The estimator names of :func:`~unifusion.rl.sequence_logprob`."""
@@ -132,7 +133,7 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
       marginally U{1..n}), exactly ``l_k`` completion tokens masked uniformly at random, ``coef_k = n / (K l_k)``.
       Unbiased for the ELBO. K forwards.
     * ``"coupled"`` (DiffuCoder's coupled-GRPO): ``t_k = a + (b − a)(k − 1 + u)/K`` over ``t_range = (a, b)``, one
-      uniform ``r_i`` per token, the pair ``M = {r_i < t_k}`` (``coef = 1/(2K t_k)``) and ``Mᶜ = {r_i > t_k}``
+      uniform ``r_i`` per token, the pair ``M = {r_i < t_k}`` (``coef = 1/(2K t_k)``) and ``Mᶜ`` = the rest
       (``coef = 1/(2K (1 − t_k))``): every completion token is scored once per pair. Unbiased for ``t_range = (0, 1)``;
       DiffuCoder's recipe is ``t_range=(0.2, 0.8), fully_masked=True``, which adds a pass with the whole completion
       masked and returns ``½ log p(y_i | all masked) + ½ (1_M log p/t + 1_{Mᶜ} log p/(1 − t))`` (biased).
