@@ -104,3 +104,43 @@ def test_dpo_prefers_the_chosen_completion():
     assert torch.allclose(loss, torch.log(torch.tensor([2.0])))
     loss.sum().backward()
     assert c.grad is not None and r.grad is not None and c.grad < 0 < r.grad
+
+
+def test_a_grpo_step_in_a_user_loop_moves_the_policy():
+    """The guide's GRPO step (docs/guides/rl.md) on a tiny model: rollouts, shared-seed scoring, two updates."""
+    import copy
+
+    import unifusion as uf
+
+    from ._exact import adapted
+
+    policy = adapted()
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    G = 4
+    prompt = torch.randint(4, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    completions = policy.generate(prompt.repeat(G, 1), max_new_tokens=4)[:, prompt.shape[1]:]
+    ids = torch.cat([prompt.repeat(G, 1), completions], 1)
+    completion_mask = torch.zeros_like(ids, dtype=torch.bool)
+    completion_mask[:, prompt.shape[1]:] = True
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), G)
+
+    def score(model):
+        return uf.rl.sequence_logprob(model, ids, completion_mask, estimator="coupled",
+                                      generator=torch.Generator().manual_seed(1234))
+
+    with torch.no_grad():
+        old = score(policy).per_token
+        ref = score(reference).per_token
+    before = [p.detach().clone() for p in policy.parameters()]
+    for _ in range(2):
+        new = score(policy).per_token
+        loss = grpo_loss(new, old, advantages, completion_mask, ref_logp=ref, beta=0.04).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    with torch.no_grad():  # the same seed scores the old policy again: identical, so the first ratio was exactly 1
+        assert torch.equal(score(reference).per_token, ref)
