@@ -70,17 +70,14 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
     Estimators (K = ``num_samples``; n = completion tokens of a row; ELBO of the mask kernel in
     :mod:`unifusion.rl.estimators`):
 
-    =================  ========================================================  ===============  =============
-    estimator          estimate                                                  bias             forwards
-    =================  ========================================================  ===============  =============
-    ``"elbo"``         ``−(1/K) Σ_k Σ_i D_{t_k}^i(x_{t_k}, x_0) − C_ELBO``,       unbiased (ELBO)  K
-                       t_k stratified, x_t from ``kernel`` (any kernel)
-    ``"elbo_discrete"`` LLaDA: l ~ U{1..n}, exactly l masked, weight n/l          unbiased (ELBO)  K
-    ``"coupled"``      DiffuCoder: pairs (M, Mᶜ), weights 1/t, 1/(1 − t)          unbiased (ELBO)  2K (+1)
-    ``"quadrature"``   GDPO: Gauss–Legendre nodes in t, exact-count masks        quadrature       K·draws
-    ``"mean_field"``   d1: completion fully masked, prompt masked w.p. 0.15      not a bound      K
-    ``"eubo"``         SPG: (1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]                    upper bound      K
-    =================  ========================================================  ===============  =============
+    | estimator | estimate | bias | forwards |
+    |---|---|---|---|
+    | ``"elbo"`` | ``−(1/K) Σ_k Σ_i D_{t_k}^i − C_ELBO``, t_k stratified, x_t from ``kernel`` | unbiased (ELBO) | K |
+    | ``"elbo_discrete"`` | LLaDA: l ~ U{1..n}, exactly l masked, weight n/l | unbiased (ELBO) | K |
+    | ``"coupled"`` | DiffuCoder: pairs (M, Mᶜ), weights 1/t and 1/(1 − t) | unbiased (ELBO) | 2K (+1) |
+    | ``"quadrature"`` | GDPO: Gauss–Legendre nodes in t, exact-count masks | quadrature error | K·draws |
+    | ``"mean_field"`` | d1: completion fully masked, prompt masked w.p. 0.15 | not a bound | K |
+    | ``"eubo"`` | SPG: ``(1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]`` | upper bound | K |
 
     Options (``**options``): ``"elbo"``: ``t_min`` (0); ``"coupled"``: ``t_range`` ((0, 1); DiffuCoder (0.2, 0.8)),
     ``fully_masked`` (False; DiffuCoder True); ``"quadrature"``: ``masks`` ("exact_count" | "bernoulli"), ``draws``
