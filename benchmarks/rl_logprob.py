@@ -8,7 +8,8 @@ mask token the last id): both variants run the same backbone on the same ``(4, n
 row, the rest completion, fully masked: one pass of ``estimator="mean_field"``, ``prompt_mask_prob=0``).
 
 * ``materialised``: ``logits = model(x_t, t)`` (``(B, L, V)`` float32), ``log_softmax``, gather the completion's
-  tokens, ``.sum().backward()``.
+  tokens, ``.sum().backward()`` (a plain softmax over all ids; the fused path leaves the mask id out, MDLM's SUBS —
+  the same work).
 * ``fused``: ``uf.rl.sequence_logprob(...).sequence.sum().backward()`` (no ``(B, L, V)`` tensor).
 
 Memory: peak RSS increase of one full-size run over the inputs and model, in its own process, after a warm-up call
@@ -60,10 +61,8 @@ def _run(variant: str, model: uf.DiffusionLM, ids: torch.Tensor, completion: tor
         out.sequence.sum().backward()
         return
     x_t = torch.where(completion, torch.full_like(ids, model.mask_token_id), ids)
-    logits = model(x_t, torch.full((ids.shape[0],), 0.5))  # (B, L, V)
-    logits = logits.float().clone()
-    logits[..., model.mask_token_id] = -float("inf")  # MDLM's SUBS, as the fused path
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    logits = model(x_t, torch.full((ids.shape[0],), 0.5))  # (B, L, V) float32
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]  # (the mask column stays: same cost)
     torch.where(completion, lp, torch.zeros_like(lp)).sum().backward()
 
 
