@@ -10,7 +10,9 @@ row, the rest completion, fully masked: one pass of ``estimator="mean_field"``, 
 * ``materialised``: ``logits = model(x_t, t)`` (``(B, L, V)`` float32), ``log_softmax``, gather the completion's
   tokens, ``.sum().backward()`` (a plain softmax over all ids; the fused path leaves the mask id out, MDLM's SUBS —
   the same work).
-* ``fused``: ``uf.rl.sequence_logprob(...).sequence.sum().backward()`` (no ``(B, L, V)`` tensor).
+* ``fused``: ``uf.rl.sequence_logprob(...).sequence.sum().backward()`` (no ``(B, L, V)`` tensor);
+  ``--variant fused_weighted``: ``(out.per_token * w).sum().backward()`` with random per-token weights w, the
+  gradient a GRPO loss sends (every token a different one: the fused backward recomputes the blocks).
 
 Memory: peak RSS increase of one full-size run over the inputs and model, in its own process, after a warm-up call
 on a short batch (eager backend: a compiler's one-off memory is not counted). Time: one run in another process after
@@ -55,10 +57,14 @@ def _batch(n: int, V: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(variant: str, model: uf.DiffusionLM, ids: torch.Tensor, completion: torch.Tensor) -> None:
-    if variant == "fused":
+    if variant in ("fused", "fused_weighted"):
         out = uf.rl.sequence_logprob(model, ids, completion, estimator="mean_field", prompt_mask_prob=0.0,
                                      generator=torch.Generator().manual_seed(0))
-        out.sequence.sum().backward()
+        if variant == "fused":
+            out.sequence.sum().backward()
+        else:  # every token a different incoming gradient, as a GRPO loss sends (A_i ρ_{i,t} / normaliser)
+            w = torch.rand(out.per_token.shape, generator=torch.Generator().manual_seed(1))
+            (out.per_token * w).sum().backward()
         return
     x_t = torch.where(completion, torch.full_like(ids, model.mask_token_id), ids)
     logits = model(x_t, torch.full((ids.shape[0],), 0.5))  # (B, L, V) float32
@@ -109,16 +115,18 @@ def main() -> None:
     p.add_argument("--d", type=int, default=576)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--v", type=int, nargs="+", default=[49152, 262144])
+    p.add_argument("--variant", default="fused", choices=["fused", "fused_weighted"],
+                   help="the fused variant compared with the materialised baseline")
     a = p.parse_args()
     if a.child:
         child(a.child, a.n, a.v[0], a.d, a.layers)
         return
     print(f"# cpu: {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, N = {a.n}, d = {a.d}, "
-          f"layers = {a.layers}")
+          f"layers = {a.layers}, fused variant: {a.variant}")
     print("V        materialised s  fused s  time ratio  materialised MiB  fused MiB  memory ratio")
     for V in a.v:
         tm, mm = measure("materialised", a.n, V, a.d, a.layers)
-        tf, mf = measure("fused", a.n, V, a.d, a.layers)
+        tf, mf = measure(a.variant, a.n, V, a.d, a.layers)
         print(f"{V:<8} {tm:14.2f} {tf:8.2f} {tf / tm:11.2f} {mm / 2**20:17.0f} {mf / 2**20:10.0f} {mf / mm:13.2f}",
               flush=True)
 
