@@ -155,9 +155,14 @@ def test_gradients_flow_and_old_policies_score_without():
         assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
-def test_uniform_kernel_elbo_agrees_with_nll_bound():
-    model = uf.adapt_ar_model(adapted().hf_model, add_mask_token=False)
-    kernel = uf.UniformKernel(model.num_states)
+@pytest.mark.parametrize("noise", ["uniform", "hybrid"])
+def test_uniform_and_hybrid_kernel_elbo_agrees_with_nll_bound(noise):
+    if noise == "uniform":
+        model = uf.adapt_ar_model(adapted().hf_model, add_mask_token=False)
+        kernel: uf.Kernel = uf.UniformKernel(model.num_states)
+    else:  # GIDD's hybrid: mask and uniform noise
+        model = adapted()
+        kernel = uf.HybridKernel(model.num_states, MASK, p_uniform=0.2)
     x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(4))
     comp = torch.zeros(R, L, dtype=torch.bool)
     comp[:, P:] = True
