@@ -34,12 +34,10 @@ ESTIMATORS: list[tuple[str, str, int, dict]] = [
     ("coupled", "K=1, t in (0, 1)", 1, {}),
     ("coupled", "DiffuCoder: t in (0.2, 0.8), + fully masked", 1, {"t_range": (0.2, 0.8), "fully_masked": True}),
     ("quadrature", "GDPO: 2 nodes, exact counts", 2, {}),
-    ("quadrature", "3 nodes, exact counts", 3, {}),
     ("quadrature", "n/2 nodes, Bernoulli masks", 0, {"masks": "bernoulli"}),
     ("mean_field", "d1: prompt masked w.p. 0.15", 1, {}),
     ("mean_field", "prompt kept clean", 1, {"prompt_mask_prob": 0.0}),
     ("eubo", "SPG: K=4, beta=1.5", 4, {"beta": 1.5}),
-    ("eubo", "K=16, beta=1.5", 16, {"beta": 1.5}),
 ]
 
 
@@ -49,8 +47,8 @@ def gens(count: int, seed: int) -> list[torch.Generator]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=64)
-    p.add_argument("--reference", type=int, default=16)
+    p.add_argument("--seeds", type=int, default=32)
+    p.add_argument("--reference", type=int, default=8)
     a = p.parse_args()
     torch.set_num_threads(2)
     tok = load_smollm2_tokenizer()
@@ -96,8 +94,7 @@ def main() -> None:
     print()
     print("| estimator | forwards per policy | std of log π' − log π, shared masks | independent masks |")
     print("|---|---|---|---|")
-    for estimator, K, opts in (("elbo", 2, {}), ("elbo_discrete", 2, {}), ("coupled", 1, {}),
-                               ("quadrature", 2, {}), ("mean_field", 1, {})):
+    for estimator, K, opts in (("elbo", 2, {}), ("elbo_discrete", 2, {}), ("coupled", 1, {})):
         base, fwd, _ = run(model, estimator, K, 1, **opts)
         shared, _, _ = run(other, estimator, K, 1, **opts)
         indep, _, _ = run(other, estimator, K, 2, **opts)

@@ -140,7 +140,9 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
       2K (+1) forwards.
     * ``"quadrature"`` (GDPO's semi-deterministic Monte Carlo): K Gauss–Legendre nodes t_j with weights w_j on
       (0, 1), ``draws`` masks per node, ``coef = w_j / (draws · t_j)``. ``masks="exact_count"`` (GDPO): exactly
-      ``min(n, max(1, round(n t_j)))`` tokens masked — biased, the quadrature error of a step function;
+      ``l_j = min(n, max(1, round(n t_j)))`` tokens masked — biased: the weight 1/t_j is kept while the masked
+      fraction is l_j/n, so for a model whose token log-probs did not depend on the context the expectation is
+      ``ρ · ELBO`` with ``ρ = Σ_j w_j l_j / (n t_j)`` (the stated error; it shrinks like 1/n);
       ``masks="bernoulli"``: each token masked with probability t_j — the integrand ``(1/t) E[Σ_{i∈M} log p]`` is then
       a polynomial of degree n − 1 in t, so the expectation equals the ELBO exactly once ``K ≥ n/2``. K·draws
       forwards.
