@@ -160,7 +160,12 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
         generator: one ``torch.Generator`` or one per row (module docstring); ``None``: the global RNG.
         row_offset: the global index of row 0 (data-parallel ranks).
         prompt_mask: ``(B, L)`` bool, the real prompt tokens (``"mean_field"`` corrupts them); default ``~completion``.
-        prompt_mask_prob, t_range, fully_masked, masks, draws, beta: the options above.
+        prompt_mask_prob: ``"mean_field"``'s prompt corruption probability.
+        t_range: ``"coupled"``'s time range (a, b).
+        fully_masked: ``"coupled"``: add DiffuCoder's fully masked pass.
+        masks: ``"quadrature"``'s masks, ``"exact_count"`` or ``"bernoulli"``.
+        draws: ``"quadrature"``'s masks per node.
+        beta: ``"eubo"``'s β.
 
     Returns:
         :class:`MaskPlan` with K passes (``2K`` or ``2K + 1`` for ``"coupled"``, ``K·draws`` for ``"quadrature"``).

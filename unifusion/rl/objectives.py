@@ -69,8 +69,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         completion_mask: ``(B, L)`` bool, the completion tokens.
         ref_logp: ``(B, L)`` of the reference policy, for ``beta > 0``.
         beta: the k3 KL coefficient β.
-        epsilon, epsilon_high: the clip range (``epsilon_high`` defaults to ``epsilon``; DAPO raises it).
-        level, normalization, max_length, num_tokens, num_sequences: as above.
+        epsilon: the clip range's lower side ε.
+        epsilon_high: its upper side (defaults to ``epsilon``; DAPO raises it).
+        level: ``"token"`` or ``"sequence"`` ratios (above).
+        normalization: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"`` (above).
+        max_length: Dr.GRPO's constant length (default L).
+        num_tokens: DAPO's token count (default this batch's; pass the global one under data parallelism).
+        num_sequences: G, GRPO's and Dr.GRPO's sequence count (default B).
 
     Returns:
         ``(B, L)`` float32 (float64 for float64 inputs), 0 outside the completion.
