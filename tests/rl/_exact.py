@@ -1,0 +1,94 @@
+"""Exact quantities of tiny models by enumeration (completions of at most 8 tokens): the mask kernel's ELBO, the block
+ELBO and the any-order log-likelihood, from one forward over every mask of the completion. Float64 throughout."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _hf_tiny import tiny_model  # noqa: E402
+
+import unifusion as uf  # noqa: E402
+
+MASK = 3
+
+
+def adapted(seed: int = 0, **kw: object) -> uf.DiffusionLM:
+    """A tiny random llama adapted as a mask-kernel diffusion LM (mask token 3)."""
+    return uf.adapt_ar_model(tiny_model("llama", seed=seed), mask_token_id=MASK, **kw).eval()
+
+
+def subset_log_probs(model, x0: torch.Tensor, positions: list[int], clean: bool = False
+                     ) -> dict[frozenset[int], torch.Tensor]:
+    """For every subset M of ``positions``: ``log p(x0_i | x0 with M masked)`` for all i, float64 ``(L,)``
+    (MDLM's SUBS convention: the mask logit is left out). ``x0`` is one row ``(L,)``."""
+    subsets = [frozenset(c) for r in range(len(positions) + 1) for c in itertools.combinations(positions, r)]
+    x_t = x0.repeat(len(subsets), 1)
+    for j, M in enumerate(subsets):
+        x_t[j, sorted(M)] = MASK
+    t = torch.full((len(subsets),), 0.5)
+    extra = {"clean": x0.repeat(len(subsets), 1)} if clean else {}
+    with torch.no_grad():
+        logits = model(x_t, t, **extra).double()
+    logits[..., MASK] = -math.inf
+    lp = torch.log_softmax(logits, -1).gather(-1, x0.repeat(len(subsets), 1)[..., None])[..., 0]
+    return {M: lp[j] for j, M in enumerate(subsets)}
+
+
+def exact_elbo(lp: dict[frozenset[int], torch.Tensor], positions: list[int]) -> float:
+    """Σ_{M ≠ ∅} (l − 1)! (n − l)! / n! Σ_{i∈M} log p(x_i | x_¬M)."""
+    n = len(positions)
+    total = 0.0
+    for M, v in lp.items():
+        l_ = len(M)
+        if l_:
+            total += math.factorial(l_ - 1) * math.factorial(n - l_) / math.factorial(n) * float(v[sorted(M)].sum())
+    return total
+
+
+def exact_log_likelihood(lp: dict[frozenset[int], torch.Tensor], positions: list[int]) -> float:
+    """log E_order Π_k p(x_{σ(k)} | revealed), by dynamic programming over revealed sets S:
+    g(S) = mean_{i ∉ S} p(x_i | S revealed, the rest masked) · g(S ∪ {i}), g(all) = 1."""
+    full = frozenset(positions)
+    log_g: dict[frozenset[int], float] = {full: 0.0}
+    for r in range(len(positions) - 1, -1, -1):
+        for S in map(frozenset, itertools.combinations(positions, r)):
+            masked = full - S
+            terms = [float(lp[masked][i]) + log_g[S | {i}] for i in masked]
+            log_g[S] = torch.logsumexp(torch.tensor(terms, dtype=torch.float64), 0).item() - math.log(len(masked))
+    return log_g[frozenset()]
+
+
+def exact_mean_field(lp: dict[frozenset[int], torch.Tensor], positions: list[int]) -> float:
+    """Σ_i log p(x_i | prompt, completion all masked)."""
+    return float(lp[frozenset(positions)][positions].sum())
+
+
+def mean_and_se(values: torch.Tensor) -> tuple[float, float]:
+    v = values.double()
+    return float(v.mean()), float(v.std() / math.sqrt(v.numel()))
+
+
+def generators(count: int, seed: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed * 100_003 + i) for i in range(count)]
+
+
+def tiny_diffusion_gemma(canvas_length: int = 4) -> uf.hf.diffusion_gemma.DiffusionGemmaLM:
+    """A random DiffusionGemma (2 layers, 2 experts, vocabulary 128), wrapped."""
+    import transformers
+
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=2, top_k_experts=1,
+                moe_intermediate_size=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    vision = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
+    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length,
+                                               image_token_id=127, boi_token_id=126, eoi_token_id=125)
+    torch.manual_seed(0)
+    return uf.wrap_diffusion_lm(transformers.DiffusionGemmaForBlockDiffusion(config).eval())

@@ -1,0 +1,252 @@
+"""sequence_logprob against exact enumeration on tiny random models (completions of 5–7 tokens).
+
+Each unbiased estimator is run on R copies of one row with one generator per copy: R independent estimates in one
+call (rows draw independently), whose mean must lie within 4 standard errors of the exact value.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import unifusion as uf
+from unifusion.rl import combine_log_probs, gauss_legendre, plan_masks, sequence_logprob
+
+from ._exact import (
+    MASK,
+    adapted,
+    exact_elbo,
+    exact_log_likelihood,
+    exact_mean_field,
+    generators,
+    mean_and_se,
+    subset_log_probs,
+    tiny_diffusion_gemma,
+)
+
+L, P = 8, 3  # 3 prompt tokens, 5 completion tokens
+POS = list(range(P, L))
+R = 300
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = adapted()
+    x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(1))
+    lp = subset_log_probs(model, x0, POS)
+    comp = torch.zeros(R, L, dtype=torch.bool)
+    comp[:, P:] = True
+    return model, x0, lp, comp
+
+
+def _run(model, x0, comp, estimator, K, seed=0, **opts):
+    with torch.no_grad():
+        return sequence_logprob(model, x0.repeat(comp.shape[0], 1), comp, estimator=estimator, num_samples=K,
+                                generator=generators(comp.shape[0], seed), **opts)
+
+
+@pytest.mark.parametrize("estimator, K, opts", [
+    ("elbo", 2, {}), ("elbo_discrete", 1, {}), ("elbo_discrete", 3, {}), ("coupled", 1, {}),
+    ("quadrature", 3, {"masks": "bernoulli"})])
+def test_unbiased_estimators_match_the_exact_elbo(setup, estimator, K, opts):
+    model, x0, lp, comp = setup
+    elbo = exact_elbo(lp, POS)
+    out = _run(model, x0, comp, estimator, K, **opts)
+    mu, se = mean_and_se(out.sequence)
+    assert abs(mu - elbo) < 4 * se + 1e-4, (estimator, mu, se, elbo)
+    assert torch.allclose(out.per_token.sum(-1), out.sequence) and (out.per_token[:, :P] == 0).all()
+
+
+def test_the_elbo_is_below_the_exact_log_likelihood():
+    for seed in range(3):
+        model = adapted(seed=seed)
+        x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(seed))
+        lp = subset_log_probs(model, x0, POS)
+        assert exact_elbo(lp, POS) <= exact_log_likelihood(lp, POS) + 1e-9
+
+
+def test_mean_field_without_prompt_masking_is_the_fully_masked_factorisation(setup):
+    model, x0, lp, comp = setup
+    out = _run(model, x0, comp[:2], "mean_field", 1, prompt_mask_prob=0.0)
+    assert torch.allclose(out.sequence.double(), torch.full((2,), exact_mean_field(lp, POS), dtype=torch.float64),
+                          atol=1e-4)
+    masked = _run(model, x0, comp[:40], "mean_field", 1, prompt_mask_prob=0.5)
+    assert masked.sequence.std() > 0  # the prompt corruption moves the estimate
+
+
+def _quadrature_expectation(lp, K, masks):
+    """The exact expectation of the quadrature estimate: Σ_j w_j / t_j · E_M[Σ_{i∈M} log p]."""
+    n = len(POS)
+    nodes, weights = gauss_legendre(K)
+    total = 0.0
+    for t, w in zip(nodes, weights):
+        if masks == "bernoulli":
+            inner = sum(t ** len(M) * (1 - t) ** (n - len(M)) * float(v[sorted(M)].sum()) for M, v in lp.items())
+        else:
+            size = min(n, max(1, round(n * t)))
+            subsets = [M for M in lp if len(M) == size]
+            inner = sum(float(lp[M][sorted(M)].sum()) for M in subsets) / len(subsets)
+        total += w / t * inner
+    return total
+
+
+def test_quadrature_is_exact_with_bernoulli_masks_and_k_at_least_n_over_2(setup):
+    model, x0, lp, comp = setup
+    elbo = exact_elbo(lp, POS)
+    assert abs(_quadrature_expectation(lp, 3, "bernoulli") - elbo) < 1e-9  # K = 3 >= n / 2
+    assert abs(_quadrature_expectation(lp, 2, "bernoulli") - elbo) > 1e-6  # K = 2 < n / 2: a quadrature error
+    for K in (1, 2):  # GDPO's exact counts: the MC mean is the estimator's own expectation, biased by the rounding
+        expected = _quadrature_expectation(lp, K, "exact_count")
+        mu, se = mean_and_se(_run(model, x0, comp, "quadrature", K).sequence)
+        assert abs(mu - expected) < 4 * se + 1e-4
+        nodes, weights = gauss_legendre(K)
+        rho = sum(w * min(5, max(1, round(5 * t))) / (5 * t) for t, w in zip(nodes, weights))
+        assert abs(expected / elbo - rho) < 0.05  # the stated error: the count/time mismatch factor
+
+
+def _exact_eubo(lp, beta):
+    """Σ_i (1/β) log E_{l ~ U{1..n}, M ∋ i, |M| = l}[p(x_i | x_¬M)^β]."""
+    n = len(POS)
+    total = 0.0
+    for i in POS:
+        acc = 0.0
+        for size in range(1, n + 1):
+            subsets = [M for M in lp if len(M) == size and i in M]
+            acc += sum(math.exp(beta * float(lp[M][i])) for M in subsets) / len(subsets) / n
+        total += math.log(acc) / beta
+    return total
+
+
+@pytest.mark.parametrize("beta", [1.0, 1.5, 2.0])
+def test_the_eubo_is_above_the_exact_log_likelihood(setup, beta):
+    model, x0, lp, comp = setup
+    assert _exact_eubo(lp, beta) >= exact_log_likelihood(lp, POS)
+    # the Monte-Carlo estimate is a log of a mean: it approaches the bound from below as K grows
+    mu, _ = mean_and_se(_run(model, x0, comp[:60], "eubo", 32, beta=beta).sequence)
+    assert abs(mu - _exact_eubo(lp, beta)) < 0.3
+
+
+def test_fused_scores_equal_the_materialised_log_probs(setup):
+    model, x0, lp, comp = setup
+    B = 4
+    for estimator in ("coupled", "eubo", "mean_field"):
+        opts = {"prompt_mask_prob": 0.0} if estimator == "mean_field" else {}  # the enumeration keeps c clean
+        out = _run(model, x0, comp[:B], estimator, 2, seed=3, **opts)
+        plan = plan_masks(estimator, comp[:B], num_samples=2, generator=generators(B, 3), **opts)
+        log_probs = torch.stack([torch.stack([lp[frozenset(torch.nonzero(plan.noised[k, b]).flatten().tolist())]
+                                              for b in range(B)]) for k in range(plan.num_passes)])
+        assert torch.allclose(out.per_token.double(), combine_log_probs(plan, log_probs), atol=1e-4)
+
+
+def test_gradients_flow_and_old_policies_score_without():
+    model = adapted()
+    x0 = torch.randint(4, 128, (2, L), generator=torch.Generator().manual_seed(2))
+    comp = torch.zeros(2, L, dtype=torch.bool)
+    comp[:, P:] = True
+    for estimator in ("elbo", "coupled", "eubo"):
+        model.zero_grad()
+        out = sequence_logprob(model, x0, comp, estimator=estimator, generator=torch.Generator().manual_seed(0))
+        (out.sequence * torch.tensor([1.0, -2.0])).sum().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("noise", ["uniform", "hybrid"])
+def test_uniform_and_hybrid_kernel_elbo_agrees_with_nll_bound(noise):
+    if noise == "uniform":
+        model = uf.adapt_ar_model(adapted().hf_model, add_mask_token=False)
+        kernel: uf.Kernel = uf.UniformKernel(model.num_states)
+    else:  # GIDD's hybrid: mask and uniform noise
+        model = adapted()
+        kernel = uf.HybridKernel(model.num_states, MASK, p_uniform=0.2)
+    x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(4))
+    comp = torch.zeros(R, L, dtype=torch.bool)
+    comp[:, P:] = True
+    mine = _run(model, x0, comp, "elbo", 2, kernel=kernel).sequence
+    bound = uf.eval.nll_bound(model, x0.repeat(R, 1), kernel, num_times=2, per_token=False, prompt_mask=~comp,
+                              generator=torch.Generator().manual_seed(9))  # R independent estimates of −ELBO
+    (m1, s1), (m2, s2) = mean_and_se(mine), mean_and_se(-bound)
+    assert abs(m1 - m2) < 4 * math.hypot(s1, s2)
+
+
+def test_block_elbo_is_the_sum_of_each_blocks_exact_elbo_on_its_clean_prefix():
+    model = adapted(block_size=4)
+    Lb, Pb = 10, 3  # blocks [0, 4), [4, 8), [8, 10): completion tokens 3..9
+    x0 = torch.randint(4, 128, (Lb,), generator=torch.Generator().manual_seed(5))
+    exact = 0.0
+    for lo, hi in ((Pb, 4), (4, 8), (8, 10)):
+        pos = list(range(lo, hi))
+        exact += exact_elbo(subset_log_probs(model, x0, pos, clean=True), pos)
+    comp = torch.zeros(R, Lb, dtype=torch.bool)
+    comp[:, Pb:] = True
+    mu, se = mean_and_se(_run(model, x0, comp, "elbo", 2).sequence)
+    assert abs(mu - exact) < 4 * se + 1e-4
+    with pytest.raises(ValueError, match="estimator"):
+        _run(model, x0, comp[:1], "coupled", 1)
+
+
+def test_diffusion_gemma_elbo_agrees_with_nll_bound():
+    model = tiny_diffusion_gemma(canvas_length=4)
+    Ld, Pd, Rd = 9, 3, 120
+    x0 = torch.randint(3, 125, (Ld,), generator=torch.Generator().manual_seed(6)).repeat(Rd, 1)
+    comp = torch.zeros(Rd, Ld, dtype=torch.bool)
+    comp[:, Pd:] = True
+    mine = _run(model, x0[0], comp, "elbo", 1).sequence
+    with torch.no_grad():
+        bound = uf.eval.nll_bound(model.conditioned_on(x0, prompt_mask=~comp), x0, model.kernel, num_times=1,
+                                  per_token=False, prompt_mask=~comp, generator=torch.Generator().manual_seed(9))
+    (m1, s1), (m2, s2) = mean_and_se(mine), mean_and_se(-bound)
+    assert abs(m1 - m2) < 4 * math.hypot(s1, s2)
+    with pytest.raises(ValueError, match="completion_mask"):  # a row without a prompt token
+        sequence_logprob(model, x0[:1], torch.ones(1, Ld, dtype=torch.bool))
+
+
+def test_shared_masks_lower_the_variance_of_a_difference_of_two_policies(setup, capsys):
+    """What a ratio uses: log π_new − log π_old, at equal forwards, with shared vs independent randomness."""
+    model, x0, _, comp = setup
+    other = adapted(seed=0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.003 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    rows = comp[:150]
+    for estimator, K in (("elbo", 2), ("elbo_discrete", 2), ("coupled", 1)):
+        a = _run(model, x0, rows, estimator, K, seed=1).sequence
+        shared = _run(other, x0, rows, estimator, K, seed=1).sequence - a
+        independent = _run(other, x0, rows, estimator, K, seed=2).sequence - a
+        print(f"{estimator}: var shared {float(shared.var()):.4g}, independent {float(independent.var()):.4g}")
+        assert shared.var() < independent.var() / 4
+    # coupled pairs against independent masks at the same forward count (2 forwards each)
+    pair = _run(other, x0, rows, "coupled", 1, seed=1).sequence - _run(model, x0, rows, "coupled", 1, seed=1).sequence
+    indep = _run(other, x0, rows, "elbo_discrete", 2, seed=1).sequence - \
+        _run(model, x0, rows, "elbo_discrete", 2, seed=2).sequence
+    print(f"coupled shared {float(pair.var()):.4g} vs elbo_discrete independent {float(indep.var()):.4g}")
+    assert pair.var() < indep.var()
+
+
+def test_bad_input_names_the_argument(setup):
+    model, x0, _, comp = setup
+    ids = x0.repeat(2, 1)
+    c = comp[:2].clone()
+    with pytest.raises(ValueError, match="num_samples"):
+        sequence_logprob(model, ids, c, num_samples=0)
+    empty = c.clone()
+    empty[1] = False
+    with pytest.raises(ValueError, match="completion_mask"):
+        sequence_logprob(model, ids, empty)
+    uniform = uf.UniformKernel(model.num_states)
+    for estimator in ("elbo_discrete", "mean_field"):
+        with pytest.raises(ValueError, match="estimator"):
+            sequence_logprob(model, ids, c, estimator=estimator, kernel=uniform)
+    with pytest.raises(ValueError, match="estimator"):
+        sequence_logprob(model, ids, c, estimator="iwae")
+    with pytest.raises(TypeError, match="beta"):
+        sequence_logprob(model, ids, c, estimator="coupled", beta=1.0)
+    pad = torch.ones_like(ids)
+    pad[:, -1] = 0
+    with pytest.raises(ValueError, match="completion_mask"):
+        sequence_logprob(model, ids, c, attention_mask=pad)
+    assert MASK == model.mask_token_id and list(itertools.islice(POS, 1)) == [P]

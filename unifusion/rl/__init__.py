@@ -1,0 +1,37 @@
+"""Reinforcement learning for diffusion LMs: sequence log-likelihood estimators and the RL objectives on them.
+
+* :func:`sequence_logprob` — ``log p_θ(completion | prompt)`` by every published estimator (ELBO, LLaDA's discrete
+  ELBO, DiffuCoder's coupled pairs, GDPO's quadrature, d1's mean field, SPG's EUBO) through the fused output head.
+* :mod:`unifusion.rl.estimators` — their masks, times and weights (:func:`plan_masks`) and how log-probs combine.
+* :mod:`unifusion.rl.objectives` — :func:`grpo_loss`, :func:`wd1_loss`, :func:`spg_loss`, :func:`dpo_loss` and
+  :func:`group_advantages`, per sample or per token (the caller reduces).
+"""
+
+from .estimators import (
+    ESTIMATORS,
+    MaskPlan,
+    combine_log_probs,
+    gauss_legendre,
+    plan_from_masks,
+    plan_masks,
+    row_generators,
+)
+from .logprob import SequenceLogProb, sequence_logprob
+from .objectives import dpo_loss, group_advantages, grpo_loss, spg_loss, wd1_loss
+
+__all__ = [
+    "ESTIMATORS",
+    "MaskPlan",
+    "SequenceLogProb",
+    "combine_log_probs",
+    "dpo_loss",
+    "gauss_legendre",
+    "group_advantages",
+    "grpo_loss",
+    "plan_from_masks",
+    "plan_masks",
+    "row_generators",
+    "sequence_logprob",
+    "spg_loss",
+    "wd1_loss",
+]

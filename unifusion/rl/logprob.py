@@ -1,0 +1,249 @@
+"""``sequence_logprob``: log p_θ(completion | prompt) of any unifusion model, by the estimator an RL method needs.
+
+Every pass runs through the model's own ``forward`` with its fused output head and loss
+(:func:`unifusion.losses.fused_linear_diffusion_loss`), so no ``(B, L, V)`` logits are held — a 262k vocabulary
+fits — and DDP / FSDP hooks fire. The masks, times and weights of the mask-kernel estimators are
+:func:`~unifusion.rl.estimators.plan_masks`'s; ``"elbo"`` draws corruptions from the kernel, like
+:func:`unifusion.eval.nll_bound`, whose conditional bound it estimates (``E[elbo] = −nll_bound(..., prompt_mask=,
+per_token=False)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _validation as V
+from ..eval.likelihood import prior_kl
+from ..hf import blocks
+from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
+from ..schedules import LinearSchedule
+from .estimators import ESTIMATORS, MaskPlan, combine_log_probs, plan_masks, row_generators
+
+__all__ = ["SequenceLogProb", "sequence_logprob"]
+
+_OPTIONS = {
+    "elbo": {"t_min"},
+    "elbo_discrete": set(),
+    "coupled": {"t_range", "fully_masked"},
+    "quadrature": {"masks", "draws"},
+    "mean_field": {"prompt_mask_prob"},
+    "eubo": {"beta"},
+}
+
+
+@dataclass
+class SequenceLogProb:
+    """What :func:`sequence_logprob` returns.
+
+    Attributes:
+        sequence: ``(B,)`` the estimate of ``log p_θ(completion | prompt)`` in nats, ``per_token.sum(-1)``.
+        per_token: ``(B, L)`` each completion token's share (0 outside ``completion_mask``); float32 (float64 for a
+            float64 model).
+        num_forwards: model passes over the batch the estimate cost.
+    """
+
+    sequence: torch.Tensor
+    per_token: torch.Tensor
+    num_forwards: int
+
+
+def _conditions_on_prompt(model: Any) -> bool:
+    return bool(getattr(V.unwrap_model(model), "conditions_on_prompt", False))
+
+
+def _block_size(model: Any, length: int) -> int | None:
+    K = getattr(V.unwrap_model(model), "block_size", None)
+    return None if K is None or K >= length else int(K)
+
+
+def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch.Tensor, *,
+                     estimator: str = "elbo", num_samples: int = 1,
+                     generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                     kernel: Kernel | None = None, attention_mask: torch.Tensor | None = None, row_offset: int = 0,
+                     **options: Any) -> SequenceLogProb:
+    """Estimate ``log p_θ(y | c)`` of each row's completion y (``completion_mask``) given its prompt c.
+
+    Estimators (K = ``num_samples``; n = completion tokens of a row; ELBO of the mask kernel in
+    :mod:`unifusion.rl.estimators`):
+
+    | estimator | estimate | bias | forwards |
+    |---|---|---|---|
+    | ``"elbo"`` | ``−(1/K) Σ_k Σ_i D_{t_k}^i − C_ELBO``, t_k stratified, x_t from ``kernel`` | unbiased (ELBO) | K |
+    | ``"elbo_discrete"`` | LLaDA: l ~ U{1..n}, exactly l masked, weight n/l | unbiased (ELBO) | K |
+    | ``"coupled"`` | DiffuCoder: pairs (M, Mᶜ), weights 1/t and 1/(1 − t) | unbiased (ELBO) | 2K (+1) |
+    | ``"quadrature"`` | GDPO: Gauss–Legendre nodes in t, exact-count masks | quadrature error | K·draws |
+    | ``"mean_field"`` | d1: completion fully masked, prompt masked w.p. 0.15 | not a bound | K |
+    | ``"eubo"`` | SPG: ``(1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]`` | upper bound | K |
+
+    Options (``**options``): ``"elbo"``: ``t_min`` (0); ``"coupled"``: ``t_range`` ((0, 1); DiffuCoder (0.2, 0.8)),
+    ``fully_masked`` (False; DiffuCoder True); ``"quadrature"``: ``masks`` ("exact_count" | "bernoulli"), ``draws``
+    (1); ``"mean_field"``: ``prompt_mask_prob`` (0.15); ``"eubo"``: ``beta`` (1.5). See
+    :func:`~unifusion.rl.estimators.plan_masks` for each formula.
+
+    Models: a :class:`~unifusion.DiffusionLM` (``"elbo"`` under any kernel, the others under a mask kernel); a block
+    model (``adapt_ar_model(..., block_size=K)``): the block ELBO ``Σ_b ELBO(block b | clean prefix)``, every block
+    at its own stratified time in one block-causal forward (``"elbo"`` only); ``DiffusionGemmaLM``: the prompt goes
+    through its encoder, ``"elbo"`` under its uniform kernel (every row needs a prompt token).
+
+    Randomness: per row (:mod:`unifusion.rl.estimators`): the same ``generator`` seed gives every policy the same
+    masks and times for the same batch, and a row's draws do not depend on its neighbours; ``row_offset`` is the
+    global index of row 0 on a data-parallel rank. Gradients flow when grad is enabled; pass the old/reference
+    policies under ``torch.no_grad()``.
+
+    Args:
+        model: the policy (possibly inside DDP / FSDP / compile wrappers).
+        input_ids: ``(B, L)`` clean tokens, prompt then completion (then padding).
+        completion_mask: ``(B, L)`` bool, True on the scored tokens; the other real tokens are the prompt (kept clean,
+            never scored). Every row needs one.
+        estimator: one of :data:`~unifusion.rl.estimators.ESTIMATORS`.
+        num_samples: K ≥ 1.
+        generator: a ``torch.Generator``, a list of one per row, or ``None`` (global RNG).
+        kernel: the forward kernel; default the model's (``model.kernel``) or a :class:`~unifusion.MaskKernel` on its
+            mask token.
+        attention_mask: optional ``(B, L)``, 1 = real token.
+        row_offset: global index of row 0 (see above).
+
+    Returns:
+        :class:`SequenceLogProb` with ``sequence (B,)`` and ``per_token (B, L)``.
+
+    Raises:
+        ValueError: an unknown estimator or option, ``num_samples < 1``, a row whose ``completion_mask`` is empty or
+            covers padding, an estimator that needs the mask kernel under another kernel, a prompt-less row for a
+            prompt-conditioned model (DiffusionGemma).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
+    unknown = set(options) - _OPTIONS[estimator]
+    if unknown:
+        raise TypeError(f"{sorted(unknown)[0]}: not an option of estimator={estimator!r}; its options are "
+                        f"{sorted(_OPTIONS[estimator]) or 'none'}")
+    K = V.check_positive_int("num_samples", num_samples)
+    if not V.is_diffusion_lm(model):
+        raise TypeError(f"model: expected a unifusion model (DiffusionLM, DiffusionGemmaLM) whose forward computes the "
+                        f"fused loss, got {type(V.unwrap_model(model)).__name__}")
+    x0 = V.check_tensor("input_ids", input_ids)
+    if x0.dim() != 2 or x0.shape[0] == 0 or x0.shape[1] == 0:
+        raise ValueError(f"input_ids: expected a non-empty (B, L) tensor of token ids, got {tuple(x0.shape)}")
+    B, L = x0.shape
+    if not isinstance(completion_mask, torch.Tensor) or tuple(completion_mask.shape) != (B, L):
+        got = tuple(completion_mask.shape) if isinstance(completion_mask, torch.Tensor) else \
+            type(completion_mask).__name__
+        raise ValueError(f"completion_mask: expected a ({B}, {L}) bool tensor like input_ids, got {got}")
+    if completion_mask.dtype != torch.bool:
+        raise TypeError(f"completion_mask: expected dtype torch.bool, got {completion_mask.dtype}")
+    completion = completion_mask.to(x0.device)
+    if attention_mask is not None:
+        attention_mask = V.check_tensor("attention_mask", attention_mask).to(x0.device)
+        if tuple(attention_mask.shape) != (B, L):
+            raise ValueError(f"attention_mask: expected shape {(B, L)} like input_ids, got "
+                             f"{tuple(attention_mask.shape)}")
+        valid = attention_mask.to(torch.bool)
+    else:
+        valid = torch.ones_like(completion)
+    inner = V.unwrap_model(model)
+    if kernel is None:
+        kernel = getattr(inner, "kernel", None)
+    if kernel is None:
+        mask_id = getattr(inner, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
+        kernel = MaskKernel(inner.num_states, mask_id)
+    kernel = check_kernel(kernel)
+    prompted = _conditions_on_prompt(model)
+    block = _block_size(model, L)
+    if estimator != "elbo":
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
+                             "use estimator='elbo' under uniform or hybrid noise")
+        if block is not None or prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} with {'blocks' if block else 'a prompt encoder'} "
+                             f"supports estimator='elbo' (the block ELBO), got {estimator!r}")
+    with V.batched_checks():
+        x0 = V.check_token_ids("input_ids", x0, kernel.num_states)
+        empty = ~completion.any(-1)
+        V.fail_if(empty.any(), lambda: (
+            f"completion_mask: covers no token in rows {empty.nonzero().flatten().tolist()[:8]}; every row needs a "
+            "completion token to score"))
+        pad = (completion & ~valid).any()
+        V.fail_if(pad, lambda: "completion_mask: marks padding (attention_mask == 0) as completion")
+        if prompted:
+            bare = ~(valid & ~completion).any(-1)
+            V.fail_if(bare.any(), lambda: (
+                f"completion_mask: rows {bare.nonzero().flatten().tolist()[:8]} have no prompt token; "
+                f"{type(inner).__name__} encodes the prompt and needs at least one (e.g. BOS)"))
+    V.check_model_device(model, "input_ids", x0)
+
+    if estimator == "elbo":
+        t_min = options.get("t_min", 0.0)
+        if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
+            raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
+        gens = row_generators(generator, B, x0.device, row_offset=row_offset)
+        return _elbo(model, x0, completion, valid, kernel, K, gens, attention_mask, block, prompted, float(t_min))
+
+    plan = plan_masks(estimator, completion, num_samples=K, generator=generator, row_offset=row_offset,
+                      prompt_mask=valid & ~completion, **options)
+    assert isinstance(kernel, MaskKernel)
+    return _score_plan(model, x0, plan, kernel.mask_id, attention_mask)
+
+
+def _score_plan(model: Any, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
+                attention_mask: torch.Tensor | None) -> SequenceLogProb:
+    """Run the plan's passes through the fused MDLM loss: at a masked position it is ``−(1/t) log p_θ(y_i | x_t)``
+    under a linear-schedule mask kernel, so position weights ``t · coef`` give ``−coef · log p`` (linear estimators:
+    the weights are folded in, so a plain ``.sum().backward()`` is the fused loss's fast backward)."""
+    scorer = MaskKernel(V.unwrap_model(model).num_states, mask_id, LinearSchedule())
+    linear = plan.estimator != "eubo"
+    per_pass = []
+    for k in range(plan.num_passes):
+        x_t = torch.where(plan.noised[k], torch.full_like(x0, mask_id), x0)
+        t = plan.t[k].clamp(1e-6, MAX_TIME)  # (B,) float64
+        w = t * (plan.coef[k] if linear else 1.0)
+        weight = torch.where(plan.scored[k], w[:, None], torch.zeros((), dtype=w.dtype, device=w.device)).float()
+        with V.validation(False):
+            loss = model(x_t, t.float(), x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
+                         attention_mask=attention_mask)
+        per_pass.append(-loss)
+    stacked = torch.stack(per_pass)  # (K, B, L)
+    if linear:
+        per_token = stacked.sum(0)  # coef already applied
+    else:
+        per_token = combine_log_probs(plan, stacked)
+    return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
+
+
+def _elbo(model: Any, x0: torch.Tensor, completion: torch.Tensor, valid: torch.Tensor, kernel: Kernel, K: int,
+          gens: tuple[torch.Generator, ...], attention_mask: torch.Tensor | None, block: int | None,
+          prompted: bool, t_min: float) -> SequenceLogProb:
+    """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K (one u per row, per block for a
+    block model) and x_t ~ q_{t|0} drawn row by row from the row's generator."""
+    B, L = x0.shape
+    device = x0.device
+    nb = 1 if block is None else blocks.num_blocks(L, block)
+    u = torch.stack([torch.rand(nb, generator=g, device=device, dtype=torch.float64) for g in gens])  # (B, nb)
+    k = torch.arange(1, K + 1, device=device, dtype=torch.float64)[:, None, None]
+    times = (t_min + (1.0 - t_min) * (k - u[None]) / K).clamp(1e-12, MAX_TIME)  # (K, B, nb)
+    weight = completion.float() * ((1.0 - t_min) / K)
+    extra: dict[str, Any] = {}
+    if block is not None:
+        extra["clean"] = x0
+    if prompted:
+        extra["prompt_mask"] = valid & ~completion
+    total = torch.zeros(B, L, device=device)
+    for j in range(K):
+        t_tok = times[j] if block is None else blocks.expand_block_times(times[j], L, block)  # (B, 1) or (B, L)
+        with V.validation(False):
+            rows = [kernel.sample(x0[b:b + 1], t_tok[b:b + 1], generator=gens[b]) for b in range(B)]
+        x_t = torch.where(completion, torch.cat(rows), x0)
+        t_in = times[j][:, 0].float() if block is None else times[j].float()
+        with V.validation(False):
+            D = model(x_t, t_in, x0=x0, kernel=kernel, objective="gidd", position_weight=weight,
+                      attention_mask=attention_mask, **extra)
+        total = total - D
+    with V.validation(False):
+        c = prior_kl(kernel, x0)  # (B, L) float64, 0 for α_1 = 0
+    per_token = total - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
+    return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=K)
