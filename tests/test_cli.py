@@ -223,7 +223,9 @@ def test_p_uniform_is_for_the_hybrid_kernel_only(folders, capsys):
     rc, err = _sample(folders["dm"], capsys, "--kernel", "mask", "--p-uniform", "0.3")
     assert rc == 2 and "got --kernel mask" in err
     rc, err = _sample(folders["dm"], capsys, "--kernel", "hybrid", "--p-uniform", "0.3")
-    assert rc == 0 and err == ""
+    # nothing but transformers' own "Loading weights" bar (the saved folder is a standard transformers checkpoint)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert rc == 0 and all(line.startswith("Loading weights") for line in lines), err
 
 
 def test_make_kernel_lives_in_the_kernel_config_module():
