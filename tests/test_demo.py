@@ -113,7 +113,8 @@ def _run_tiny_demo(tmp_path, monkeypatch, clock, budget="5", extra=()):
 def test_tiny_demo_decodes_in_blocks_next_to_the_ar_model_and_writes_its_metrics(tmp_path, monkeypatch, capsys):
     """The whole pipeline on a tiny model: a 5 s budget (1 fake second per step) gives 5 steps; the decoders are the
     AR model (1 token per forward), the fixed-count policy at K/2 = 2 steps per block (2 tokens per denoising forward,
-    8/5 per backbone call with the prefill) and the 0.9 threshold (at least 1 per denoising forward); every row has its tokens per forward, wall time, GenPPL, entropy and ratios to AR."""
+    8/5 per backbone call with the prefill) and the 0.9 threshold (at least 1 per denoising forward); every row has
+    its tokens per forward, wall time, GenPPL, entropy and ratios to AR."""
     metrics, out = _run_tiny_demo(tmp_path, monkeypatch, _Clock())
     assert metrics["train_steps"] == 5 and metrics["train_seconds"] == 5.0
     assert metrics["train_seconds_compiling"] == 0.0
