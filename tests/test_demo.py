@@ -18,7 +18,7 @@ import torch
 from _hf_tiny import tiny_model
 
 ROW_FIELDS = {"name", "policy", "steps_per_block", "forwards", "tokens_per_forward", "wall_seconds", "genppl",
-              "entropy", "wall_ratio_vs_ar", "genppl_ratio_vs_ar"}
+              "entropy", "wall_ratio_vs_ar", "genppl_ratio_vs_ar", "packed_linears"}
 
 
 @pytest.mark.slow
@@ -132,6 +132,24 @@ def test_tiny_demo_decodes_in_blocks_next_to_the_ar_model_and_writes_its_metrics
     assert [s["decoder"] for s in samples] == ["AR"] * 2 + ["low-confidence, 2 steps/block"] * 2 + ["threshold 0.9"] * 2
     report = capsys.readouterr().out
     assert "1.60 tokens/forward" in report and "GenPPL" in report and "× AR" in report
+
+
+def test_packed_linears_decode_the_same_tokens_as_the_default_matmuls(tmp_path, monkeypatch, capsys):
+    """The block decoders run with the block model's linears packed for oneDNN (unifusion.cpu_linears) unless
+    --no-packed-linears; both runs decode the same continuations, and the packing is announced."""
+    from unifusion.cpu_linears import packing_available
+
+    runs = {}
+    for name, extra in (("packed", ()), ("plain", ("--no-packed-linears",))):
+        metrics, out = _run_tiny_demo(tmp_path / name, monkeypatch, _Clock(), budget="2",
+                                      extra=("--train-steps", "2", *extra))
+        runs[name] = (metrics, [json.loads(line) for line in open(out / "samples.jsonl")])
+        if name == "packed":
+            assert ("linear layers of the block model packed for oneDNN" in capsys.readouterr().out
+                    ) == packing_available()
+    assert [r["packed_linears"] for r in runs["packed"][0]["decoding"]] == [False] + [packing_available()] * 2
+    assert not any(r["packed_linears"] for r in runs["plain"][0]["decoding"])
+    assert runs["packed"][1] == runs["plain"][1]
 
 
 def test_a_step_budget_makes_two_runs_give_the_same_numbers(tmp_path, monkeypatch):

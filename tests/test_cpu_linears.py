@@ -1,0 +1,148 @@
+"""unifusion.cpu_linears: CPU linears through oneDNN with prepacked weights — equal to ``nn.Linear`` up to float32
+rounding, the same decoded tokens, autograd and in-place updates handled, layers restored on exit, bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _hf_tiny import VOCAB, tiny_model
+from torch import nn
+
+import unifusion as uf
+import unifusion.cpu_linears as cpu_linears
+from unifusion.cpu_linears import packed_linears, packing_available
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear operators")
+
+
+def _net(bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40, bias=bias), nn.GELU(), nn.Linear(40, 16, bias=bias)).eval()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (9, 24), (17, 24), (2, 5, 24), (0, 24)])
+def test_equals_nn_linear(bias, shape) -> None:
+    net = _net(bias)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = net(x)
+        with packed_linears(net) as n:
+            out = net(x)
+    assert n == 2
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_are_restored_and_calls_really_routed(monkeypatch) -> None:
+    net = _net()
+    calls = []
+    real = cpu_linears._PackedForward.__call__
+
+    def spy(self, x):
+        calls.append(x.shape)
+        return real(self, x)
+
+    monkeypatch.setattr(cpu_linears._PackedForward, "__call__", spy)
+    with torch.no_grad(), packed_linears(net):
+        assert all("forward" in m.__dict__ for m in net if isinstance(m, nn.Linear))
+        net(torch.randn(3, 24))
+    assert len(calls) == 2
+    assert not any("forward" in m.__dict__ for m in net.modules())
+    net(torch.randn(3, 24))
+    assert len(calls) == 2  # outside the block nothing is routed
+
+
+def test_gradient_calls_run_the_layer_itself() -> None:
+    net = _net()
+    x = torch.randn(4, 24)
+    ref_grad = torch.autograd.grad(net(x).square().sum(), net[0].weight)[0]
+    with packed_linears(net):
+        grad = torch.autograd.grad(net(x).square().sum(), net[0].weight)[0]
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_weights_updated_in_place_are_packed_again() -> None:
+    """An optimizer step inside the block: the next call uses the new weights (version counter moved)."""
+    net = _net()
+    x = torch.randn(5, 24)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    with packed_linears(net):
+        with torch.no_grad():
+            before = net(x)
+        net(x).square().sum().backward()
+        opt.step()
+        with torch.no_grad():
+            after = net(x)
+    with torch.no_grad():
+        ref = net(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_which_layers_qualify(monkeypatch) -> None:
+    class MyLinear(nn.Linear):
+        pass
+
+    net = nn.Sequential(nn.Linear(8, 8), MyLinear(8, 8), nn.Linear(8, 8).double(), nn.Linear(8, 8).bfloat16())
+    hooked = nn.Linear(8, 8)
+    hooked.forward = lambda x: x  # type: ignore[method-assign]  # e.g. accelerate's offloading hook
+    net.append(hooked)
+    monkeypatch.setattr(cpu_linears, "native_bf16", lambda device: False)
+    with packed_linears(net) as n:
+        assert n == 1  # the plain float32 layer only
+    monkeypatch.setattr(cpu_linears, "native_bf16", lambda device: True)
+    with packed_linears(net) as n:
+        assert n == 2  # and the bf16 one where bf16 is native
+    with packed_linears(net, enabled=False) as n:
+        assert n == 0
+    assert net[4].forward is not nn.Linear.forward and "forward" in net[4].__dict__  # the hook stays
+
+
+def test_inputs_of_another_dtype_run_the_layer_itself() -> None:
+    net = _net()
+    x = torch.randn(3, 24, dtype=torch.float64)
+    with torch.no_grad(), packed_linears(net):
+        with pytest.raises(RuntimeError, match="dtype|Double|Float"):
+            net(x)  # exactly what nn.Linear does with a float64 input on float32 weights
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="module: expected a torch.nn.Module, got str"):
+        with packed_linears("model"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(TypeError, match="enabled: expected None or a bool, got int"):
+        with packed_linears(_net(), enabled=1):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(ValueError, match="batch_hint: expected a positive int, got 0"):
+        with packed_linears(_net(), batch_hint=0):
+            pass
+
+
+def test_enabled_true_without_the_operators_raises(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_linears, "packing_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no oneDNN linear operators"):
+        with packed_linears(_net(), enabled=True):
+            pass
+    with packed_linears(_net()) as n:  # auto: quietly off
+        assert n == 0
+
+
+@pytest.mark.parametrize("policy", [LowConfidence(), ConfidenceThreshold(0.5)])
+def test_cached_block_decoding_gives_the_same_tokens(policy) -> None:
+    """A tiny block model decoded with the KV cache (merged commits, as the demo runs it), fp32: the same tokens
+    with and without packed linears under the same generators."""
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=4).eval()
+    prompt = torch.randint(4, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        gens = [torch.Generator().manual_seed(10 + r) for r in range(2)]
+        return model.generate(prompt, max_new_tokens=12, policy=policy, num_steps=2, merge_commits=True,
+                              eos_token_id=None, generator=gens)
+
+    ref = run()
+    with packed_linears(model) as n:
+        out = run()
+    assert n == 2 * 7 + 1  # 2 layers × (q, k, v, o, gate, up, down) + the head
+    assert torch.equal(out, ref)
