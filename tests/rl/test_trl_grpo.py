@@ -253,7 +253,7 @@ def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None
                           ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
         with pytest.raises(ValueError, match=option):
             config(**{option: value})
-    with pytest.raises(TypeError, match="model: expected a unifusion model"):
+    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
         DiffusionGRPOTrainer(tiny_model("llama"), reward_funcs=mean_id, args=config(), processing_class=tokenizer)
-    with pytest.raises(TypeError, match="model: expected a unifusion model"):
+    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
         DiffusionGRPOTrainer("HuggingFaceTB/SmolLM2-135M", reward_funcs=mean_id, args=config())

@@ -29,9 +29,13 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
 then d1's and coupled-GRPO's, and ``importance_sampling_level="sequence"`` gives GSPO's length-normalised sequence
 ratio ``exp((log π_θ(y) − log π_old(y)) / |y|)``. ``token_logps="spread"`` spreads the sequence estimate evenly,
 ``log π(y) / |y|`` at every completion token, so that even token-level ratios are that sequence ratio. Either way
-TRL's per-token loss equals :func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``:
-``normalization="grpo"``; ``"dapo"``: ``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with
-``max_completion_length``), which ``tests/rl/test_trl_grpo.py`` checks on a trained step.
+TRL's loss is :func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``: ``normalization="grpo"``;
+``"dapo"``: ``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with ``max_completion_length``)
+with ``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 term by the importance ratio.
+``tests/rl/test_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's at
+temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
+while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus
+completion length): old, reference and current policy always see the same width, and so the same draws.
 
 What is refused (``ValueError`` naming the option): vLLM and transformers' continuous batching (causal
 generators), tools, environments and ``rollout_func``, the entropy mask and bonus (``top_entropy_quantile``,
@@ -67,6 +71,7 @@ from trl import GRPOConfig, GRPOTrainer, SyncRefModelCallback
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from .. import _validation as V
+from ..hf import DiffusionLM
 from ..samplers.policies import POLICY_NAMES, make_policy
 from .estimators import ESTIMATORS
 from .logprob import sequence_logprob
@@ -95,10 +100,11 @@ class DiffusionGRPOConfig(GRPOConfig):
     TRL's ``temperature``, ``top_p``, ``top_k`` and ``max_completion_length`` apply to the rollouts; ``beta``,
     ``epsilon``, ``loss_type``, ``importance_sampling_level``, ``num_iterations``, ... to the loss as in TRL.
 
-    Args (beyond ``GRPOConfig``'s):
+    The fields beyond ``GRPOConfig``'s:
+
+    Args:
         estimator: the :func:`~unifusion.rl.sequence_logprob` estimator (``"elbo"``, ``"elbo_discrete"``,
-            ``"coupled"``, ``"quadrature"``, ``"mean_field"``, ``"eubo"``; block models and DiffusionGemma take
-            ``"elbo"``).
+            ``"coupled"``, ``"quadrature"``, ``"mean_field"``, ``"eubo"``; a block model takes ``"elbo"``).
         num_mc_samples: its ``num_samples`` K (passes per estimate).
         estimator_options: its estimator options (``{"t_range": [0.2, 0.8], "fully_masked": True}``, ...).
         token_logps: ``"per_token"`` or ``"spread"`` (module docstring).
@@ -166,12 +172,16 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     docstring).
 
     Args:
-        model: a unifusion model (:class:`~unifusion.DiffusionLM`, a block model, ``DiffusionGemmaLM``); a model name
-            or a causal LM is a ``TypeError``.
+        model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model); a model name, a causal LM
+            or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is a ``TypeError``.
         reward_funcs: TRL's reward functions (callables or reward models).
         args: a :class:`DiffusionGRPOConfig` (``None``: its defaults with ``output_dir="unifusion-grpo"``).
-        train_dataset, eval_dataset, callbacks, optimizers, reward_processing_classes: as in ``GRPOTrainer``.
+        train_dataset: TRL's dataset with a ``"prompt"`` column (other columns reach the reward functions).
+        eval_dataset: as in ``GRPOTrainer``.
         processing_class: the tokenizer (default the model's :attr:`~unifusion.DiffusionLM.tokenizer`).
+        reward_processing_classes: as in ``GRPOTrainer``.
+        callbacks: as in ``GRPOTrainer``.
+        optimizers: as in ``GRPOTrainer``.
         ref_model: the reference policy for ``beta > 0`` (default a frozen copy of ``model`` as passed).
     """
 
@@ -179,16 +189,16 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: Any = None,
                  optimizers: tuple[Any, Any] = (None, None), ref_model: Any = None) -> None:
-        if isinstance(model, str) or not V.is_diffusion_lm(model):
+        if not isinstance(V.unwrap_model(model), DiffusionLM):
             got = repr(model) if isinstance(model, str) else type(model).__name__
-            raise TypeError(f"model: expected a unifusion model (adapt_ar_model(...), wrap_diffusion_lm(...)), got "
-                            f"{got}")
+            raise TypeError(f"model: expected a unifusion DiffusionLM (adapt_ar_model(...), "
+                            f"DiffusionLM.from_pretrained(...)), got {got}")
         if args is None:
             args = DiffusionGRPOConfig("unifusion-grpo")
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args: expected a DiffusionGRPOConfig, got {type(args).__name__}")
-        if ref_model is not None and not V.is_diffusion_lm(ref_model):
-            raise TypeError(f"ref_model: expected a unifusion model or None, got {type(ref_model).__name__}")
+        if ref_model is not None and not isinstance(V.unwrap_model(ref_model), DiffusionLM):
+            raise TypeError(f"ref_model: expected a unifusion DiffusionLM or None, got {type(ref_model).__name__}")
         if processing_class is None:
             processing_class = getattr(model, "tokenizer", None)
             if processing_class is None:
