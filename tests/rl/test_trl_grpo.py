@@ -159,7 +159,9 @@ def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -
         missing = [p for p in theirs if p not in ours and not takes_any]
         assert not missing, f"GRPOTrainer.{name} has parameters {missing} that the override does not take"
 
-    trainer = make_trainer(tmp_path, tokenizer)
+    # mask_truncated_completions: the tiny model's completions end without EOS, so TRL masks every row out; the
+    # step must still run (and back-propagate) through the override
+    trainer = make_trainer(tmp_path, tokenizer, mask_truncated_completions=True)
     calls: Counter = Counter()
     for name in TRL_OVERRIDES:
         spy(trainer, name, calls)
@@ -167,6 +169,7 @@ def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -
     # one rollout batch scored twice (old and reference policy), two loss steps (current policy)
     assert calls == Counter({"_generate_and_score_completions": 1, "_generate_single_turn": 1,
                              "_get_per_token_logps_and_entropies": 4, "_compute_loss": 2})
+    assert [log["loss"] for log in trainer.state.log_history if "loss" in log] == [0.0, 0.0]  # all rows masked
 
 
 def _left_aligned(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

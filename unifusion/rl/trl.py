@@ -348,26 +348,30 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         scored = real.clone()
         scored[:, :W - logits_to_keep] = False
         packed_scored = scored.gather(1, order)
-        has_completion = packed_scored.any(-1).tolist()
+        # a row without completion tokens (TRL's mask_truncated_completions) is scored on a stand-in (its last real
+        # token) and weighted 0: every row still runs through the model, so the loss stays connected to every
+        # parameter (the backward of an all-masked batch, DDP's reducer); rows do not affect each other's numbers
+        empty = ~packed_scored.any(-1)
+        if bool(empty.any()):
+            last = (packed_real.sum(-1) - 1).clamp_min(0)
+            stand_in = torch.zeros_like(packed_scored).scatter(1, last[:, None], True) & empty[:, None]
+            packed_scored, packed_real = packed_scored | stand_in, packed_real | stand_in
         chunk = batch_size or B
         options = dict(args.estimator_options or {})
         pieces = []
         for start in range(0, B, chunk):
-            rows = [b for b in range(start, min(start + chunk, B)) if has_completion[b]]
-            block = torch.zeros((min(start + chunk, B) - start, W), device=input_ids.device)
-            if rows:
-                index = torch.tensor(rows, device=input_ids.device)
-                gens = [torch.Generator(device=input_ids.device).manual_seed(seeds[b]) for b in rows]
-                est = sequence_logprob(model, packed[index], packed_scored[index], estimator=args.estimator,
-                                       num_samples=args.num_mc_samples, generator=gens,
-                                       attention_mask=packed_real[index].long(), **options)
-                values = est.per_token
-                if args.token_logps == "spread":
-                    mask = packed_scored[index]
-                    values = torch.where(mask, (est.sequence / mask.sum(-1))[:, None], values.new_zeros(()))
-                block = block.to(values.dtype).index_put((index - start,), values)
-            pieces.append(block)
+            rows = slice(start, min(start + chunk, B))
+            gens = [torch.Generator(device=input_ids.device).manual_seed(s) for s in seeds[rows]]
+            est = sequence_logprob(model, packed[rows], packed_scored[rows], estimator=args.estimator,
+                                   num_samples=args.num_mc_samples, generator=gens,
+                                   attention_mask=packed_real[rows].long(), **options)
+            values = est.per_token
+            if args.token_logps == "spread":
+                mask = packed_scored[rows]
+                values = torch.where(mask, (est.sequence / mask.sum(-1))[:, None], values.new_zeros(()))
+            pieces.append(values)
         packed_values = torch.cat(pieces)
+        packed_values = torch.where(empty[:, None], packed_values * 0.0, packed_values)
         per_token = torch.zeros_like(packed_values).scatter(1, order, packed_values)  # back to TRL's positions
         logps = per_token[:, W - logits_to_keep:]
         entropies = torch.full_like(logps.detach(), float("nan")) if compute_entropy else None
