@@ -1,0 +1,262 @@
+"""unifusion.rl.trl: TRL's GRPOTrainer on the diffusion likelihood, on tiny random models whose causal paths raise.
+
+* two trainer steps pass on a model whose causal-LM forward, causal (γ = 0) forward, causal LM loss and
+  transformers' ``generate`` all raise, while TRL's own log-prob method does hit that guard: no TRL code path
+  computed autoregressive log-probs or generated autoregressively;
+* every method the subclass overrides exists on the pinned TRL's ``GRPOTrainer`` with the parameters TRL passes,
+  and is called during a step (a TRL rename would otherwise silently bypass the override), and the installed TRL is
+  inside the ``[rl]`` extra's pin;
+* the loss of each step equals ``grpo_loss`` on ``sequence_logprob`` estimates computed by hand (old policy =
+  the weights at the rollout, reference = the initial weights, current = the weights at the step) on the same batch
+  and row seeds; the old log-probs equal the current ones at the first iteration (ratio 1); the advantages are
+  ``group_advantages`` of the rewards.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from packaging.requirements import Requirement
+from transformers import PreTrainedTokenizerFast
+from trl import GRPOTrainer
+
+import unifusion as uf
+from unifusion.denoiser import unwrap_model
+from unifusion.rl.trl import ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from _hf_tiny import tiny_model  # noqa: E402
+
+G = 2  # completions per prompt
+PROMPTS = [{"prompt": "the cat and the dog"}, {"prompt": "a bird"}]
+
+
+def mean_id(completion_ids, **_):
+    """A trivial reward with no ties in practice: the completion's mean token id / 128."""
+    return [sum(ids) / (128.0 * len(ids)) for ids in completion_ids]
+
+
+def forbid_causal(model: uf.DiffusionLM) -> uf.DiffusionLM:
+    """Make every autoregressive path of ``model`` raise: a causal-LM call on the wrapper (``input_ids=``,
+    ``labels=``, TRL's ``fused_lm_head=``, ``logits_to_keep=``), its causal forward (``bidirectional_prob=0``), the
+    backbone's causal LM loss (``labels=``) and transformers' ``generate``. The diffusion paths are unchanged."""
+    hf = model.hf_model
+    hf_cls = type(hf)
+
+    @functools.wraps(hf_cls.forward)
+    def hf_forward(self, *args, **kwargs):
+        if kwargs.get("labels") is not None:
+            raise AssertionError("the backbone's causal LM loss (labels=) was computed")
+        return hf_cls.forward(self, *args, **kwargs)
+
+    def hf_generate(self, *args, **kwargs):
+        raise AssertionError("transformers' causal generate was called")
+
+    hf.__class__ = type(f"NoCausal{hf_cls.__name__}", (hf_cls,), {"forward": hf_forward, "generate": hf_generate})
+    lm_cls = type(model)
+
+    def forward(self, *args, **kwargs):
+        causal = {"input_ids", "labels", "fused_lm_head", "logits_to_keep"} & set(kwargs)
+        if causal:
+            raise AssertionError(f"a causal-LM call on the policy ({sorted(causal)})")
+        gamma = kwargs.get("bidirectional_prob", 1.0)
+        if isinstance(gamma, (int, float)) and gamma == 0:
+            raise AssertionError("the causal (bidirectional_prob=0) forward was called")
+        return lm_cls.forward(self, *args, **kwargs)
+
+    model.__class__ = type(f"NoCausal{lm_cls.__name__}", (lm_cls,), {"forward": forward})
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return PreTrainedTokenizerFast.from_pretrained(ROOT / "tests" / "data" / "tiny_tokenizer")
+
+
+def make_trainer(tmp_path, tokenizer, *, block_size: int | None = 4, **config) -> DiffusionGRPOTrainer:
+    model = forbid_causal(uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=block_size,
+                                            tokenizer=tokenizer))
+    options = dict(max_steps=2, per_device_train_batch_size=4, num_generations=G, max_completion_length=8,
+                   report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, learning_rate=1e-2,
+                   gradient_checkpointing=False, beta=0.1, num_iterations=2, loss_type="grpo", seed=3,
+                   decoding_policy="low_confidence", num_steps=2, use_bias_correction_kl=False)
+    options.update(config)
+    args = DiffusionGRPOConfig(str(tmp_path), **options)
+    return DiffusionGRPOTrainer(model, reward_funcs=mean_id, args=args,
+                                train_dataset=Dataset.from_list(PROMPTS * 4), processing_class=tokenizer)
+
+
+def spy(trainer, name: str, calls: Counter, record: list | None = None) -> None:
+    """Count the calls of ``trainer.<name>`` (an instance attribute shadows the class's, as TRL calls
+    ``self.<name>(...)``); with ``record``, keep each ``_compute_loss`` call's inputs, loss and weights."""
+    method = getattr(trainer, name)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        calls[name] += 1
+        if record is None:
+            return method(*args, **kwargs)
+        model, inputs = args
+        weights = copy.deepcopy(unwrap_model(model))
+        loss = method(*args, **kwargs)
+        record.append((inputs, loss.detach(), weights))
+        return loss
+
+    setattr(trainer, name, wrapped)
+
+
+def test_two_steps_pass_with_every_causal_path_raising(tmp_path, tokenizer) -> None:
+    trainer = make_trainer(tmp_path, tokenizer)
+    model = trainer.model
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with pytest.raises(AssertionError, match="causal-LM call"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(AssertionError, match="bidirectional_prob=0"):
+        model(ids, bidirectional_prob=0.0)
+    with pytest.raises(AssertionError, match="causal generate"):
+        model.hf_model.generate(ids)
+    # TRL's own log-prob method takes the causal path, and the guard catches it (GRPOTrainer's fused-head patch on
+    # the policy's forward was removed again)
+    with pytest.raises(AssertionError, match="causal-LM call"):
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, torch.ones_like(ids), 2)
+
+    before = model.lm_head_weight.detach().clone()
+    result = trainer.train()
+    assert result.global_step == 2
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert not torch.equal(before, model.lm_head_weight)  # the steps trained the policy
+    assert any(log.get("reward_std", 0) > 0 for log in trainer.state.log_history)  # a real learning signal
+
+
+def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    line = re.search(r"^rl = \[(.*)\]$", pyproject, re.M)  # the [rl] extra
+    assert line is not None
+    pin = next(Requirement(r) for r in re.findall(r'"([^"]+)"', line.group(1)) if Requirement(r).name == "trl")
+    assert pin.specifier.contains(trl.__version__), f"trl {trl.__version__} is outside the [rl] pin {pin}"
+    pins = {Requirement(r).specifier for r in re.findall(r'"(trl[<>=~!][^"]*)"', pyproject)}
+    assert pins == {pin.specifier}  # [trl], [rl] and [dev] pin TRL alike
+
+    own = {name for name, value in vars(DiffusionGRPOTrainer).items()
+           if callable(value) and name != "__init__" and hasattr(GRPOTrainer, name)}
+    assert own == set(TRL_OVERRIDES)  # every override is in the list the spies below check
+    for name in TRL_OVERRIDES:
+        theirs = inspect.signature(getattr(GRPOTrainer, name)).parameters
+        ours = inspect.signature(getattr(DiffusionGRPOTrainer, name)).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+        missing = [p for p in theirs if p not in ours and not takes_any]
+        assert not missing, f"GRPOTrainer.{name} has parameters {missing} that the override does not take"
+
+    # mask_truncated_completions: the tiny model's completions end without EOS, so TRL masks every row out; the
+    # step must still run (and back-propagate) through the override
+    trainer = make_trainer(tmp_path, tokenizer, mask_truncated_completions=True)
+    calls: Counter = Counter()
+    for name in TRL_OVERRIDES:
+        spy(trainer, name, calls)
+    trainer.train()
+    # one rollout batch scored twice (old and reference policy), two loss steps (current policy)
+    assert calls == Counter({"_generate_and_score_completions": 1, "_generate_single_turn": 1,
+                             "_get_per_token_logps_and_entropies": 4, "_compute_loss": 2})
+    assert [log["loss"] for log in trainer.state.log_history if "loss" in log] == [0.0, 0.0]  # all rows masked
+
+
+def _left_aligned(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row as prompt, completion, padding, in TRL's width: ids, completion mask, attention mask."""
+    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+    B, W = prompt.shape[0], prompt.shape[1] + completion.shape[1]
+    ids = torch.zeros(B, W, dtype=torch.long)
+    scored = torch.zeros(B, W, dtype=torch.bool)
+    attention = torch.zeros(B, W, dtype=torch.long)
+    for b in range(B):
+        p = prompt[b][inputs["prompt_mask"][b].bool()]
+        c = completion[b][inputs["completion_mask"][b].bool()]
+        ids[b, :len(p) + len(c)] = torch.cat([p, c])
+        scored[b, len(p):len(p) + len(c)] = True
+        attention[b, :len(p) + len(c)] = 1
+    return ids, scored, attention
+
+
+@pytest.mark.parametrize("block_size, config", [
+    (4, dict(estimator="elbo", num_mc_samples=2)),
+    (None, dict(estimator="coupled", token_logps="spread", decoding_policy=None, num_steps=4)),
+], ids=["block-elbo-per_token", "coupled-spread"])
+def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, block_size, config) -> None:
+    trainer = make_trainer(tmp_path, tokenizer, block_size=block_size, **config)
+    args = trainer.args
+    reference = copy.deepcopy(unwrap_model(trainer.ref_model))
+    rollouts: list = []
+    original = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        out = original(inputs)
+        rollouts.append(out)
+        return out
+
+    trainer._generate_and_score_completions = keep
+    records: list = []
+    spy(trainer, "_compute_loss", Counter(), records)
+    trainer.train()
+    assert len(rollouts) == 1 and len(records) == 2
+
+    # the advantages are GRPO's group advantages of the rewards (before TRL shuffles the batch)
+    out = rollouts[0]
+    rewards = torch.tensor(mean_id([c[m.bool()].tolist() for c, m in zip(out["completion_ids"],
+                                                                             out["completion_mask"])]))
+    assert rewards.std() > 0
+    torch.testing.assert_close(out["advantages"], uf.rl.group_advantages(rewards, G))
+
+    old_policy = records[0][2]  # the weights at the rollout (the first step's, before its update)
+    for step, (inputs, loss, policy) in enumerate(records):
+        ids, scored, attention = _left_aligned(inputs)
+
+        def score(model, inputs=inputs, ids=ids, scored=scored, attention=attention):
+            gens = [torch.Generator().manual_seed(int(s)) for s in inputs[ROW_SEED]]
+            with torch.no_grad():
+                est = uf.rl.sequence_logprob(model, ids, scored, estimator=args.estimator,
+                                             num_samples=args.num_mc_samples, generator=gens,
+                                             attention_mask=attention)
+            if args.token_logps == "spread":
+                return torch.where(scored, (est.sequence / scored.sum(-1))[:, None], torch.zeros(()))
+            return est.per_token
+
+        current, old, ref = score(policy), score(old_policy), score(reference)
+        expected = uf.rl.grpo_loss(current, old, inputs["advantages"], scored, ref_logp=ref, beta=args.beta,
+                                   epsilon=args.epsilon, normalization="grpo").sum()
+        torch.testing.assert_close(loss, expected)
+        # TRL's old log-probs (computed at the rollout) are the hand estimates at TRL's completion positions
+        trl_old = inputs["old_per_token_logps"]
+        completion = inputs["completion_mask"].bool()
+        torch.testing.assert_close(trl_old[completion], old[scored])
+        if step == 0:
+            torch.testing.assert_close(current, old)  # the first iteration's ratio is 1: same weights, same masks
+        else:
+            assert not torch.allclose(current, old)  # the step moved the policy: the ratio and the KL are live
+            assert not torch.allclose(current, ref)
+
+
+def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None:
+    def config(**options):
+        return DiffusionGRPOConfig(str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to=[],
+                                   use_cpu=True, **options)
+
+    for option, value in [("estimator", "exact"), ("num_mc_samples", 0), ("token_logps", "mean"),
+                          ("decoding_policy", "beam"), ("use_vllm", True), ("entropy_coef", 0.01),
+                          ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
+        with pytest.raises(ValueError, match=option):
+            config(**{option: value})
+    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+        DiffusionGRPOTrainer(tiny_model("llama"), reward_funcs=mean_id, args=config(), processing_class=tokenizer)
+    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+        DiffusionGRPOTrainer("HuggingFaceTB/SmolLM2-135M", reward_funcs=mean_id, args=config())
