@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from unifusion.rl import plan_trace, sequence_logprob
-from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence, MaskPolicy
 
 from ._exact import adapted, subset_log_probs
 
@@ -126,7 +126,30 @@ def test_bad_input_names_the_argument(models):
             sequence_logprob(model, x0, completion, estimator="trace", trace=trace, temperature=0.0)
         with pytest.raises(TypeError, match="temperature"):
             sequence_logprob(model, x0, completion, estimator="elbo", temperature=0.5)
-        shifted = completion.clone()
-        shifted[1, 3] = False
+        shifted = trace.clone()
+        shifted[1, 3] = -1  # row 1's generated region starts a column later
         with pytest.raises(ValueError, match="completion_mask: a block model"):
-            sequence_logprob(models["block"], x0, shifted, estimator="trace", trace=trace)
+            sequence_logprob(models["block"], x0, shifted >= 0, estimator="trace", trace=shifted)
+
+
+class LeftToRight(MaskPolicy):
+    """Commits the leftmost masked positions first: nothing after an EOS is committed before the EOS."""
+
+    def confidence(self, step):
+        return -torch.arange(step.tokens.shape[1], dtype=torch.float32).expand(step.tokens.shape)
+
+
+@pytest.mark.parametrize("kind, path", [("block", dict(use_cache=True)), ("plain", dict(block_size=4))])
+def test_rows_stopped_at_eos_replay_exactly_up_to_the_eos(models, kind, path):
+    """Scored up to the EOS, the fill after it out of the completion (step -1, masked in every pass as the decoder
+    saw it): the replay equals the committed log-probs."""
+    model = models[kind]
+    prompt = torch.randint(4, 128, (3, P), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=NEW, policy=LeftToRight(), num_steps=2, **path)
+    eos = int(model.generate(prompt[:1], eos_token_id=None, generator=_gens(1), **kw)[0, P + 5])
+    out = model.generate(prompt, eos_token_id=eos, return_trace=True, generator=_gens(3), **kw)
+    assert (out.commit_step[0, P + 6:] == -1).all() and (out.sequences[0, P + 6:] == eos).all()  # row 0 stopped
+    completion = out.commit_step >= 0
+    with torch.no_grad():
+        r = sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step)
+    torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-5, rtol=0)

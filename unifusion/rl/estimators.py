@@ -291,12 +291,13 @@ class TracePlan:
     """The passes that replay a decoder's commit order (:func:`plan_trace`).
 
     Attributes:
-        noised: ``(K, B, L)`` bool, the positions pass k masks (the groups of pass k and every later group of the same
-            block).
-        scored: ``(K, B, L)`` bool, the group each block contributes in pass k (its k-th distinct commit step).
-        t: ``(B, L)`` float64, the time the decoder gave the model when it committed each completion position: the
-            fraction of the row's completion still masked then, ``#{j : step_j ≥ step_i} / n``, clamped to
-            ``[TIME_EPS, 1 − TIME_EPS]`` (0.5 outside the completion).
+        noised: ``(K, B, L)`` bool, the positions pass k masks: the group it scores (per block), every group committed
+            after it, and the generated positions the decoder never committed (step −1 after the first one).
+        scored: ``(K, B, L)`` bool, the completion positions of the group each row (each block) contributes in pass k:
+            the k-th distinct commit step.
+        t: ``(B, L)`` float64, the time the decoder gave the model when it committed each position: the fraction of
+            the row's generated positions still masked then, ``(#{j : step_j ≥ step_i} + #{never committed}) /
+            #generated``, clamped to ``[TIME_EPS, 1 − TIME_EPS]`` (0.5 before the generated region).
     """
 
     noised: torch.Tensor
@@ -305,26 +306,31 @@ class TracePlan:
 
     @property
     def num_passes(self) -> int:
-        """K, the forwards the replay costs: the most distinct steps of one block (of one row without blocks)."""
+        """K, the forwards the replay costs: the most distinct steps of one block (of one row without blocks) up to
+        the last scored one."""
         return int(self.noised.shape[0])
 
 
 def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size: int | None = None) -> TracePlan:
-    """The replay of a decoder's order (TraceRL): the completion positions committed at one step form a group G_s,
-    scored given the prompt and the groups committed before it, every later group masked:
+    """The replay of a decoder's order (TraceRL): the positions committed at one step form a group G_s, scored given
+    the prompt and the groups committed before it, every later group masked:
 
-        log p_θ(y | c; order) = Σ_s Σ_{i ∈ G_s} log x_θ,i(y_i | c, y_{G_<s}, mask elsewhere).
+        log p_θ(y | c; order) = Σ_s Σ_{i ∈ G_s ∩ completion} log x_θ,i(y_i | c, y_{G_<s}, mask elsewhere).
 
-    Without blocks (a fully bidirectional model) pass k scores every row's k-th group (the steps of a row in
-    ascending order). With ``block_size`` K the completion is cut into blocks of K positions from each row's first
-    completion column (the decoder's blocks); a block model's prediction for a block sees only the clean blocks
-    before it, so pass k scores the k-th group of *every* block at once, each block at its own state: as many passes
-    as the most steps one block took.
+    The generated region of a row starts at its first column with a step or in the completion (the decoder's first
+    generated column); there the trace decides what each pass sees — committed positions (step ≥ 0) are clean
+    before their step and masked from it on, whether scored or not, and positions without a step (the fill after
+    an EOS, which the decoder saw masked until the row stopped) stay masked. Columns before it are the prompt.
+
+    Without blocks (a fully bidirectional model) pass k scores every row's k-th group (its steps in ascending
+    order). With ``block_size`` K the region is cut into blocks of K positions from its first column (the decoder's
+    blocks); a block model's prediction for a block sees only the clean blocks before it, so pass k scores the k-th
+    group of *every* block at once, each block at its own state: as many passes as the most steps one block took.
 
     Args:
         trace: ``(B, L)`` integer commit steps (:attr:`unifusion.samplers.PolicyOutput.commit_step`): positions with
-            equal steps were committed together, smaller steps earlier; read at completion positions only (each
-            must be ``≥ 0``).
+            equal steps were committed together, smaller steps earlier, ``-1`` where nothing was committed; every
+            completion position needs a step ``≥ 0``.
         completion_mask: ``(B, L)`` bool, the scored tokens.
         block_size: the decoder's block size for a block model, ``None`` otherwise.
 
@@ -345,24 +351,25 @@ def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size
         f"{missing.any(-1).nonzero().flatten().tolist()[:8]}; every scored token needs the step it was committed "
         "at (leave uncommitted positions, e.g. the fill after EOS, out of completion_mask)"))
     col = torch.arange(L, device=step.device)
-    if K is None:
-        block = torch.zeros_like(step)
-    else:
-        start = torch.where(completion, col, L).amin(-1, keepdim=True)  # (B, 1) each row's first completion column
-        block = (col - start).div(K, rounding_mode="floor")
-    # the rank of each position's step among the distinct steps of its (row, block): its pass
-    same = completion[:, :, None] & completion[:, None, :] & (block[:, :, None] == block[:, None, :])  # (B, L, L)
+    start = torch.where(completion | (step >= 0), col, L).amin(-1, keepdim=True)  # (B, 1) the generated region
+    region = col >= start
+    committed = region & (step >= 0)
+    never = region & (step < 0)
+    block = torch.zeros_like(step) if K is None else (col - start).div(K, rounding_mode="floor")
+    # the rank of each committed position's step among the distinct steps of its (row, block): its pass
+    same = committed[:, :, None] & committed[:, None, :] & (block[:, :, None] == block[:, None, :])  # (B, L, L)
     earlier_equal = same & (step[:, :, None] == step[:, None, :]) & (col[:, None] > col[None, :])
-    first = completion & ~earlier_equal.any(-1)  # (B, L): the first position of each distinct step
+    first = committed & ~earlier_equal.any(-1)  # (B, L): the first position of each distinct step
     rank = (same & first[:, None, :] & (step[:, None, :] < step[:, :, None])).sum(-1)  # (B, L)
-    rank = torch.where(completion, rank, -1)
-    num_passes = int(rank.max().item()) + 1
+    rank = torch.where(committed, rank, -1)
+    num_passes = int(torch.where(completion, rank, -1).max().item()) + 1
     k = torch.arange(num_passes, device=step.device)[:, None, None]
-    noised = completion[None] & (rank[None] >= k)
-    scored = rank[None] == k
-    n = completion.sum(-1, keepdim=True).to(torch.float64)  # (B, 1)
-    later = (completion[:, None, :] & (step[:, None, :] >= step[:, :, None])).sum(-1).to(torch.float64)  # (B, L)
-    t = torch.where(completion, (later / n.clamp_min(1.0)).clamp(TIME_EPS, 1.0 - TIME_EPS), 0.5)
+    noised = never[None] | (committed[None] & (rank[None] >= k))
+    scored = completion[None] & (rank[None] == k)
+    n = region.sum(-1, keepdim=True).to(torch.float64)  # (B, 1)
+    later = (committed[:, None, :] & (step[:, None, :] >= step[:, :, None])).sum(-1).to(torch.float64)  # (B, L)
+    masked = (later + never.sum(-1, keepdim=True)) / n.clamp_min(1.0)
+    t = torch.where(committed, masked.clamp(TIME_EPS, 1.0 - TIME_EPS), 0.5)
     return TracePlan(noised=noised, scored=scored, t=t)
 
 

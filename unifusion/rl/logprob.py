@@ -97,11 +97,12 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
     decoder's temperature, the replay of a rollout equals ``commit_logprob.sum(-1)`` (up to float rounding) when
     the decoder used no top-k/top-p and the model its exact computation (the uncached or exact block cache path,
     not the approximate prefix cache). The model's time input is the fraction of the completion still masked when
-    the group was committed, which is the decoder's when the completion is the whole generated region. A row that
-    stopped at EOS: the positions after the EOS hold the fill and step −1; leave them out of ``completion_mask``
-    (and, for a model without blocks, note the decoder saw them masked while the replay sees the fill, so the
-    replay is exact for the tokens up to the EOS only when nothing after it was in view: a block model whose EOS
-    block held no other committed token). Temperatures other than 1 hold the ``(B, L, V)`` logits of a pass.
+    the group was committed. The trace decides what every pass sees from the row's first generated column on
+    (:func:`~unifusion.rl.estimators.plan_trace`): unscored committed positions are clean before their step and
+    masked after, positions without a step stay masked. So a row that stopped at EOS, scored up to its EOS (the
+    fill after it has step −1 and stays out of ``completion_mask``), replays exactly as decoded unless the decoder
+    had committed a position after the EOS before the row stopped (that token was replaced by the fill; the replay
+    sees a mask there). Temperatures other than 1 hold the ``(B, L, V)`` logits of a pass.
 
     Models: a :class:`~unifusion.DiffusionLM` (``"elbo"`` under any kernel, the others under a mask kernel); a block
     model (``adapt_ar_model(..., block_size=K)``): the block ELBO ``Σ_b ELBO(block b | clean prefix)``, every block
@@ -262,17 +263,19 @@ def _replay(model: Any, x0: torch.Tensor, completion: torch.Tensor, trace: objec
     B, L = x0.shape
     inner = V.unwrap_model(model)
     K = getattr(inner, "block_size", None)
+    plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
     shift = 0
     if K is not None:
-        start = torch.where(completion, torch.arange(L, device=x0.device), L).amin(-1)  # (B,)
+        assert isinstance(trace, torch.Tensor)  # plan_trace checked it
+        generated = completion | (trace.to(x0.device) >= 0)
+        start = torch.where(generated, torch.arange(L, device=x0.device), L).amin(-1)  # (B,) the decoder's first column
         shifts = sorted(set(((-start) % int(K)).tolist()))  # one host read
         if len(shifts) > 1:
-            raise ValueError(f"completion_mask: a block model's replay cuts blocks where the completion starts, which "
-                             f"must be the same column modulo block_size = {K} in every row, got starts "
-                             f"{sorted(set(start.tolist()))[:8]}; left-pad the prompts (attention_mask), as generate "
-                             "does")
+            raise ValueError(f"completion_mask: a block model's replay cuts blocks where the generated region starts "
+                             f"(the first column with a step or in the completion), which must be the same column "
+                             f"modulo block_size = {K} in every row, got starts {sorted(set(start.tolist()))[:8]}; "
+                             "left-pad the prompts (attention_mask), as generate does")
         shift = shifts[0]
-    plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
     if shift:
         def pad(x: torch.Tensor, value: Any) -> torch.Tensor:
             return torch.cat([x.new_full((*x.shape[:-1], shift), value), x], -1)
