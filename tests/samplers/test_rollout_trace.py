@@ -143,3 +143,19 @@ def test_the_sampler_without_trace_returns_what_it_did():
     assert a.commit_step is None and a.commit_logprob is None and a.commit_prob is None
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.num_forwards, b.num_forwards)
     assert b.commit_step.ge(0).all() and int(b.commit_step.max()) == 5
+
+
+def test_a_stop_column_drops_the_trace_after_it():
+    """stopping (stop strings) replaces the tokens after a row's stop column by the fill: no step there."""
+    V, mask = 12, 11
+    kernel = uf.MaskKernel(V, mask)
+    w = torch.randn(V, V, generator=torch.Generator().manual_seed(0))
+    sampler = PolicySampler(lambda x, t: w[x], kernel, LowConfidence(), num_steps=2, block_size=3)
+
+    def stop(b, tokens, cols):
+        return torch.tensor([4, -1]) if b == 1 else None
+
+    out = sampler.sample(2, 9, generator=_gens([1, 2]), return_trace=True, stopping=stop, pad_token_id=0)
+    assert out.commit_step[0, :5].ge(0).all() and out.commit_step[0, 5:].eq(-1).all()
+    assert out.commit_logprob[0, 5:].eq(0).all() and out.sequences[0, 5:].eq(0).all()
+    assert out.commit_step[1].ge(0).all() and int(out.num_forwards[0]) == 4
