@@ -77,7 +77,8 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
              block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
-             kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
+             return_trace: bool = False, num_return_sequences: int | None = None, kernel: Any = None,
+             temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
              eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
              progress: bool = False, generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
@@ -86,13 +87,13 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
 
     The arguments and the result are those of :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>`:
     ``(B, P)`` or ``(P,)`` prompt ids in, ``(B, P + max_new_tokens)`` int64 ids out (or a
-    :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True``), the prompt unchanged in the first ``P``
-    columns.
+    :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True`` or ``return_trace=True``), the prompt unchanged
+    in the first ``P`` columns; with ``num_return_sequences=n`` the ``B·n`` rows of ``n`` completions per prompt.
     """
     hf = resolve_hf_options(generation_config, kwargs, max_new_tokens=max_new_tokens, seq_len=seq_len,
                             max_length=max_length, do_sample=do_sample, temperature=temperature, top_k=top_k,
                             top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                            stop_strings=stop_strings)
+                            stop_strings=stop_strings, num_return_sequences=num_return_sequences)
     max_new_tokens, seq_len, temperature, top_k, top_p = (hf.max_new_tokens, hf.seq_len, hf.temperature, hf.top_k,
                                                           hf.top_p)
     eos_token_id, pad_token_id = hf.eos_token_id, hf.pad_token_id
@@ -110,6 +111,11 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     B, P = prompt_ids.shape
     if attention_mask is not None:
         attention_mask = _check_attention_mask(attention_mask, B, P)
+    n = hf.num_return_sequences
+    if n > 1:  # a group of n completions per prompt, rows b·n … b·n + n − 1, in one batch
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
+        B = B * n
     generator = V.check_generators(generator, B)  # None, one generator, or one per row
     for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
         if g.device.type != device.type:
@@ -126,7 +132,8 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
     V.check_model_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
-    for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict)):
+    for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict),
+                       ("return_trace", return_trace)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if kernel is None:
@@ -156,6 +163,10 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if streamer is not None:
         streamer.put(prompt_ids.cpu())  # the prompt first, as transformers' generate does
     if policy is None:
+        if return_trace:
+            raise ValueError("return_trace: records the step at which a decoding policy commits each position; the "
+                             "full-sequence BayesianSampler (policy=None on a model without blocks) commits none: "
+                             "pass a policy (policy=uf.samplers.policies.LowConfidence(), ...)")
         out = _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
         if stream is not None:  # one "block": the whole generated region, decided at the end
@@ -177,14 +188,19 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if stream is not None:
         stream.start, stream.length = P + shift, L + shift
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
-                         eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict, progress=progress,
+                         eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict,
+                         return_trace=return_trace, progress=progress,
                          stopping=stream.stopping if stream is not None and stream.stop_strings else None,
                          on_block=stream.on_block if stream is not None and streamer is not None else None)
     if streamer is not None:
         streamer.end()
     if isinstance(out, torch.Tensor):
         return out[:, shift:]
-    return dataclasses.replace(out, sequences=out.sequences[:, shift:]) if shift else out
+    if not shift:
+        return out
+    trace = {} if out.commit_step is None or out.commit_logprob is None else {
+        "commit_step": out.commit_step[:, shift:], "commit_logprob": out.commit_logprob[:, shift:]}
+    return dataclasses.replace(out, sequences=out.sequences[:, shift:], **trace)
 
 
 def _pad_left(prompt: torch.Tensor, attention_mask: torch.Tensor | None, P: int, shift: int
@@ -380,7 +396,7 @@ class _Padded:
 # transformers' generation vocabulary
 
 HF_SUPPORTED = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                "pad_token_id", "stop_strings")
+                "pad_token_id", "stop_strings", "num_return_sequences")
 """The ``transformers.GenerationConfig`` fields ``generate`` reads (from a config or as keywords)."""
 
 _HF_IGNORED = frozenset({
@@ -392,7 +408,7 @@ _HF_IGNORED = frozenset({
 """Fields that say how transformers runs (caches, outputs, bookkeeping), not which tokens come out: ignored."""
 
 _HF_NEUTRAL: dict[str, Any] = {
-    "num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "repetition_penalty": 1.0,
+    "num_beams": 1, "num_beam_groups": 1, "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
@@ -412,12 +428,13 @@ class HFOptions:
     eos_token_id: Any
     pad_token_id: int | None
     stop_strings: tuple[str, ...]
+    num_return_sequences: int = 1
 
 
 def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new_tokens: int | None,
                        seq_len: int | None, max_length: int | None, do_sample: bool | None, temperature: float,
                        top_k: int | None, top_p: float | None, eos_token_id: Any, pad_token_id: int | None,
-                       stop_strings: Any) -> HFOptions:
+                       stop_strings: Any, num_return_sequences: int | None = None) -> HFOptions:
     """Merge a ``transformers.GenerationConfig`` with ``generate``'s keywords (a keyword given with another value
     than its default wins) and refuse what diffusion decoding cannot honour.
 
@@ -486,9 +503,12 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
         raise TypeError(f"stop_strings: expected a non-empty string or a list of them, got {stop_strings!r}")
     if any(not s for s in strings):
         raise ValueError("stop_strings: expected non-empty strings, got ''")
+    if num_return_sequences is None:
+        num_return_sequences = fields.get("num_return_sequences", 1)
+    num_return_sequences = V.check_positive_int("num_return_sequences", num_return_sequences)
     return HFOptions(max_new_tokens=max_new_tokens, seq_len=seq_len, do_sample=do_sample, temperature=temperature,
                      top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                     stop_strings=strings)
+                     stop_strings=strings, num_return_sequences=num_return_sequences)
 
 
 def _known_hf_fields() -> frozenset[str]:

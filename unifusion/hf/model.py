@@ -473,8 +473,9 @@ class DiffusionLM(nn.Module, Denoiser):
                  policy: Any = None, num_steps: int | None = None, block_size: int | None = None,
                  use_cache: bool = True, cache_refresh: int | None = None, merge_commits: bool = False,
                  attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
-                 pad_token_id: int | None = None, return_dict: bool = False, kernel: Any = None,
-                 temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
+                 pad_token_id: int | None = None, return_dict: bool = False, return_trace: bool = False,
+                 num_return_sequences: int | None = None, kernel: Any = None, temperature: float = 1.0,
+                 top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False, generation_config: Any = None, max_length: int | None = None,
                  do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None,
@@ -516,6 +517,15 @@ class DiffusionLM(nn.Module, Denoiser):
             pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
             return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
                 ``tokens_per_forward`` per row) instead of the tokens.
+            return_trace: with a policy, also the rollout trace (implies ``return_dict``):
+                :attr:`~unifusion.samplers.PolicyOutput.commit_step` ``(B, L)``, the model call at which each
+                generated position was committed (counted as ``num_forwards`` counts, the cache's prefill as call 0),
+                and :attr:`~unifusion.samplers.PolicyOutput.commit_logprob`, the log-probability it was committed
+                with; what ``uf.rl.sequence_logprob(..., estimator="trace", trace=out.commit_step)`` replays. Mask
+                kernels; ``policy=None`` on a model without blocks (the BayesianSampler) is a ``ValueError``.
+            num_return_sequences: completions per prompt (default 1, or ``generation_config``'s): the prompts are
+                repeated ``n`` times in place (rows ``b·n … b·n + n − 1`` continue prompt ``b``) and decoded in one
+                batch of ``B·n`` rows; a list of generators then has ``B·n`` entries, one per returned row.
             kernel: the forward kernel the model was trained with; default :attr:`kernel` when recorded, else
                 :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
                 (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
@@ -562,7 +572,8 @@ class DiffusionLM(nn.Module, Denoiser):
             self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
             block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
             attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            return_dict=return_dict, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
+            return_dict=return_dict, return_trace=return_trace, num_return_sequences=num_return_sequences,
+            kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
             generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
             do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 

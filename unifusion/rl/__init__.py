@@ -1,7 +1,8 @@
 """Reinforcement learning for diffusion LMs: sequence log-likelihood estimators and the RL objectives on them.
 
 * :func:`sequence_logprob` — ``log p_θ(completion | prompt)`` by every published estimator (ELBO, LLaDA's discrete
-  ELBO, DiffuCoder's coupled pairs, GDPO's quadrature, d1's mean field, SPG's EUBO) through the fused output head.
+  ELBO, DiffuCoder's coupled pairs, GDPO's quadrature, d1's mean field, SPG's EUBO, TraceRL's replay of a rollout's
+  commit order) through the fused output head.
 * :mod:`unifusion.rl.estimators` — their masks, times and weights (:func:`plan_masks`) and how log-probs combine.
 * :mod:`unifusion.rl.objectives` — :func:`grpo_loss`, :func:`wd1_loss`, :func:`spg_loss`, :func:`dpo_loss` and
   :func:`group_advantages`, per sample or per token (the caller reduces).
@@ -10,10 +11,12 @@
 from .estimators import (
     ESTIMATORS,
     MaskPlan,
+    TracePlan,
     combine_log_probs,
     gauss_legendre,
     plan_from_masks,
     plan_masks,
+    plan_trace,
     row_generators,
 )
 from .logprob import SequenceLogProb, sequence_logprob
@@ -23,6 +26,7 @@ __all__ = [
     "ESTIMATORS",
     "MaskPlan",
     "SequenceLogProb",
+    "TracePlan",
     "combine_log_probs",
     "dpo_loss",
     "gauss_legendre",
@@ -30,6 +34,7 @@ __all__ = [
     "grpo_loss",
     "plan_from_masks",
     "plan_masks",
+    "plan_trace",
     "row_generators",
     "sequence_logprob",
     "spg_loss",

@@ -37,11 +37,17 @@ import torch
 
 from .. import _validation as V
 
-__all__ = ["ESTIMATORS", "MaskPlan", "plan_masks", "plan_from_masks", "combine_log_probs", "row_generators",
-           "gauss_legendre"]
+__all__ = ["ESTIMATORS", "MaskPlan", "TracePlan", "plan_masks", "plan_from_masks", "plan_trace", "combine_log_probs",
+           "row_generators", "gauss_legendre"]
 
-ESTIMATORS = ("elbo", "elbo_discrete", "coupled", "quadrature", "mean_field", "eubo")
+ESTIMATORS = ("elbo", "elbo_discrete", "coupled", "quadrature", "mean_field", "eubo", "trace")
 """The estimator names of :func:`~unifusion.rl.sequence_logprob`."""
+
+_PLANNED = ("elbo_discrete", "coupled", "quadrature", "mean_field", "eubo")
+"""The estimators whose masks :func:`plan_masks` draws."""
+
+TIME_EPS = 1e-3
+"""The replayed times are clamped to [ε, 1 − ε], as the decoder clamps the times it gives the model."""
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MAX_TIME = 1.0 - 1e-6
@@ -170,8 +176,8 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
     Returns:
         :class:`MaskPlan` with K passes (``2K`` or ``2K + 1`` for ``"coupled"``, ``K·draws`` for ``"quadrature"``).
     """
-    if estimator not in ESTIMATORS or estimator == "elbo":
-        raise ValueError(f"estimator: plan_masks makes the masks of {ESTIMATORS[1:]}, got {estimator!r}")
+    if estimator not in _PLANNED:
+        raise ValueError(f"estimator: plan_masks makes the masks of {_PLANNED}, got {estimator!r}")
     K = V.check_positive_int("num_samples", num_samples)
     completion = _check_completion(completion_mask)
     B, L = completion.shape
@@ -277,7 +283,94 @@ def plan_from_masks(estimator: str, completion_mask: torch.Tensor, masks: torch.
         coef = torch.full((K, B), 1.0 / K, dtype=torch.float64, device=device)
         return MaskPlan(masks | scored, scored, coef, torch.ones(K, B, dtype=torch.float64, device=device),
                         estimator)
-    raise ValueError(f"estimator: plan_from_masks makes the plans of {ESTIMATORS[1:]}, got {estimator!r}")
+    raise ValueError(f"estimator: plan_from_masks makes the plans of {_PLANNED}, got {estimator!r}")
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """The passes that replay a decoder's commit order (:func:`plan_trace`).
+
+    Attributes:
+        noised: ``(K, B, L)`` bool, the positions pass k masks: the group it scores (per block), every group committed
+            after it, and the generated positions the decoder never committed (step −1 after the first one).
+        scored: ``(K, B, L)`` bool, the completion positions of the group each row (each block) contributes in pass k:
+            the k-th distinct commit step.
+        t: ``(B, L)`` float64, the time the decoder gave the model when it committed each position: the fraction of
+            the row's generated positions still masked then, ``(#{j : step_j ≥ step_i} + #{never committed}) /
+            #generated``, clamped to ``[TIME_EPS, 1 − TIME_EPS]`` (0.5 before the generated region).
+    """
+
+    noised: torch.Tensor
+    scored: torch.Tensor
+    t: torch.Tensor
+
+    @property
+    def num_passes(self) -> int:
+        """K, the forwards the replay costs: the most distinct steps of one block (of one row without blocks) up to
+        the last scored one."""
+        return int(self.noised.shape[0])
+
+
+def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size: int | None = None) -> TracePlan:
+    """The replay of a decoder's order (TraceRL): the positions committed at one step form a group G_s, scored given
+    the prompt and the groups committed before it, every later group masked:
+
+        log p_θ(y | c; order) = Σ_s Σ_{i ∈ G_s ∩ completion} log x_θ,i(y_i | c, y_{G_<s}, mask elsewhere).
+
+    The generated region of a row starts at its first column with a step or in the completion (the decoder's first
+    generated column); there the trace decides what each pass sees — committed positions (step ≥ 0) are clean
+    before their step and masked from it on, whether scored or not, and positions without a step (the fill after
+    an EOS, which the decoder saw masked until the row stopped) stay masked. Columns before it are the prompt.
+
+    Without blocks (a fully bidirectional model) pass k scores every row's k-th group (its steps in ascending
+    order). With ``block_size`` K the region is cut into blocks of K positions from its first column (the decoder's
+    blocks); a block model's prediction for a block sees only the clean blocks before it, so pass k scores the k-th
+    group of *every* block at once, each block at its own state: as many passes as the most steps one block took.
+
+    Args:
+        trace: ``(B, L)`` integer commit steps (:attr:`unifusion.samplers.PolicyOutput.commit_step`): positions with
+            equal steps were committed together, smaller steps earlier, ``-1`` where nothing was committed; every
+            completion position needs a step ``≥ 0``.
+        completion_mask: ``(B, L)`` bool, the scored tokens.
+        block_size: the decoder's block size for a block model, ``None`` otherwise.
+
+    Returns:
+        :class:`TracePlan`. One host read (the number of passes).
+    """
+    completion = _check_completion(completion_mask)
+    B, L = completion.shape
+    if not isinstance(trace, torch.Tensor) or not V.is_integer_dtype(trace.dtype) or tuple(trace.shape) != (B, L):
+        got = (f"{tuple(trace.shape)} {trace.dtype}" if isinstance(trace, torch.Tensor) else type(trace).__name__)
+        raise ValueError(f"trace: expected a ({B}, {L}) integer tensor of commit steps like input_ids "
+                         f"(PolicyOutput.commit_step), got {got}")
+    K = None if block_size is None else V.check_positive_int("block_size", block_size)
+    step = trace.to(device=completion.device, dtype=torch.long)
+    missing = completion & (step < 0)
+    V.fail_if(missing.any(), lambda: (
+        f"trace: completion positions without a commit step (-1) in rows "
+        f"{missing.any(-1).nonzero().flatten().tolist()[:8]}; every scored token needs the step it was committed "
+        "at (leave uncommitted positions, e.g. the fill after EOS, out of completion_mask)"))
+    col = torch.arange(L, device=step.device)
+    start = torch.where(completion | (step >= 0), col, L).amin(-1, keepdim=True)  # (B, 1) the generated region
+    region = col >= start
+    committed = region & (step >= 0)
+    never = region & (step < 0)
+    block = torch.zeros_like(step) if K is None else (col - start).div(K, rounding_mode="floor")
+    # the rank of each committed position's step among the distinct steps of its (row, block): its pass
+    same = committed[:, :, None] & committed[:, None, :] & (block[:, :, None] == block[:, None, :])  # (B, L, L)
+    earlier_equal = same & (step[:, :, None] == step[:, None, :]) & (col[:, None] > col[None, :])
+    first = committed & ~earlier_equal.any(-1)  # (B, L): the first position of each distinct step
+    rank = (same & first[:, None, :] & (step[:, None, :] < step[:, :, None])).sum(-1)  # (B, L)
+    rank = torch.where(committed, rank, -1)
+    num_passes = int(torch.where(completion, rank, -1).max().item()) + 1
+    k = torch.arange(num_passes, device=step.device)[:, None, None]
+    noised = never[None] | (committed[None] & (rank[None] >= k))
+    scored = completion[None] & (rank[None] == k)
+    n = region.sum(-1, keepdim=True).to(torch.float64)  # (B, 1)
+    later = (committed[:, None, :] & (step[:, None, :] >= step[:, :, None])).sum(-1).to(torch.float64)  # (B, L)
+    masked = (later + never.sum(-1, keepdim=True)) / n.clamp_min(1.0)
+    t = torch.where(committed, masked.clamp(TIME_EPS, 1.0 - TIME_EPS), 0.5)
+    return TracePlan(noised=noised, scored=scored, t=t)
 
 
 def combine_log_probs(plan: MaskPlan, log_probs: torch.Tensor) -> torch.Tensor:

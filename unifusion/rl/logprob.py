@@ -10,6 +10,7 @@ per_token=False)``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from ..eval.likelihood import prior_kl
 from ..hf import blocks
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from ..schedules import LinearSchedule
-from .estimators import ESTIMATORS, MaskPlan, combine_log_probs, plan_masks, row_generators
+from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_log_probs, plan_masks, plan_trace, row_generators
 
 __all__ = ["SequenceLogProb", "sequence_logprob"]
 
@@ -32,6 +33,7 @@ _OPTIONS = {
     "quadrature": {"masks", "draws"},
     "mean_field": {"prompt_mask_prob"},
     "eubo": {"beta"},
+    "trace": {"trace", "temperature"},
 }
 
 
@@ -78,11 +80,29 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
     | ``"quadrature"`` | GDPO: Gauss–Legendre nodes in t, exact-count masks | quadrature error | K·draws |
     | ``"mean_field"`` | d1: completion fully masked, prompt masked w.p. 0.15 | not a bound | K |
     | ``"eubo"`` | SPG: ``(1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]`` | upper bound | K |
+    | ``"trace"`` | TraceRL: ``Σ_s Σ_{i∈G_s} log x_θ,i(y_i | c, y_{G_<s})`` in its order | exact (order) | steps |
 
     Options (``**options``): ``"elbo"``: ``t_min`` (0); ``"coupled"``: ``t_range`` ((0, 1); DiffuCoder (0.2, 0.8)),
     ``fully_masked`` (False; DiffuCoder True); ``"quadrature"``: ``masks`` ("exact_count" | "bernoulli"), ``draws``
     (1); ``"mean_field"``: ``prompt_mask_prob`` (0.15); ``"eubo"``: ``beta`` (1.5). See
     :func:`~unifusion.rl.estimators.plan_masks` for each formula.
+
+    ``"trace"`` (TraceRL) replays the order a decoder committed the completion in: ``trace=`` (required) is its
+    ``(B, L)`` commit steps (:attr:`unifusion.samplers.PolicyOutput.commit_step`, from ``generate(...,
+    return_trace=True)``); each group G_s of positions committed at one step is scored given the prompt and the
+    groups committed before it, the later ones masked (:func:`~unifusion.rl.estimators.plan_trace`). Deterministic
+    (no ``generator``, ``num_samples=1``); one pass per step (a block model: per step of its longest block, every
+    block at its own state, the blocks cut from each row's first completion column as the decoder cut them).
+    ``temperature`` (1.0) scores ``softmax(logits / T)`` (mask state excluded) like a decoder sampling at T: with the
+    decoder's temperature, the replay of a rollout equals ``commit_logprob.sum(-1)`` (up to float rounding) when
+    the decoder used no top-k/top-p and the model its exact computation (the uncached or exact block cache path,
+    not the approximate prefix cache). The model's time input is the fraction of the completion still masked when
+    the group was committed. The trace decides what every pass sees from the row's first generated column on
+    (:func:`~unifusion.rl.estimators.plan_trace`): unscored committed positions are clean before their step and
+    masked after, positions without a step stay masked. So a row that stopped at EOS, scored up to its EOS (the
+    fill after it has step −1 and stays out of ``completion_mask``), replays exactly as decoded unless the decoder
+    had committed a position after the EOS before the row stopped (that token was replaced by the fill; the replay
+    sees a mask there). Temperatures other than 1 hold the ``(B, L, V)`` logits of a pass.
 
     Models: a :class:`~unifusion.DiffusionLM` (``"elbo"`` under any kernel, the others under a mask kernel); a block
     model (``adapt_ar_model(..., block_size=K)``): the block ELBO ``Σ_b ELBO(block b | clean prefix)``, every block
@@ -155,7 +175,16 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
     kernel = check_kernel(kernel)
     prompted = _conditions_on_prompt(model)
     block = _block_size(model, L)
-    if estimator != "elbo":
+    if estimator == "trace":
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: 'trace' replays a mask decoder's commits and needs a MaskKernel, got "
+                             f"kernel={kernel!r}")
+        if prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
+                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
+        if K != 1:
+            raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
+    elif estimator != "elbo":
         if not isinstance(kernel, MaskKernel):
             raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
                              "use estimator='elbo' under uniform or hybrid noise")
@@ -183,6 +212,17 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
             raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
         gens = row_generators(generator, B, x0.device, row_offset=row_offset)
         return _elbo(model, x0, completion, valid, kernel, K, gens, attention_mask, block, prompted, float(t_min))
+
+    if estimator == "trace":
+        if "trace" not in options:
+            raise ValueError("trace: estimator='trace' needs trace= (B, L) commit steps (PolicyOutput.commit_step, "
+                             "from generate(..., return_trace=True))")
+        temperature = options.get("temperature", 1.0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
+        assert isinstance(kernel, MaskKernel)
+        return _replay(model, x0, completion, options["trace"], kernel.mask_id, attention_mask, float(temperature))
 
     plan = plan_masks(estimator, completion, num_samples=K, generator=generator, row_offset=row_offset,
                       prompt_mask=valid & ~completion, **options)
@@ -212,6 +252,66 @@ def _score_plan(model: Any, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
         per_token = stacked.sum(0)  # coef already applied
     else:
         per_token = combine_log_probs(plan, stacked)
+    return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
+
+
+def _replay(model: Any, x0: torch.Tensor, completion: torch.Tensor, trace: object, mask_id: int,
+            attention_mask: torch.Tensor | None, temperature: float) -> SequenceLogProb:
+    """The ``"trace"`` estimator: the passes of :func:`~unifusion.rl.estimators.plan_trace`, each through the model's
+    forward; a block model runs behind ``−start mod K`` invisible left pads so that its blocks are cut where the
+    decoder's were (at the completion's first column), as ``generate(..., use_cache=False)`` does."""
+    B, L = x0.shape
+    inner = V.unwrap_model(model)
+    K = getattr(inner, "block_size", None)
+    plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
+    shift = 0
+    if K is not None:
+        assert isinstance(trace, torch.Tensor)  # plan_trace checked it
+        generated = completion | (trace.to(x0.device) >= 0)
+        start = torch.where(generated, torch.arange(L, device=x0.device), L).amin(-1)  # (B,) the decoder's first column
+        shifts = sorted(set(((-start) % int(K)).tolist()))  # one host read
+        if len(shifts) > 1:
+            raise ValueError(f"completion_mask: a block model's replay cuts blocks where the generated region starts "
+                             f"(the first column with a step or in the completion), which must be the same column "
+                             f"modulo block_size = {K} in every row, got starts {sorted(set(start.tolist()))[:8]}; "
+                             "left-pad the prompts (attention_mask), as generate does")
+        shift = shifts[0]
+    if shift:
+        def pad(x: torch.Tensor, value: Any) -> torch.Tensor:
+            return torch.cat([x.new_full((*x.shape[:-1], shift), value), x], -1)
+        x0 = torch.cat([x0[:, :1].expand(B, shift), x0], 1)  # any valid id: no query sees the pads
+        valid = torch.ones((B, L), dtype=torch.bool, device=x0.device) if attention_mask is None else \
+            attention_mask.to(torch.bool)
+        attention_mask = pad(valid, False)
+        plan = TracePlan(noised=pad(plan.noised, False), scored=pad(plan.scored, False), t=pad(plan.t, 0.5))
+    Lp = x0.shape[1]
+    block = _block_size(model, Lp)
+    nb = 1 if block is None else blocks.num_blocks(Lp, block)
+    width = Lp if block is None else block
+    extra: dict[str, Any] = {} if block is None else {"clean": x0}
+    scorer = MaskKernel(inner.num_states, mask_id, LinearSchedule())
+    per_pass = []
+    for k in range(plan.num_passes):
+        scored = plan.scored[k]
+        x_t = torch.where(plan.noised[k], torch.full_like(x0, mask_id), x0)
+        # each block's time: its group's (all positions of a group share it); 0.5 where a block scores nothing
+        t_pos = torch.where(scored, plan.t, 0.0)
+        t_pos = torch.nn.functional.pad(t_pos, (0, nb * width - Lp)).unflatten(-1, (nb, width)).amax(-1)
+        t_blk = torch.where(t_pos > 0, t_pos, 0.5)  # (B, nb)
+        t_in = t_blk[:, 0].float() if block is None else t_blk.float()
+        t_tok = t_blk.expand(B, Lp) if block is None else blocks.expand_block_times(t_blk, Lp, block)
+        with V.validation(False):
+            if temperature == 1.0:  # the fused loss: −(1/t) log x_θ(y_i) at masked positions, weight t
+                weight = torch.where(scored, t_tok, 0.0).float()
+                lp = -model(x_t, t_in, x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
+                            attention_mask=attention_mask, **extra)
+            else:
+                logits = model(x_t, t_in, attention_mask=attention_mask, **extra)
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+                logits[..., mask_id] = -math.inf
+                lp = torch.log_softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
+        per_pass.append(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)))
+    per_token = torch.stack(per_pass).sum(0)[:, shift:]
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 

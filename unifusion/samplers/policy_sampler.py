@@ -51,7 +51,7 @@ from ._setup import (
     resolve_device,
     resolve_prompt,
 )
-from .policies.mask import mask_step
+from .policies.mask import mask_step_with_probs
 from .policies.protocol import DecodingPolicy, MaskPolicy, RowRandomness
 from .policies.uniform import EntropyBound, entropy_bound_step
 
@@ -100,11 +100,30 @@ class PolicyOutput:
             :class:`BlockDenoiser`'s own calls (prefill, commit passes; its state's ``extra_forwards``).
         tokens_per_forward: ``(B,)`` float32, generated tokens (up to and including the first EOS) / num_forwards
             (0 for a row with nothing to generate).
+        commit_step: with ``return_trace=True`` (else ``None``): ``(B, L)`` int64, the step at which each generated
+            position was committed — the 0-based index of the row's model call whose logits it was drawn from, in
+            the counting of ``num_forwards`` (a :class:`BlockDenoiser`'s prefill is call 0 and a separate commit
+            pass takes an index too), so ``commit_step < num_forwards``; positions committed together share a step
+            and a later block's steps are larger. ``-1`` at prompt positions and at positions the model did not
+            commit: the fill after a row's EOS (or ``stopping`` column), whose tokens were replaced.
+        commit_logprob: with ``return_trace=True``: ``(B, L)`` float32, ``log x_θ,j(z_j)`` of each committed token
+            under the distribution it was drawn from (softmax(logits / T), mask state excluded, after top-k and
+            top-p; with ``do_sample=False`` the argmax's probability under it); ``0`` where ``commit_step`` is
+            ``-1``. ``commit_logprob.sum(-1)`` is the log-probability of the row's rollout under the decoder's own
+            order (what :func:`unifusion.rl.sequence_logprob` with ``estimator="trace"`` replays).
     """
 
     sequences: torch.Tensor
     num_forwards: torch.Tensor
     tokens_per_forward: torch.Tensor
+    commit_step: torch.Tensor | None = None
+    commit_logprob: torch.Tensor | None = None
+
+    @property
+    def commit_prob(self) -> torch.Tensor | None:
+        """``exp(commit_logprob)`` ``(B, L)``: the probability each token was committed with (1 where
+        ``commit_step`` is ``-1``), or ``None`` without a trace."""
+        return None if self.commit_logprob is None else self.commit_logprob.exp()
 
 
 @dataclass
@@ -124,6 +143,22 @@ class _Run:
     generator: Any  # None, one generator, or a tuple of B
     block_state: Any = None  # the BlockDenoiser's state (None on the x0 path)
     checked: bool = False  # the first model output has been checked
+    commit_step: torch.Tensor | None = None  # (B, L + 1) int64, -1 where nothing was committed (return_trace)
+    commit_logprob: torch.Tensor | None = None  # (B, L + 1) float32, 0 where nothing was committed (return_trace)
+
+    def forget_commits(self, rows: torch.Tensor | None, after: torch.Tensor) -> None:
+        """Drop the trace at the positions ``after`` ``(B_a, L)`` of ``rows`` (all rows for ``None``): their tokens
+        became the fill."""
+        if self.commit_step is None or self.commit_logprob is None:
+            return
+        L = after.shape[1]
+        step = self.commit_step[:, :L] if rows is None else self.commit_step[rows, :L]
+        logp = self.commit_logprob[:, :L] if rows is None else self.commit_logprob[rows, :L]
+        step, logp = step.masked_fill(after, -1), logp.masked_fill(after, 0.0)
+        if rows is None:
+            self.commit_step[:, :L], self.commit_logprob[:, :L] = step, logp
+        else:
+            self.commit_step[rows, :L], self.commit_logprob[rows, :L] = step, logp
 
     def randomness(self, rows: torch.Tensor, rows_host: list[int]) -> RowRandomness:
         g = self.generator
@@ -212,7 +247,7 @@ class PolicySampler:
                | None = None, attention_mask: torch.Tensor | None = None,
                generator: torch.Generator | Sequence[torch.Generator] | None = None,
                eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-               return_dict: bool = False, progress: bool = False,
+               return_dict: bool = False, return_trace: bool = False, progress: bool = False,
                stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
                on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
                ) -> torch.Tensor | PolicyOutput:
@@ -232,6 +267,10 @@ class PolicySampler:
                 and the row takes no further model calls.
             pad_token_id: the fill after EOS (needs ``eos_token_id``, or ``stopping``).
             return_dict: return a :class:`PolicyOutput` (sequences, num_forwards, tokens_per_forward).
+            return_trace: also record, per generated position, the step it was committed at and its log-probability
+                (:attr:`PolicyOutput.commit_step`, :attr:`PolicyOutput.commit_logprob`); implies ``return_dict``.
+                Mask policies only: :class:`~unifusion.samplers.policies.EntropyBound` decides a whole block at once
+                from resampled canvases, so no token has a commit step (``ValueError``).
             progress: a tqdm bar over the blocks.
             stopping: called after each block ``b`` is decided as ``stopping(b, tokens (B, L), cols (B, K_b))``
                 (``cols``: the block's columns per row, values ``≥ L`` past a row's end); it returns ``None`` or a
@@ -254,12 +293,20 @@ class PolicySampler:
         for name, fn in (("stopping", stopping), ("on_block", on_block)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name}: expected a callable (block, tokens, cols) or None, got {type(fn).__name__}")
-        if not isinstance(return_dict, bool):
-            raise TypeError(f"return_dict: expected a bool, got {type(return_dict).__name__}")
+        for name, flag in (("return_dict", return_dict), ("return_trace", return_trace)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if return_trace and self.policy.family != "mask":
+            raise ValueError(f"return_trace: records the step at which each masked position is committed, which "
+                             f"the mask policies do; {type(self.policy).__name__} resamples whole blocks and keeps "
+                             "the last argmax, so its tokens have no commit step")
         dev, source = resolve_device(self.model, prompt, generators, None)
         check_devices(self.model, generators, dev, source)
         with torch.no_grad():
             run = self._start(B, L, prompt, attention_mask, generators, dev)
+            if return_trace:
+                run.commit_step = torch.full((B, L + 1), -1, dtype=torch.long, device=dev)
+                run.commit_logprob = torch.zeros((B, L + 1), dtype=torch.float32, device=dev)
             blocks: Any = range(run.grid.num_blocks)
             if progress:
                 from tqdm.auto import tqdm
@@ -280,7 +327,7 @@ class PolicySampler:
                 if run.block_state is not None and b + 1 < run.grid.num_blocks:
                     self._commit(run, b)
         sequences = run.x[:, :L].contiguous()
-        if not return_dict:
+        if not (return_dict or return_trace):
             return sequences
         extra = getattr(run.block_state, "extra_forwards", None)
         if extra is not None:  # the denoiser's calls outside the steps (prefill, commits)
@@ -288,7 +335,11 @@ class PolicySampler:
         col = torch.arange(L, device=dev)
         tokens = (run.generated & (col <= run.eos_at.unsqueeze(-1))).sum(-1)
         rate = tokens.float() / run.forwards.clamp_min(1).float()
-        return PolicyOutput(sequences=sequences, num_forwards=run.forwards, tokens_per_forward=rate)
+        trace: dict[str, Any] = {}
+        if run.commit_step is not None and run.commit_logprob is not None:
+            trace = {"commit_step": run.commit_step[:, :L].contiguous(),
+                     "commit_logprob": run.commit_logprob[:, :L].contiguous()}
+        return PolicyOutput(sequences=sequences, num_forwards=run.forwards, tokens_per_forward=rate, **trace)
 
     # -- setup
 
@@ -407,6 +458,7 @@ class PolicySampler:
         after = done.unsqueeze(-1) & run.generated & (torch.arange(L, device=run.x.device) > stop.unsqueeze(-1))
         run.x[:, :L] = torch.where(after, fill, run.x[:, :L])
         run.undecided[:, :L] &= ~after
+        run.forget_commits(None, after)
         run.finished |= done
         run.eos_at = torch.where(done, stop, run.eos_at)
 
@@ -416,6 +468,9 @@ class PolicySampler:
         L = run.grid.seq_len
         done, first, tokens, undecided = R.eos_stop(run.x[rows, :L], run.undecided[rows, :L], run.generated[rows],
                                                     eos, pad if pad is not None else R.first_id(eos))
+        if run.commit_step is not None:  # the fill replaces whatever was committed after the EOS
+            col = torch.arange(L, device=tokens.device)
+            run.forget_commits(rows, done[:, None] & run.generated[rows] & (col > first[:, None]))
         run.x[rows, :L] = tokens
         run.undecided[rows, :L] = undecided
         run.finished[rows] |= done
@@ -442,16 +497,34 @@ class PolicySampler:
             run.forwards[rows] += 1
             left = und_r.sum(-1)
             num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
-            tokens, commit = mask_step(policy, logits, und_r, num_commit, run.randomness(rows, rows_host),
-                                       mask_id=self.kernel.mask_id, temperature=self.temperature, top_k=self.top_k,
-                                       top_p=self.top_p, do_sample=self.do_sample)
+            tokens, commit, p = mask_step_with_probs(policy, logits, und_r, num_commit,
+                                                     run.randomness(rows, rows_host), mask_id=self.kernel.mask_id,
+                                                     temperature=self.temperature, top_k=self.top_k,
+                                                     top_p=self.top_p, do_sample=self.do_sample)
             x_r, u_r = run.x[rows], run.undecided[rows]
             x_r.scatter_(1, cols_r, torch.where(commit, tokens, x_r.gather(1, cols_r)))
             u_r.scatter_(1, cols_r, und_r & ~commit)
             run.x[rows], run.undecided[rows] = x_r, u_r
+            if run.commit_step is not None:
+                self._record(run, rows, cols_r, commit, p)
             self._finish_eos(run, rows, eos, pad)
             if run.block_state is not None:
                 previous = (logits.float() / self.temperature, rows_host)
+
+    def _record(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, commit: torch.Tensor, p: torch.Tensor
+                ) -> None:
+        """The trace of one step: the committed positions ``commit`` ``(B_a, K)`` at ``cols`` of ``rows`` get the
+        index of the model call just made (the row's calls so far, the denoiser's own ones included, minus one) and
+        the log of their probability ``p`` ``(B_a, K)``."""
+        assert run.commit_step is not None and run.commit_logprob is not None
+        index = run.forwards[rows] - 1
+        extra = getattr(run.block_state, "extra_forwards", None)
+        if extra is not None:  # the prefill and separate commit passes so far
+            index = index + extra[rows]
+        step_r, logp_r = run.commit_step[rows], run.commit_logprob[rows]
+        step_r.scatter_(1, cols, torch.where(commit, index[:, None], step_r.gather(1, cols)))
+        logp_r.scatter_(1, cols, torch.where(commit, p.log(), logp_r.gather(1, cols)))
+        run.commit_step[rows], run.commit_logprob[rows] = step_r, logp_r
 
     def _uniform_block(self, run: _Run, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         policy = cast(EntropyBound, self.policy)

@@ -35,7 +35,8 @@ import torch
 from .._draws import sample_weights, x0_weights
 from .protocol import MaskPolicy, PolicyStep, RowRandomness, select_top
 
-__all__ = ["ConfidenceThreshold", "LowConfidence", "RandomOrder", "TopKEntropy", "TopKMargin", "mask_step"]
+__all__ = ["ConfidenceThreshold", "LowConfidence", "RandomOrder", "TopKEntropy", "TopKMargin", "mask_step",
+           "mask_step_with_probs"]
 
 
 class RandomOrder(MaskPolicy):
@@ -140,6 +141,18 @@ def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor,
     Returns:
         ``(tokens (B, K) int64, commit (B, K) bool)``: the candidates and the positions to set to them.
     """
+    tokens, commit, _ = mask_step_with_probs(policy, logits, undecided, num_commit, randomness, mask_id=mask_id,
+                                             temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
+    return tokens, commit
+
+
+def mask_step_with_probs(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
+                         randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0,
+                         top_k: int | None = None, top_p: float | None = None, do_sample: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mask_step` (the same draws, the same tokens) that also returns each candidate's probability
+    x_θ,j(z_j) ``(B, K)`` float32 under the distribution it was drawn from (after temperature, top-k and top-p; for
+    ``do_sample=False`` the argmax's probability): what a rollout trace records for the committed positions."""
     B, K, V = logits.shape
     weights = x0_weights(logits, torch.empty((B, K, V), dtype=torch.float32, device=logits.device), mask_id=mask_id,
                          temperature=temperature, top_k=top_k, top_p=top_p)
@@ -149,4 +162,5 @@ def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor,
         tokens = weights.argmax(-1)
     probs = weights.div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
     step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit, randomness=randomness)
-    return tokens, policy.select(step) & undecided
+    commit = policy.select(step) & undecided
+    return tokens, commit, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
