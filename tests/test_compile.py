@@ -19,7 +19,7 @@ import torch
 
 import unifusion as uf
 from unifusion import _compile, backend
-from unifusion.losses import _x0_run, fast
+from unifusion.losses import _x0_driver, fast
 
 OOM = "CUDA out of memory. Tried to allocate 8.00 GiB"
 
@@ -191,8 +191,8 @@ def test_auto_on_the_real_loss(monkeypatch):
     x_t = kernel.sample(x0, t, generator=g)
     logits = torch.randn(n, S, generator=g) * 3
     eager_calls: list[int] = []
-    eager = _x0_run._eager
-    monkeypatch.setattr(_x0_run, "_eager", lambda *args: (eager_calls.append(1), eager(*args))[1])
+    eager = _x0_driver._eager
+    monkeypatch.setattr(_x0_driver, "_eager", lambda *args: (eager_calls.append(1), eager(*args))[1])
 
     def step():
         L = logits.clone().requires_grad_()

@@ -410,7 +410,7 @@ def test_compiled_calls_never_get_aliasing_inputs(monkeypatch):
     from torch.utils._pytree import tree_leaves
 
     from unifusion import _compile
-    from unifusion.losses import _x0_run
+    from unifusion.losses import _x0_driver
 
     calls: list[list[torch.Tensor]] = []
 
@@ -424,7 +424,7 @@ def test_compiled_calls_never_get_aliasing_inputs(monkeypatch):
     monkeypatch.setattr(_compile, "compiled", recording)
     monkeypatch.setattr(_compile, "_first_call_done", set())
     monkeypatch.setattr(_compile, "STATS", {"compiled": 0, "seconds": 0.0})
-    monkeypatch.setattr(_x0_run, "COMPILED_CPU_BLOCK_ELEMENTS", 7 * S)
+    monkeypatch.setattr(_x0_driver, "COMPILED_CPU_BLOCK_ELEMENTS", 7 * S)
     backend.set_backend("compiled")
     for kernel in (KERNELS["hybrid"], uf.MaskKernel(S, S - 1)):
         h, W, _, x0, x_t, t, scale = _inputs(kernel, dtype=torch.float32)

@@ -20,8 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import unifusion as uf
 from unifusion import backend
-from unifusion.losses import _x0_passes, fast
-from unifusion.losses._x0_rows import RowTensors, X0Rows, prepare_x0_rows
+from unifusion.losses import _x0_driver, fast
+from unifusion.losses._x0_driver import X0Rows
+from unifusion.losses._x0_math import RowTensors
+from unifusion.losses.fast import prepare_x0_rows
 
 GiB = 2**30
 KERNELS = {"uniform": lambda V: uf.UniformKernel(V), "mask": lambda V: uf.MaskKernel(V, V - 1),
@@ -94,7 +96,7 @@ def _meta_launches(N: int, V: int, kernel_name: str, dtype: torch.dtype = torch.
 
 def _blocks(N: int, V: int, dtype: torch.dtype, pass_name: str) -> int:
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    return -(-N // _x0_passes.eager_block_rows(torch.device("meta"), V, dtype, compute, pass_name))
+    return -(-N // _x0_driver.eager_block_rows(torch.device("meta"), V, dtype, compute, pass_name))
 
 
 @pytest.fixture
@@ -107,8 +109,8 @@ def eager():
 def test_accelerator_blocks_keep_launches_flat_in_the_number_of_rows(eager, monkeypatch, kernel_name):
     """With real numbers on the CPU and the accelerators' block sizes, 8 and 256 rows at V = 65,536 are one block per
     pass: the same ops (the per-row math runs once on whatever rows there are)."""
-    sizes = _x0_passes.eager_block_rows
-    monkeypatch.setattr(_x0_passes, "eager_block_rows", lambda device, *args: sizes(torch.device("meta"), *args))
+    sizes = _x0_driver.eager_block_rows
+    monkeypatch.setattr(_x0_driver, "eager_block_rows", lambda device, *args: sizes(torch.device("meta"), *args))
     V = 1 << 16
     few, many = _launches(8, V, kernel_name), _launches(256, V, kernel_name)
     assert many == few
@@ -130,14 +132,14 @@ def test_the_block_size_follows_the_device_and_the_pass():
     meta, cpu = torch.device("meta"), torch.device("cpu")
     V = 262_144
     for pass_name in ("max", "noise", "grad"):
-        assert _x0_passes.eager_block_rows(cpu, V, torch.bfloat16, torch.float32, pass_name) == 1
-        assert _x0_passes.eager_block_rows(cpu, 1000, torch.float32, torch.float32, pass_name) == (1 << 18) // 1000
+        assert _x0_driver.eager_block_rows(cpu, V, torch.bfloat16, torch.float32, pass_name) == 1
+        assert _x0_driver.eager_block_rows(cpu, 1000, torch.float32, torch.float32, pass_name) == (1 << 18) // 1000
     # an accelerator's passes take rows up to their byte budgets: at V = 262,144 and 16,384 rows of bf16 logits the
     # passes run 27, 26 and 25 blocks; float32 logits (compensated l − M) and float64 (8-byte elements) more
     assert [_blocks(16_384, V, torch.bfloat16, p) for p in ("max", "noise", "grad")] == [27, 26, 25]
     assert [_blocks(16_384, V, torch.float32, p) for p in ("max", "noise", "grad")] == [59, 30, 39]
     assert [_blocks(16_384, V, torch.float64, p) for p in ("max", "noise", "grad")] == [53, 52, 49]
-    assert _x0_passes.eager_block_rows(meta, 1, torch.float32, torch.float32, "noise") > 16_384
+    assert _x0_driver.eager_block_rows(meta, 1, torch.float32, torch.float32, "noise") > 16_384
 
 
 @pytest.mark.parametrize("kernel_name", ["uniform", "mask"])
@@ -167,21 +169,21 @@ def test_each_pass_keeps_its_temporaries_within_its_budget(eager, monkeypatch, k
     N, V = 64, 1 << 16
     logits, rows = _meta(N, V, kernel_name, dtype)
     peaks: dict[str, float] = {}
-    each = _x0_passes.BlockedPasses.each
+    each = _x0_driver.BlockedPasses.each
 
     def measured(self, pass_name, job):
         start = tracker.current
         tracker.peak = start
         each(self, pass_name, job)
-        rows = _x0_passes.eager_block_rows(self.logits.device, V, self.logits.dtype, self.dtype, pass_name)
-        edges = _x0_passes.block_edges(N, rows)
+        rows = _x0_driver.eager_block_rows(self.logits.device, V, self.logits.dtype, self.dtype, pass_name)
+        edges = _x0_driver.block_edges(N, rows)
         peaks[pass_name] = (tracker.peak - start) / ((edges[1] - edges[0]) * V)  # bytes per logit
 
-    monkeypatch.setattr(_x0_passes.BlockedPasses, "each", measured)
+    monkeypatch.setattr(_x0_driver.BlockedPasses, "each", measured)
     with uf.validation.validation(False), LiveBytes() as tracker:
         fast._X0HeadLossFunction.apply(logits, rows).sum().backward()
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    widths = {name: _x0_passes.EAGER_PASS_WIDTH[name][dtype == torch.float32] * compute.itemsize
+    widths = {name: _x0_driver.EAGER_PASS_WIDTH[name][dtype == torch.float32] * compute.itemsize
               for name in ("max", "noise", "grad")}
     expected = {"max", "grad"} | ({"noise"} if kernel_name != "mask" else set())
     assert set(peaks) == expected
@@ -210,7 +212,7 @@ def test_the_largest_batch_holds_no_more_than_before(eager, kernel_name, dtype):
     with uf.validation.validation(False), LiveBytes() as backward:
         loss.backward()
     beyond_grad = backward.peak - N * V * dtype.itemsize
-    budgets = _x0_passes.EAGER_ACCELERATOR_PASS_BYTES
+    budgets = _x0_driver.EAGER_ACCELERATOR_PASS_BYTES
     forward_budget = budgets["noise" if kernel_name == "uniform" else "max"]
     per_row = 64 * N * 8  # generous: a few dozen float64 (N,) vectors
     assert 0.6 * forward_budget < forward.peak <= forward_budget + per_row  # the budget used: few blocks

@@ -63,7 +63,7 @@ import torch
 
 import unifusion as uf
 from unifusion.losses import native
-from unifusion.losses._x0_rows import prepare_x0_rows
+from unifusion.losses.fast import prepare_x0_rows
 
 DT = torch.float64
 

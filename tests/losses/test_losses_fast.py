@@ -14,7 +14,7 @@ import torch
 import unifusion as uf
 from unifusion import backend
 from unifusion.conversions import convert_x0_to
-from unifusion.losses import _x0_math, _x0_passes, fast, native
+from unifusion.losses import _x0_driver, _x0_math, fast, native
 
 S = 40
 
@@ -151,7 +151,7 @@ def test_eager_passes_take_their_own_blocks(name, dtype, monkeypatch):
     try:
         for rows_per_block in ({"max": 7, "noise": 3, "grad": 5}, None):
             if rows_per_block is not None:
-                monkeypatch.setattr(_x0_passes, "eager_block_rows", lambda device, S, ld, dt, p, r=rows_per_block: r[p])
+                monkeypatch.setattr(_x0_driver, "eager_block_rows", lambda device, S, ld, dt, p, r=rows_per_block: r[p])
             else:
                 monkeypatch.undo()
             L = logits.clone().requires_grad_()
@@ -174,10 +174,10 @@ def test_loss_under_inference_mode_and_no_grad(backend_name, mode, monkeypatch):
     kernel = KERNELS["hybrid-random"]
     logits, x0, x_t, t = _batch(kernel, n=101)
     backend.set_backend(backend_name)
-    monkeypatch.setattr(_x0_passes, "EAGER_BLOCK_ELEMENTS", 3 * S)
+    monkeypatch.setattr(_x0_driver, "EAGER_BLOCK_ELEMENTS", 3 * S)
     blocks = []
-    each = _x0_passes.BlockedPasses.each
-    monkeypatch.setattr(_x0_passes.BlockedPasses, "each",
+    each = _x0_driver.BlockedPasses.each
+    monkeypatch.setattr(_x0_driver.BlockedPasses, "each",
                         lambda self, name, job: (blocks.append(name), each(self, name, job))[1])
     expected = fast.gidd_loss(logits, x0, x_t, t, kernel)
     with getattr(torch, mode)():

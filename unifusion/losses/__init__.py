@@ -14,9 +14,8 @@ The straightforward O(S)-per-position implementations live in :mod:`unifusion.lo
 two fast losses are :func:`reference_gidd_loss` and :func:`reference_mdlm_loss`.
 """
 
-from ._x0_rows import check_objective
 from .bregman import bregman_divergence, bregman_rate_loss
-from .fast import X0_HEAD_OBJECTIVES, gidd_loss, mdlm_loss, x0_head_loss
+from .fast import X0_HEAD_OBJECTIVES, check_objective, gidd_loss, mdlm_loss, x0_head_loss
 from .fused_linear import fused_linear_diffusion_loss
 from .native import (
     GIDD_WEIGHTINGS,

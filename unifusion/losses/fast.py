@@ -22,13 +22,18 @@ and the gradient is O(V) per row: with e_y = 1 − q0_y/qθ_y (= x_y/(1+x_y) off
 :func:`x0_head_loss`'s forward pass computes the loss and a few row statistics (max and Σ exp of the logits, Σ p e, and
 the sums without the most likely token that keep 1 − p and the gradient there exact for a confident model) and keeps the
 logits; its backward pass computes the gradient with the incoming per-position gradient folded in. The arithmetic is one
-driver over three element passes (:mod:`unifusion.losses._x0_passes`) that ``torch.compile`` fuses into a few
+driver over three element passes (:mod:`unifusion.losses._x0_driver`) that ``torch.compile`` fuses into a few
 cache-resident loops per row, so nothing of size N×V exists besides the logits and their gradient (eagerly the same
 driver runs each pass on blocks of rows). The ``(N, V)`` passes run in float32 for bf16/fp16/fp32 logits (float64
 for float64 logits), with the rounding of l − max compensated for float32 logits; every per-row quantity is float64
 (float32 on MPS); x − log1p x uses a series below a cut-off, since its terms are ~x²/2 where x is small. Values and
 gradients are within 1e-6 of the float64 reference for float32 and bf16 logits (tests/losses/test_losses_extreme.py
 states the grid and the exceptions). The reference implementations are :mod:`unifusion.losses.native`.
+
+The loss is read in three modules: this one (the public functions, their argument checks and the logit-free
+per-position quantities of the kernel, the times and the weights: :func:`prepare_x0_rows`), the driver that runs
+the passes over the logits, compiled or eager (:mod:`unifusion.losses._x0_driver`), and the equations of each pass
+and of the per-row terms (:mod:`unifusion.losses._x0_math`).
 """
 
 from __future__ import annotations
@@ -39,13 +44,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as V
-from ..kernels import Kernel, MaskKernel, check_kernel
+from .._math import safe_log
+from ..kernels import HybridKernel, InterpolatingKernel, Kernel, MaskKernel, UniformKernel, check_kernel
 from . import native
-from ._x0_row_terms import RowStats
-from ._x0_rows import X0_HEAD_OBJECTIVES, X0Rows, check_objective, has_fast_path, prepare_x0_rows
-from ._x0_run import run
+from ._x0_driver import X0Rows, run
+from ._x0_math import RowStats, RowTensors
+from .native import dynamic_weight
 
-__all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES"]
+__all__ = ["x0_head_loss", "gidd_loss", "mdlm_loss", "X0_HEAD_OBJECTIVES", "check_objective"]
+
+X0_HEAD_OBJECTIVES = ("gidd", "mdlm", "sedd", "m2s", "ctmc")
 
 
 # ---------------------------------------------------------------------------------------------------- autograd
@@ -146,3 +154,95 @@ def mdlm_loss(x0_logits: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: t
     if not isinstance(kernel, MaskKernel):
         raise TypeError(f"kernel: mdlm_loss needs a MaskKernel, got {type(kernel).__name__}")
     return x0_head_loss(x0_logits, x0, x_t, t, kernel, objective="mdlm")
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+def has_fast_path(kernel: Kernel) -> bool:
+    """Whether the fast x0-head loss handles ``kernel`` (uniform, mask and hybrid kernels)."""
+    return isinstance(kernel, (UniformKernel, MaskKernel, HybridKernel))
+
+
+def check_objective(objective: object, kernel: Kernel) -> None:
+    """``ValueError`` for an unknown objective, ``TypeError`` for ``"mdlm"`` on a kernel other than the mask kernel."""
+    if objective not in X0_HEAD_OBJECTIVES:
+        raise ValueError(f"objective: expected one of {X0_HEAD_OBJECTIVES}, got {objective!r}")
+    if objective == "mdlm" and not isinstance(kernel, MaskKernel):
+        raise TypeError(f"kernel: objective='mdlm' needs a MaskKernel, got {type(kernel).__name__}")
+
+
+def _clip(w: torch.Tensor, max_weight: float) -> torch.Tensor:
+    """``w.clamp(0, max_weight)`` (the same numbers) with ``max_weight`` entering as a 0-d tensor times the float:
+    a caller's ``torch.compile`` then traces it as a value, where a scalar bound of ``clamp`` would be specialised
+    on (a recompilation for every new ``max_weight``)."""
+    return torch.minimum(w.clamp_min(0.0), torch.ones((), dtype=w.dtype, device=w.device) * max_weight)
+
+
+def prepare_x0_rows(kernel: Kernel, rows_shape: tuple[int, ...] | None, x0: object, x_t: object, t: object,
+                    dtype: torch.dtype, device: torch.device, weighting: str, max_weight: float,
+                    ) -> tuple[X0Rows, tuple[int, ...]]:
+    """Validate ids and times (one host sync), broadcast them to the positions' shape (``rows_shape``: the leading
+    shape of the logits, checked against it), and compute every logit-free quantity of a fast ``kernel``
+    (:func:`has_fast_path`). Returns the rows, flattened to ``(N,)``, and the positions' shape."""
+    with V.batched_checks():
+        return _prepare(kernel, rows_shape, x0, x_t, t, dtype, device, weighting, max_weight)
+
+
+def _prepare(kernel: Kernel, rows_shape: tuple[int, ...] | None, x0: object, x_t: object, t: object,
+             dtype: torch.dtype, device: torch.device, weighting: str, max_weight: float,
+             ) -> tuple[X0Rows, tuple[int, ...]]:
+    S = kernel.num_states
+    x0 = V.check_token_ids("x0", x0, S)
+    x_t = V.check_token_ids("x_t", x_t, S)
+    try:
+        shape = tuple(torch.broadcast_shapes(x0.shape, x_t.shape))
+    except RuntimeError:
+        raise ValueError(f"x0: shape {tuple(x0.shape)} does not broadcast with x_t's {tuple(x_t.shape)}") from None
+    if rows_shape is not None and tuple(rows_shape) != shape:
+        raise ValueError(f"x0_logits: expected leading shape {shape} (that of x_t), got {tuple(rows_shape)}")
+    # the per-row constants (α_t, m_t, rates, weights: chains of a dozen scalar ops near t → 0 or 1) and the kernel's
+    # per-row arithmetic are float64 (float32 on MPS, which has no float64) whatever the logits; they are (N,), so
+    # this costs nothing next to the (N, V) passes, which run in ``dtype``
+    row_dtype = torch.float32 if device.type == "mps" else torch.float64
+    t_ = V.check_time("t", t, device=device, dtype=row_dtype, shape=shape)
+    try:
+        t_ = torch.broadcast_to(t_, shape)
+    except RuntimeError:
+        raise ValueError(f"t: shape {tuple(t_.shape)} does not broadcast to x_t's shape {shape}") from None
+    x0 = x0.to(device).expand(shape).reshape(-1)
+    x_t = x_t.to(device).expand(shape).reshape(-1)
+    t_ = t_.reshape(-1)
+
+    assert isinstance(kernel, InterpolatingKernel)
+    alpha, a, b = kernel.coefficients(t_)
+    u = b / kernel.num_uniform_states
+    m_x0 = kernel.noise_at(x0, a, b)
+    m_xt = kernel.noise_at(x_t, a, b)
+    v_mask, v_unif = kernel.rate_coefficients(t_)
+    v = torch.where(kernel.is_mask(x_t), v_mask,
+                    torch.where(kernel.in_uniform_support(x_t), v_unif, torch.zeros_like(v_unif)))
+    q0_xt = torch.where(x_t == x0, alpha, torch.zeros_like(alpha)) + m_xt
+    if weighting == "dynamic":
+        w = _clip(dynamic_weight(kernel, x0, x_t, t_), max_weight)
+    else:
+        w = v / torch.where(q0_xt > 0, q0_xt, torch.ones_like(q0_xt))
+        if weighting == "clip":
+            w = _clip(w, max_weight)
+    x0_is_mask, xt_is_mask = kernel.is_mask(x0), kernel.is_mask(x_t)
+
+    zero = torch.zeros_like(alpha)
+    log_alpha = torch.log(alpha)
+    log_m_x0, log_m_xt = safe_log(m_x0), safe_log(m_xt)
+    same = x_t == x0
+    possible = same | (m_xt > 0)
+    u_pos = u > 0
+    alpha_over_u = alpha / torch.where(u_pos, u, torch.ones_like(u))
+    active = v > 0
+    # x_t impossible under x0 (true rates 0 by convention): the loss is the model's exit rate v (1/qθ(x_t) − 1)
+    tensors = RowTensors(x0=x0, x_t=x_t, alpha=alpha, log_alpha=log_alpha, u=u, alpha_over_u=alpha_over_u,
+                         m_x0=m_x0, m_xt=m_xt, log_m_x0=log_m_x0, log_m_xt=log_m_xt, same=same, possible=possible,
+                         u_pos=u_pos, x0_is_mask=x0_is_mask, xt_is_mask=xt_is_mask,
+                         w_active=torch.where(active, w, zero), v_active=torch.where(active & ~possible, v, zero),
+                         A=torch.where(active & possible, w * alpha, zero))
+    rows = X0Rows(tensors, uniform_noise=kernel.has_uniform_noise, mask_id=kernel.mask_id, dtype=dtype,
+                  num_logits=len(x0) * S)
+    return rows, shape

@@ -35,9 +35,9 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as V
 from .._device import host_to_device
 from ..kernels import Kernel, check_kernel
-from ._x0_row_terms import RowStats
-from ._x0_rows import X0Rows, check_objective, has_fast_path, prepare_x0_rows
-from ._x0_run import run, stats_buffers
+from ._x0_driver import X0Rows, run, stats_buffers
+from ._x0_math import RowStats
+from .fast import check_objective, has_fast_path, prepare_x0_rows
 from .native import check_weighting
 
 __all__ = ["fused_linear_diffusion_loss"]
