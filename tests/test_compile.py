@@ -49,10 +49,7 @@ class _FakeCompiler:
 @pytest.fixture
 def fake(monkeypatch):
     """``"auto"`` with no compiled copies yet, a threshold of 100 logits and a fake torch.compile."""
-    monkeypatch.setattr(_compile, "_copies", {})
-    monkeypatch.setattr(_compile, "_first_call_done", set())
-    monkeypatch.setattr(_compile, "FAILED", {})
-    monkeypatch.setattr(_compile, "STATS", {"compiled": 0, "seconds": 0.0})
+    monkeypatch.setattr(_compile, "COMPILER", _compile.Compiler("auto"))
     monkeypatch.setattr(_compile, "AUTO_MIN_LOGITS", 100)
     backend.set_backend("auto")
     compiler = _FakeCompiler()
@@ -140,6 +137,26 @@ def test_a_compiler_failure_is_remembered_for_its_configuration_only(fake):
         assert _call(torch.arange(200.0))[0] == "eager"
         assert _call(torch.arange(200.0), key=("other",))[0] == "compiled"
     assert fake.compiled == ["_double_0", "_double_1"] and backend.compile_stats()["compiled"] == 1
+
+
+def test_the_state_is_held_by_an_explicit_compiler_object(fake):
+    """The setting, the compiled copies, the statistics and the failures belong to a ``Compiler`` object; the module's
+    functions and unifusion.backend act on the process's one, ``_compile.COMPILER``, and another Compiler shares
+    none of it."""
+    own = _compile.Compiler("compiled")
+    fake.raises.append(RuntimeError("no C++ compiler"))
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert own.run(_double, ("k",), lambda fn: ("compiled", fn(torch.ones(2))), lambda: ("eager", None),
+                       num_logits=2, what=lambda: "doubling")[0] == "eager"
+    assert set(own.failed.values()) == {("doubling", "RuntimeError: no C++ compiler")}
+    fake.raises.clear()
+    assert backend.compile_failures() == {} and backend.get_backend() == "auto"  # the process's compiler: untouched
+    assert _call(torch.arange(200.0))[0] == "compiled" and backend.compile_stats()["compiled"] == 1
+    assert own.stats == {"compiled": 0, "seconds": 0.0} and len(own.copies) == 1 and len(_compile.COMPILER.copies) == 1
+    with backend.using("eager"):
+        assert _compile.COMPILER.backend == "eager" and own.backend == "compiled"
+    with pytest.raises(ValueError, match="backend"):
+        _compile.Compiler("triton")
 
 
 def _wrapped_oom() -> RuntimeError:

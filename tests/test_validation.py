@@ -156,6 +156,27 @@ def test_the_switch_lives_in_unifusion_validation(kernel: uf.Kernel) -> None:
         kernel.marginal(torch.tensor([1]), 1.5)
 
 
+def test_the_switch_is_one_explicit_object(kernel: uf.Kernel) -> None:
+    """The state behind set_validation / validation / validation_enabled is ``unifusion.validation.SWITCH``; another
+    ValidationSwitch is independent of it, and a scoped block restores what it found even when it raises."""
+    from unifusion.validation import SWITCH, ValidationSwitch
+
+    own = ValidationSwitch(False)
+    assert not own.active() and SWITCH.active() and uf.validation.validation_enabled()
+    with own.scoped(True):
+        assert own.active() and SWITCH.enabled
+    assert not own.enabled
+    with pytest.raises(RuntimeError, match="inside"), uf.validation.validation(False):
+        assert SWITCH.enabled is False and not uf.validation.validation_enabled()
+        raise RuntimeError("inside")
+    assert SWITCH.enabled is True
+    with pytest.raises(TypeError, match="enabled: expected a bool, got int"):
+        ValidationSwitch(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enabled"), uf.validation.validation(0):  # type: ignore[arg-type]
+        pass
+    assert SWITCH.enabled is True
+
+
 # ---------------------------------------------------------------------------------------------------- model vs kernel
 def test_check_model_kernel_names_both_mask_ids():
     from _hf_tiny import tiny_model

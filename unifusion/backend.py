@@ -43,12 +43,12 @@ __all__ = ["AUTO_MIN_LOGITS", "BACKENDS", "compile_failures", "compile_stats", "
 def set_backend(backend: Literal["auto", "compiled", "eager"]) -> None:
     """Run the fused hot paths ``"auto"`` (default: compiled from :data:`AUTO_MIN_LOGITS` logits per call up),
     ``"compiled"`` or ``"eager"`` for the whole process. Same values either way, to float rounding."""
-    _compile.SETTING["backend"] = _compile.check_backend(backend)
+    _compile.COMPILER.backend = _compile.check_backend(backend)
 
 
 def get_backend() -> str:
     """The current setting: ``"auto"``, ``"compiled"`` or ``"eager"`` (a compiler failure does not change it)."""
-    return _compile.SETTING["backend"]
+    return _compile.COMPILER.backend
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def using(backend: Literal["auto", "compiled", "eager"]) -> Iterator[None]:
     try:
         yield
     finally:
-        _compile.SETTING["backend"] = previous
+        _compile.COMPILER.backend = previous
 
 
 def runs_compiled(num_logits: int) -> bool:
@@ -76,10 +76,11 @@ def compile_stats() -> dict[str, float]:
     """``{"compiled": n, "seconds": s}``: the configurations compiled so far in this process and the seconds their
     first calls took (compiling, plus the one call itself). A training loop subtracts the growth of ``seconds``
     across a step from the step's time to count training, not compiling (``unifusion demo`` does)."""
-    return {"compiled": _compile.STATS["compiled"], "seconds": _compile.STATS["seconds"]}
+    stats = _compile.COMPILER.stats
+    return {"compiled": stats["compiled"], "seconds": stats["seconds"]}
 
 
 def compile_failures() -> dict[str, str]:
     """The configurations whose compilation failed in this process, ``{what it was: the error}``; each runs eagerly
     from then on (the others still compile)."""
-    return dict(_compile.FAILED.values())
+    return dict(_compile.COMPILER.failed.values())

@@ -421,9 +421,9 @@ def test_compiled_calls_never_get_aliasing_inputs(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(_compile, "compiled", recording)
-    monkeypatch.setattr(_compile, "_first_call_done", set())
-    monkeypatch.setattr(_compile, "STATS", {"compiled": 0, "seconds": 0.0})
+    fresh = _compile.Compiler("compiled")  # no copies, no first calls, nothing failed
+    monkeypatch.setattr(fresh, "compiled", recording)
+    monkeypatch.setattr(_compile, "COMPILER", fresh)
     monkeypatch.setattr(_x0_driver, "COMPILED_CPU_BLOCK_ELEMENTS", 7 * S)
     backend.set_backend("compiled")
     for kernel in (KERNELS["hybrid"], uf.MaskKernel(S, S - 1)):

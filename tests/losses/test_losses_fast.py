@@ -361,9 +361,9 @@ def test_each_compiled_pass_traces_as_one_graph(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(_compile, "compiled", explaining)
-    monkeypatch.setattr(_compile, "_first_call_done", set())
-    monkeypatch.setattr(_compile, "STATS", {"compiled": 0, "seconds": 0.0})
+    fresh = _compile.Compiler("compiled")  # no copies, no first calls, nothing failed
+    monkeypatch.setattr(fresh, "compiled", explaining)
+    monkeypatch.setattr(_compile, "COMPILER", fresh)
     backend.set_backend("compiled")
     for kernel in (uf.UniformKernel(S), uf.MaskKernel(S, S - 1), uf.MaskKernel(S, 5), uf.HybridKernel(S, S // 2, 0.3)):
         logits, x0, x_t, t = _batch(kernel, n=24, dtype=torch.float32)
