@@ -63,3 +63,32 @@ def random_ids(B: int = 2, length: int = 8, seed: int = 0) -> torch.Tensor:
 def with_bos(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, n)`` with BOS prepended: what the wrapped causal LM sees."""
     return torch.cat([torch.full((x.shape[0], 1), BOS), x], dim=1)
+
+
+def tiny_diffusion_gemma_config(canvas_length: int = 4, vocab_size: int = VOCAB, **text: Any) -> Any:
+    """A tiny random ``DiffusionGemmaConfig``: 2 layers (sliding window 8, then full attention), MoE with 4 experts,
+    top-2 (so the router gets gradients), hidden 32, 256 positions, pad/eos/bos ids 0/1/2 and the image, begin- and
+    end-of-image ids the vocabulary's last three; ``text`` overrides entries of the text config."""
+    import transformers
+
+    text_config: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    text_config.update(text)
+    vision_config = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
+    return transformers.DiffusionGemmaConfig(text_config=text_config, vision_config=vision_config,
+                                             canvas_length=canvas_length, image_token_id=vocab_size - 1,
+                                             boi_token_id=vocab_size - 2, eoi_token_id=vocab_size - 3)
+
+
+def tiny_diffusion_gemma(canvas_length: int = 4, seed: int = 0, vocab_size: int = VOCAB, **text: Any) -> Any:
+    """A random ``DiffusionGemmaForBlockDiffusion`` of :func:`tiny_diffusion_gemma_config` (initialised after
+    ``torch.manual_seed(seed)``), in eval mode."""
+    import transformers
+
+    config = tiny_diffusion_gemma_config(canvas_length, vocab_size, **text)
+    torch.manual_seed(seed)
+    return transformers.DiffusionGemmaForBlockDiffusion(config).eval()

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
     pytest.skip("this transformers has no DiffusionGemma", allow_module_level=True)
 from _harness_setup import ALL_TASKS, TASKS  # noqa: E402
+from _hf_tiny import tiny_diffusion_gemma  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import unifusion as uf  # noqa: E402
@@ -38,19 +39,9 @@ pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
 @pytest.fixture(scope="module")
 def checkpoint(tokenizer, tmp_path_factory):
     """A random DiffusionGemma (canvas 4) with the tiny tokenizer's special ids, saved by the wrapper."""
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=4,
-                top_k_experts=2, moe_intermediate_size=16, sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=tokenizer.bos_token_id)
-    vision = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
-    V = len(tokenizer)
-    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=4,
-                                               image_token_id=V - 1, boi_token_id=V - 2, eoi_token_id=V - 3)
-    torch.manual_seed(0)
-    model = uf.hf.wrap_diffusion_lm(transformers.DiffusionGemmaForBlockDiffusion(config).eval(), tokenizer=tokenizer)
+    hf = tiny_diffusion_gemma(4, 0, len(tokenizer), max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = uf.hf.wrap_diffusion_lm(hf, tokenizer=tokenizer)
     path = tmp_path_factory.mktemp("gemma_harness") / "model"
     model.save_pretrained(path)
     return path

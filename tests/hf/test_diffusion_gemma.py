@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hf_tiny import VOCAB
+from _hf_tiny import tiny_diffusion_gemma as tiny
 
 import unifusion as uf
 from unifusion.denoiser import Denoiser
@@ -28,26 +30,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # 
     EntropyBoundSamplerConfig,
 )
 
-VOCAB = 128
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tiny_tokenizer"
-
-
-def tiny(canvas_length: int = 4, seed: int = 0, **text: object) -> transformers.DiffusionGemmaForBlockDiffusion:
-    """A random DiffusionGemma: 2 layers (sliding window 8, then full attention), MoE with 4 experts, top-2 (so the
-    router gets gradients), vocabulary 128."""
-    text_config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=4,
-                       top_k_experts=2, moe_intermediate_size=16, sliding_window=8,
-                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
-                       pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    text_config.update(text)
-    vision_config = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
-    config = transformers.DiffusionGemmaConfig(text_config=text_config, vision_config=vision_config,
-                                               canvas_length=canvas_length, image_token_id=VOCAB - 1,
-                                               boi_token_id=VOCAB - 2, eoi_token_id=VOCAB - 3)
-    torch.manual_seed(seed)
-    return transformers.DiffusionGemmaForBlockDiffusion(config).eval()
 
 
 @pytest.fixture(scope="module")

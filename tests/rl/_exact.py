@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _hf_tiny import tiny_diffusion_gemma as hf_tiny_diffusion_gemma  # noqa: E402
 from _hf_tiny import tiny_model  # noqa: E402
 
 import unifusion as uf  # noqa: E402
@@ -80,15 +81,4 @@ def generators(count: int, seed: int = 0) -> list[torch.Generator]:
 
 def tiny_diffusion_gemma(canvas_length: int = 4) -> uf.hf.diffusion_gemma.DiffusionGemmaLM:
     """A random DiffusionGemma (2 layers, 2 experts, vocabulary 128), wrapped."""
-    import transformers
-
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=2, top_k_experts=1,
-                moe_intermediate_size=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    vision = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
-    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length,
-                                               image_token_id=127, boi_token_id=126, eoi_token_id=125)
-    torch.manual_seed(0)
-    return uf.wrap_diffusion_lm(transformers.DiffusionGemmaForBlockDiffusion(config).eval())
+    return uf.wrap_diffusion_lm(hf_tiny_diffusion_gemma(canvas_length, num_experts=2, top_k_experts=1))

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _hf_tiny import tiny_diffusion_gemma
 
 import unifusion as uf
 from unifusion.samplers import PolicySampler
@@ -19,17 +20,7 @@ V, CANVAS, PROMPT, NEW = 128, 8, 5, 24
 
 
 def _tiny_model(seed=0, eos_boost=None):
-    text_config = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, global_head_dim=16, num_experts=2, top_k_experts=1,
-                       moe_intermediate_size=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                       max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    vision_config = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
-    torch.manual_seed(seed)
-    config = transformers.DiffusionGemmaConfig(text_config=text_config, vision_config=vision_config,
-                                               canvas_length=CANVAS, image_token_id=127, boi_token_id=126,
-                                               eoi_token_id=125)
-    model = transformers.DiffusionGemmaForBlockDiffusion(config).eval()
+    model = tiny_diffusion_gemma(CANVAS, seed, V, num_experts=2, top_k_experts=1, sliding_window=16)
     with torch.no_grad():  # sharper predictions (entropies ~0.3-1.5 nats) than the random init's near-uniform ones
         model.lm_head.weight.mul_(30.0)
         if eos_boost is not None:
