@@ -16,6 +16,7 @@
 * No library module hides an edge to another subpackage in a function-local import: the edge is at the top of the
   module, where the import graph (and a reader) sees it. The command line (``cli``, ``_cli_*``, ``demo``) imports its
   subcommands' layers lazily, to start fast.
+* docs/architecture.md's layers are the import graph's: every module is in one layer and imports nothing above it.
 """
 
 from __future__ import annotations
@@ -248,3 +249,59 @@ def test_no_library_module_hides_an_edge_to_another_subpackage_in_a_function():
                 hidden += [f"{name}:{node.lineno} -> {t}" for t in targets
                            if (t == "unifusion" or t.startswith("unifusion.")) and _subpackage(t) != _subpackage(name)]
     assert not hidden, "function-local imports of another subpackage (hoist them):\n" + "\n".join(sorted(hidden))
+
+
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def _layers() -> dict[str, int]:
+    """docs/architecture.md's ``layer N  unit unit ...`` lines: top-level module or subpackage (``name/``) → N."""
+    layers: dict[str, int] = {}
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        words = line.split()
+        if len(words) > 2 and words[0] == "layer" and words[1].isdigit():
+            for unit in words[2:]:
+                assert unit not in layers, f"{unit} is in two layers of docs/architecture.md"
+                layers[unit] = int(words[1])
+    return layers
+
+
+def _unit(module: str) -> str | None:
+    """The layer unit of a unifusion module: ``hf/`` for unifusion.hf and everything in it, ``kernels`` for
+    unifusion.kernels; ``None`` for the package itself (the front door, above every layer)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    return parts[1] + "/" if f"unifusion.{parts[1]}" in _PACKAGES else parts[1]
+
+
+_PACKAGES = {_module_name(p) for p in ROOT.rglob("__init__.py")}
+
+
+def test_docs_architecture_shows_the_layering_the_imports_have():
+    """Every module sits in one layer of docs/architecture.md and imports only from its layer or those below it
+    (every import counts: also into a subpackage's ``__init__`` and inside functions)."""
+    layers = _layers()
+    modules = _parsed()
+    units = {u for u in map(_unit, modules) if u is not None}
+    assert units == set(layers), ("docs/architecture.md's layers and the package differ: missing "
+                                  f"{sorted(units - set(layers))}, not in the package {sorted(set(layers) - units)}")
+    upward = []
+    for name, (path, tree) in modules.items():
+        here = _unit(name)
+        if here is None:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _source(name, path, node)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                there = _unit(target) if target.split(".")[0] == "unifusion" else None
+                if there is not None and layers[there] > layers[here]:
+                    upward.append(f"{name}:{node.lineno} ({here}, layer {layers[here]}) imports {target} "
+                                  f"({there}, layer {layers[there]})")
+    assert not upward, "imports that run up docs/architecture.md's layers:\n" + "\n".join(sorted(upward))
