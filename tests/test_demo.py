@@ -152,6 +152,37 @@ def test_packed_linears_decode_the_same_tokens_as_the_default_matmuls(tmp_path, 
     assert runs["packed"][1] == runs["plain"][1]
 
 
+def test_annealing_share_and_complementary_masks_reach_the_loss(tmp_path, monkeypatch):
+    """--anneal-fraction sets where γ reaches 1 (0: block-causal from the first step); --complementary hands
+    complementary=True to every diffusion_loss call; both are recorded in metrics.json."""
+    import unifusion as uf
+
+    seen = []
+    real = uf.diffusion_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("complementary"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(uf, "diffusion_loss", spy)
+    metrics, _ = _run_tiny_demo(tmp_path / "a", monkeypatch, _Clock(), budget="2",
+                                extra=("--train-steps", "4", "--anneal-fraction", "0.25", "--complementary"))
+    assert [h["gamma"] for h in metrics["loss_history"]] == [0.0, 1.0, 1.0, 1.0]
+    assert seen == [True] * 4 and metrics["complementary"] is True and metrics["anneal_fraction"] == 0.25
+    metrics, _ = _run_tiny_demo(tmp_path / "b", monkeypatch, _Clock(), budget="2",
+                                extra=("--train-steps", "2", "--anneal-fraction", "0"))
+    assert [h["gamma"] for h in metrics["loss_history"]] == [1.0, 1.0] and seen[4:] == [False] * 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--anneal-fraction", "1.5"), "--anneal-fraction: expected a number in \\[0, 1\\], got 1.5"),
+    (("--complementary", "--kernel", "uniform"), "--complementary: complementary masks need --kernel mask"),
+])
+def test_bad_training_options_are_refused(tmp_path, monkeypatch, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _run_tiny_demo(tmp_path, monkeypatch, _Clock(), budget="2", extra=extra)
+
+
 def test_a_step_budget_makes_two_runs_give_the_same_numbers(tmp_path, monkeypatch):
     """--train-steps 3: exactly 3 updates whatever the clock says (the fake one makes every step 1 s, the other 5 s),
     schedules on the step count, so losses, tokens per forward, GenPPL and entropy agree between the runs."""

@@ -85,6 +85,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="train exactly this many updates instead of --train-seconds, with the schedules on the "
                              "step count: two runs then give the same numbers apart from wall times (default: none, "
                              "the --train-seconds budget)")
+    parser.add_argument("--anneal-fraction", type=float, default=0.5,
+                        help="share of the budget over which attention is annealed causal → block-causal (0: none)")
+    parser.add_argument("--complementary", action="store_true",
+                        help="complementary masking: each sequence trained with a mask and its complement (mask "
+                             "kernel; a step scores every token once and costs two forwards)")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -151,9 +156,11 @@ STEP_ESTIMATE_WINDOW = 5
 def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace, device: torch.device,
            dtype: torch.dtype) -> dict[str, Any]:
     """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), or for
-    ``args.train_steps`` updates; γ annealed causal → block-causal over the first half of the budget, the learning rate
-    on a cosine over all of it. With a time budget both schedules follow the clock (so runs differ with the machine's
-    speed); with a step budget they follow the step count.
+    ``args.train_steps`` updates; γ annealed causal → block-causal over the first ``args.anneal_fraction`` of the
+    budget (0: block-causal from the start), the learning rate on a cosine over all of it; ``args.complementary``
+    trains each sequence with a mask and its complement (:func:`~unifusion.diffusion_loss`'s ``complementary``). With
+    a time budget both schedules follow the clock (so runs differ with the machine's speed); with a step budget they
+    follow the step count.
 
     The time budget holds: before each step after the first, the next step's time is estimated as the mean of the
     last :data:`STEP_ESTIMATE_WINDOW` steps (their compilation seconds excluded), and a step that would end past
@@ -187,14 +194,14 @@ def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespac
     while another_step():
         step_start, compiled_before = time.time(), _compile_seconds()
         progress = step / n_steps if n_steps else elapsed / budget  # of the budget, in [0, 1)
-        gamma = min(1.0, progress / 0.5)  # γ: causal → block-causal
+        gamma = min(1.0, progress / args.anneal_fraction) if args.anneal_fraction > 0 else 1.0  # causal → block
         lr = args.lr * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, progress)))
         for group in opt.param_groups:
             group["lr"] = lr
         x0 = train[torch.randint(0, len(train), (args.batch_size,), generator=g_cpu)].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = uf.diffusion_loss(model, x0, kernel, objective="gidd", bidirectional_prob=gamma,
-                                     generator=g).mean()
+                                     complementary=args.complementary, generator=g).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -320,6 +327,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in (("--block-size", K), ("--prompt-len", P), ("--new-tokens", N), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
+    if not 0.0 <= args.anneal_fraction <= 1.0:
+        raise ValueError(f"--anneal-fraction: expected a number in [0, 1], got {args.anneal_fraction}")
+    if args.complementary and args.kernel != "mask":
+        raise ValueError(f"--complementary: complementary masks need --kernel mask, got --kernel {args.kernel}")
     if args.train_steps is not None and args.train_steps < 1:
         raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
 
@@ -421,6 +432,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     metrics = {
         "model": args.model, "kernel": args.kernel, "block_size": K, "seq_len": args.seq_len,
         "prompt_len": P, "new_tokens": N, "num_prompts": len(prompts), "temperature": args.temperature,
+        "lr": args.lr, "anneal_fraction": args.anneal_fraction, "complementary": args.complementary,
         **{k: v for k, v in trained.items() if k != "loss_history"},
         "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows,
         "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
