@@ -32,8 +32,8 @@ global counts and DDP averages the gradients, so the same flags give the same nu
 
 ``--report``: issue 33's measurement — per seed, SFT once, then GRPO with each objective (grpo, wd1, spg) for
 ``--train-seconds`` from the same SFT weights; held-out accuracy before and after; mean and spread over the seeds;
-rollout tokens/s and the share of step time in rollouts and likelihoods; a markdown table to stdout and
-``OUT/report.md``.
+rollout tokens/s (completion positions decoded per second) and the share of step time in rollouts and in the
+likelihoods with their backward and the optimizer step; a markdown table to stdout and ``OUT/report.md``.
 
 CPU smoke run (tiny random model)::
 
@@ -434,7 +434,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=8, help="block size K of the block-diffusion model")
     parser.add_argument("--task", choices=arithmetic.KINDS, default="add", help="a+b or a+b-c")
     parser.add_argument("--digits", type=int, default=2, help="digits per operand")
-    parser.add_argument("--group-size", type=int, default=8, help="G, completions per prompt")
+    parser.add_argument("--group-size", type=int, default=4, help="G, completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step over all processes")
     parser.add_argument("--steps", type=int, default=10_000, help="GRPO steps (at most; see --train-seconds)")
     parser.add_argument("--train-seconds", type=float, default=0.0,
@@ -448,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epsilon", type=float, default=0.2, help="grpo's clip range")
     parser.add_argument("--spg-mix", type=float, default=None,
                         help="SPG's ω: ω·EUBO + (1−ω)·ELBO for negative advantages (default: the EUBO)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="GRPO learning rate (AdamW)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="GRPO learning rate (AdamW)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0 = off)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="N, completion length (answer, then EOS)")
     parser.add_argument("--rollout-steps", type=int, default=None,
@@ -552,7 +552,7 @@ def report_table(results: list[dict[str, Any]], args: argparse.Namespace) -> str
              f"after GRPO ({args.train_seconds:g} s per run, {args.prompts_per_step} prompts × {args.group_size} "
              f"completions per step, lr {args.lr:g}, estimator {args.estimator})", "",
              "| objective | seeds: before → after | mean before | mean after | gain (mean ± std) | steps | "
-             "rollout tok/s | rollout share | likelihood share |", "|---|---|---|---|---|---|---|---|---|"]
+             "rollout tok/s | rollout share | likelihood + update share |", "|---|---|---|---|---|---|---|---|---|"]
     for objective in OBJECTIVES:
         rows = [r for r in results if r["objective"] == objective]
         if not rows:

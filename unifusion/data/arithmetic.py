@@ -24,9 +24,9 @@ Example::
     train = arithmetic.make_problems(1000, seed=0)
     test = arithmetic.make_problems(200, seed=0, split="test")
     p = train[0]
-    p.prompt, p.completion               # ('47+38=', '85')
-    arithmetic.reward(" 85", p)          # 1.0
-    arithmetic.rewards(["85", "86"], [p, p])   # [1.0, 0.0]
+    p.prompt, p.completion               # ('34+67=', '101')
+    arithmetic.reward(" 101", p)         # 1.0
+    arithmetic.rewards(["101", "102"], [p, p])   # [1.0, 0.0]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import itertools
 import math
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -116,6 +116,7 @@ def _operand_range(digits: int) -> range:
 def _pool(kind: str, digits: int, split: str) -> tuple[tuple[int, ...], ...]:
     """Every operand tuple of the split, in lexicographic order."""
     r = _operand_range(digits)
+    tuples: Iterable[tuple[int, ...]]
     if kind == "add":
         tuples = itertools.product(r, r)
     else:
@@ -150,21 +151,21 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
     Raises:
         ValueError: an unknown split or kind, ``digits`` out of range, ``n`` negative or above the split's size.
     """
-    kind = _check_kind(kind)
-    digits, split = _check_digits(digits, kind), _check_split(split)
+    kind_ = _check_kind(kind)
+    digits, split_ = _check_digits(digits, kind_), _check_split(split)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
-    pool = _pool(kind, digits, split)
+    pool = _pool(kind_, digits, split_)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(pool):
-        raise ValueError(f"n: expected an int in [0, {len(pool)}] (the {split} split of {digits}-digit {kind!r} "
+        raise ValueError(f"n: expected an int in [0, {len(pool)}] (the {split_} split of {digits}-digit {kind_!r} "
                          f"problems), got {n!r}")
     order = list(range(len(pool)))
     random.Random(seed).shuffle(order)
     out = []
     for i in order[:n]:
         ops = pool[i]
-        answer = ops[0] + ops[1] - (ops[2] if kind == "add_sub" else 0)
-        out.append(ArithmeticProblem(operands=ops, kind=kind, answer=answer))
+        answer = ops[0] + ops[1] - (ops[2] if kind_ == "add_sub" else 0)
+        out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=answer))
     return out
 
 
