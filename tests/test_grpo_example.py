@@ -182,12 +182,15 @@ def test_tiny_run_trains_and_writes_metrics(one_process):
     assert metrics["rollout_tokens_per_s"] > 0 and len(metrics["records"]) == 2
 
 
-@pytest.mark.parametrize("objective", ["wd1", "spg"])
-def test_tiny_run_other_objectives(launcher, tmp_path, objective):
-    steps = _steps(_run(launcher, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1",
-                                   "--objective", objective, "--out", str(tmp_path)]))
+@pytest.mark.parametrize("extra", [["--objective", "wd1"], ["--objective", "spg"],
+                                   ["--objective", "grpo", "--inner-updates", "2", "--beta", "0.05"]])
+def test_tiny_run_other_objectives_and_options(launcher, tmp_path, extra):
+    steps = _steps(_run(launcher, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1", *extra,
+                                   "--out", str(tmp_path)]))
     assert sorted(steps) == [1]
-    assert json.loads((tmp_path / "metrics.json").read_text())["objective"] == objective
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["objective"] == extra[1] and metrics["args"]["inner_updates"] == (2 if "2" in extra else 1)
+    assert (metrics["spg_upper"] or "").startswith("elbo") == (extra[1] == "spg")  # a block model has no EUBO
 
 
 @pytest.mark.distributed
