@@ -42,7 +42,7 @@ CPU smoke run (tiny random model)::
 
 SmolLM2-135M-Instruct as a block model (K = 8), the measurement::
 
-    python examples/grpo.py --report --sft-steps 200 --train-seconds 300 --eval-problems 200 --out runs/grpo
+    python examples/grpo.py --report --sft-steps 100 --train-seconds 300 --eval-problems 200 --out runs/grpo-report
 """
 
 from __future__ import annotations
@@ -381,15 +381,19 @@ def grpo(args: argparse.Namespace, wrapped: torch.nn.Module, inner: uf.Diffusion
         advantages = uf.rl.group_advantages(rewards, G).float().to(device)
 
         t1 = time.perf_counter()
+        # a step whose every group has equal rewards has zero advantages: without a KL term its gradient is 0, so its
+        # likelihoods are skipped (the ranks decide together; the rewards are host numbers, no device sync)
+        varied = torch.tensor([float((rewards.view(-1, G).std(-1) > 0).any())], device=device)
+        informative = bool(all_reduce_sum(varied, world).item() > 0) or reference is not None
         old = ref = None
         with torch.no_grad(), autocast:
-            if args.inner_updates > 1 and args.objective == "grpo":
+            if informative and args.inner_updates > 1 and args.objective == "grpo":
                 old = score(wrapped, batch, args, step, row_offset=row0).per_token
             if reference is not None:
                 ref = score(reference, batch, args, step, row_offset=row0).per_token
-        loss_value = logp_first = 0.0
+        loss_value, logp_first = 0.0, float("nan")
         grad_norm = torch.zeros(())
-        for j in range(args.inner_updates):
+        for j in range(args.inner_updates if informative else 0):
             with autocast:
                 loss, logp = objective_loss(args, wrapped, inner, batch, advantages, old=old, ref=ref, step=step,
                                             row_offset=row0, global_rows=P * G)
@@ -410,13 +414,14 @@ def grpo(args: argparse.Namespace, wrapped: torch.nn.Module, inner: uf.Diffusion
         record = {"step": step + 1, "reward": stats[0].item(), "loss": stats[1].item(),
                   "logp_per_token": stats[2].item(), "grad_norm": float(grad_norm),
                   "rollout_s": stats[3].item(), "likelihood_s": stats[4].item(), "step_s": stats[5].item(),
-                  "rollout_tokens": P * G * args.max_new_tokens}
+                  "rollout_tokens": P * G * args.max_new_tokens, "updated": informative}
         records.append(record)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             log(f"step {step + 1:>5d} | reward {record['reward']:.4f} | loss {record['loss']:.6f} | "
                 f"logp/token {record['logp_per_token']:.4f} | grad_norm {record['grad_norm']:.4f} | "
                 f"rollout {record['rollout_s']:.2f} s | likelihood {record['likelihood_s']:.2f} s | "
-                f"{stats[6].item():.1f} s")
+                f"{stats[6].item():.1f} s | {problems[0].prompt} {batch.texts[0]!r}"
+                + ("" if informative else " | all groups tied: no update"))
         # the budget: the ranks agree because the mean elapsed time is all-reduced
         if args.train_seconds and stats[6].item() >= args.train_seconds:
             break
