@@ -39,8 +39,10 @@ from .. import _validation as V
 from ..denoiser import Denoiser
 from ..kernels import check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
-from . import attention, blocks, generation, io
+from ..samplers import generation
+from . import attention, blocks, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
+from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
 from .families import Family, family_for, unwrap_peft
 from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
@@ -486,7 +488,9 @@ class DiffusionLM(nn.Module, Denoiser):
 
         The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
         generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
-        (:mod:`unifusion.hf.generation` has the rules for padding, EOS and the caches).
+        (:func:`unifusion.samplers.generate`, the one generate path, has the rules for padding, EOS and the caches;
+        the caches are the decoders this model offers: :meth:`block_decoder`, :meth:`prefix_decoder`,
+        :meth:`block_forward`).
 
         Args:
             prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
@@ -576,6 +580,29 @@ class DiffusionLM(nn.Module, Denoiser):
             kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
             generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
             do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
+
+    def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
+        """The exact cached decoder of a block model (:class:`~unifusion.hf.decoding.BlockCacheDecoder`, a
+        :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.
+        ``merge_commits``: append each committed block within the next block's first step (one call fewer per
+        block, the same tokens)."""
+        if self.block_size is None:
+            raise ValueError("block_decoder: needs a block model (adapt_ar_model(..., block_size=K)); a fully "
+                             "bidirectional model offers prefix_decoder (approximate) instead")
+        return BlockCacheDecoder(self, merge_commits=merge_commits)
+
+    def prefix_decoder(self, seq_len: int, refresh: int) -> PrefixCacheDecoder:
+        """Fast-dLLM's **approximate** dual cache for a fully bidirectional model
+        (:class:`~unifusion.hf.decoding.PrefixCacheDecoder`, a :class:`~unifusion.samplers.BlockDenoiser`) over
+        sequences of ``seq_len`` tokens, recomputed every ``refresh`` steps of a block (``generate(...,
+        cache_refresh=refresh)``)."""
+        return PrefixCacheDecoder(self, seq_len, refresh)
+
+    def block_forward(self) -> BlockForward:
+        """A block model as an x0 callable ``(x_t, t, attention_mask=None) → logits``: the training forward with the
+        current tokens as the clean stream (:class:`~unifusion.hf.decoding.BlockForward`), what :meth:`generate`
+        calls with ``use_cache=False``."""
+        return BlockForward(self)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 
