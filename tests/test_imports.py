@@ -9,7 +9,7 @@
   unifusion module defines. Private *modules* (``_validation``, ``_math``, ...) may be imported within the package:
   their names are the package's internal API.
 * No ``sys.modules`` look-ups: a lower layer never reaches an upper one behind the import graph's back.
-* No module imports a private *module* of another subpackage (``unifusion.hf.generation`` importing
+* No module imports a private *module* of another subpackage (``unifusion.hf.model`` importing
   ``unifusion.samplers._setup``): a private module is the internal API of the package that holds it (and of that
   package's subpackages); the top level's private modules (``unifusion._validation``, ...) serve the whole library.
   Another subpackage uses the public names its package re-exports.

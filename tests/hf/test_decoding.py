@@ -1,4 +1,4 @@
-"""DiffusionLM.generate with a decoding policy (unifusion.hf.generation) and the cached decoders
+"""DiffusionLM.generate with a decoding policy (unifusion.samplers.generation) and the cached decoders
 (unifusion.hf.decoding): the policy path is PolicySampler's, left padding with the tokenizer's mask, the padding and
 length checks, EOS defaults, the approximate dual cache (refresh 1 = uncached; K + 1 positions per cached step), and
 the save-time tokenizer warning — on tiny random models (tests/_hf_tiny.py)."""

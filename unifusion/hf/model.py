@@ -39,8 +39,10 @@ from .. import _validation as V
 from ..denoiser import Denoiser
 from ..kernels import check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
-from . import attention, blocks, generation, io
+from ..samplers import generation
+from . import attention, blocks, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
+from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
 from .families import Family, family_for, unwrap_peft
 from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
@@ -486,87 +488,14 @@ class DiffusionLM(nn.Module, Denoiser):
 
         The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
         generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
-        (:mod:`unifusion.hf.generation` has the rules for padding, EOS and the caches).
+        through the decoders this model offers (:meth:`block_decoder`, :meth:`prefix_decoder`,
+        :meth:`block_forward`).
 
-        Args:
-            prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
-                gives ``B = 1``). Left-padded batches need ``attention_mask``.
-            max_new_tokens: number of tokens to generate after the prompt; or give
-            seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
-                config's ``max_position_embeddings`` is a ``ValueError``.
-            policy: ``None`` (the BayesianSampler; on a block model the default policy:
-                :func:`~unifusion.samplers.policies.default_policy`, ``LowConfidence()`` for a mask kernel and
-                ``EntropyBound(1.0)`` for a uniform one, one token per step unless ``num_steps`` is given), or a
-                :class:`~unifusion.samplers.policies.DecodingPolicy` (``LowConfidence()``, ``ConfidenceThreshold(0.9)``,
-                ``EntropyBound(bound)`` with a uniform kernel, ...).
-            num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
-                the block size; adaptive policies may take fewer).
-            block_size: positions per block with a policy (default: one block over the generated region; a block
-                model's own ``block_size``, which is the only one it takes).
-            use_cache: with a policy on a block model, the exact KV cache (prefill the prompt once, each step runs one
-                block's ``K + 1`` positions, one forward per committed block): the same tokens as ``False``.
-            merge_commits: with that cache, run each committed block within the next block's first step (one call of
-                ``2K + 1`` positions instead of two; Fast-dLLM v2's way): the same tokens, one call fewer per block.
-            cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
-                full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
-                between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
-            attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
-            eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
-                the BayesianSampler), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
-                becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
-            pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
-            return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
-                ``tokens_per_forward`` per row) instead of the tokens.
-            return_trace: with a policy, also the rollout trace (implies ``return_dict``):
-                :attr:`~unifusion.samplers.PolicyOutput.commit_step` ``(B, L)``, the model call at which each
-                generated position was committed (counted as ``num_forwards`` counts, the cache's prefill as call 0),
-                and :attr:`~unifusion.samplers.PolicyOutput.commit_logprob`, the log-probability it was committed
-                with; what ``uf.rl.sequence_logprob(..., estimator="trace", trace=out.commit_step)`` replays. Mask
-                kernels; ``policy=None`` on a model without blocks (the BayesianSampler) is a ``ValueError``.
-            num_return_sequences: completions per prompt (default 1, or ``generation_config``'s): the prompts are
-                repeated ``n`` times in place (rows ``b·n … b·n + n − 1`` continue prompt ``b``) and decoded in one
-                batch of ``B·n`` rows; a list of generators then has ``B·n`` entries, one per returned row.
-            kernel: the forward kernel the model was trained with; default :attr:`kernel` when recorded, else
-                :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
-                (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
-            temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
-            top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
-            top_k: keep the ``k`` most likely tokens (``None``: off).
-            eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
-            generator: random generator on the model's device, for reproducible samples; or a list of ``B``
-                generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
-                generator=generator[b])`` whatever rows are beside it.
-            progress: show a progress bar.
-            generation_config: a ``transformers.GenerationConfig`` (e.g. :attr:`generation_config`, the backbone's
-                saved one). Its ``max_new_tokens``/``max_length``, ``do_sample``, ``temperature``, ``top_k``,
-                ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id`` and ``stop_strings`` are read; a
-                keyword given here with another value than its default wins. Fields that say how transformers runs
-                (``use_cache``, ``output_*``, ...) are ignored; any field that would change the tokens and does not
-                apply to diffusion decoding (``num_beams`` > 1, ``repetition_penalty`` ≠ 1, ...) is a ``ValueError``.
-            max_length: transformers' name for ``seq_len`` (the total length, prompt included).
-            do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (the policy still
-                ranks positions by x_θ; mask kernels; ``policy=None`` then means the default policy, block by
-                block). ``None`` (default): sample, unless ``generation_config`` says otherwise.
-            stop_strings: a string or a list: a row stops after the token that completes one of them in its decoded
-                generated text (checked after each block; the later positions become ``pad_token_id``, else EOS).
-                Needs ``tokenizer=`` (or :attr:`tokenizer`).
-            tokenizer: decodes for ``stop_strings`` (default :attr:`tokenizer`).
-            streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any ``BaseStreamer``),
-                batch size 1: ``put`` gets the prompt ``(1, P)`` first, as transformers' ``generate`` does, then each
-                block's generated tokens ``(k,)`` as soon as the block is decided (stop strings and EOS applied, so
-                the fill after EOS is pushed too: what is pushed after the prompt is exactly the returned row's
-                generated tokens), and ``end()`` last. The full-sequence sampler pushes the whole completion once.
-            **kwargs: other ``transformers.GenerationConfig`` fields, accepted at their neutral value only
-                (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other name is a ``TypeError``.
-
-        Returns:
-            ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
-            :class:`~unifusion.samplers.PolicyOutput`).
-
-        ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
-        device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, a generator on another
-        device type than the model (or a number of per-row generators other than ``B``), a padded batch without
-        ``attention_mask`` and a length beyond the model's positions are ``ValueError``s naming the argument.
+        The arguments, the result and the rules for padding, EOS and the caches are those of
+        :func:`unifusion.samplers.generate`, the one generate path, which this method calls with the model (and which
+        lists them): ``(B, P)`` prompt ids in, ``(B, P + max_new_tokens)`` ids out, or a
+        :class:`~unifusion.samplers.PolicyOutput`. Defaults come from the model: :attr:`kernel` (else
+        :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
         """
         return generation.generate(
             self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
@@ -576,6 +505,29 @@ class DiffusionLM(nn.Module, Denoiser):
             kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
             generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
             do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
+
+    def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
+        """The exact cached decoder of a block model (:class:`~unifusion.hf.decoding.BlockCacheDecoder`, a
+        :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.
+        ``merge_commits``: append each committed block within the next block's first step (one call fewer per
+        block, the same tokens)."""
+        if self.block_size is None:
+            raise ValueError("block_decoder: needs a block model (adapt_ar_model(..., block_size=K)); a fully "
+                             "bidirectional model offers prefix_decoder (approximate) instead")
+        return BlockCacheDecoder(self, merge_commits=merge_commits)
+
+    def prefix_decoder(self, seq_len: int, refresh: int) -> PrefixCacheDecoder:
+        """Fast-dLLM's **approximate** dual cache for a fully bidirectional model
+        (:class:`~unifusion.hf.decoding.PrefixCacheDecoder`, a :class:`~unifusion.samplers.BlockDenoiser`) over
+        sequences of ``seq_len`` tokens, recomputed every ``refresh`` steps of a block (``generate(...,
+        cache_refresh=refresh)``)."""
+        return PrefixCacheDecoder(self, seq_len, refresh)
+
+    def block_forward(self) -> BlockForward:
+        """A block model as an x0 callable ``(x_t, t, attention_mask=None) → logits``: the training forward with the
+        current tokens as the clean stream (:class:`~unifusion.hf.decoding.BlockForward`), what :meth:`generate`
+        calls with ``use_cache=False``."""
+        return BlockForward(self)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@
   denoising final step; :func:`x0_model_as` turns an x0 model into any of those heads (Theorem 3.5).
 * :class:`PolicySampler` — block decoding with a decoding policy (:mod:`unifusion.samplers.policies`: LLaDA, Dream,
   Fast-dLLM, DiffusionGemma), EOS stopping, tokens per forward.
+* :func:`generate` — prompt continuation with a model, the one path behind the models' ``generate``
+  (:mod:`unifusion.samplers.generation`; transformers' options in :mod:`unifusion.samplers.generation_options`).
 
 Prompts and infilling: pass ``prompt=`` a ``(B, L)`` tensor with :data:`PROMPT_FILL` (−1) at the positions to
 generate, or a pair ``(ids, keep_mask)``. :func:`resolve_attention_mask` (a tokenizer's left-padding mask, checked) and
@@ -15,7 +17,8 @@ from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .euler import PARAMETERIZATIONS, ConvertedModel, EulerSampler, x0_model_as
+from .generation import generate
 from .policy_sampler import BlockDenoiser, PolicyOutput, PolicySampler
 
 __all__ = ["PARAMETERIZATIONS", "PROMPT_FILL", "BayesianSampler", "BlockDenoiser", "ConvertedModel", "EulerSampler",
-           "PolicyOutput", "PolicySampler", "eos_stop", "resolve_attention_mask", "x0_model_as"]
+           "PolicyOutput", "PolicySampler", "eos_stop", "generate", "resolve_attention_mask", "x0_model_as"]

@@ -1,4 +1,6 @@
-"""Prompt continuation with an adapted model: what :meth:`unifusion.hf.DiffusionLM.generate` does.
+"""Prompt continuation, one path for every model: what ``generate`` of :class:`unifusion.hf.DiffusionLM` (and of any
+model that offers the interface below) does — argument checks, padding and attention masks, EOS and stop strings, the
+choice of sampler and decoder.
 
 The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step and never changes. Two samplers:
 
@@ -8,10 +10,19 @@ The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step 
   a mask kernel, ``EntropyBound`` for a uniform one, ``block_size`` steps per block unless ``num_steps`` says
   otherwise), decoded as below.
 * a decoding policy (:mod:`unifusion.samplers.policies`): :class:`~unifusion.samplers.PolicySampler`, block by block.
-  On a block model (``adapt_ar_model(..., block_size=K)``) with ``use_cache=True`` the exact KV-cache path of
-  :class:`~unifusion.hf.decoding.BlockCacheDecoder`; on a fully bidirectional model ``cache_refresh=N`` opts into
-  Fast-dLLM's *approximate* dual cache (:class:`~unifusion.hf.decoding.PrefixCacheDecoder`); otherwise every step
-  runs the whole sequence.
+  On a block model with ``use_cache=True`` the exact cached decoder the model offers (``model.block_decoder()``, for
+  :class:`~unifusion.hf.DiffusionLM` the KV cache of :class:`~unifusion.hf.decoding.BlockCacheDecoder`); on a fully
+  bidirectional model ``cache_refresh=N`` opts into the *approximate* prefix cache it offers
+  (``model.prefix_decoder()``: Fast-dLLM's dual cache, :class:`~unifusion.hf.decoding.PrefixCacheDecoder`); otherwise
+  every step runs the whole sequence (a block model through ``model.block_forward()``).
+
+**What the model offers.** ``device``, ``num_states`` and ``config`` (its ``eos_token_id``/``pad_token_id`` and
+``max_position_embeddings``); optionally ``tokenizer`` (EOS and pad ids, stop strings), ``kernel`` (the recorded
+training kernel), ``mask_token_id``, ``block_size`` (``None``: fully bidirectional); for a block model
+``block_decoder(merge_commits=...)`` (a cached :class:`~unifusion.samplers.BlockDenoiser`) and ``block_forward()`` (an
+x0 callable whose blocks see only earlier blocks' tokens); for a bidirectional model that has one,
+``prefix_decoder(seq_len, refresh)`` (an approximate cached :class:`~unifusion.samplers.BlockDenoiser`). This module
+imports no model: the model layer (:mod:`unifusion.hf`) sits above it.
 
 **Padding.** Prompts of different lengths are left-padded by the tokenizer (``padding_side="left"``) and come with its
 ``attention_mask`` (1 = real token), which ``generate`` takes: a padded row then equals the row alone (token for token
@@ -24,6 +35,9 @@ tokens are text. The pad id is ``pad_token_id``, else the tokenizer's, else the 
 rows then stop there, cost no further forwards, and every later position is EOS (or ``pad_token_id``) — and no EOS
 for the Bayesian sampler (whose tokens stay as they were). ``None``: never stop. An int: that id (with the Bayesian
 sampler the positions after a row's first generated EOS are filled afterwards; the sampler's steps are the same).
+
+transformers' vocabulary (a ``GenerationConfig``, ``max_length``, ``do_sample``, stop strings, streamers) is resolved
+by :mod:`unifusion.samplers.generation_options`.
 """
 
 from __future__ import annotations
@@ -36,19 +50,14 @@ import torch
 
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
-from ..samplers import (
-    PROMPT_FILL,
-    BayesianSampler,
-    PolicyOutput,
-    PolicySampler,
-    eos_stop,
-    resolve_attention_mask,
-)
-from ..samplers.policies import default_policy
-from . import decoding
+from ._policy_run import eos_stop, resolve_attention_mask
+from ._setup import PROMPT_FILL
+from .bayesian import BayesianSampler
+from .generation_options import resolve_hf_options, stop_after, streaming
+from .policies import default_policy
+from .policy_sampler import PolicyOutput, PolicySampler
 
-__all__ = ["HF_SUPPORTED", "HFOptions", "generate", "model_eos_token_id", "model_pad_token_id", "resolve_hf_options",
-           "stop_column"]
+__all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
 
 
 def _first_id(value: Any) -> int | None:
@@ -83,12 +92,91 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
              progress: bool = False, generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              streamer: Any = None, **kwargs: Any) -> Any:
-    """Continue ``prompt_ids`` with ``model`` (a :class:`~unifusion.hf.DiffusionLM`).
+    """Continue ``prompt_ids`` with ``model`` (a :class:`~unifusion.hf.DiffusionLM`, or any model that offers what the
+    module docstring lists): ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default, block
+    decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given or the model
+    is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
 
-    The arguments and the result are those of :meth:`DiffusionLM.generate <unifusion.hf.DiffusionLM.generate>`:
-    ``(B, P)`` or ``(P,)`` prompt ids in, ``(B, P + max_new_tokens)`` int64 ids out (or a
-    :class:`~unifusion.samplers.PolicyOutput` with ``return_dict=True`` or ``return_trace=True``), the prompt unchanged
-    in the first ``P`` columns; with ``num_return_sequences=n`` the ``B·n`` rows of ``n`` completions per prompt.
+    Args:
+        model: the model (a :class:`~unifusion.hf.DiffusionLM`; the module docstring lists what another must offer).
+        prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
+            gives ``B = 1``). Left-padded batches need ``attention_mask``.
+        max_new_tokens: number of tokens to generate after the prompt; or give
+        seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
+            config's ``max_position_embeddings`` is a ``ValueError``.
+        policy: ``None`` (the BayesianSampler; on a block model the default policy:
+            :func:`~unifusion.samplers.policies.default_policy`, ``LowConfidence()`` for a mask kernel and
+            ``EntropyBound(1.0)`` for a uniform one, one token per step unless ``num_steps`` is given), or a
+            :class:`~unifusion.samplers.policies.DecodingPolicy` (``LowConfidence()``, ``ConfidenceThreshold(0.9)``,
+            ``EntropyBound(bound)`` with a uniform kernel, ...).
+        num_steps: ``policy=None``: ``N ≥ 1`` model calls (default 64). With a policy: steps per block (default
+            the block size; adaptive policies may take fewer).
+        block_size: positions per block with a policy (default: one block over the generated region; a block
+            model's own ``block_size``, which is the only one it takes).
+        use_cache: with a policy on a block model, the exact KV cache (prefill the prompt once, each step runs one
+            block's ``K + 1`` positions, one forward per committed block): the same tokens as ``False``.
+        merge_commits: with that cache, run each committed block within the next block's first step (one call of
+            ``2K + 1`` positions instead of two; Fast-dLLM v2's way): the same tokens, one call fewer per block.
+        cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
+            full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
+            between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
+        attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
+        eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
+            the BayesianSampler), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
+            becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
+        pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
+        return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
+            ``tokens_per_forward`` per row) instead of the tokens.
+        return_trace: with a policy, also the rollout trace (implies ``return_dict``):
+            :attr:`~unifusion.samplers.PolicyOutput.commit_step` ``(B, L)``, the model call at which each
+            generated position was committed (counted as ``num_forwards`` counts, the cache's prefill as call 0),
+            and :attr:`~unifusion.samplers.PolicyOutput.commit_logprob`, the log-probability it was committed
+            with; what ``uf.rl.sequence_logprob(..., estimator="trace", trace=out.commit_step)`` replays. Mask
+            kernels; ``policy=None`` on a model without blocks (the BayesianSampler) is a ``ValueError``.
+        num_return_sequences: completions per prompt (default 1, or ``generation_config``'s): the prompts are
+            repeated ``n`` times in place (rows ``b·n … b·n + n − 1`` continue prompt ``b``) and decoded in one
+            batch of ``B·n`` rows; a list of generators then has ``B·n`` entries, one per returned row.
+        kernel: the forward kernel the model was trained with; default the model's ``kernel`` when recorded, else
+            :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
+            (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
+        temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
+        top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
+        top_k: keep the ``k`` most likely tokens (``None``: off).
+        eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
+        generator: random generator on the model's device, for reproducible samples; or a list of ``B``
+            generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
+            generator=generator[b])`` whatever rows are beside it.
+        progress: show a progress bar.
+        generation_config: a ``transformers.GenerationConfig`` (e.g. ``model.generation_config``, the backbone's
+            saved one). Its ``max_new_tokens``/``max_length``, ``do_sample``, ``temperature``, ``top_k``,
+            ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id`` and ``stop_strings`` are read; a
+            keyword given here with another value than its default wins. Fields that say how transformers runs
+            (``use_cache``, ``output_*``, ...) are ignored; any field that would change the tokens and does not
+            apply to diffusion decoding (``num_beams`` > 1, ``repetition_penalty`` ≠ 1, ...) is a ``ValueError``.
+        max_length: transformers' name for ``seq_len`` (the total length, prompt included).
+        do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (the policy still
+            ranks positions by x_θ; mask kernels; ``policy=None`` then means the default policy, block by
+            block). ``None`` (default): sample, unless ``generation_config`` says otherwise.
+        stop_strings: a string or a list: a row stops after the token that completes one of them in its decoded
+            generated text (checked after each block; the later positions become ``pad_token_id``, else EOS).
+            Needs ``tokenizer=`` (or the model's ``tokenizer``).
+        tokenizer: decodes for ``stop_strings`` (default the model's ``tokenizer``).
+        streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any ``BaseStreamer``),
+            batch size 1: ``put`` gets the prompt ``(1, P)`` first, as transformers' ``generate`` does, then each
+            block's generated tokens ``(k,)`` as soon as the block is decided (stop strings and EOS applied, so
+            the fill after EOS is pushed too: what is pushed after the prompt is exactly the returned row's
+            generated tokens), and ``end()`` last. The full-sequence sampler pushes the whole completion once.
+        **kwargs: other ``transformers.GenerationConfig`` fields, accepted at their neutral value only
+            (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other name is a ``TypeError``.
+
+    Returns:
+        ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
+        :class:`~unifusion.samplers.PolicyOutput`).
+
+    ``prompt_ids`` on another device than the model is moved to the model's. A model or prompt on the meta
+    device, prompt ids outside ``[0, num_states)`` or equal to the kernel's mask id, a generator on another
+    device type than the model (or a number of per-row generators other than ``B``), a padded batch without
+    ``attention_mask`` and a length beyond the model's positions are ``ValueError``s naming the argument.
     """
     hf = resolve_hf_options(generation_config, kwargs, max_new_tokens=max_new_tokens, seq_len=seq_len,
                             max_length=max_length, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -157,7 +245,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if policy is None and (getattr(model, "block_size", None) is not None or not hf.do_sample):
         policy = default_policy(kernel)  # a block model decodes block by block; greedy decoding needs a policy
     eos = _resolve_eos(model, eos_token_id, policy)
-    stream = _streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
+    stream = streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
     if streamer is not None:
@@ -170,7 +258,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         out = _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
         if stream is not None:  # one "block": the whole generated region, decided at the end
-            out = _stop_after(out, stream, P, L, pad_token_id, eos)
+            out = stop_after(out, stream, P, L, pad_token_id, eos)
             seqs = out if isinstance(out, torch.Tensor) else out.sequences
             stream.on_block(0, seqs, torch.arange(P, L, device=seqs.device).expand(B, -1))
             if streamer is not None:
@@ -259,47 +347,10 @@ def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | tupl
     return eos_token_id
 
 
-def _streaming(model: Any, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], B: int, P: int, L: int,
-               eos: Any, pad: int | None) -> _Streaming | None:
-    """The streamer and stop-string hooks of one call, checked, or ``None`` when neither is asked for."""
-    if streamer is None and not stop_strings:
-        return None
-    if streamer is not None:
-        if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-            raise TypeError(f"streamer: expected a transformers streamer (put() and end(), e.g. TextStreamer), got "
-                            f"{type(streamer).__name__}")
-        if B != 1:
-            raise ValueError(f"streamer: streams one sequence, as transformers' streamers do, got a batch of {B}")
-    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if stop_strings:
-        if tok is None or not callable(getattr(tok, "decode", None)):
-            raise ValueError("stop_strings: need a tokenizer to decode the text (pass tokenizer=, or adapt the "
-                             "model with one)")
-        if pad is None and eos is None:
-            raise ValueError("stop_strings: a stopped row's later positions need a fill; pass pad_token_id or "
-                             "eos_token_id")
-    return _Streaming(streamer, tok, stop_strings, P, L)
-
-
-def _stop_after(out: Any, stream: _Streaming, P: int, L: int, pad: int | None, eos: Any) -> Any:
-    """Stop strings on a finished run (the full-sequence sampler): every position after a row's stop becomes the
-    fill (``pad``, else the first EOS id)."""
-    if not stream.stop_strings:
-        return out
-    seqs = out if isinstance(out, torch.Tensor) else out.sequences
-    stop = stream.stopping(0, seqs, torch.arange(P, L, device=seqs.device).expand(seqs.shape[0], -1))
-    if stop is None:
-        return out
-    fill = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
-    col = torch.arange(L, device=seqs.device)
-    after = (stop[:, None] >= 0) & (col > stop[:, None]) & (col >= P)
-    seqs = torch.where(after, fill, seqs)
-    return seqs if isinstance(out, torch.Tensor) else dataclasses.replace(out, sequences=seqs)
-
-
 def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
              merge_commits: bool) -> Any:
-    """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls)."""
+    """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls):
+    the model's ``block_decoder`` (block models) or ``prefix_decoder`` (``cache_refresh``)."""
     model_block = getattr(model, "block_size", None)
     if merge_commits and (model_block is None or not use_cache):
         raise ValueError("merge_commits: merges commits into the exact block cache, which needs a block model "
@@ -317,31 +368,27 @@ def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_
         if block_size is not None and block_size != model_block:
             raise ValueError(f"block_size: the model was trained with blocks of {model_block}, got {block_size}; "
                              "leave it None (the model's) or pass the same size")
-        return decoding.BlockCacheDecoder(model, merge_commits=merge_commits) if use_cache else None
+        return _offered(model, "block_decoder", "use_cache")(merge_commits=merge_commits) if use_cache else None
     if cache_refresh is not None:
-        return decoding.PrefixCacheDecoder(model, L, cache_refresh)
+        return _offered(model, "prefix_decoder", "cache_refresh")(L, cache_refresh)
     return None
 
 
+def _offered(model: Any, method: str, argument: str) -> Any:
+    """The model's ``method`` (a decoder it offers); a ``TypeError`` naming ``argument`` when it offers none."""
+    fn = getattr(model, method, None)
+    if not callable(fn):
+        raise TypeError(f"{argument}: this path needs the model's {method}(), which {type(model).__name__} does not "
+                        "offer")
+    return fn
+
+
 def _x0_callable(model: Any) -> Any:
-    """What the uncached policy path calls: the model itself, or for a block model its block-causal forward with the
-    tokens decided so far as the clean stream (a block sees only committed blocks of it)."""
+    """What the uncached policy path calls: the model itself, or for a block model its block-causal forward
+    (``model.block_forward()``: the tokens decided so far as the clean stream, a block sees only committed blocks)."""
     if getattr(model, "block_size", None) is None:
         return model
-    return BlockForward(model)
-
-
-class BlockForward:
-    """A block model as an x0 callable: ``model(x_t, t, clean=x_t)`` — the training forward with the current tokens as
-    the clean stream (each block sees only the clean tokens of earlier blocks, which are committed when it runs)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.num_states = model.num_states
-
-    def __call__(self, x_t: torch.Tensor, t: torch.Tensor, attention_mask: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        return self.model(x_t, t, clean=x_t, attention_mask=attention_mask)
+    return _offered(model, "block_forward", "use_cache")()
 
 
 def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
@@ -392,171 +439,3 @@ class _Padded:
         return self.model(x_t, t, attention_mask=self.mask, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# transformers' generation vocabulary
-
-HF_SUPPORTED = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                "pad_token_id", "stop_strings", "num_return_sequences")
-"""The ``transformers.GenerationConfig`` fields ``generate`` reads (from a config or as keywords)."""
-
-_HF_IGNORED = frozenset({
-    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
-    "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
-    "_from_model_config", "transformers_version", "compile_config", "disable_compile", "low_memory",
-    "renormalize_logits", "remove_invalid_values", "prefill_chunk_size", "is_assistant", "num_assistant_tokens",
-    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "continuous_batching_config"})
-"""Fields that say how transformers runs (caches, outputs, bookkeeping), not which tokens come out: ignored."""
-
-_HF_NEUTRAL: dict[str, Any] = {
-    "num_beams": 1, "num_beam_groups": 1, "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False, "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
-"""Fields that do not apply to diffusion decoding but are accepted at their neutral value (``num_beams=1``, ...)."""
-
-
-@dataclasses.dataclass
-class HFOptions:
-    """transformers' options resolved for one ``generate`` call (explicit keywords over the config's fields)."""
-
-    max_new_tokens: int | None
-    seq_len: int | None
-    do_sample: bool
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    eos_token_id: Any
-    pad_token_id: int | None
-    stop_strings: tuple[str, ...]
-    num_return_sequences: int = 1
-
-
-def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new_tokens: int | None,
-                       seq_len: int | None, max_length: int | None, do_sample: bool | None, temperature: float,
-                       top_k: int | None, top_p: float | None, eos_token_id: Any, pad_token_id: int | None,
-                       stop_strings: Any, num_return_sequences: int | None = None) -> HFOptions:
-    """Merge a ``transformers.GenerationConfig`` with ``generate``'s keywords (a keyword given with another value
-    than its default wins) and refuse what diffusion decoding cannot honour.
-
-    ``extra``: keywords ``generate`` does not name. A ``GenerationConfig`` field among them is taken at its neutral
-    value (``num_beams=1``) and is a ``ValueError`` otherwise (``num_beams=4``: no beam search here); any other name
-    is a ``TypeError``, as an unknown keyword is in Python.
-    """
-    fields: dict[str, Any] = {}
-    if generation_config is not None:
-        to_dict = getattr(generation_config, "to_dict", None)
-        if not callable(to_dict) or not hasattr(generation_config, "max_new_tokens"):
-            raise TypeError(f"generation_config: expected a transformers.GenerationConfig (e.g. "
-                            f"model.generation_config), got {type(generation_config).__name__}")
-        fields = {k: v for k, v in to_dict().items() if v is not None}
-    known = _known_hf_fields() if extra else frozenset()
-    for name in extra:
-        if name not in known and name not in _HF_NEUTRAL:
-            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
-    for source, items in (("generation_config.", fields.items()), ("", extra.items())):
-        for name, value in items:
-            if name in HF_SUPPORTED or name in _HF_IGNORED or value is None:
-                continue
-            if name in _HF_NEUTRAL and value == _HF_NEUTRAL[name]:
-                continue
-            neutral = f" (only {_HF_NEUTRAL[name]!r} is accepted)" if name in _HF_NEUTRAL else ""
-            raise ValueError(f"{source}{name}: does not apply to diffusion decoding{neutral}, got {value!r}; "
-                             f"generate reads {', '.join(HF_SUPPORTED)}")
-    given = [n for n, v in (("max_new_tokens", max_new_tokens), ("seq_len", seq_len), ("max_length", max_length))
-             if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"{', '.join(given)}: give one of them (max_length and seq_len are both the total length "
-                         "including the prompt), got " + ", ".join(f"{n}={v!r}" for n, v in
-                                                             (("max_new_tokens", max_new_tokens),
-                                                              ("seq_len", seq_len), ("max_length", max_length))
-                                                             if v is not None))
-    if max_length is not None:
-        seq_len = max_length
-    elif not given:
-        if fields.get("max_new_tokens") is not None:
-            max_new_tokens = fields["max_new_tokens"]
-        elif fields.get("max_length") is not None:
-            seq_len = fields["max_length"]
-    if do_sample is None:
-        do_sample = fields.get("do_sample", True)
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample: expected a bool, got {type(do_sample).__name__}")
-    if temperature == 1.0 and "temperature" in fields:
-        temperature = float(fields["temperature"])
-    if top_k is None and "top_k" in fields:
-        top_k = int(fields["top_k"])
-    if top_p is None and "top_p" in fields:
-        top_p = float(fields["top_p"])
-    if isinstance(eos_token_id, str) and eos_token_id == "auto" and "eos_token_id" in fields:
-        eos_token_id = fields["eos_token_id"]
-    if pad_token_id is None and "pad_token_id" in fields:
-        pad_token_id = int(fields["pad_token_id"])
-    if stop_strings is None:
-        stop_strings = fields.get("stop_strings")
-    if stop_strings is None:
-        strings: tuple[str, ...] = ()
-    elif isinstance(stop_strings, str):
-        strings = (stop_strings,)
-    elif isinstance(stop_strings, (list, tuple)) and all(isinstance(s, str) and s for s in stop_strings):
-        strings = tuple(stop_strings)
-    else:
-        raise TypeError(f"stop_strings: expected a non-empty string or a list of them, got {stop_strings!r}")
-    if any(not s for s in strings):
-        raise ValueError("stop_strings: expected non-empty strings, got ''")
-    if num_return_sequences is None:
-        num_return_sequences = fields.get("num_return_sequences", 1)
-    num_return_sequences = V.check_positive_int("num_return_sequences", num_return_sequences)
-    return HFOptions(max_new_tokens=max_new_tokens, seq_len=seq_len, do_sample=do_sample, temperature=temperature,
-                     top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                     stop_strings=strings, num_return_sequences=num_return_sequences)
-
-
-def _known_hf_fields() -> frozenset[str]:
-    """The field names of ``transformers.GenerationConfig`` (read from an instance of this release)."""
-    from transformers import GenerationConfig
-
-    return frozenset(GenerationConfig().to_dict())
-
-
-def stop_column(tokenizer: Any, stop_strings: Sequence[str], tokens: Sequence[int], checked: int = 0) -> int | None:
-    """The index ``e`` of the token that completes the first stop string of ``tokens`` (generated ids): the
-    smallest ``e`` whose decoded prefix ``tokens[:e + 1]`` contains one; ``None`` if none does. The prefixes up to
-    ``checked`` tokens are known to hold none (they are not decoded again)."""
-    def found(n: int) -> bool:
-        text = tokenizer.decode(list(tokens[:n]))
-        return any(s in text for s in stop_strings)
-
-    if not tokens or not found(len(tokens)):
-        return None
-    for n in range(max(checked, 0) + 1, len(tokens) + 1):
-        if found(n):
-            return n - 1
-    return len(tokens) - 1
-
-
-class _Streaming:
-    """Feeds a transformers streamer as HF's ``generate`` does (batch 1): the prompt first, then each decided block
-    (its generated columns), then ``end()``; and applies stop strings after each block."""
-
-    def __init__(self, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], start: int, length: int
-                 ) -> None:
-        self.streamer, self.tokenizer, self.stop_strings = streamer, tokenizer, stop_strings
-        self.start, self.length = start, length  # the first generated column, the sequence length
-        self.checked = 0  # generated tokens known to hold no stop string
-
-    def stopping(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
-        end = int(cols[:, -1].clamp_max(self.length - 1).max()) + 1  # the generated region decided so far
-        stops = []
-        for row in tokens[:, self.start:end].tolist():
-            e = stop_column(self.tokenizer, self.stop_strings, row, self.checked)
-            stops.append(-1 if e is None else self.start + e)
-        self.checked = end - self.start
-        return torch.tensor(stops, dtype=torch.long, device=tokens.device)
-
-    def on_block(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
-        if self.streamer is None:
-            return
-        c = cols[0]
-        c = c[(c < self.length) & (c >= self.start)]
-        if c.numel():
-            self.streamer.put(tokens[0, c].cpu())
