@@ -153,8 +153,8 @@ def test_packed_linears_decode_the_same_tokens_as_the_default_matmuls(tmp_path, 
 
 
 def test_annealing_share_and_complementary_masks_reach_the_loss(tmp_path, monkeypatch):
-    """--anneal-fraction sets where γ reaches 1 (0: block-causal from the first step); --complementary hands
-    complementary=True to every diffusion_loss call; both are recorded in metrics.json."""
+    """--anneal-fraction sets where γ reaches 1; --complementary hands complementary=True to every diffusion_loss
+    call; both are recorded in metrics.json."""
     import unifusion as uf
 
     seen = []
@@ -169,9 +169,6 @@ def test_annealing_share_and_complementary_masks_reach_the_loss(tmp_path, monkey
                                 extra=("--train-steps", "4", "--anneal-fraction", "0.25", "--complementary"))
     assert [h["gamma"] for h in metrics["loss_history"]] == [0.0, 1.0, 1.0, 1.0]
     assert seen == [True] * 4 and metrics["complementary"] is True and metrics["anneal_fraction"] == 0.25
-    metrics, _ = _run_tiny_demo(tmp_path / "b", monkeypatch, _Clock(), budget="2",
-                                extra=("--train-steps", "2", "--anneal-fraction", "0"))
-    assert [h["gamma"] for h in metrics["loss_history"]] == [1.0, 1.0] and seen[4:] == [False] * 2
 
 
 @pytest.mark.parametrize("extra, message", [
