@@ -179,6 +179,17 @@ def test_no_private_name_crosses_a_module_boundary():
     assert not gone, "no longer occurs, remove from KNOWN_OFFENCES:\n" + "\n".join(gone)
 
 
+def _import_targets(name: str, path: Path, node: ast.AST, modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """The modules an import node of module ``name`` names (``from p import m`` → ``p.m`` when that is a module,
+    else ``p``); ``[]`` for any other node."""
+    if isinstance(node, ast.ImportFrom):
+        source = _source(name, path, node)
+        return [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return []
+
+
 def _private_module_imports(modules: dict[str, tuple[Path, ast.Module]]) -> set[str]:
     """``"importer imports the private module M"`` for each import of a private module whose package neither is nor
     contains the importer's package."""
@@ -186,14 +197,7 @@ def _private_module_imports(modules: dict[str, tuple[Path, ast.Module]]) -> set[
     for name, (path, tree) in modules.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                source = _source(name, path, node)
-                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                continue
-            for target in targets:
+            for target in _import_targets(name, path, node, modules):
                 package, _, last = target.rpartition(".")
                 if target in modules and _private(last) and not (here == package or here.startswith(package + ".")):
                     found.add(f"{name} imports the private module {target}")
@@ -292,14 +296,7 @@ def test_docs_architecture_shows_the_layering_the_imports_have():
         if here is None:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                source = _source(name, path, node)
-                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                continue
-            for target in targets:
+            for target in _import_targets(name, path, node, modules):
                 there = _unit(target) if target.split(".")[0] == "unifusion" else None
                 if there is not None and layers[there] > layers[here]:
                     upward.append(f"{name}:{node.lineno} ({here}, layer {layers[here]}) imports {target} "
