@@ -1,25 +1,24 @@
 """What :meth:`DiffusionGemmaLM.generate <unifusion.hf.diffusion_gemma.DiffusionGemmaLM.generate>` does: transformers'
-``DiffusionGemmaForBlockDiffusion.generate`` rebuilt on unifusion's own decoding loop.
-
-Canvas by canvas (canvas = block of ``K = canvas_length`` tokens): the prompt is encoded into the KV cache once, each
-canvas is decoded by :class:`~unifusion.samplers.PolicySampler` with :class:`~unifusion.samplers.policies.EntropyBound`
-(uniform-noise renoising at every step, entropy-bounded acceptance, linear temperature schedule, stable-and-confident
-stopping) against the cache, its tokens are the last step's argmax, EOS ends a row, and the canvas is committed to the
-cache (one encoder pass) before the next one. The default mode is one sampler run over every canvas — the sampler's
-block loop and EOS rule, the model's cache as its :class:`~unifusion.samplers.BlockDenoiser`; parity mode calls the
-sampler once per canvas inside the reference's own loop, whose rules (finished rows keep running, its EOS and pad
-arithmetic) it reproduces. The settings come from transformers' ``DiffusionGemmaGenerationConfig``
-(unset fields: the model's ``generation_config``, then the reference's defaults).
+``DiffusionGemmaForBlockDiffusion.generate`` on the package's one generate path, :func:`unifusion.samplers.generate`
+(its argument checks, left padding, EOS rule, choice of decoder and block loop). What is DiffusionGemma's own is here:
+transformers' ``DiffusionGemmaGenerationConfig`` read into that path's options (:func:`resolve_settings`; unset
+fields: the model's ``generation_config``, then the reference's defaults), among them the
+:class:`~unifusion.samplers.policies.EntropyBound` it describes (uniform-noise renoising at every step,
+entropy-bounded acceptance, linear temperature schedule, stable-and-confident stopping); and the model as that path
+reads one: canvases of ``K = canvas_length`` tokens as its blocks, and the encoder cache as its block decoder (the
+prompt encoded once, each canvas decoded against the cache, then committed to it in one encoder pass).
 
 Two modes:
 
 * ``parity=True`` reproduces the reference token for token under the same global seed (or one shared generator):
-  the same random draws in the same order with the whole batch's shapes, EOS-finished rows kept running on their pad
-  canvases as the reference runs them, its temperature schedule, output rounded up to whole canvases, the last canvas
-  not committed to the returned cache, EOS and pad from the generation config only.
-* the default fixes what the reference gets wrong: the output is cut at ``max_new_tokens``; the returned cache holds
-  every returned token (the last canvas committed); the temperature goes from ``t_max`` at the first step to ``t_min``
-  at the last; each row draws from its own generator (seeded from the global generator, or from ``generator``, in row
+  the reference's canvas loop, one :func:`~unifusion.samplers.generate` call per canvas, with its rules — the same
+  random draws in the same order with the whole batch's shapes, EOS-finished rows kept running on their pad canvases,
+  its temperature schedule, output rounded up to whole canvases, the last canvas not committed to the returned cache,
+  EOS and pad from the generation config only.
+* the default fixes what the reference gets wrong: one :func:`~unifusion.samplers.generate` call over every canvas
+  (the sampler's block loop and EOS rule); the output is cut at ``max_new_tokens``; the returned cache holds every
+  returned token (the last canvas committed); the temperature goes from ``t_max`` at the first step to ``t_min`` at
+  the last; each row draws from its own generator (seeded from the global generator, or from ``generator``, in row
   order), so a row's tokens do not depend on the rows beside it; a finished row takes no further decoder passes and
   no draws (its fill canvases are still committed, in the batch's encoder pass, so the returned cache covers every
   row); its positions after EOS hold ``pad_token_id`` (EOS without one); EOS and pad fall back to the text config's;
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..samplers import PolicySampler
+from ..samplers.generation import generate as generate_tokens
 from ..samplers.policies import EntropyBound
 from .diffusion_gemma_cache import CanvasState, commit, prefill
 
@@ -154,18 +153,29 @@ def resolve_settings(model: DiffusionGemmaLM, generation_config: Any, prompt_len
         pad_token_id=pad_ids[0] if pad_ids else None)
 
 
-class _CanvasStream:
-    """The :class:`~unifusion.samplers.BlockDenoiser` ``generate`` decodes through: the model's cached canvas
-    operations over a state that keeps every row of the batch. :meth:`start_blocks` encodes the prompt (once: a state
-    given or built before is reused); :meth:`denoise_block` runs the decoder for the sampler's running rows (a copy of
-    the cache restricted to them); :meth:`commit_block` commits the whole batch's last canvas — the running rows'
-    tokens and the finished rows' fill, which :meth:`record` (the sampler's ``on_block`` hook) keeps — in one encoder
-    pass, so the cache covers every row."""
+class _Canvases:
+    """DiffusionGemma as :func:`~unifusion.samplers.generate` reads a model — its blocks are the canvases
+    (``block_size = canvas_length``), its token ids, kernel and tokenizer the model's, its EOS and pad ids the text
+    config's — and the block decoder it offers (:meth:`block_decoder`: itself), the model's cached canvas operations
+    over a state that keeps every row of the batch: :meth:`start_blocks` encodes the prompt (once: the state of an
+    earlier call is reused); :meth:`denoise_block` runs the decoder for the sampler's running rows (a copy of the cache
+    restricted to them); :meth:`commit_block` commits the whole batch's last canvas — the running rows' tokens and the
+    finished rows' fill, which :meth:`on_block` keeps — in one encoder pass, so the cache (:attr:`state`, read after
+    the run) covers every row."""
 
-    def __init__(self, model: DiffusionGemmaLM, state: CanvasState | None = None) -> None:
-        self.model, self.state = model, state
-        self.num_states = model.num_states
+    mask_token_id = None
+
+    def __init__(self, model: DiffusionGemmaLM) -> None:
+        self.model = model
+        self.device, self.num_states, self.kernel = model.device, model.num_states, model.kernel
+        self.config, self.tokenizer, self.block_size = model.text_config, model.tokenizer, model.canvas_length
+        self.state: CanvasState | None = None
         self.canvas: torch.Tensor | None = None  # (B, K): the last decided canvas of every row
+
+    def block_decoder(self, *, merge_commits: bool = False) -> _Canvases:
+        if merge_commits:
+            raise ValueError("merge_commits: DiffusionGemma commits each canvas in its own encoder pass")
+        return self
 
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CanvasState:
         if self.state is None:
@@ -177,11 +187,11 @@ class _CanvasStream:
         return self.model.denoise_block(state, block, t, rows, self_condition)
 
     def commit_block(self, state: CanvasState, block: torch.Tensor, rows: torch.Tensor) -> CanvasState:
-        assert self.canvas is not None  # record() ran after the block was decided
+        assert self.canvas is not None  # on_block ran after the block was decided
         commit(self.model, state, self.canvas)
         return state
 
-    def record(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
+    def on_block(self, b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
         self.canvas = tokens.gather(1, cols)
 
 
@@ -189,34 +199,13 @@ def _row_generators(generator: Any, batch_size: int, device: torch.device) -> li
     """One generator per row: the given list, or seeds drawn in row order from ``generator`` (``None``: the global
     CPU generator)."""
     if isinstance(generator, (list, tuple)):
-        if len(generator) != batch_size or not all(isinstance(g, torch.Generator) for g in generator):
-            raise ValueError(f"generator: expected {batch_size} torch.Generators (one per row), got {len(generator)}")
-        return list(generator)
+        return list(generator)  # checked by the generate path
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected None, a torch.Generator or a list of them, got "
                         f"{type(generator).__name__}")
     seeds = [int(torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None
                                else "cpu")) for _ in range(batch_size)]
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-
-def _check_prompt(model: DiffusionGemmaLM, prompt_ids: Any, attention_mask: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape \
-            or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
-        raise ValueError(f"prompt_ids: expected a non-empty (B, P) integer tensor of token ids, got {got}")
-    prompt_ids = prompt_ids.to(model.device, torch.long)
-    if bool(((prompt_ids < 0) | (prompt_ids >= model.vocab_size)).any()):
-        raise ValueError(f"prompt_ids: expected token ids in [0, {model.vocab_size})")
-    if attention_mask is None:
-        return prompt_ids, None
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != prompt_ids.shape:
-        raise ValueError(f"attention_mask: expected a {tuple(prompt_ids.shape)} tensor like prompt_ids")
-    mask = attention_mask.to(model.device).bool()
-    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
-        raise ValueError("attention_mask: expected left padding (0 ... 0 1 ... 1 per row, the last column real)")
-    return prompt_ids, mask
 
 
 @torch.no_grad()
@@ -230,7 +219,8 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
         prompt_ids: ``(B, P)`` token ids (left-padded where ``attention_mask`` is 0).
         generation_config: a transformers ``DiffusionGemmaGenerationConfig`` (or any object with its fields);
             ``None``: the model's ``generation_config``, then the reference's defaults.
-        attention_mask: ``(B, P)``, 1 = real token, 0 = left padding.
+        attention_mask: ``(B, P)``, 1 = real token, 0 = left padding (checked, as every other argument, by
+            :func:`unifusion.samplers.generate`: a batch that looks padded needs it).
         generator: parity: ``None`` (the global generator of the prompt's device) or one ``torch.Generator`` drawn
             with the whole batch's shapes; default: per-row generators seeded in row order from this one (``None``:
             the global CPU generator), or a list of ``B`` generators used as they are.
@@ -241,9 +231,11 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
     """
     if not isinstance(parity, bool) or not isinstance(return_dict, bool):
         raise TypeError("parity, return_dict: expected bools")
-    prompt_ids, mask = _check_prompt(model, prompt_ids, attention_mask)
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape \
+            or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids: expected a non-empty (B, P) integer tensor of token ids, got {got}")
     B, P = prompt_ids.shape
-    K, dev = model.canvas_length, prompt_ids.device
     s = resolve_settings(model, generation_config, P, parity=parity)
     if policy is None:
         policy = EntropyBound(s.entropy_bound, t_max=s.t_max, t_min=s.t_min,
@@ -255,28 +247,38 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
         if isinstance(generator, (list, tuple)):
             raise ValueError("generator: parity mode draws from one stream with the whole batch's shapes, as the "
                              "reference does; pass None or one torch.Generator")
-        gens: Any = generator
-    else:
-        gens = _row_generators(generator, B, dev)
-    if not parity:
-        return _decode(model, prompt_ids, mask, s, policy, gens, return_dict)
-    state = prefill(model, prompt_ids, attention_mask=mask)
-    stream = _CanvasStream(model, state)
-    sampler = PolicySampler(stream, model.kernel, policy, num_steps=s.max_denoising_steps, block_size=K)
-    eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=dev)
-    seq = prompt_ids
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    forwards = torch.zeros(B, dtype=torch.long, device=dev)
-    for c in range(math.ceil(s.max_new_tokens / K)):  # the reference's canvas loop, one sampler call per canvas
-        if c:
+        return _reference_loop(model, prompt_ids, attention_mask, s, policy, generator, return_dict)
+    return _decode(model, prompt_ids, attention_mask, s, policy, _row_generators(generator, B, model.device),
+                   return_dict)
+
+
+def _reference_loop(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    s: GenerationSettings, policy: Any, generator: Any, return_dict: bool
+                    ) -> torch.Tensor | DiffusionGemmaOutput:
+    """Parity mode: the reference's canvas loop, one :func:`~unifusion.samplers.generate` call (without EOS) per
+    canvas against the cache, the reference's EOS and pad arithmetic after each: every row runs every canvas until
+    all have finished, a finished row's canvases become ``pad_token_id`` (when the config has one), the canvas is
+    committed before the next one."""
+    B, P = prompt_ids.shape
+    K = model.canvas_length
+    canvases = _Canvases(model)
+    eos = torch.tensor(s.eos_token_ids, dtype=torch.long, device=model.device)
+    seq, mask = prompt_ids, attention_mask
+    finished = torch.zeros(B, dtype=torch.bool, device=model.device)
+    forwards = torch.zeros(B, dtype=torch.long, device=model.device)
+    for c in range(math.ceil(s.max_new_tokens / K)):
+        if c:  # the prefix and its padding are in the cache: the pad canvases are text
+            state = canvases.state
+            assert state is not None
             commit(model, state, seq[:, -K:])
-        block = torch.cat([seq, seq.new_full((B, K), -1)], dim=1)
-        out = sampler.sample(B, block.shape[1], prompt=block, return_dict=True, generator=gens)
-        assert not isinstance(out, torch.Tensor)
-        new = out.sequences[:, -K:]
+            mask = torch.ones_like(seq)
+        out = generate_tokens(canvases, seq, max_new_tokens=K, policy=policy, num_steps=s.max_denoising_steps,
+                              attention_mask=mask, generator=generator, eos_token_id=None, return_dict=True)
+        seq = out.sequences
+        new = seq[:, -K:]
         forwards += torch.where(~finished, out.num_forwards, 0)
         now = torch.isin(new, eos).any(-1)
-        if s.max_length is not None and seq.shape[1] + K >= s.max_length:
+        if s.max_length is not None and seq.shape[1] >= s.max_length:
             now = torch.ones_like(now)
         if s.pad_token_id is not None and bool((finished | now).any()):
             new[finished] = s.pad_token_id  # rows finished before: the whole canvas
@@ -284,47 +286,46 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
                 e = torch.isin(new, eos)
                 new[(e.cumsum(-1) > 0) & ~((e.cumsum(-1) == 1) & e)] = s.pad_token_id
         finished |= now
-        seq = torch.cat([seq, new], dim=1)
         if bool(finished.all()):
             break
     if not return_dict:
         return seq
+    state = canvases.state
+    assert state is not None
     # the reference's arithmetic (integer counts over int32 passes)
     count: Any = ((seq[:, P:] != s.pad_token_id).sum(-1) if s.pad_token_id is not None else seq.shape[1] - P)
     rate = (count / forwards.int()).float()
     return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=forwards, cache=state.cache)
 
 
-def _decode(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, mask: torch.Tensor | None, s: GenerationSettings,
-            policy: Any, generators: list[torch.Generator], return_dict: bool) -> torch.Tensor | DiffusionGemmaOutput:
-    """The default mode: one :class:`~unifusion.samplers.PolicySampler` run over every canvas — its block loop and
-    EOS rule (a row stops at its first EOS once its canvas is decided, takes no further passes and draws, its later
-    positions hold ``pad_token_id``, else the first EOS id) — against the model's cache (:class:`_CanvasStream`,
+def _decode(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            s: GenerationSettings, policy: Any, generators: list[torch.Generator], return_dict: bool
+            ) -> torch.Tensor | DiffusionGemmaOutput:
+    """The default mode: one :func:`~unifusion.samplers.generate` call over every canvas — the sampler's block loop
+    and EOS rule (a row stops at its first EOS once its canvas is decided, takes no further passes and draws, its
+    later positions hold ``pad_token_id``, else the first EOS id) — against the model's cache (:class:`_Canvases`,
     which commits every row's canvas, fill included). The output is cut at ``max_new_tokens`` (or after the canvas in
     which the last row stopped) and every returned column is committed."""
-    B, P = prompt_ids.shape
-    K, dev = model.canvas_length, prompt_ids.device
-    stream = _CanvasStream(model)
-    sampler = PolicySampler(stream, model.kernel, policy, num_steps=s.max_denoising_steps, block_size=K)
-    canvases = math.ceil(s.max_new_tokens / K)
-    ids = torch.cat([prompt_ids, prompt_ids.new_full((B, canvases * K), -1)], dim=1)
+    P, K = prompt_ids.shape[1], model.canvas_length
+    canvases = _Canvases(model)
     eos = list(s.eos_token_ids) or None
-    out = sampler.sample(B, ids.shape[1], prompt=ids, attention_mask=mask, generator=generators, eos_token_id=eos,
-                         pad_token_id=s.pad_token_id if eos is not None else None, return_dict=True,
-                         on_block=stream.record)
-    assert not isinstance(out, torch.Tensor) and stream.state is not None
+    out = generate_tokens(canvases, prompt_ids, max_new_tokens=math.ceil(s.max_new_tokens / K) * K, policy=policy,
+                          num_steps=s.max_denoising_steps, attention_mask=attention_mask, generator=generators,
+                          eos_token_id=eos, pad_token_id=s.pad_token_id if eos is not None else None,
+                          return_dict=True)
     seq = out.sequences
-    is_eos = torch.isin(seq[:, P:], torch.tensor(s.eos_token_ids, dtype=torch.long, device=dev))
+    is_eos = torch.isin(seq[:, P:], torch.tensor(s.eos_token_ids, dtype=torch.long, device=seq.device))
     stopped, first = is_eos.any(-1), is_eos.int().argmax(-1)  # a generated EOS stopped its row there
     if bool(stopped.all()):  # no canvas ran after the one in which the last row stopped
         seq = seq[:, : P + (int(first.max()) // K + 1) * K]
     seq = seq[:, : P + s.max_new_tokens]
-    state = stream.state
+    state = canvases.state
+    assert state is not None
     if seq.shape[1] > state.length:
         commit(model, state, seq[:, state.length:])
     if not return_dict:
         return seq
-    col = torch.arange(P, seq.shape[1], device=dev)
+    col = torch.arange(P, seq.shape[1], device=seq.device)
     count = (~stopped[:, None] | (col[None] <= P + first[:, None])).sum(-1)
     rate = count.float() / out.num_forwards.clamp_min(1).float()
     return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=out.num_forwards,

@@ -21,8 +21,10 @@ The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step 
 training kernel), ``mask_token_id``, ``block_size`` (``None``: fully bidirectional); for a block model
 ``block_decoder(merge_commits=...)`` (a cached :class:`~unifusion.samplers.BlockDenoiser`) and ``block_forward()`` (an
 x0 callable whose blocks see only earlier blocks' tokens); for a bidirectional model that has one,
-``prefix_decoder(seq_len, refresh)`` (an approximate cached :class:`~unifusion.samplers.BlockDenoiser`). This module
-imports no model: the model layer (:mod:`unifusion.hf`) sits above it.
+``prefix_decoder(seq_len, refresh)`` (an approximate cached :class:`~unifusion.samplers.BlockDenoiser`). A decoder
+that also has ``on_block(b, tokens, cols)`` gets the sampler's hook of that name: every row's tokens after each block
+is decided, the rows stopped at EOS included (DiffusionGemma's canvas cache commits their fill with the running rows'
+canvases). This module imports no model: the model layer (:mod:`unifusion.hf`) sits above it.
 
 **Padding.** Prompts of different lengths are left-padded by the tokenizer (``padding_side="left"``) and come with its
 ``attention_mask`` (1 = real token), which ``generate`` takes: a padded row then equals the row alone (token for token
@@ -85,9 +87,9 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
              seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
              block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
-             eos_token_id: int | str | None = "auto", pad_token_id: int | None = None, return_dict: bool = False,
-             return_trace: bool = False, num_return_sequences: int | None = None, kernel: Any = None,
-             temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
+             eos_token_id: int | Sequence[int] | str | None = "auto", pad_token_id: int | None = None,
+             return_dict: bool = False, return_trace: bool = False, num_return_sequences: int | None = None,
+             kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
              eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
              progress: bool = False, generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
@@ -122,8 +124,9 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
             between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
         attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
         eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
-            the BayesianSampler), ``None`` (never stop) or an id: a row stops at its first EOS, every later position
-            becomes EOS (or ``pad_token_id``); with a policy it costs no further forwards.
+            the BayesianSampler), ``None`` (never stop), an id or a list of ids (any of them): a row stops at its
+            first EOS, every later position becomes EOS (the first id; or ``pad_token_id``); with a policy it costs
+            no further forwards.
         pad_token_id: the fill after EOS; also the pad id of the padding check (default the tokenizer's).
         return_dict: return a :class:`~unifusion.samplers.PolicyOutput` (``sequences``, ``num_forwards``,
             ``tokens_per_forward`` per row) instead of the tokens.
@@ -275,11 +278,14 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         prompt, attention_mask = _pad_left(prompt, attention_mask, P, shift)
     if stream is not None:
         stream.start, stream.length = P + shift, L + shift
+    hooks = [hook for hook in (getattr(decoder, "on_block", None),
+                               stream.on_block if stream is not None and streamer is not None else None)
+             if callable(hook)]
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
                          eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict,
                          return_trace=return_trace, progress=progress,
                          stopping=stream.stopping if stream is not None and stream.stop_strings else None,
-                         on_block=stream.on_block if stream is not None and streamer is not None else None)
+                         on_block=_chain(hooks))
     if streamer is not None:
         streamer.end()
     if isinstance(out, torch.Tensor):
@@ -289,6 +295,18 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     trace = {} if out.commit_step is None or out.commit_logprob is None else {
         "commit_step": out.commit_step[:, shift:], "commit_logprob": out.commit_logprob[:, shift:]}
     return dataclasses.replace(out, sequences=out.sequences[:, shift:], **trace)
+
+
+def _chain(hooks: list[Any]) -> Any:
+    """One ``on_block`` hook calling ``hooks`` in order (``None`` for none)."""
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+
+    def on_block(b: int, tokens: torch.Tensor, cols: torch.Tensor) -> None:
+        for hook in hooks:
+            hook(b, tokens, cols)
+
+    return on_block
 
 
 def _pad_left(prompt: torch.Tensor, attention_mask: torch.Tensor | None, P: int, shift: int
