@@ -138,17 +138,27 @@ def _block_size(model: Any, length: int) -> int | None:
 
 
 def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
+                   # the objective
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
+                   weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
+                   head: Literal["x0", "mu"] = "x0", reference: bool = False,
+                   # the noise: times and corruption
+                   t: torch.Tensor | None = None, t_min: float = 1e-3,
+                   block_times: Literal["block", "sequence"] = "block", complementary: bool = False,
+                   generator: torch.Generator | None = None,
+                   # the model's forward
                    step: int | torch.Tensor | None = None, anneal_steps: int = 10_000,
-                   head: Literal["x0", "mu"] = "x0",
-                   attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                   t: torch.Tensor | None = None, weighting: Literal["elbo", "clip", "dynamic"] = "elbo",
-                   max_weight: float = 2.0, t_min: float = 1e-3,
                    bidirectional_prob: float | torch.Tensor | None = None, fused: bool = False,
-                   reference: bool = False, prompt_mask: torch.Tensor | None = None,
-                   block_times: Literal["block", "sequence"] = "block",
-                   complementary: bool = False, document_ids: torch.Tensor | None = None) -> DiffusionLossOutput:
+                   # the masks
+                   attention_mask: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> DiffusionLossOutput:
     """One training step's loss for Algorithm 1: corrupt ``x0``, run the model, score the chosen objective.
+
+    Keyword arguments, by what they configure: **the objective** (``objective``, ``weighting``, ``max_weight``,
+    ``head``, ``reference``), **the noise** — times and corruption (``t``, ``t_min``, ``block_times``,
+    ``complementary``, ``generator``), **the model's forward** (``step``, ``anneal_steps``, ``bidirectional_prob``,
+    ``fused``) and **the masks** — which tokens exist, are given, belong together (``attention_mask``,
+    ``prompt_mask``, ``document_ids``).
 
     Args:
         model: a :class:`~unifusion.DiffusionLM` (possibly inside DDP/FSDP/DeepSpeed/compile wrappers) or any callable
@@ -158,38 +168,15 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
         kernel: the forward kernel (switching kernels mid-training is just passing another one).
         objective: ``"gidd"``, ``"mdlm"`` (mask kernel), ``"sedd"``, ``"m2s"`` or ``"ctmc"``; the x0 head is converted
             exactly into each loss's coordinates, so with ELBO weights all five give the same value (Corollary 3.4).
-        step: training step k for attention annealing γ_k = min(1, k/anneal_steps) (DiffusionLM only);
-            ``None`` means fully bidirectional unless ``bidirectional_prob`` is given. An int, or a 0-d tensor
-            (``torch.tensor(k)``): then γ_k is a tensor that is never read on the host, so a step compiled with
-            ``torch.compile`` keeps one graph while γ moves (a Python int is a constant of the graph: each new value
-            would recompile). A tensor γ always draws the Bernoulli mask, at γ = 0 and 1 too (exactly causal / full
-            there, but other random draws than a Python γ, which skips the draw at the ends).
-        anneal_steps: the annealing horizon K_ann.
-        head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
-            the paper's Fig. 2 comparison).
-        attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
-            A block model takes right padding only (its blocks are cut at column multiples of ``block_size``; a
-            left-padded row is a ``ValueError``).
-        generator: randomness for times, corruption and the annealed mask. ``torch.compile`` cannot trace a
-            ``torch.Generator``: a compiled step passes ``None`` and seeds the global generator
-            (``torch.manual_seed``).
-        t: optional fixed times, one per sequence: a float, ``(B,)`` or ``(B, 1)``; otherwise :func:`sample_times`
-            (low-discrepancy, t ∈ [t_min, 1)).
         weighting: GIDD weighting ``"elbo"``, ``"clip"`` or ``"dynamic"`` (objective ``"gidd"`` only).
         max_weight: upper clip of the GIDD weights.
+        head: ``"x0"`` (default) or ``"mu"`` — use the network output directly as M2S's μ (objective ``"m2s"`` only;
+            the paper's Fig. 2 comparison).
+        reference: convert the head into each objective's own coordinates and evaluate the published loss there
+            (:mod:`unifusion.losses.native`; slow, the same values).
+        t: optional fixed times, one per sequence: a float, ``(B,)`` or ``(B, 1)``; otherwise :func:`sample_times`
+            (low-discrepancy, t ∈ [t_min, 1)).
         t_min: smallest sampled time.
-        bidirectional_prob: set γ directly instead of annealing it by ``step`` (a float, or a 0-d floating tensor,
-            as a tensor ``step`` gives); giving both ``step`` and ``bidirectional_prob`` is a ``ValueError`` (one of
-            them would be silently ignored).
-        fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
-            (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
-            for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
-
-        prompt_mask: optional ``(B, L)`` bool, True on prompt tokens (supervised fine-tuning): they stay clean in
-            ``x_t`` at every time, are seen by every prediction that may see them, score exactly 0 and do not count
-            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt. The
-            model is conditioned on it by :func:`unifusion.denoiser.prompt_conditioning` (the rule ``nll_bound``
-            and the harness follow too; DiffusionGemma needs no ``conditioned_on`` wrapper).
         block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
@@ -204,6 +191,30 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
             ``(2B,)`` (``(2B, nb)``), and ``num_tokens`` counts every scored token twice (once per half), so
             ``out.mean()`` is the per-token ELBO estimate of the pair average. ``x0``, ``attention_mask`` and
             ``prompt_mask`` keep their ``B`` rows (they are repeated inside).
+        generator: randomness for times, corruption and the annealed mask. ``torch.compile`` cannot trace a
+            ``torch.Generator``: a compiled step passes ``None`` and seeds the global generator
+            (``torch.manual_seed``).
+        step: training step k for attention annealing γ_k = min(1, k/anneal_steps) (DiffusionLM only);
+            ``None`` means fully bidirectional unless ``bidirectional_prob`` is given. An int, or a 0-d tensor
+            (``torch.tensor(k)``): then γ_k is a tensor that is never read on the host, so a step compiled with
+            ``torch.compile`` keeps one graph while γ moves (a Python int is a constant of the graph: each new value
+            would recompile). A tensor γ always draws the Bernoulli mask, at γ = 0 and 1 too (exactly causal / full
+            there, but other random draws than a Python γ, which skips the draw at the ends).
+        anneal_steps: the annealing horizon K_ann.
+        bidirectional_prob: set γ directly instead of annealing it by ``step`` (a float, or a 0-d floating tensor,
+            as a tensor ``step`` gives); giving both ``step`` and ``bidirectional_prob`` is a ``ValueError`` (one of
+            them would be silently ignored).
+        fused: with a :class:`~unifusion.DiffusionLM`, compute the loss from the hidden states chunk by chunk
+            (:func:`~unifusion.losses.fused_linear_diffusion_loss`) so the ``(B, L, V)`` logits never exist —
+            for large vocabularies. It runs inside the model's ``forward``, so wrappers' hooks still fire.
+        attention_mask: optional ``(B, L)`` padding mask (1 = token); padded tokens stay clean and do not count.
+            A block model takes right padding only (its blocks are cut at column multiples of ``block_size``; a
+            left-padded row is a ``ValueError``).
+        prompt_mask: optional ``(B, L)`` bool, True on prompt tokens (supervised fine-tuning): they stay clean in
+            ``x_t`` at every time, are seen by every prediction that may see them, score exactly 0 and do not count
+            in ``num_tokens``. At least one real (non-padding) token of every row must be outside the prompt. The
+            model is conditioned on it by :func:`unifusion.denoiser.prompt_conditioning` (the rule ``nll_bound``
+            and the harness follow too; DiffusionGemma needs no ``conditioned_on`` wrapper).
         document_ids: ``(B, L)`` integer document id of each token, for right-padded packed rows
             (``ChatCollator(..., packing=True)``'s ``conversation_ids``). No token attends to another
             document, each document has its own BOS and position ids restart per document
@@ -217,9 +228,6 @@ def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
     (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
     noisy tokens of block b, the loss is Σ_b D_t(block b | clean prefix); ``step`` anneals the attention inside each
     block from causal to bidirectional. With ``K ≥ L`` the model is the plain one (the same code path and draws).
-
-    ``reference=True`` instead converts the head into each objective's own coordinates and evaluates the published
-    loss there (:mod:`unifusion.losses.native`; slow, the same values).
 
     The x0-head objectives run through :func:`~unifusion.losses.x0_head_loss` (analytic gradient, chunked, at the
     cost of a cross-entropy); ``head="mu"`` uses the M2S reference loss.
