@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unifusion as uf
-from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
+from unifusion.precision import DTYPE_CHOICES, describe_dtype_choice, resolve_dtype
 
 
 def tiny_diffusion_gemma(seed: int) -> Any:
@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, device = setup_distributed(args.dist)
     dtype = resolve_dtype(args.dtype, device)
     if rank == 0:
-        print(f"device {describe_device(device)} | --dtype {args.dtype} → {str(dtype).removeprefix('torch.')} weights",
-              flush=True)
+        print(describe_dtype_choice(args.dtype, device, bf16_means="bf16 weights"), flush=True)
     tokenizer = None
     if args.tiny:
         hf = tiny_diffusion_gemma(args.seed).to(dtype)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import unifusion as uf
-from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
+from unifusion.precision import DTYPE_CHOICES, describe_dtype_choice, resolve_dtype
 
 PAPER_GLOBAL_BATCH = 864  # sequences per update (App. C.3)
 PAPER_SEQ_LEN = 512  # tokens per sequence (UnifusionGPT-S)
@@ -116,10 +116,7 @@ def training_dtype(option: str, device: torch.device | str,
                    *, bf16_means: str = "bf16 autocast") -> tuple[torch.dtype, str]:
     """``--dtype`` resolved for ``device`` (:func:`unifusion.precision.resolve_dtype`), and the line the scripts
     print at start, e.g. ``device cpu (AVX2, no native bf16) | --dtype auto → float32``."""
-    dtype = resolve_dtype(option, device)
-    name = str(dtype).removeprefix("torch.")
-    how = f" ({bf16_means})" if dtype == torch.bfloat16 else ""
-    return dtype, f"device {describe_device(device)} | --dtype {option} → {name}{how}"
+    return resolve_dtype(option, device), describe_dtype_choice(option, device, bf16_means=bf16_means)
 
 
 def training_autocast(dtype: torch.dtype, device: torch.device) -> torch.autocast:

@@ -53,6 +53,21 @@ def test_other_devices_compute_in_float32(cpu):
     assert precision.auto_dtype("meta") == torch.float32
 
 
+@pytest.mark.parametrize(("capability", "onednn_bf16", "option", "line"), [
+    ("AVX2", False, "auto", "device cpu (AVX2, no native bf16) | --dtype auto → float32"),
+    ("AVX512", True, "auto", "device cpu (AVX512, native bf16) | --dtype auto → bfloat16 (bf16 autocast)"),
+    ("AVX2", False, "bfloat16", "device cpu (AVX2, no native bf16) | --dtype bfloat16 → bfloat16 (bf16 autocast)"),
+    ("AVX512", True, "float32", "device cpu (AVX512, native bf16) | --dtype float32 → float32"),
+])
+def test_the_dtype_choice_is_described_in_one_line(cpu, capability, onednn_bf16, option, line):
+    """The line the demo and the examples print: the device, its capability, the option and what it resolved to."""
+    cpu(capability, onednn_bf16)
+    assert precision.describe_dtype_choice(option, "cpu", bf16_means="bf16 autocast") == line
+    assert precision.describe_dtype_choice(option, "cpu") == line.removesuffix(" (bf16 autocast)")
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        precision.describe_dtype_choice("float16", "cpu")
+
+
 def test_explicit_dtypes_are_kept_and_bad_ones_named(cpu):
     cpu("AVX2", False)
     assert precision.resolve_dtype("bfloat16") == torch.bfloat16  # asked for explicitly: honoured

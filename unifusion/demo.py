@@ -314,7 +314,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     import unifusion as uf
 
     from .hf import loading
-    from .precision import cpu_capability, describe_device, resolve_dtype
+    from .precision import cpu_capability, describe_device, describe_dtype_choice, resolve_dtype
 
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -335,7 +335,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
 
     # 1. load + AR perplexity -----------------------------------------------------------------------------
-    print(f"      device {describe_device(device)}: --dtype {args.dtype} → {dtype_name}", flush=True)
+    print(f"      {describe_dtype_choice(args.dtype, device)}", flush=True)
     print(f"[1/3] loading {args.model} ...", flush=True)
     hf_model, tokenizer = loading.load_causal_lm(args.model, device=str(device))
     train_ids, held_ids = _token_streams(tokenizer)

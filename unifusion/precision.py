@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_CHOICES", "auto_dtype", "cpu_capability", "describe_device", "native_bf16", "resolve_dtype"]
+__all__ = ["DTYPE_CHOICES", "auto_dtype", "cpu_capability", "describe_device", "describe_dtype_choice", "native_bf16",
+           "resolve_dtype"]
 
 #: The names a ``--dtype`` option accepts: ``"auto"`` (:func:`auto_dtype`) or an explicit floating dtype.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -85,6 +86,17 @@ def describe_device(device: torch.device | str = "cpu") -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return f"{device} ({torch.cuda.get_device_name(device)}, {bf16})"
     return f"{device} ({bf16})"
+
+
+def describe_dtype_choice(option: str | torch.dtype, device: torch.device | str = "cpu", *,
+                          bf16_means: str = "") -> str:
+    """The line a script prints when it resolves ``--dtype option`` on ``device`` (:func:`resolve_dtype`), e.g.
+    ``"device cpu (AVX2, no native bf16) | --dtype auto → float32"``; ``bf16_means`` (say ``"bf16 autocast"``) is
+    appended in parentheses when the choice is bf16."""
+    dtype = resolve_dtype(option, device)
+    shown = str(option).removeprefix("torch.")
+    how = f" ({bf16_means})" if bf16_means and dtype == torch.bfloat16 else ""
+    return f"device {describe_device(device)} | --dtype {shown} → {str(dtype).removeprefix('torch.')}{how}"
 
 
 def _check_device(device: torch.device | str) -> torch.device:
