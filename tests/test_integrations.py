@@ -76,6 +76,10 @@ def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(ValueError, match="inputs: position_ids"):
         trainer.compute_loss(model, {"input_ids": torch.ones(1, 8, dtype=torch.long) * 5,
                                      "position_ids": torch.arange(8)[None]})
+    # without a kernel, the default comes from the Denoiser inside the trainer's model: a plain module has none
+    trainer = _trainer(tmp_path, model)  # no kernel chosen yet
+    with pytest.raises(TypeError, match=r"kernel: the model \(Linear\) is not a unifusion Denoiser"):
+        trainer.compute_loss(torch.nn.Linear(2, 2), {"input_ids": torch.ones(1, 8, dtype=torch.long) * 5})
 
 
 def test_chat_data_collator_returns_the_trainer_dict() -> None:

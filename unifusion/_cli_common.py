@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .denoiser import Denoiser, DenoiserModule
+
 __all__ = ["HelpFormatter", "checked", "positive_int", "non_negative_int", "probability", "resolve_device",
            "resolve_kernel", "read_texts", "write_json", "model_args", "judge_args", "sampler_args", "load_model",
            "load_judge", "entropy_tokenizer", "print_table"]
@@ -65,7 +67,7 @@ def resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = None) -> tuple[Any, str]:
+def resolve_kernel(kind: str | None, model: Denoiser | None, *, p_uniform: float | None = None) -> tuple[Any, str]:
     """``(kernel, why)``: the kernel ``--kernel`` names on the model's states (mask id ``model.mask_token_id``), or,
     without one, :func:`unifusion.hf.default_kernel`'s rule (the kernel saved with the model, else mask on its mask
     token, else uniform) — the rule ``DiffusionLM.generate`` follows. ``--p-uniform`` is for ``--kernel hybrid``
@@ -74,6 +76,7 @@ def resolve_kernel(kind: str | None, model: Any, *, p_uniform: float | None = No
 
     if p_uniform is not None and kind != "hybrid":
         raise ValueError(f"--p-uniform: only used with --kernel hybrid, got --kernel {kind or '(not given)'}")
+    assert model is not None  # only the --p-uniform check above runs without a model
     if kind is not None:
         kernel = make_kernel(kind, int(model.num_states), model.mask_token_id, name="--kernel",
                              p_uniform=DEFAULT_P_UNIFORM if p_uniform is None else p_uniform)
@@ -153,7 +156,7 @@ def sampler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def load_model(args: argparse.Namespace) -> tuple[DenoiserModule, Any, Any]:
     """``(model, tokenizer, kernel)``; the kernel by :func:`resolve_kernel`, announced on stderr with the reason."""
     from .hf.loading import load_diffusion_model
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._cli_common import positive_int
+from .denoiser import DenoiserModule
 
 __all__ = ["chat_prompts", "check_decoding_args", "decoding_args", "sample_with_generate"]
 
@@ -68,7 +69,7 @@ def chat_prompts(tok: Any, prompts: list[str]) -> list[str]:
                                         add_generation_prompt=True)) for text in prompts]
 
 
-def sample_with_generate(args: argparse.Namespace, model: Any, tok: Any, kernel: Any) -> int:
+def sample_with_generate(args: argparse.Namespace, model: DenoiserModule, tok: Any, kernel: Any) -> int:
     """``unifusion sample`` with --prompt or --policy: DiffusionLM.generate on left-padded prompts, one generator per
     sample (seeded seed + its index: a sample does not depend on its batch), EOS stopping."""
     import torch
@@ -86,7 +87,7 @@ def sample_with_generate(args: argparse.Namespace, model: Any, tok: Any, kernel:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     new = args.max_new_tokens or args.seq_len
-    if policy is None and getattr(model, "block_size", None) is not None:  # what generate would pick, named
+    if policy is None and model.block_size is not None:  # what generate would pick, named
         from .samplers.policies import default_policy
 
         policy = default_policy(kernel)

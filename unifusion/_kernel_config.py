@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from . import schedules
+from .denoiser import DecodableModel
 from .kernels import HybridKernel, Kernel, MaskKernel, UniformKernel
 
 __all__ = ["KERNEL_NAMES", "DEFAULT_P_UNIFORM", "make_kernel", "kernel_config", "kernel_from_config",
@@ -86,12 +87,12 @@ def kernel_from_config(config: object, num_states: int, mask_token_id: int | Non
         raise ValueError(f"{name}: cannot rebuild the kernel described by {config!r} ({err})") from None
 
 
-def default_kernel(model: Any) -> tuple[Kernel, str]:
+def default_kernel(model: DecodableModel) -> tuple[Kernel, str]:
     """The kernel a :class:`~unifusion.DiffusionLM` samples and is evaluated with when none is named, and why:
     ``model.kernel`` (the one it was trained with, when recorded), else a :class:`~unifusion.MaskKernel` on its mask
     token, else a :class:`~unifusion.UniformKernel`. ``DiffusionLM.generate``, ``unifusion sample`` and
     ``unifusion eval`` all follow this rule."""
-    recorded = getattr(model, "kernel", None)
+    recorded = model.kernel
     if recorded is not None:
         return recorded, "the kernel recorded with the model (model.kernel, saved in its config)"
     if model.mask_token_id is not None:
@@ -100,11 +101,11 @@ def default_kernel(model: Any) -> tuple[Kernel, str]:
     return make_kernel("uniform", model.num_states, None), "no kernel recorded with the model, and it has no mask token"
 
 
-def warn_if_not_recorded_kernel(model: Any, kernel: Any, name: str = "kernel") -> bool:
+def warn_if_not_recorded_kernel(model: DecodableModel, kernel: Any, name: str = "kernel") -> bool:
     """Warn (``UserWarning``, naming both) when ``kernel`` is of another family than the kernel recorded with the model
     (``model.kernel``, saved in its config): a mask-trained model decoded with uniform noise, say, produces tokens its
     training never prepared it for. Returns whether it warned; nothing is recorded: no warning."""
-    recorded = getattr(model, "kernel", None)
+    recorded = model.kernel
     if recorded is None or not isinstance(kernel, Kernel) or type(kernel) is type(recorded):
         return False
     warnings.warn(f"{name}: {type(kernel).__name__} contradicts the kernel recorded with the model "

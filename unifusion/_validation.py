@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._device import host_to_device
-from .denoiser import ConvertedHead, Denoiser, unwrap_model
+from .denoiser import BlockDenoiser, ConvertedHead, Denoiser, X0Model, denoiser_of, unwrap_model
 from .validation import set_validation, validation, validation_enabled
 
 __all__ = ["set_validation", "validation", "validation_enabled"]  # the switch, re-exported from unifusion.validation
@@ -203,12 +203,14 @@ def check_padding(name: str, attention_mask: torch.Tensor) -> None:
         f"holes: {(changes > 1).nonzero().flatten().tolist()[:8]}"))
 
 
-def check_model_length(model: Any, length: int, name: str) -> None:
+def check_model_length(model: X0Model, length: int, name: str) -> None:
     """A :class:`~unifusion.DiffusionLM` runs ``length + 1`` positions (bos first): more than its config's
-    ``max_position_embeddings`` is a ``ValueError`` naming ``name`` (host metadata only, no sync)."""
-    if not is_diffusion_lm(model):
+    ``max_position_embeddings`` is a ``ValueError`` naming ``name`` (host metadata only, no sync). ``model``: any x0
+    callable (only a :class:`~unifusion.denoiser.Denoiser`, inside its wrappers, is checked)."""
+    inner = denoiser_of(model)
+    if inner is None:
         return
-    limit = getattr(getattr(unwrap_model(model), "config", None), "max_position_embeddings", None)
+    limit = getattr(inner.config, "max_position_embeddings", None)
     if isinstance(limit, int) and not isinstance(limit, bool) and length + 1 > limit:
         raise ValueError(f"{name}: the total length {length} (+1 for bos) exceeds the model's max_position_embeddings "
                          f"= {limit}; use at most {limit - 1} tokens in all (prompt included)")
@@ -335,7 +337,7 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
-def is_diffusion_lm(model: Any) -> bool:
+def is_diffusion_lm(model: object) -> bool:
     """Whether ``model`` (inside DDP/FSDP/DeepSpeed/compile wrappers) is a :class:`~unifusion.denoiser.Denoiser` (a
     :class:`~unifusion.DiffusionLM`, say): a model that declares its states and mask token and takes the adapter's
     options."""
@@ -351,13 +353,13 @@ _HEAD_NAMES = {"x0": "x0 logits", "sedd": "SEDD log scores", "m2s": "M2S posteri
                "ctmc": "Neural-CTMC (log exit rate, jump logits) pairs"}
 
 
-def converted_model(model: Any) -> Any:
+def converted_model(model: object) -> ConvertedHead | None:
     """``model`` if it is a :class:`~unifusion.denoiser.ConvertedHead` (an :func:`x0_model_as` wrapper), else
     ``None``."""
     return model if isinstance(model, ConvertedHead) else None
 
 
-def model_parameterization(model: Any) -> str | None:
+def model_parameterization(model: X0Model | BlockDenoiser) -> str | None:
     """What ``model`` returns, when it is known: ``"x0"`` for a :class:`~unifusion.DiffusionLM` (inside wrappers),
     the :data:`HEAD_ATTRIBUTE` tag otherwise (set by :func:`~unifusion.samplers.x0_model_as`), else ``None``."""
     inner = unwrap_model(model)
@@ -367,7 +369,7 @@ def model_parameterization(model: Any) -> str | None:
     return tag if isinstance(tag, str) else None
 
 
-def check_model_parameterization(model: Any, expected: str, *, who: str = "this function",
+def check_model_parameterization(model: X0Model | BlockDenoiser, expected: str, *, who: str = "this function",
                                  argument: bool = False) -> None:
     """``ValueError`` naming both when ``model`` is known to return another head than ``expected`` (untagged
     callables pass: nothing is known about them). ``argument``: ``expected`` came from the caller's
@@ -402,8 +404,8 @@ def _same_kernel(a: Any, b: Any) -> bool:
     return True
 
 
-def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", parameterization: str | None = "x0",
-                       who: str = "this function", argument: bool = False) -> None:
+def check_model_kernel(model: X0Model | BlockDenoiser, kernel: Any, *, name: str = "kernel",
+                       parameterization: str | None = "x0", who: str = "this function", argument: bool = False) -> None:
     """Raise ``ValueError`` when ``kernel`` does not fit the model: a different number of states, or — for a
     :class:`~unifusion.DiffusionLM`, which knows its mask token — a different mask id, or a mask/hybrid kernel on a
     model adapted without a mask token (its id ``kernel.mask_id`` is then an ordinary word).
@@ -431,7 +433,7 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", paramet
     if isinstance(num_states, int) and num_states != kernel.num_states:
         raise ValueError(f"{name}: has {kernel.num_states} states but the model predicts {num_states}; build the "
                          f"kernel with num_states=model.num_states")
-    if not is_diffusion_lm(inner) or kernel.mask_id is None:
+    if not isinstance(inner, Denoiser) or kernel.mask_id is None:
         return
     if inner.mask_token_id is None:
         raise ValueError(
@@ -443,7 +445,7 @@ def check_model_kernel(model: Any, kernel: Any, *, name: str = "kernel", paramet
                          f"build the kernel with mask_id=model.mask_token_id")
 
 
-def model_device(model: Any) -> torch.device | None:
+def model_device(model: object) -> torch.device | None:
     """The device of a model's first parameter (inside DDP/FSDP/DeepSpeed/compile wrappers), ``None`` for callables
     without parameters or models dispatched by accelerate (``hf_device_map``: their parameters may sit elsewhere)."""
     inner = unwrap_model(model)
@@ -462,7 +464,7 @@ def model_device(model: Any) -> torch.device | None:
         return None
 
 
-def check_model_device(model: Any, name: str, tensor: torch.Tensor | torch.device) -> None:
+def check_model_device(model: object, name: str, tensor: torch.Tensor | torch.device) -> None:
     """``ValueError`` when the model is on the meta device or ``tensor`` (argument ``name``; a tensor or a device) is
     on another device than the model's parameters (host metadata only: no sync)."""
     device = model_device(model)

@@ -83,7 +83,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     check_decoding_args(args)
     model, tok, kernel = load_model(args)
-    K = getattr(model, "block_size", None)
+    K = model.block_size
     if K is not None and args.sampler != "bayesian":
         raise ValueError(f"--sampler: this block model (block_size={K}) decodes block by block against its cache; "
                          f"drop --sampler {args.sampler} (the default policy decodes it) or pass --policy")

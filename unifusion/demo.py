@@ -15,12 +15,15 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cpu_linears import packed_linears
 from .precision import DTYPE_CHOICES
+
+if TYPE_CHECKING:  # the demo imports the model layer when it runs (the command line starts fast)
+    from .hf.model import DiffusionLM
 
 __all__ = ["DEMO_DESCRIPTION", "add_demo_arguments", "run_demo"]
 
@@ -124,7 +127,7 @@ def _chunk(ids: list[int], length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _ar_perplexity(hf_model: Any, blocks: torch.Tensor, bos: int, batch_size: int = 8) -> float:
+def _ar_perplexity(hf_model: torch.nn.Module, blocks: torch.Tensor, bos: int, batch_size: int = 8) -> float:
     """exp(mean next-token NLL) of the plain AR model on ``blocks`` with a BOS token prepended."""
     nll, count = 0.0, 0
     for i in range(0, len(blocks), batch_size):
@@ -153,7 +156,7 @@ MIN_MEANINGFUL_UPDATES = 20
 STEP_ESTIMATE_WINDOW = 5
 
 
-def _train(model: Any, kernel: Any, train: torch.Tensor, args: argparse.Namespace, device: torch.device,
+def _train(model: DiffusionLM, kernel: Any, train: torch.Tensor, args: argparse.Namespace, device: torch.device,
            dtype: torch.dtype) -> dict[str, Any]:
     """AdamW on the block-diffusion loss for ``args.train_seconds`` of training (compiling not counted), or for
     ``args.train_steps`` updates; γ annealed causal → block-causal over the first ``args.anneal_fraction`` of the
@@ -246,7 +249,7 @@ def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
             + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold])
 
 
-def _block_decode(model: Any, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
+def _block_decode(model: DiffusionLM, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
                   temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """One prompt ``(1, P)`` continued by block decoding with the exact KV cache of the block model (each denoising
     step runs one block against the cached prefix; a finished block enters the cache within the next block's first

@@ -16,6 +16,22 @@ subclass it.
 :class:`~unifusion.DiffusionLM`, any x0 callable), the prompt mask and the clean tokens for a model that encodes its
 prompt separately (:attr:`Denoiser.conditions_on_prompt`, e.g. DiffusionGemma).
 
+**The roles a model plays**, as the package's signatures name them:
+
+* :class:`Denoiser` — the interface below: what a function reads of a model beyond calling it (its states, mask token,
+  recorded kernel, block size, decoders, tokenizer, config). A new model kind subclasses it.
+* :data:`X0Model` — *any* x0 callable ``(x_t, t, **options) → logits``: a :class:`Denoiser`, a DDP / FSDP /
+  DeepSpeed / ``torch.compile`` wrapper around one (:func:`unwrap_model` looks through them, :func:`denoiser_of`
+  finds the :class:`Denoiser` inside), an :func:`~unifusion.samplers.x0_model_as` head, a prompt-bound callable, or a
+  plain function. Losses, samplers and evaluation take this; they ask :func:`denoiser_of` for the interface.
+* :class:`BlockDenoiser` — a model that denoises one block against a clean prefix it keeps itself (a KV cache):
+  what :meth:`Denoiser.block_decoder` and :meth:`Denoiser.prefix_decoder` return and
+  :class:`~unifusion.samplers.PolicySampler` runs.
+* :class:`DecodableModel` — what :func:`unifusion.samplers.generate` reads of a model: a :class:`Denoiser` (every
+  one offers it), or a view of a model that decodes in its own units (DiffusionGemma's canvases as blocks).
+* :data:`CausalLM` — an autoregressive LM scored or used as a judge (``model(input_ids=...)`` → logits, or an output
+  with ``.logits``): the GenPPL judge, the AR baselines.
+
 This module sits below every module that takes a model, so they test ``isinstance(model, Denoiser)`` without
 importing the layer that defines the models.
 """
@@ -24,17 +40,94 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeAlias, overload, runtime_checkable
 
 import torch
 
-__all__ = ["ConvertedHead", "Denoiser", "prompt_conditioning", "unwrap_model"]
+__all__ = ["BlockDenoiser", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule", "X0Model",
+           "denoiser_of", "prompt_conditioning", "unwrap_model"]
 
+X0Model: TypeAlias = Callable[..., torch.Tensor]
+"""Any x0 model: a callable ``model(x_t (B, L) int64, t (B,) | None, **options) → logits (B, L, S)``. A
+:class:`Denoiser`; a DDP / FSDP / DeepSpeed / ``torch.compile`` wrapper around one, which :func:`unwrap_model` looks
+through (:func:`denoiser_of` returns the :class:`Denoiser` inside, ``None`` for a plain callable); any ``nn.Module``
+or function with that call. The options a function passes (``attention_mask=``, ``x0=``/``kernel=`` of the fused
+loss, ...) are those the model takes: a :class:`Denoiser` takes :meth:`Denoiser.forward`'s."""
+
+CausalLM: TypeAlias = Callable[..., Any]
+"""An autoregressive LM that is scored, not denoised (the GenPPL judge, the AR baselines of the evaluation): a
+Hugging Face ``*ForCausalLM`` called as ``model(input_ids=(B, L), attention_mask=...)`` whose output has ``.logits``
+``(B, L, V)`` (next-token logits), or any callable returning those logits."""
+
+
+@runtime_checkable
+class BlockDenoiser(Protocol):
+    """A model that denoises one block against a clean prefix it keeps itself (a KV cache, an encoder), which
+    :class:`~unifusion.samplers.PolicySampler` uses instead of calling the model on the whole sequence (public as
+    ``unifusion.samplers.BlockDenoiser``; :meth:`Denoiser.block_decoder` and :meth:`Denoiser.prefix_decoder` return
+    one).
+
+    Every row's generated region must start at the same column P (left-pad prompts of different lengths). The
+    sampler calls :meth:`start_blocks` once, then for each block :meth:`denoise_block` at every step and, except
+    after the last block, :meth:`commit_block`. ``rows`` are indices into the batch given to :meth:`start_blocks`:
+    the rows still running (finished rows are dropped, and never come back once a row has stopped at EOS).
+
+    The sampler counts one model call per row and denoising step. A denoiser that also calls its network elsewhere
+    (a prefill in :meth:`start_blocks`, a commit pass) gives its state an ``extra_forwards`` attribute: ``(B,)``
+    int64, those calls per row, which :attr:`~unifusion.samplers.PolicyOutput.num_forwards` then includes.
+    """
+
+    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
+        """Take the clean prefix ``(B, P)`` (``prefix_mask`` ``(B, P)`` bool: False at left padding; P may be 0);
+        return the state the other methods get."""
+
+    def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x0 logits ``(B_a, K, S)`` of the current block ``block`` ``(B_a, K)`` of ``rows`` ``(B_a,)``, which follows
+        the prefix and every committed block, at times ``t`` ``(B_a,)``. ``self_condition`` is ``None`` at a block's
+        first step, else the previous step's logits divided by its temperature ``(B_a, K, S)`` float32 (what
+        DiffusionGemma's decoder takes as self-conditioning). ``positions`` ``(B_a, m)`` int64, when given, lists the
+        block positions whose logits the sampler reads (a mask policy's masked ones, ascending, padded with decided
+        ones); the output elsewhere may be any finite value, so the head may run at those positions only."""
+
+    def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Append the finished block ``(B_a, K)`` of ``rows`` to the prefix; return the new state."""
+
+
+
+class DecodableModel(Protocol):
+    """What :func:`unifusion.samplers.generate` reads of a model (a structural type: every :class:`Denoiser` is one).
+
+    Its token space (:attr:`device`, :attr:`num_states`, :attr:`mask_token_id`, the recorded :attr:`kernel`), its
+    blocks (:attr:`block_size`, ``None`` without blocks), where its EOS and pad ids come from (:attr:`config`,
+    :attr:`tokenizer`) and the decoders it offers (each ``None`` when it offers none: :meth:`Denoiser.block_decoder`,
+    :meth:`Denoiser.prefix_decoder`, :meth:`Denoiser.block_forward` describe them). The full-sequence paths call the
+    model itself as an x0 model, so an object that is not callable must offer a decoder for every path it allows."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def num_states(self) -> int: ...
+    @property
+    def mask_token_id(self) -> int | None: ...
+    @property
+    def kernel(self) -> Any: ...
+    @property
+    def block_size(self) -> int | None: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    def block_decoder(self, *, merge_commits: bool = False) -> BlockDenoiser | None: ...
+    def prefix_decoder(self, seq_len: int, refresh: int) -> BlockDenoiser | None: ...
+    def block_forward(self) -> X0Model | None: ...
 
 class Denoiser(ABC):
     """The interface of unifusion's x0 denoisers (an abstract base class; it holds no state).
 
-    Subclasses provide (abstract: a subclass missing one cannot be instantiated):
+    What a model kind implements (abstract: a subclass missing one cannot be instantiated; mypy checks the
+    signatures):
 
     * :attr:`num_states` (int): the state-space size S of the kernels the model is trained with (its logit columns);
     * :attr:`device`: where ``x_t`` must live;
@@ -46,8 +139,25 @@ class Denoiser(ABC):
     * :meth:`generate`: continue prompts (each model's own options and result);
     * :meth:`save_pretrained` / :meth:`from_pretrained`: a checkpoint folder with the kernel recorded.
 
-    and set the instance attributes :attr:`mask_token_id` (the absorbing state of mask and hybrid kernels, ``None``
-    for a model that knows only uniform noise) and :attr:`kernel` (the kernel it was trained with, when known).
+    The attributes it sets (instance or class attributes; the defaults here hold for a model that sets none):
+
+    * :attr:`mask_token_id` (required): the absorbing state of mask and hybrid kernels, ``None`` for a model that
+      knows only uniform noise;
+    * :attr:`kernel`, :attr:`tokenizer`, :attr:`config`: the training kernel, the tokenizer, the backbone's
+      configuration, each ``None`` when not known;
+    * :attr:`block_size`: ``K`` for a block model (trained block-causally, decoded block by block), ``None`` for a
+      model that sees the whole sequence at once;
+    * :attr:`conditions_on_prompt`: whether calls must be told where the clean prompt is (see
+      :func:`prompt_conditioning`).
+
+    And the optional capabilities: decoders :func:`unifusion.samplers.generate` asks the model for. Each returns
+    ``None`` here (the model does not offer it; ``generate`` then raises a ``TypeError`` naming the argument that
+    asked for it); a model kind that has one overrides the method:
+
+    * :meth:`block_decoder`: the exact cached :class:`BlockDenoiser` of a block model (``use_cache=True``);
+    * :meth:`prefix_decoder`: an approximate prefix cache for a fully bidirectional model (``cache_refresh=N``);
+    * :meth:`block_forward`: a block model as an x0 callable whose blocks see only earlier blocks' tokens
+      (``use_cache=False``).
 
     A model whose prediction needs to be told where the clean prompt ends and which clean tokens precede the noisy
     ones (an encoder-decoder such as DiffusionGemma, which encodes the clean prefix into a cache) sets
@@ -60,8 +170,24 @@ class Denoiser(ABC):
     mask_token_id: int | None
     """The absorbing (mask) state of mask and hybrid kernels, ``None`` for a model that knows only uniform noise."""
 
-    kernel: Any
-    """The forward kernel the model was trained with, when known (``None`` otherwise)."""
+    kernel: Any = None
+    """The forward kernel the model was trained with, when known (``None`` otherwise; a
+    :class:`~unifusion.kernels.Kernel`: typed ``Any`` because the kernels sit in a layer above this module).
+    :func:`unifusion.hf.default_kernel` reads it."""
+
+    block_size: int | None = None
+    """Tokens per block ``K`` of a block model: trained block-causally (block ``b`` sees the clean tokens of blocks
+    ``< b`` and its own noisy ones, :mod:`unifusion.hf.blocks`), sampled block by block with a decoding policy.
+    ``None``: not a block model (one bidirectional block over the whole sequence)."""
+
+    tokenizer: Any = None
+    """The Hugging Face tokenizer saved with the model, or ``None`` (``generate`` reads its EOS and pad ids and
+    decodes stop strings with it)."""
+
+    config: Any = None
+    """The backbone's configuration (a transformers ``PretrainedConfig``: ``eos_token_id``, ``pad_token_id``,
+    ``max_position_embeddings``, ...), or ``None``. Typed ``Any``: transformers' configs set their fields
+    dynamically."""
 
     @property
     @abstractmethod
@@ -111,13 +237,51 @@ class Denoiser(ABC):
         call the wrapper that way instead, so its hooks fire)."""
         return self(x_t, t, x0=x0, kernel=kernel, **kwargs)
 
+    # -- optional capabilities: the decoders generate asks for (None: not offered) -----------------------------------
+
+    def block_decoder(self, *, merge_commits: bool = False) -> BlockDenoiser | None:
+        """The exact cached decoder of a block model (:attr:`block_size` set): a :class:`BlockDenoiser` whose
+        :meth:`~BlockDenoiser.denoise_block` runs one block of ``K`` positions against the cached clean prefix and
+        committed blocks, giving the same tokens as :meth:`block_forward`. ``merge_commits``: commit each finished
+        block within the next block's first step (fewer calls, the same tokens), where the model can. ``None`` (this
+        default): the model offers none."""
+        return None
+
+    def prefix_decoder(self, seq_len: int, refresh: int) -> BlockDenoiser | None:
+        """An **approximate** cached decoder for a model without blocks (Fast-dLLM's dual cache) over sequences of
+        ``seq_len`` tokens: a full forward at each block's first step and every ``refresh`` steps of a block, the
+        cached context in between (``refresh=1`` is exact). ``None`` (this default): the model offers none."""
+        return None
+
+    def block_forward(self) -> X0Model | None:
+        """A block model as an x0 callable ``(x_t (B, L), t (B,), attention_mask=None) → logits (B, L, S)`` in which
+        each block sees only the tokens of earlier blocks as they stand (the uncached block path of
+        :func:`unifusion.samplers.generate`, ``use_cache=False``). ``None`` (this default): the model offers none."""
+        return None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``forward`` (a ``torch.nn.Module`` subclass listed before :class:`Denoiser` calls it through its hooks)."""
         return self.forward(*args, **kwargs)
 
 
-def unwrap_model(model: Any) -> Any:
-    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+class DenoiserModule(torch.nn.Module, Denoiser):
+    """A :class:`Denoiser` that is a ``torch.nn.Module`` (parameters, ``to``, ``eval``, ``state_dict``, hooks): the
+    base class of the package's models (:class:`~unifusion.DiffusionLM`,
+    :class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM`) and the type of a function that needs both faces (the
+    evaluation harness moves, evaluates and calls its model). Calling it runs ``torch.nn.Module.__call__`` (hooks,
+    then :meth:`~Denoiser.forward`). Abstract: a subclass implements :class:`Denoiser`'s members."""
+
+
+@overload
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module: ...
+@overload
+def unwrap_model(model: X0Model) -> X0Model: ...
+@overload
+def unwrap_model(model: object) -> object: ...
+def unwrap_model(model: object) -> object:
+    """The module inside DDP / FSDP / DeepSpeed (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers (at
+    most four levels), else ``model`` itself: a module for a module, an x0 callable for an x0 callable; any other
+    object (a :class:`BlockDenoiser`, say) is returned as it is unless it has such an attribute."""
     inner = model
     for _ in range(4):
         nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
@@ -127,7 +291,14 @@ def unwrap_model(model: Any) -> Any:
     return inner
 
 
-def prompt_conditioning(model: Any, x0: torch.Tensor, prompt_mask: torch.Tensor | None) -> dict[str, Any]:
+def denoiser_of(model: X0Model) -> Denoiser | None:
+    """The :class:`Denoiser` ``model`` is, or holds inside its DDP / FSDP / DeepSpeed / ``torch.compile`` wrappers
+    (:func:`unwrap_model`); ``None`` for any other x0 callable (a plain function, an ``x0_model_as`` head)."""
+    inner = unwrap_model(model)
+    return inner if isinstance(inner, Denoiser) else None
+
+
+def prompt_conditioning(model: X0Model, x0: torch.Tensor, prompt_mask: torch.Tensor | None) -> dict[str, Any]:
     """The keyword arguments that condition ``model`` on the clean prompt ``x0[prompt_mask]``, for a call
     ``model(x_t, t, **prompt_conditioning(model, x0, prompt_mask))`` whose ``x_t`` holds the prompt clean.
 
@@ -160,6 +331,6 @@ class ConvertedHead:
     evaluators can look through them to the model inside.
     """
 
-    model: Any
+    model: X0Model
     kernel: Any
     parameterization: str

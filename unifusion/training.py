@@ -20,7 +20,7 @@ import torch
 from . import _validation as V
 from ._device import rand
 from .conversions import log_heads_from_x0_logits
-from .denoiser import prompt_conditioning
+from .denoiser import X0Model, denoiser_of, prompt_conditioning
 from .hf import blocks
 from .hf.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
@@ -129,15 +129,14 @@ def complement_time(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
     return ((lo + hi) / 2).clamp(1e-6, MAX_TIME).to(t.dtype)
 
 
-def _block_size(model: Any, length: int) -> int | None:
+def _block_size(model: X0Model, length: int) -> int | None:
     """The block size K of a block model when it splits ``length`` tokens into several blocks, else ``None``."""
-    if not V.is_diffusion_lm(model):
-        return None
-    K = getattr(V.unwrap_model(model), "block_size", None)
+    inner = denoiser_of(model)
+    K = None if inner is None else inner.block_size
     return None if K is None or K >= length else int(K)
 
 
-def diffusion_loss(model: Any, x0: torch.Tensor, kernel: Kernel, *,
+def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
                    # the objective
                    objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                    weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,

@@ -436,3 +436,9 @@ def test_every_kernel_with_per_block_times(kernel_name: str) -> None:
         torch.testing.assert_close(_loss(model, x0, kernel, t, fused=True).loss, ref.loss, rtol=1e-4, atol=1e-5)
     if kernel_name == "mask":  # the corruption follows each block's time: more masks in later blocks
         assert (ref.x_t[:, :4] == MASK_ID).float().mean() < (ref.x_t[:, 8:] == MASK_ID).float().mean()
+
+
+def test_the_block_layout_refuses_a_model_without_blocks() -> None:
+    model, x = _model(None), _x0(1, 8)
+    with pytest.raises(ValueError, match="model: block_hidden_states runs a block model's layout"):
+        blocks.block_hidden_states(model, model.hf_model, x, None, x, 1.0)

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
+from ..denoiser import CausalLM, X0Model
+
 __all__ = ["input_device", "logits_of", "progress_bar"]
 
 
-def input_device(model: Any) -> torch.device:
+def input_device(model: X0Model | CausalLM) -> torch.device:
     """Where ``model``'s inputs go: the device of its first parameter, the CPU for callables without parameters."""
     if isinstance(model, torch.nn.Module):
         for p in model.parameters():

@@ -49,6 +49,7 @@ from .._validation import (
     check_token_ids,
     validation,
 )
+from ..denoiser import CausalLM, X0Model
 from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..rates import x0_log_probs
 from ._shared import input_device, logits_of, progress_bar
@@ -100,7 +101,7 @@ def _as_choices(choices_ids: object, num_states: int) -> list[torch.Tensor]:
     return out
 
 
-def _num_states(model: Any, kernel: Kernel) -> int:
+def _num_states(model: X0Model, kernel: Kernel) -> int:
     """The kernel's state count, after checking that model and kernel agree (states, mask token)."""
     check_model_kernel(model, kernel)
     return kernel.num_states
@@ -133,7 +134,7 @@ def corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
 
 
 @torch.no_grad()
-def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.Tensor, z_span: torch.Tensor,
+def _span_nll(model: X0Model, kernel: Kernel, context: torch.Tensor, targets: torch.Tensor, z_span: torch.Tensor,
               t: torch.Tensor, batch_size: int) -> torch.Tensor:
     """−log x_θ^i(a_i | z, t) on the span for rows z = [context, z_span]: ``targets``, ``z_span`` ``(N, m)``,
     ``t`` ``(N,)`` → float64 ``(N, m)``. Rows are run ``batch_size`` at a time (all have the same length)."""
@@ -152,7 +153,7 @@ def _span_nll(model: Any, kernel: Kernel, context: torch.Tensor, targets: torch.
     return torch.cat(out).double()
 
 
-def _grouped_span_nll(model: Any, kernel: Kernel, contexts: Sequence[torch.Tensor], choices: list[torch.Tensor],
+def _grouped_span_nll(model: X0Model, kernel: Kernel, contexts: Sequence[torch.Tensor], choices: list[torch.Tensor],
                       draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                       batch_size: int) -> list[list[torch.Tensor]]:
     """Batch all (choice, time) rows of equal answer length; returns ``nll[context][choice]`` of shape ``(K, m)``."""
@@ -196,7 +197,7 @@ def stratified_times(num_times: int, t_min: float, generator: torch.Generator | 
     return (t_min + (1.0 - t_min) * (k - u) / num_times).clamp(t_min, MAX_TIME)
 
 
-def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,
+def score_choices(model: X0Model, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,
                   choices_ids: Sequence[Sequence[int] | torch.Tensor], *, num_times: int = 32,
                   generator: torch.Generator | None = None, batch_size: int = 64) -> torch.Tensor:
     """Standard diffusion score S(a) of each candidate answer (App. C.4); lower is better.
@@ -239,7 +240,7 @@ def score_choices(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch
     return torch.stack(scores).cpu()
 
 
-def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,
+def fair_pmi_scores(model: X0Model, kernel: Kernel, context_ids: Sequence[int] | torch.Tensor,
                     choices_ids: Sequence[Sequence[int] | torch.Tensor],
                     null_context_ids: Sequence[int] | torch.Tensor, *, num_times: int = 128, t_min: float = 1e-3,
                     generator: torch.Generator | None = None, batch_size: int = 64) -> torch.Tensor:
@@ -289,7 +290,7 @@ def fair_pmi_scores(model: Any, kernel: Kernel, context_ids: Sequence[int] | tor
 
 
 @torch.no_grad()
-def ar_choice_nll(ar_model: Any, context_ids: Sequence[int] | torch.Tensor,
+def ar_choice_nll(ar_model: CausalLM, context_ids: Sequence[int] | torch.Tensor,
                   choices_ids: Sequence[Sequence[int] | torch.Tensor], *, bos_token_id: int | None = None,
                   reduction: Literal["sum", "mean"] = "sum") -> torch.Tensor:
     """NLL of each answer under a causal LM given ``[BOS] + context`` (lower is better), float64 ``(C,)``.
@@ -376,9 +377,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: Any, kernel: Kernel | None,
+def run_multiple_choice(task: str | os.PathLike[str] | dict[str, Any], model: X0Model, kernel: Kernel | None,
                         tokenizer: Any, *, method: Literal["score", "fair_pmi", "ar"] = "score",
-                        ar_model: Any = None, max_examples: int | None = None, num_times: int | None = None,
+                        ar_model: CausalLM | None = None, max_examples: int | None = None, num_times: int | None = None,
                         seed: int = 0, batch_size: int = 64, max_length: int = 512,
                         null_context: str = "Answer:", ar_reduction: Literal["sum", "mean"] = "sum",
                         progress: bool = True) -> MultipleChoiceResult:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._validation import check_model_kernel, check_positive_int
+from ..denoiser import CausalLM, X0Model
 from ..kernels import Kernel, check_kernel
 from ..samplers import BayesianSampler, EulerSampler, PolicySampler
 from ._shared import input_device, progress_bar
@@ -42,7 +43,7 @@ __all__ = ["FrontierResult", "PolicyFrontierSampler", "frontier", "plot_frontier
 
 DEFAULT_STEPS = (16, 32, 64, 128, 256)
 DEFAULT_SEEDS = (123, 456, 789, 2024, 3407)
-SamplerFactory = Callable[[Any, Kernel, int], Any]
+SamplerFactory = Callable[[X0Model, Kernel, int], Any]
 
 
 @dataclass
@@ -108,7 +109,7 @@ def _check_int_list(name: str, values: object, *, minimum: int) -> tuple[int, ..
     return out
 
 
-def make_sampler(sampler: str | SamplerFactory, model: Any, kernel: Kernel, num_steps: int,
+def make_sampler(sampler: str | SamplerFactory, model: X0Model, kernel: Kernel, num_steps: int,
                  sampler_kwargs: dict[str, Any]) -> Any:
     """The sampler ``sampler`` names (``"bayesian"``, ``"euler"``) or a factory ``(model, kernel, num_steps,
     **sampler_kwargs) -> sampler`` builds, with ``num_steps`` steps (what :func:`frontier` and ``unifusion sample``
@@ -129,18 +130,20 @@ class PolicyFrontierSampler:
     :class:`~unifusion.samplers.PolicySampler` on the x0 callable), ``num_steps`` steps per block, and keeps
     :attr:`tokens_per_forward` (all generated tokens / all forwards so far)."""
 
-    def __init__(self, model: Any, kernel: Kernel, num_steps: int, *, policy: Any, block_size: int | None = None,
+    def __init__(self, model: X0Model, kernel: Kernel, num_steps: int, *, policy: Any, block_size: int | None = None,
                  **sampler_kwargs: Any) -> None:
         self.model, self.kernel, self.num_steps, self.policy = model, kernel, num_steps, policy
         self.block_size, self.kwargs = block_size, sampler_kwargs
         self.tokens = self.forwards = 0
-        self._sampler = None if callable(getattr(model, "generate", None)) else PolicySampler(
+        generate = getattr(model, "generate", None)  # a model that generates itself (DiffusionLM.generate)
+        self._generate: Callable[..., Any] | None = generate if callable(generate) else None
+        self._sampler = None if self._generate is not None else PolicySampler(
             model, kernel, policy, num_steps=num_steps, block_size=block_size, **sampler_kwargs)
 
     @classmethod
     def factory(cls, policy: Any, block_size: int | None) -> SamplerFactory:
         """A ``sampler=`` factory ``(model, kernel, num_steps, **kw) -> PolicyFrontierSampler``."""
-        def make(model: Any, kernel: Kernel, num_steps: int, **kw: Any) -> PolicyFrontierSampler:
+        def make(model: X0Model, kernel: Kernel, num_steps: int, **kw: Any) -> PolicyFrontierSampler:
             return cls(model, kernel, num_steps, policy=policy, block_size=block_size, **kw)
 
         make.__name__ = f"policy:{type(policy).__name__}"
@@ -152,14 +155,15 @@ class PolicyFrontierSampler:
 
     def sample(self, batch_size: int, seq_len: int, *, generator: Any = None) -> torch.Tensor:
         out: Any
-        if self._sampler is not None:
+        if self._generate is None:
+            assert self._sampler is not None  # built in __init__ for a model that does not generate itself
             out = self._sampler.sample(batch_size, seq_len, generator=generator, return_dict=True)
         else:
             empty = torch.zeros((batch_size, 0), dtype=torch.long, device=generator.device if generator is not None
                                 else None)
-            out = self.model.generate(empty, max_new_tokens=seq_len, policy=self.policy, num_steps=self.num_steps,
-                                      block_size=self.block_size, kernel=self.kernel, eos_token_id=None,
-                                      generator=generator, return_dict=True, **self.kwargs)
+            out = self._generate(empty, max_new_tokens=seq_len, policy=self.policy, num_steps=self.num_steps,
+                                 block_size=self.block_size, kernel=self.kernel, eos_token_id=None,
+                                 generator=generator, return_dict=True, **self.kwargs)
         self.tokens += int((out.tokens_per_forward * out.num_forwards).round().sum())
         self.forwards += int(out.num_forwards.sum())
         return out.sequences
@@ -183,8 +187,8 @@ def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def frontier(model: Any, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS,
-             seeds: Sequence[int] = DEFAULT_SEEDS, num_samples: int, seq_len: int, judge_model: Any,
+def frontier(model: X0Model, kernel: Kernel, *, steps: Sequence[int] = DEFAULT_STEPS,
+             seeds: Sequence[int] = DEFAULT_SEEDS, num_samples: int, seq_len: int, judge_model: CausalLM,
              judge_tokenizer: Any, tokenizer: Any, sampler: str | SamplerFactory = "bayesian",
              out_dir: str | os.PathLike[str], label: str = "model", batch_size: int = 16, judge_batch_size: int = 8,
              entropy_tokenizer: Any = None, sampler_kwargs: dict[str, Any] | None = None, plot: bool = True,

@@ -35,7 +35,7 @@ import torch
 from .. import _validation as V
 from .._device import host_to_device
 from .._validation import check_token_ids
-from ..denoiser import prompt_conditioning
+from ..denoiser import X0Model, denoiser_of, prompt_conditioning
 from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..losses.fast import x0_head_loss
 from ..losses.native import reference_gidd_loss
@@ -47,11 +47,10 @@ LOGITS_PER_CALL = 1 << 26
 """Default budget of one model call of :func:`nll_bound`: logits (rows × L × S) it may produce (256 MiB in float32)."""
 
 
-def _is_block_model(model: Any, length: int) -> bool:
+def _is_block_model(model: X0Model, length: int) -> bool:
     """Whether ``model`` is a block DiffusionLM that splits ``length`` tokens into several blocks."""
-    if not V.is_diffusion_lm(model):
-        return False
-    K = getattr(V.unwrap_model(model), "block_size", None)
+    inner = denoiser_of(model)
+    K = None if inner is None else inner.block_size
     return K is not None and K < length
 
 
@@ -74,7 +73,7 @@ def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def nll_bound(model: Any, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
+def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: int = 128,
               generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
               t_min: float = 0.0, per_token: bool = True, reference: bool = False,
               batch_size: int | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 
 from .. import _validation as V
 from .._device import host_to_device
+from ..denoiser import CausalLM
 from ._shared import input_device, logits_of, progress_bar
 
 __all__ = ["PerplexityResult", "generative_perplexity", "unigram_entropy", "retokenize", "gpt2_tokenizer"]
@@ -51,7 +52,7 @@ def _check_texts(name: str, texts: object) -> list[str]:
     return texts
 
 
-def _vocab_size_of(model: Any) -> int | None:
+def _vocab_size_of(model: CausalLM) -> int | None:
     config = getattr(model, "config", None)
     size = getattr(config, "vocab_size", None)
     get_head = getattr(model, "get_output_embeddings", None)
@@ -214,7 +215,7 @@ def _bos_id(tokenizer: Any, add_bos: bool | None) -> int | None:
     return bos if add_bos else None
 
 
-def _judge_max_length(judge_model: Any, max_length: int | None) -> int | None:
+def _judge_max_length(judge_model: CausalLM, max_length: int | None) -> int | None:
     if max_length is not None:
         return V.check_positive_int("max_length", max_length)
     config = getattr(judge_model, "config", None)
@@ -238,7 +239,7 @@ def _windows(ids: list[int], bos: int | None, max_length: int | None) -> list[li
 
 
 @torch.no_grad()
-def generative_perplexity(texts: Sequence[str], judge_model: Any, judge_tokenizer: Any, *, batch_size: int = 8,
+def generative_perplexity(texts: Sequence[str], judge_model: CausalLM, judge_tokenizer: Any, *, batch_size: int = 8,
                           max_length: int | None = None, add_bos: bool | None = None,
                           progress: bool = True) -> PerplexityResult:
     """GenPPL of ``texts`` under a judge causal LM (App. C.3), pooled over all texts.

@@ -59,6 +59,7 @@ from einops import rearrange, repeat
 
 from .. import _validation as V
 from .._device import rand
+from .adapted import AdaptedLM
 from .attention import draws_bernoulli, mask_style
 
 __all__ = ["BlockLayout", "BlockCache", "num_blocks", "block_layout", "check_block_size", "block_times",
@@ -227,7 +228,7 @@ def block_attention_mask(layout: BlockLayout, batch_size: int, gamma: float | to
 # the forward
 
 
-def _internal(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor | None
+def _internal(model: AdaptedLM, seq: torch.Tensor, attention_mask: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The plain model's internal sequence ``[bos, seq]`` ``(B, L + 1)`` (bos before the first real token under left
     padding), its key validity and position ids (``None`` without padding)."""
@@ -243,7 +244,7 @@ def _internal(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor | None
     return ids, valid, (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _embed(model: Any, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -> dict[str, Any]:
+def _embed(model: AdaptedLM, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -> dict[str, Any]:
     """``input_ids=`` or, with time conditioning, ``inputs_embeds=`` (embedding + time embedding per position)."""
     if model.time_embedding is None:
         return {"input_ids": ids}
@@ -253,7 +254,7 @@ def _embed(model: Any, hf: Any, ids: torch.Tensor, t_pos: torch.Tensor | None) -
     return {"inputs_embeds": h + e.to(h.dtype)}
 
 
-def _masks_for(model: Any, pattern_fn: Any, window: int | None) -> Any:
+def _masks_for(model: AdaptedLM, pattern_fn: Any, window: int | None) -> Any:
     """The ``attention_mask=`` argument: one mask, or one per layer type when the family windows some layers."""
     if window is None:
         return pattern_fn(None)
@@ -262,7 +263,7 @@ def _masks_for(model: Any, pattern_fn: Any, window: int | None) -> Any:
     return {"full_attention": pattern_fn(None), "sliding_attention": pattern_fn(window)}
 
 
-def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+def cached_forward(model: AdaptedLM, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
                    key_pos: torch.Tensor, cache: Any, t_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``ids`` ``(B, q)`` at position ids ``positions`` ``(B, q)`` against ``cache`` (a transformers
     ``DynamicCache`` of n positions, which grows by q): query i sees key j where ``allowed[b, i, j]`` ``(B, q, n + q)``
@@ -300,7 +301,7 @@ def cached_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allow
     return out.last_hidden_state
 
 
-def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
+def block_hidden_states(model: AdaptedLM, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
                         gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
                         generator: torch.Generator | None = None, document_ids: torch.Tensor | None = None
                         ) -> torch.Tensor:
@@ -318,6 +319,8 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
             computed as it would be alone.
     """
     B, L = x_t.shape
+    if model.block_size is None:
+        raise ValueError("model: block_hidden_states runs a block model's layout; this model has block_size=None")
     K = int(model.block_size)
     lay = block_layout(L, K, x_t.device)
     cin, valid, pos = _internal(model, clean, attention_mask)
@@ -355,7 +358,7 @@ def block_hidden_states(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor 
     return h[:, lay.predict]  # (B, L, d)
 
 
-def _documents(model: Any, lay: BlockLayout, ids: torch.Tensor, document_ids: torch.Tensor
+def _documents(model: AdaptedLM, lay: BlockLayout, ids: torch.Tensor, document_ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stream's input ids, position ids and document of each position for a right-padded packed row.
 
@@ -387,7 +390,7 @@ def _documents(model: Any, lay: BlockLayout, ids: torch.Tensor, document_ids: to
     return ids, positions, documents
 
 
-def block_logits(model: Any, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
+def block_logits(model: AdaptedLM, hf: Any, x_t: torch.Tensor, t: torch.Tensor | None, clean: torch.Tensor,
                  gamma: float | torch.Tensor, attention_mask: torch.Tensor | None = None,
                  generator: torch.Generator | None = None, document_ids: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -417,12 +420,12 @@ class BlockCache:
     length: int
 
 
-def _hf_of(model: Any) -> Any:
+def _hf_of(model: AdaptedLM) -> Any:
     hf = model.hf_model
     return hf
 
 
-def _check_ids(name: str, ids: object, model: Any, batch: int | None = None) -> torch.Tensor:
+def _check_ids(name: str, ids: object, model: AdaptedLM, batch: int | None = None) -> torch.Tensor:
     ids_ = V.check_token_ids(name, ids, model.vocab_size)
     if ids_.dim() != 2 or (batch is not None and ids_.shape[0] != batch):
         want = "(B, n)" if batch is None else f"({batch}, k)"
@@ -431,7 +434,7 @@ def _check_ids(name: str, ids: object, model: Any, batch: int | None = None) -> 
     return ids_
 
 
-def _clean_forward(model: Any, state: BlockCache, inputs: torch.Tensor) -> None:
+def _clean_forward(model: AdaptedLM, state: BlockCache, inputs: torch.Tensor) -> None:
     """Append ``inputs`` ``(B, n)`` to the clean stream in the cache, causally (the AR model's own mask)."""
     B, n = inputs.shape
     hf = _hf_of(model)
@@ -441,7 +444,7 @@ def _clean_forward(model: Any, state: BlockCache, inputs: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def prefill(model: Any, clean_ids: torch.Tensor) -> BlockCache:
+def prefill(model: AdaptedLM, clean_ids: torch.Tensor) -> BlockCache:
     """Write the clean prefix ``clean_ids`` ``(B, n)`` (``n ≥ 0``; e.g. the prompt) into a fresh ``DynamicCache``.
 
     The cache gets the ``n`` positions ``[bos, clean_ids[:, :-1]]`` (causal, position ids ``0 … n − 1``); the last
@@ -461,7 +464,7 @@ def prefill(model: Any, clean_ids: torch.Tensor) -> BlockCache:
 
 
 @torch.no_grad()
-def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: object = None, *,
+def denoise_block(model: AdaptedLM, state: BlockCache, x_t_block: torch.Tensor, t: object = None, *,
                   bidirectional_prob: float = 1.0) -> torch.Tensor:
     """x0 logits ``(B, k, V)`` for the block of tokens ``length … length + k − 1`` from its noisy tokens
     ``x_t_block`` ``(B, k)``: one forward of the block's ``k + 1`` noisy positions (anchor, ``x_t_block``) at position
@@ -493,7 +496,7 @@ def denoise_block(model: Any, state: BlockCache, x_t_block: torch.Tensor, t: obj
 
 
 @torch.no_grad()
-def commit_block(model: Any, state: BlockCache, tokens: torch.Tensor) -> BlockCache:
+def commit_block(model: AdaptedLM, state: BlockCache, tokens: torch.Tensor) -> BlockCache:
     """Append the decoded block ``tokens`` ``(B, k)`` to the clean stream: one causal forward of the inputs
     ``[anchor, tokens[:, :-1]]`` at position ids ``length … length + k − 1``. Returns the new :class:`BlockCache`
     (the same ``cache`` object, grown by k; ``anchor = tokens[:, -1]``)."""

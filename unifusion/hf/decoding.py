@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
+from .adapted import AdaptedLM
 from .blocks import cached_forward
 from .layout import shifted_layout
 
@@ -119,7 +120,7 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
     return DynamicCache(ddp_cache_data=data)
 
 
-def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+def _forward(model: AdaptedLM, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
              key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
     """:func:`~unifusion.hf.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after the
     first ``clean`` (which, like ``t=None``, are at time 0)."""
@@ -135,7 +136,7 @@ def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: to
 class _Decoder:
     """What both adapters share: the wrapped model's states (for the sampler's kernel check)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: AdaptedLM) -> None:
         self.model = model
 
     @property
@@ -158,7 +159,7 @@ class BlockCacheDecoder(_Decoder):
             positions instead of two calls of ``K`` and ``K + 1``); the same tokens either way.
     """
 
-    def __init__(self, model: Any, *, merge_commits: bool = False) -> None:
+    def __init__(self, model: AdaptedLM, *, merge_commits: bool = False) -> None:
         super().__init__(model)
         if not isinstance(merge_commits, bool):
             raise TypeError(f"merge_commits: expected a bool, got {type(merge_commits).__name__}")
@@ -254,7 +255,7 @@ class BlockCacheDecoder(_Decoder):
             state.extra_forwards.index_add_(0, state.rows, torch.ones_like(state.rows))
 
 
-def head_at(model: Any, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def head_at(model: AdaptedLM, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """The output head on hidden states ``h`` ``(B, K, d)``; with ``positions`` ``(B, m)`` only there: logits
     ``(B, K, V)`` that are 0 at the other positions (the sampler reads none of them)."""
     if positions is None or positions.shape[1] == h.shape[1]:
@@ -276,7 +277,7 @@ class PrefixCacheDecoder(_Decoder):
         refresh: a full forward every ``refresh`` steps of a block (1: every step, exact).
     """
 
-    def __init__(self, model: Any, seq_len: int, refresh: int) -> None:
+    def __init__(self, model: AdaptedLM, seq_len: int, refresh: int) -> None:
         super().__init__(model)
         if model.mask_token_id is None:
             raise ValueError("cache_refresh: the approximate prefix cache fills later blocks with the mask token; "
@@ -358,7 +359,7 @@ class BlockForward:
     """A block model as an x0 callable: ``model(x_t, t, clean=x_t)`` — the training forward with the current tokens as
     the clean stream (each block sees only the clean tokens of earlier blocks, which are committed when it runs)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: AdaptedLM) -> None:
         self.model = model
         self.num_states = model.num_states
 

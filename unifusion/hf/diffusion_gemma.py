@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import _validation as V
 from .._kernel_config import kernel_config, kernel_from_config
-from ..denoiser import Denoiser, prompt_conditioning
+from ..denoiser import DenoiserModule, prompt_conditioning
 from ..kernels import UniformKernel, check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
 from .diffusion_gemma_layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
@@ -53,7 +53,7 @@ known token (``e^{-10⁴}`` is 0 in float32 and float64), so the x0-head losses 
 _CONFIG_KEYS = {"unifusion_version", "wrapper", "model_type", "architecture", "kernel"}
 
 
-class DiffusionGemmaLM(nn.Module, Denoiser):
+class DiffusionGemmaLM(DenoiserModule):
     """``DiffusionGemmaForBlockDiffusion`` as an x0 denoiser over its ``V`` tokens (no mask token).
 
     Build it with :func:`unifusion.hf.registry.wrap_diffusion_lm`. The model is held, not copied: ``base_model`` is

@@ -177,6 +177,14 @@ class _Canvases:
             raise ValueError("merge_commits: DiffusionGemma commits each canvas in its own encoder pass")
         return self
 
+    def prefix_decoder(self, seq_len: int, refresh: int) -> None:
+        """None: the canvases are decoded against the exact encoder cache only (no approximate prefix cache)."""
+        return None
+
+    def block_forward(self) -> None:
+        """None: every canvas is decoded against the encoder cache (no uncached path, ``use_cache=True`` only)."""
+        return None
+
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> CanvasState:
         if self.state is None:
             self.state = prefill(self.model, prefix, attention_mask=prefix_mask)

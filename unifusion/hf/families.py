@@ -32,17 +32,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from torch import nn
+
 __all__ = ["Family", "FAMILIES", "UNSUPPORTED", "family_for", "supported_model_types", "unwrap_peft"]
 
 MaskStyle = Literal["bool", "additive"]
 WindowStyle = Literal["none", "all_layers", "per_layer_type"]
 
 
-def unwrap_peft(model: Any) -> Any:
+def unwrap_peft(model: nn.Module) -> Any:
     """The Hugging Face model inside a peft ``PeftModel`` (LoRA layers are injected in place), else ``model``.
 
-    Typed ``Any``: a ``PreTrainedModel``'s methods (``get_input_embeddings``, ``config``, ...) are reached through
-    ``nn.Module.__getattr__`` for peft models and plain attributes otherwise; neither types usefully."""
+    The result is typed ``Any``: a ``PreTrainedModel``'s methods (``get_input_embeddings``, ``config``, ...) are
+    reached through ``nn.Module.__getattr__`` for peft models and plain attributes otherwise; neither types
+    usefully."""
     get_base_model = getattr(model, "get_base_model", None)
     if hasattr(model, "peft_config") and callable(get_base_model):
         return get_base_model()

@@ -39,6 +39,7 @@ import torch
 from .. import _validation as V
 from .._kernel_config import kernel_config, kernel_from_config
 from ..kernels import Kernel
+from .adapted import AdaptedLM
 
 __all__ = ["CONFIG_KEYS", "CONFIG_NAME", "EXTRA_WEIGHTS_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp",
            "from_pretrained", "hf_config", "parse_dtype", "save_pretrained"]
@@ -79,7 +80,7 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
     return dtype
 
 
-def config_stamp(model: Any, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
+def config_stamp(model: AdaptedLM, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
     """The content of :data:`CONFIG_NAME` for ``model`` (a :class:`~unifusion.hf.DiffusionLM`), with the training
     kernel's record ``kernel`` (:func:`~unifusion.hf.kernel_config`) when known."""
     hf = model.hf_model
@@ -104,7 +105,7 @@ def config_stamp(model: Any, kernel: dict[str, Any] | None = None) -> dict[str, 
     return stamp
 
 
-def hf_config(model: Any) -> Any:
+def hf_config(model: AdaptedLM) -> Any:
     """The backbone's config as ``config.json`` gets it: a copy of ``model.config`` without a GGUF
     ``quantization_config`` (the weights are stored dequantised), with ``architectures`` naming the backbone's class
     and ``dtype`` the weights' dtype. ``vocab_size`` already counts an added mask token (the embeddings were resized
@@ -131,7 +132,7 @@ def _state_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model: Any, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
+def save_pretrained(model: AdaptedLM, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
                     kernel: Any = None) -> None:
     """Write ``model`` (a :class:`~unifusion.hf.DiffusionLM`) to ``save_directory``; the arguments are those of
     :meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>`. Everything is checked before

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from ..denoiser import DenoiserModule
 from .adapt import adapt_ar_model
 from .embedded import load_smollm2, load_smollm2_tokenizer
 from .io import CONFIG_NAME
@@ -53,7 +54,8 @@ def load_causal_lm(spec: str, *, gguf_file: str | None = None, dtype: str = "flo
 
 
 def load_diffusion_model(spec: str, *, kernel: str | None = None, gguf_file: str | None = None,
-                         tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+                         tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu"
+                         ) -> tuple[DenoiserModule, Any]:
     """``(DiffusionLM, tokenizer)``: a saved DiffusionLM folder, or a causal LM adapted on the fly; or ``(wrapper,
     tokenizer)`` for a checkpoint folder of a native diffusion LM in :mod:`unifusion.hf.registry` (DiffusionGemma).
 
@@ -64,7 +66,8 @@ def load_diffusion_model(spec: str, *, kernel: str | None = None, gguf_file: str
 
     path = Path(spec)
     if registered_model_type(path) is not None:
-        native: Any = load_registered(path, dtype=dtype_from_name(dtype), device=device)
+        # a registered family's wrapper: a Denoiser that is a module (DiffusionGemmaLM)
+        native = cast(DenoiserModule, load_registered(path, dtype=dtype_from_name(dtype), device=device))
         tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer is not None else native.tokenizer
         if tok is None:
             raise ValueError(f"--tokenizer: no tokenizer saved in {spec!r}; pass --tokenizer PATH")

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validation as V
-from ..denoiser import Denoiser
+from ..denoiser import DenoiserModule
 from ..kernels import check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
 from ..samplers import generation
@@ -50,7 +50,7 @@ from .time_embedding import TimeEmbedding
 __all__ = ["DiffusionLM", "unwrap_peft"]
 
 
-class DiffusionLM(nn.Module, Denoiser):
+class DiffusionLM(DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
     Build it with :func:`~unifusion.hf.adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is

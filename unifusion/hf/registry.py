@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..denoiser import Denoiser
 
 __all__ = ["load_registered", "registered_model_type", "register_diffusion_lm", "supported_diffusion_lms",
@@ -26,7 +28,7 @@ Wrapper = Callable[..., Denoiser]
 Loader = Callable[..., Denoiser]
 
 
-def _wrap_diffusion_gemma(model: Any, **kwargs: Any) -> Denoiser:
+def _wrap_diffusion_gemma(model: torch.nn.Module, **kwargs: Any) -> Denoiser:
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from .diffusion_gemma import DiffusionGemmaLM
@@ -98,7 +100,7 @@ def load_registered(directory: str | os.PathLike[str], **kwargs: Any) -> Denoise
     return _LOADERS[model_type](directory, **kwargs)
 
 
-def wrap_diffusion_lm(model: Any, **kwargs: Any) -> Denoiser:
+def wrap_diffusion_lm(model: torch.nn.Module, **kwargs: Any) -> Denoiser:
     """Wrap a transformers diffusion LM as a unifusion x0 denoiser, chosen by ``model.config.model_type``.
 
     Args:

@@ -33,7 +33,7 @@ from transformers import Trainer
 
 from .._kernel_config import default_kernel
 from ..chat import ChatCollator
-from ..denoiser import unwrap_model
+from ..denoiser import X0Model, denoiser_of
 from ..kernels import Kernel
 from ..training import diffusion_loss
 
@@ -45,7 +45,7 @@ BATCH_KEYS = ("input_ids", "attention_mask", "prompt_mask", "labels", "document_
 _ANNEALED = "anneal_steps"
 
 
-def compute_diffusion_loss(model: Any, inputs: Mapping[str, Any], kernel: Kernel, *, step: int | None = None,
+def compute_diffusion_loss(model: X0Model, inputs: Mapping[str, Any], kernel: Kernel, *, step: int | None = None,
                            **loss_kwargs: Any) -> Any:
     """:func:`~unifusion.diffusion_loss` of a ``Trainer`` batch (module docstring): the
     :class:`~unifusion.training.DiffusionLossOutput`. ``step`` anneals the attention when ``loss_kwargs`` holds
@@ -97,12 +97,18 @@ class DiffusionLossMixin:
         self.diffusion_kernel = _check_kernel(kernel)
         self.diffusion_loss_kwargs = _check_loss_kwargs(loss_kwargs)
 
-    def _kernel(self, model: Any) -> Kernel:
+    def _kernel(self, model: torch.nn.Module) -> Kernel:
+        """The kernel set, else the default of the :class:`~unifusion.denoiser.Denoiser` inside ``model`` (the
+        trainer's model, wrapped by accelerate/DDP/compile or not)."""
         if self.diffusion_kernel is None:
-            self.diffusion_kernel = default_kernel(unwrap_model(model))[0]
+            inner = denoiser_of(model)
+            if inner is None:
+                raise TypeError(f"kernel: the model ({type(model).__name__}) is not a unifusion Denoiser, so it has no "
+                                "default kernel; pass kernel= (set_diffusion_options) or train a DiffusionLM")
+            self.diffusion_kernel = default_kernel(inner)[0]
         return self.diffusion_kernel
 
-    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """The batch's token-mean diffusion loss (and the :class:`~unifusion.training.DiffusionLossOutput` with
         ``return_outputs=True``)."""
@@ -112,7 +118,7 @@ class DiffusionLossMixin:
         loss = out.mean()
         return (loss, out) if return_outputs else loss
 
-    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Sequence[str] | None = None) -> tuple[torch.Tensor, None, None]:
         """Evaluation: the loss only (no logits or labels to compare)."""
         inputs = self._prepare_inputs(inputs)  # type: ignore[attr-defined]
@@ -140,7 +146,7 @@ class DiffusionTrainer(DiffusionLossMixin, Trainer):
             the trainer's global step.
     """
 
-    def __init__(self, model: Any = None, args: Any = None, *, kernel: Kernel | None = None,
+    def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *, kernel: Kernel | None = None,
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.set_diffusion_options(kernel, loss_kwargs)
         super().__init__(model=model, args=args, **kwargs)

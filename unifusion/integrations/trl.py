@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from trl import SFTTrainer
 
 from ..kernels import Kernel
@@ -34,9 +35,11 @@ __all__ = ["DiffusionSFTTrainer"]
 class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` whose ``compute_loss`` is :func:`~unifusion.diffusion_loss` (TRL's ``labels == -100``
     positions are the prompt). ``kernel`` and ``loss_kwargs`` as in :class:`~unifusion.integrations.DiffusionTrainer`;
-    every other argument is ``SFTTrainer``'s."""
+    every other argument is ``SFTTrainer``'s; ``model`` is a :class:`~unifusion.DiffusionLM` (a module TRL runs as it
+    runs a ``PreTrainedModel``)."""
 
-    def __init__(self, model: Any, args: Any = None, *, kernel: Kernel | None = None,
+    def __init__(self, model: torch.nn.Module, args: Any = None, *, kernel: Kernel | None = None,
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.set_diffusion_options(kernel, loss_kwargs)
-        super().__init__(model=model, args=args, **kwargs)
+        # TRL types model as str | PreTrainedModel | PeftModel; a DiffusionLM is an nn.Module it trains the same way
+        super().__init__(model=model, args=args, **kwargs)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from ..denoiser import Denoiser, X0Model, denoiser_of
 from ..eval.likelihood import prior_kl
 from ..hf import blocks
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
@@ -53,16 +54,24 @@ class SequenceLogProb:
     num_forwards: int
 
 
-def _conditions_on_prompt(model: Any) -> bool:
-    return bool(getattr(V.unwrap_model(model), "conditions_on_prompt", False))
+def _denoiser(model: X0Model) -> Denoiser:
+    """The :class:`~unifusion.denoiser.Denoiser` inside ``model``'s wrappers (:func:`sequence_logprob` checked that
+    there is one)."""
+    inner = denoiser_of(model)
+    assert inner is not None
+    return inner
 
 
-def _block_size(model: Any, length: int) -> int | None:
-    K = getattr(V.unwrap_model(model), "block_size", None)
+def _conditions_on_prompt(model: X0Model) -> bool:
+    return bool(_denoiser(model).conditions_on_prompt)
+
+
+def _block_size(model: X0Model, length: int) -> int | None:
+    K = _denoiser(model).block_size
     return None if K is None or K >= length else int(K)
 
 
-def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch.Tensor, *,
+def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: torch.Tensor, *,
                      estimator: str = "elbo", num_samples: int = 1,
                      generator: torch.Generator | Sequence[torch.Generator] | None = None,
                      kernel: Kernel | None = None, attention_mask: torch.Tensor | None = None, row_offset: int = 0,
@@ -142,7 +151,8 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
         raise TypeError(f"{sorted(unknown)[0]}: not an option of estimator={estimator!r}; its options are "
                         f"{sorted(_OPTIONS[estimator]) or 'none'}")
     K = V.check_positive_int("num_samples", num_samples)
-    if not V.is_diffusion_lm(model):
+    inner = denoiser_of(model)
+    if inner is None:
         raise TypeError(f"model: expected a unifusion model (DiffusionLM, DiffusionGemmaLM) whose forward computes the "
                         f"fused loss, got {type(V.unwrap_model(model)).__name__}")
     x0 = V.check_tensor("input_ids", input_ids)
@@ -164,11 +174,10 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
         valid = attention_mask.to(torch.bool)
     else:
         valid = torch.ones_like(completion)
-    inner = V.unwrap_model(model)
     if kernel is None:
-        kernel = getattr(inner, "kernel", None)
+        kernel = inner.kernel
     if kernel is None:
-        mask_id = getattr(inner, "mask_token_id", None)
+        mask_id = inner.mask_token_id
         if mask_id is None:
             raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
         kernel = MaskKernel(inner.num_states, mask_id)
@@ -230,12 +239,12 @@ def sequence_logprob(model: Any, input_ids: torch.Tensor, completion_mask: torch
     return _score_plan(model, x0, plan, kernel.mask_id, attention_mask)
 
 
-def _score_plan(model: Any, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
+def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
                 attention_mask: torch.Tensor | None) -> SequenceLogProb:
     """Run the plan's passes through the fused MDLM loss: at a masked position it is ``−(1/t) log p_θ(y_i | x_t)``
     under a linear-schedule mask kernel, so position weights ``t · coef`` give ``−coef · log p`` (linear estimators:
     the weights are folded in, so a plain ``.sum().backward()`` is the fused loss's fast backward)."""
-    scorer = MaskKernel(V.unwrap_model(model).num_states, mask_id, LinearSchedule())
+    scorer = MaskKernel(_denoiser(model).num_states, mask_id, LinearSchedule())
     linear = plan.estimator != "eubo"
     per_pass = []
     for k in range(plan.num_passes):
@@ -255,14 +264,14 @@ def _score_plan(model: Any, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
-def _replay(model: Any, x0: torch.Tensor, completion: torch.Tensor, trace: object, mask_id: int,
+def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: object, mask_id: int,
             attention_mask: torch.Tensor | None, temperature: float) -> SequenceLogProb:
     """The ``"trace"`` estimator: the passes of :func:`~unifusion.rl.estimators.plan_trace`, each through the model's
     forward; a block model runs behind ``−start mod K`` invisible left pads so that its blocks are cut where the
     decoder's were (at the completion's first column), as ``generate(..., use_cache=False)`` does."""
     B, L = x0.shape
-    inner = V.unwrap_model(model)
-    K = getattr(inner, "block_size", None)
+    inner = _denoiser(model)
+    K = inner.block_size
     plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
     shift = 0
     if K is not None:
@@ -315,7 +324,7 @@ def _replay(model: Any, x0: torch.Tensor, completion: torch.Tensor, trace: objec
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
-def _elbo(model: Any, x0: torch.Tensor, completion: torch.Tensor, valid: torch.Tensor, kernel: Kernel, K: int,
+def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: torch.Tensor, kernel: Kernel, K: int,
           gens: tuple[torch.Generator, ...], attention_mask: torch.Tensor | None, block: int | None,
           prompted: bool, t_min: float) -> SequenceLogProb:
     """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K (one u per row, per block for a

@@ -172,7 +172,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     docstring).
 
     Args:
-        model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model); a model name, a causal LM
+        model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model; or a DDP / compile wrapper
+            around one, which :func:`~unifusion.denoiser.unwrap_model` looks through); a model name, a causal LM
             or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is a ``TypeError``.
         reward_funcs: TRL's reward functions (callables or reward models).
         args: a :class:`DiffusionGRPOConfig` (``None``: its defaults with ``output_dir="unifusion-grpo"``).
@@ -185,10 +186,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         ref_model: the reference policy for ``beta > 0`` (default a frozen copy of ``model`` as passed).
     """
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: DiffusionGRPOConfig | None = None,
+    def __init__(self, model: torch.nn.Module, reward_funcs: Any = None, args: DiffusionGRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: Any = None,
-                 optimizers: tuple[Any, Any] = (None, None), ref_model: Any = None) -> None:
+                 optimizers: tuple[Any, Any] = (None, None), ref_model: torch.nn.Module | None = None) -> None:
         if not isinstance(V.unwrap_model(model), DiffusionLM):
             got = repr(model) if isinstance(model, str) else type(model).__name__
             raise TypeError(f"model: expected a unifusion DiffusionLM (adapt_ar_model(...), "
@@ -210,9 +211,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         beta, sync = args.beta, args.sync_ref_model
         patched = model.__dict__.get("forward")
         args.beta, args.sync_ref_model = 0.0, False
-        try:
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, processing_class=processing_class,
+        try:  # TRL types model as str | PreTrainedModel | PeftModel; a DiffusionLM is a module it trains the same way
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args,  # type: ignore[arg-type]
+                             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                              reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                              optimizers=optimizers)
         finally:
@@ -226,16 +227,17 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                              f"router_aux_loss_coef=0.0, got {self.router_aux_loss_coef}")
         self.beta = beta
         if beta != 0.0:
-            if ref_model is None:
-                ref_model = copy.deepcopy(model)
-            ref_model.eval().requires_grad_(False)
+            # the reference DiffusionLM inside TRL's DeepSpeed/FSDP/accelerate wrapper, held where TRL keeps its
+            # reference (typed PreTrainedModel by TRL): Any, as TRL's prepare_* return types differ from it
+            reference: Any = copy.deepcopy(model) if ref_model is None else ref_model
+            reference.eval().requires_grad_(False)
             if self.is_deepspeed_enabled:
-                ref_model = prepare_deepspeed(ref_model, self.accelerator)
+                reference = prepare_deepspeed(reference, self.accelerator)
             elif self.is_fsdp_enabled:
-                ref_model = prepare_fsdp(ref_model, self.accelerator)
+                reference = prepare_fsdp(reference, self.accelerator)
             else:
-                ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-            self.ref_model = ref_model
+                reference = self.accelerator.prepare_model(reference, evaluation_mode=True)
+            self.ref_model = reference
             if sync:
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         elif sync:
@@ -279,7 +281,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         output[ROW_SEED] = seeds
         return output
 
-    def _compute_loss(self, model: Any, inputs: Any) -> Any:
+    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> Any:
         """TRL's loss, its current-policy log-probs drawn with the batch's row seeds."""
         if ROW_SEED not in inputs:
             raise ValueError(f"inputs: the batch has no {ROW_SEED!r} column (it comes from "
@@ -324,8 +326,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
     # -- log-probs --------------------------------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                           logits_to_keep: int, batch_size: int | None = None,
+    def _get_per_token_logps_and_entropies(self, model: torch.nn.Module, input_ids: torch.Tensor,
+                                           attention_mask: torch.Tensor, logits_to_keep: int,
+                                           batch_size: int | None = None,
                                            compute_entropy: bool = False, compute_aux_loss: bool = False,
                                            **multimodal: Any) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """TRL's ``(per-token log-probs (B, C), entropies, aux loss)`` of the completions (the last ``C =

@@ -16,7 +16,8 @@ The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step 
   (``model.prefix_decoder()``: Fast-dLLM's dual cache, :class:`~unifusion.hf.decoding.PrefixCacheDecoder`); otherwise
   every step runs the whole sequence (a block model through ``model.block_forward()``).
 
-**What the model offers.** ``device``, ``num_states`` and ``config`` (its ``eos_token_id``/``pad_token_id`` and
+**What the model offers** (a :class:`~unifusion.denoiser.Denoiser`: the decoders are its optional capabilities,
+``None`` where it offers none). ``device``, ``num_states`` and ``config`` (its ``eos_token_id``/``pad_token_id`` and
 ``max_position_embeddings``); optionally ``tokenizer`` (EOS and pad ids, stop strings), ``kernel`` (the recorded
 training kernel), ``mask_token_id``, ``block_size`` (``None``: fully bidirectional); for a block model
 ``block_decoder(merge_commits=...)`` (a cached :class:`~unifusion.samplers.BlockDenoiser`) and ``block_forward()`` (an
@@ -46,12 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
+from ..denoiser import BlockDenoiser, DecodableModel, X0Model
 from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
@@ -61,6 +63,8 @@ from .policy_sampler import PolicyOutput, PolicySampler
 
 __all__ = ["generate", "model_eos_token_id", "model_pad_token_id"]
 
+_Offered = TypeVar("_Offered")
+
 
 def _first_id(value: Any) -> int | None:
     if isinstance(value, (list, tuple)):
@@ -68,22 +72,22 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def model_eos_token_id(model: Any) -> int | None:
+def model_eos_token_id(model: DecodableModel) -> int | None:
     """The EOS id ``generate`` stops at by default: the tokenizer's ``eos_token_id``, else the wrapped config's (the
     first of a list), else ``None``."""
-    tok = getattr(model, "tokenizer", None)
+    tok = model.tokenizer
     eos = _first_id(getattr(tok, "eos_token_id", None)) if tok is not None else None
     return eos if eos is not None else _first_id(getattr(model.config, "eos_token_id", None))
 
 
-def model_pad_token_id(model: Any) -> int | None:
+def model_pad_token_id(model: DecodableModel) -> int | None:
     """The pad id of the model's tokenizer, else of its config, else ``None``."""
-    tok = getattr(model, "tokenizer", None)
+    tok = model.tokenizer
     pad = _first_id(getattr(tok, "pad_token_id", None)) if tok is not None else None
     return pad if pad is not None else _first_id(getattr(model.config, "pad_token_id", None))
 
 
-def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None,
+def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None,
              seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
              block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
@@ -222,7 +226,8 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
     if L is None or L <= P:
         raise ValueError(f"{'max_new_tokens' if seq_len is None else 'seq_len'}: expected at least one new token "
                          f"after the {P} prompt tokens, got a total length of {L}")
-    V.check_model_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
+    if callable(model):  # a model view that is not an x0 callable (DiffusionGemma's canvases) checks its own length
+        V.check_model_length(model, L, "seq_len" if seq_len is not None else "max_new_tokens")
     for name, flag in (("use_cache", use_cache), ("merge_commits", merge_commits), ("return_dict", return_dict),
                        ("return_trace", return_trace)):
         if not isinstance(flag, bool):
@@ -245,7 +250,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
         attention_mask = None  # nothing is padded: the unpadded path (no mask for the model to apply)
     elif attention_mask is None:
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
-    if policy is None and (getattr(model, "block_size", None) is not None or not hf.do_sample):
+    if policy is None and (model.block_size is not None or not hf.do_sample):
         policy = default_policy(kernel)  # a block model decodes block by block; greedy decoding needs a policy
     eos = _resolve_eos(model, eos_token_id, policy)
     stream = streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
@@ -268,7 +273,7 @@ def generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int | None
                 streamer.end()
         return out
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
-    model_block = getattr(model, "block_size", None)
+    model_block = model.block_size
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None,
@@ -349,7 +354,7 @@ def _refuse_ambiguous_padding(prompt_ids: torch.Tensor, pad: int | None) -> None
             "attention_mask=torch.ones_like(prompt_ids) if those tokens are text")
 
 
-def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | tuple[int, ...] | None:
+def _resolve_eos(model: DecodableModel, eos_token_id: object, policy: object) -> int | tuple[int, ...] | None:
     if isinstance(eos_token_id, str):
         if eos_token_id != "auto":
             raise ValueError(f"eos_token_id: expected an int, a list of ints, None or 'auto', got {eos_token_id!r}")
@@ -365,11 +370,11 @@ def _resolve_eos(model: Any, eos_token_id: object, policy: object) -> int | tupl
     return eos_token_id
 
 
-def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
-             merge_commits: bool) -> Any:
+def _decoder(model: DecodableModel, L: int, block_size: int | None, use_cache: bool, cache_refresh: int | None,
+             merge_commits: bool) -> BlockDenoiser | None:
     """The :class:`~unifusion.samplers.BlockDenoiser` a policy decodes through, or ``None`` (full-sequence calls):
     the model's ``block_decoder`` (block models) or ``prefix_decoder`` (``cache_refresh``)."""
-    model_block = getattr(model, "block_size", None)
+    model_block = model.block_size
     if merge_commits and (model_block is None or not use_cache):
         raise ValueError("merge_commits: merges commits into the exact block cache, which needs a block model "
                          "(adapt_ar_model(..., block_size=K)) and use_cache=True")
@@ -386,30 +391,41 @@ def _decoder(model: Any, L: int, block_size: int | None, use_cache: bool, cache_
         if block_size is not None and block_size != model_block:
             raise ValueError(f"block_size: the model was trained with blocks of {model_block}, got {block_size}; "
                              "leave it None (the model's) or pass the same size")
-        return _offered(model, "block_decoder", "use_cache")(merge_commits=merge_commits) if use_cache else None
+        if not use_cache:
+            return None
+        return _offered(model.block_decoder(merge_commits=merge_commits), model, "block_decoder", "use_cache")
     if cache_refresh is not None:
-        return _offered(model, "prefix_decoder", "cache_refresh")(L, cache_refresh)
+        return _offered(model.prefix_decoder(L, cache_refresh), model, "prefix_decoder", "cache_refresh")
     return None
 
 
-def _offered(model: Any, method: str, argument: str) -> Any:
-    """The model's ``method`` (a decoder it offers); a ``TypeError`` naming ``argument`` when it offers none."""
-    fn = getattr(model, method, None)
-    if not callable(fn):
+def _offered(decoder: _Offered | None, model: DecodableModel, method: str, argument: str) -> _Offered:
+    """What the model's ``method`` returned (a decoder it offers); a ``TypeError`` naming ``argument`` when it offers
+    none (:class:`~unifusion.denoiser.Denoiser`'s default ``None``)."""
+    if decoder is None:
         raise TypeError(f"{argument}: this path needs the model's {method}(), which {type(model).__name__} does not "
                         "offer")
-    return fn
+    return decoder
 
 
-def _x0_callable(model: Any) -> Any:
+def _x0_callable(model: DecodableModel) -> X0Model:
     """What the uncached policy path calls: the model itself, or for a block model its block-causal forward
     (``model.block_forward()``: the tokens decided so far as the clean stream, a block sees only committed blocks)."""
-    if getattr(model, "block_size", None) is None:
-        return model
-    return _offered(model, "block_forward", "use_cache")()
+    if model.block_size is None:
+        return _itself(model)
+    return _offered(model.block_forward(), model, "block_forward", "use_cache")
 
 
-def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
+def _itself(model: DecodableModel) -> X0Model:
+    """The model as the x0 callable of a full-sequence path; a ``TypeError`` for a model view that is not callable
+    (it decodes only through the decoders it offers)."""
+    if not callable(model):
+        raise TypeError(f"use_cache: {type(model).__name__} decodes only through the decoders it offers; this "
+                        "full-sequence path calls the model itself")
+    return model
+
+
+def _bayesian(model: DecodableModel, kernel: Any, prompt: torch.Tensor, attention_mask: Any, generator: Any,
               num_steps: int | None, temperature: float, top_p: float | None, top_k: int | None, eps: float,
               eos: int | tuple[int, ...] | None, pad: int | None, return_dict: bool, progress: bool,
               block_size: int | None,
@@ -423,13 +439,13 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
                          "full-sequence BayesianSampler")
     steps = 64 if num_steps is None else num_steps
     B, L = prompt.shape
-    x0_model: Any = model
+    x0_model = _itself(model)
     if attention_mask is not None:
         keep = prompt != -1
         with V.batched_checks():
             mask = resolve_attention_mask(attention_mask, B, L, keep, prompt.device)
         if mask is not None and not bool(mask.all()):
-            x0_model = _Padded(model, mask)
+            x0_model = _Padded(x0_model, mask, model.num_states)
     sampler = BayesianSampler(x0_model, kernel, steps, eps=eps, temperature=temperature, top_p=top_p, top_k=top_k)
     out = sampler.sample(B, L, prompt=prompt, generator=generator, progress=progress, device=prompt.device)
     generated = prompt == -1
@@ -449,9 +465,8 @@ def _bayesian(model: Any, kernel: Any, prompt: torch.Tensor, attention_mask: Any
 class _Padded:
     """The model with a fixed ``attention_mask`` (left-padded prompts on the full-sequence sampler)."""
 
-    def __init__(self, model: Any, mask: torch.Tensor) -> None:
-        self.model, self.mask = model, mask
-        self.num_states = model.num_states
+    def __init__(self, model: X0Model, mask: torch.Tensor, num_states: int) -> None:
+        self.model, self.mask, self.num_states = model, mask, num_states
 
     def __call__(self, x_t: torch.Tensor, t: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         return self.model(x_t, t, attention_mask=self.mask, **kwargs)

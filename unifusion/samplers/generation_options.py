@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from ..denoiser import DecodableModel
 
 __all__ = ["HF_SUPPORTED", "HFOptions", "Streaming", "resolve_hf_options", "stop_after", "stop_column", "streaming"]
 
@@ -191,8 +192,8 @@ class Streaming:
             self.streamer.put(tokens[0, c].cpu())
 
 
-def streaming(model: Any, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], B: int, P: int, L: int,
-              eos: Any, pad: int | None) -> Streaming | None:
+def streaming(model: DecodableModel, streamer: Any, tokenizer: Any, stop_strings: tuple[str, ...], B: int, P: int,
+              L: int, eos: Any, pad: int | None) -> Streaming | None:
     """The streamer and stop-string hooks of one call, checked, or ``None`` when neither is asked for."""
     if streamer is None and not stop_strings:
         return None
@@ -202,7 +203,7 @@ def streaming(model: Any, streamer: Any, tokenizer: Any, stop_strings: tuple[str
                             f"{type(streamer).__name__}")
         if B != 1:
             raise ValueError(f"streamer: streams one sequence, as transformers' streamers do, got a batch of {B}")
-    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    tok = tokenizer if tokenizer is not None else model.tokenizer
     if stop_strings:
         if tok is None or not callable(getattr(tok, "decode", None)):
             raise ValueError("stop_strings: need a tokenizer to decode the text (pass tokenizer=, or adapt the "

@@ -36,12 +36,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import torch
 
 from .. import _validation as V
 from .._device import host_to_device
+from ..denoiser import BlockDenoiser, X0Model
 from ..kernels import Kernel, check_kernel
 from . import _policy_run as R
 from ._setup import (
@@ -56,38 +57,6 @@ from .policies.protocol import DecodingPolicy, MaskPolicy, RowRandomness
 from .policies.uniform import EntropyBound, entropy_bound_step
 
 __all__ = ["BlockDenoiser", "PolicyOutput", "PolicySampler"]
-
-
-@runtime_checkable
-class BlockDenoiser(Protocol):
-    """A model that denoises one block against a clean prefix it keeps itself (a KV cache, an encoder), which
-    :class:`PolicySampler` uses instead of calling the model on the whole sequence.
-
-    Every row's generated region must start at the same column P (left-pad prompts of different lengths). The
-    sampler calls :meth:`start_blocks` once, then for each block :meth:`denoise_block` at every step and, except
-    after the last block, :meth:`commit_block`. ``rows`` are indices into the batch given to :meth:`start_blocks`:
-    the rows still running (finished rows are dropped, and never come back once a row has stopped at EOS).
-
-    The sampler counts one model call per row and denoising step. A denoiser that also calls its network elsewhere
-    (a prefill in :meth:`start_blocks`, a commit pass) gives its state an ``extra_forwards`` attribute: ``(B,)``
-    int64, those calls per row, which :attr:`PolicyOutput.num_forwards` then includes.
-    """
-
-    def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
-        """Take the clean prefix ``(B, P)`` (``prefix_mask`` ``(B, P)`` bool: False at left padding; P may be 0);
-        return the state the other methods get."""
-
-    def denoise_block(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x0 logits ``(B_a, K, S)`` of the current block ``block`` ``(B_a, K)`` of ``rows`` ``(B_a,)``, which follows
-        the prefix and every committed block, at times ``t`` ``(B_a,)``. ``self_condition`` is ``None`` at a block's
-        first step, else the previous step's logits divided by its temperature ``(B_a, K, S)`` float32 (what
-        DiffusionGemma's decoder takes as self-conditioning). ``positions`` ``(B_a, m)`` int64, when given, lists the
-        block positions whose logits the sampler reads (a mask policy's masked ones, ascending, padded with decided
-        ones); the output elsewhere may be any finite value, so the head may run at those positions only."""
-
-    def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
-        """Append the finished block ``(B_a, K)`` of ``rows`` to the prefix; return the new state."""
 
 
 @dataclass
@@ -205,9 +174,10 @@ class PolicySampler:
     kernel's schedule, clamped to [1e-3, 1 − 1e-3]). One host sync per step (which rows still run).
     """
 
-    def __init__(self, model: Any, kernel: Kernel, policy: DecodingPolicy, *, num_steps: int | None = None,
-                 block_size: int | None = None, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True, do_sample: bool = True) -> None:
+    def __init__(self, model: X0Model | BlockDenoiser, kernel: Kernel, policy: DecodingPolicy, *,
+                 num_steps: int | None = None, block_size: int | None = None, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                 do_sample: bool = True) -> None:
         self.kernel = check_kernel(kernel)
         if not isinstance(do_sample, bool):
             raise TypeError(f"do_sample: expected a bool, got {type(do_sample).__name__}")
@@ -231,7 +201,9 @@ class PolicySampler:
                                                                           self.kernel.num_states)
         if not isinstance(use_cache, bool):
             raise TypeError(f"use_cache: expected a bool, got {type(use_cache).__name__}")
-        self.blockwise = use_cache and isinstance(model, BlockDenoiser)
+        # the block path (a BlockDenoiser, use_cache) or the x0 path (model called on the whole sequence)
+        self.block_model: BlockDenoiser | None = model if use_cache and isinstance(model, BlockDenoiser) else None
+        self.blockwise = self.block_model is not None
         if not self.blockwise and not callable(model):
             raise TypeError("model: expected an x0 callable (x_t (B, L), t (B,)) -> logits or a BlockDenoiser, got "
                             f"{type(model).__name__}")
@@ -373,7 +345,7 @@ class PolicySampler:
                    eos_at=torch.full((B,), L, dtype=torch.long, device=dev),
                    forwards=torch.zeros(B, dtype=torch.long, device=dev), attention_mask=mask, grid=grid,
                    generator=generators)
-        if self.blockwise:
+        if self.block_model is not None:
             if len(set(starts_host)) > 1:
                 raise ValueError("prompt: the block path of a BlockDenoiser needs every row's generated region to "
                                  f"start at the same column, got {sorted(set(starts_host))[:4]}; left-pad prompts of "
@@ -381,7 +353,7 @@ class PolicySampler:
             P = starts_host[0]
             prefix_mask = mask[:, :P] if mask is not None else keep.new_ones((B, P))
             with V.validation(False):
-                run.block_state = self.model.start_blocks(ids[:, :P], prefix_mask)
+                run.block_state = self.block_model.start_blocks(ids[:, :P], prefix_mask)
         elif self.policy.family == "uniform" and num_blocks > 1:
             self._fill_later_blocks(run)
         return run
@@ -417,11 +389,13 @@ class PolicySampler:
         Ba, K = cols.shape
         with V.validation(False):  # the sampler's own tokens and times: valid by construction
             if run.block_state is not None:
-                head = self.model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows, self_condition,
-                                                positions=positions)
+                assert self.block_model is not None  # a block state comes from it
+                head = self.block_model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows,
+                                                      self_condition, positions=positions)
                 shape = (Ba, K)
             else:
                 kwargs = {} if run.attention_mask is None else {"attention_mask": run.attention_mask[rows]}
+                assert callable(self.model)  # checked in __init__ (the x0 path)
                 head = self.model(run.x[rows, :L], t, **kwargs)
                 shape = (Ba, L)
         if not run.checked:  # the first output: checked once (a host sync)
@@ -435,9 +409,10 @@ class PolicySampler:
     def _commit(self, run: _Run, b: int) -> None:
         cols, _ = run.grid.columns(b)
         rows, rows_host = run.running(~run.finished)
-        if rows_host:
+        if rows_host and self.block_model is not None:
             with V.validation(False):
-                run.block_state = self.model.commit_block(run.block_state, run.x[rows].gather(1, cols[rows]), rows)
+                run.block_state = self.block_model.commit_block(run.block_state, run.x[rows].gather(1, cols[rows]),
+                                                                rows)
 
     def _times(self, run: _Run, rows: torch.Tensor, clean_in_block: torch.Tensor | None = None) -> torch.Tensor:
         noised = run.undecided[rows].sum(-1).float()

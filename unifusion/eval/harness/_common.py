@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from ...hf.model import DiffusionLM
+from ...denoiser import DenoiserModule
 from ...kernels import Kernel
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -49,7 +49,7 @@ class HarnessBase:
     (the mixins of ``_loglikelihood`` and ``_generation``) read: the model, its tokenizer and kernel, and the parsed
     model arguments (:data:`~unifusion.eval.harness.MODEL_ARGS`)."""
 
-    model: DiffusionLM
+    model: DenoiserModule  # a DiffusionLM, or a registered diffusion LM's wrapper (DiffusionGemmaLM)
     tokenizer: Any
     kernel: Kernel
     method: str  # "score" or "fair_pmi"

@@ -31,7 +31,7 @@ from ..likelihood import nll_bound
 from ._common import Cuts, HarnessBase, request_seed, seeded_generator
 
 
-def is_prefix_conditioned(model: Any) -> bool:
+def is_prefix_conditioned(model: object) -> bool:
     """Whether ``model`` is a wrapped native diffusion LM (a :class:`~unifusion.denoiser.Denoiser` with
     ``conditioned_on``, not a :class:`~unifusion.DiffusionLM`)."""
     inner = unwrap_model(model)

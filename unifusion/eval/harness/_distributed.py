@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from ...denoiser import DenoiserModule
 
-def join_processes(device: object, model: Any) -> tuple[str | None, int, int]:
+
+def join_processes(device: object, model: DenoiserModule | None) -> tuple[str | None, int, int]:
     """``(device, rank, world_size)`` of this process.
 
     Rank and world size come from torch.distributed, initialising the process group when a launcher set

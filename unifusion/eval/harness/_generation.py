@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 
 from ..._device import host_to_device
+from ...denoiser import Denoiser
 from ...samplers.policies import default_policy, make_policy
 from ._args import (
     DEFAULT_MAX_GEN_TOKS,
@@ -81,11 +82,11 @@ def decoding_options(policy: Any, block_size: Any, threshold: Any, cache_refresh
     return options
 
 
-def check_decoding_for_model(options: DecodingOptions, model: Any, kernel: Any) -> None:
+def check_decoding_for_model(options: DecodingOptions, model: Denoiser, kernel: Any) -> None:
     """What ``generate_until`` would refuse with these options on this model and kernel, raised before any task runs:
     a policy of the other noise family, a block size other than a block model's own, the approximate cache on a block
     model (or without a mask kernel), and a block model whose kernel has no default policy."""
-    K = getattr(model, "block_size", None)
+    K = model.block_size
     if options.policy is not None:
         make_policy(options.policy, threshold=options.threshold).check_kernel(kernel)
     elif K is not None:

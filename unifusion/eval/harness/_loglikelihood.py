@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from ..._device import host_to_device
+from ...denoiser import Denoiser
 from ...kernels import Kernel
 from ...rates import x0_log_probs
 from .._shared import logits_of
@@ -276,7 +277,7 @@ class RowPool:
     span's −log x_θ(a_i), float64, or the argmax check) does not depend on the rows beside it, so pooling changes no
     number; it only fills the forward passes. Nothing is read back to the host here."""
 
-    def __init__(self, model: Any, kernel: Kernel, batch_size: int) -> None:
+    def __init__(self, model: Denoiser, kernel: Kernel, batch_size: int) -> None:
         self.model, self.kernel, self.batch_size = model, kernel, batch_size
         self.waiting: dict[int, list[tuple[Block, int]]] = {}  # length -> (block, first row not yet run)
         self.count: dict[int, int] = {}
@@ -311,7 +312,7 @@ class RowPool:
         x_t = host_to_device(torch.cat([b.x_t[s: s + n] for b, s, n in taken]), device)
         t = host_to_device(torch.cat([b.t[s: s + n] for b, s, n in taken]).to(torch.float32), device)
         extra = {}
-        if (getattr(self.model, "block_size", None) or L) < L:  # a block model: the clean rows [context, answer]
+        if (self.model.block_size or L) < L:  # a block model: the clean rows [context, answer]
             clean = torch.cat([torch.cat([b.x_t[s: s + n, :L - b.answer_ids.numel()],
                                           b.answer_ids.expand(n, -1)], 1) for b, s, n in taken])
             extra["clean"] = host_to_device(clean, device)  # answer block b sees the clean blocks before it

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lm_eval.api.model import LM
 
 from ... import _validation as V
 from ..._kernel_config import default_kernel, make_kernel, warn_if_not_recorded_kernel
+from ...denoiser import DenoiserModule
 from ...hf.loading import dtype_from_name
 from ...hf.model import DiffusionLM
 from ...hf.registry import load_registered, registered_model_type
@@ -93,7 +94,7 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
             live model is converted in place, so leave it unset for a model that is still training).
     """
 
-    def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
+    def __init__(self, pretrained: str | None = None, *, model: DenoiserModule | None = None, tokenizer: Any = None,
                  kernel: str | Kernel | None = None, method: str | None = None, fair_pmi: Any = None,
                  num_times: Any = None, null_context: str = "Answer:", check_greedy: Any = True,
                  nll_times: Any = 128, max_length: Any = None, max_gen_toks: Any = None, num_steps: Any = None,
@@ -124,7 +125,8 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
         if self._world_size > 1:
             self.accelerator = _distributed.Collectives(self.all_gather, self.barrier)
         if pretrained is not None and registered_model_type(pretrained) is not None:
-            model = load_registered(pretrained, dtype=torch_dtype, device=device)
+            # a registered family's wrapper: a Denoiser that is a module (DiffusionGemmaLM), as the harness needs
+            model = cast(DenoiserModule, load_registered(pretrained, dtype=torch_dtype, device=device))
         elif pretrained is not None:
             model = DiffusionLM.from_pretrained(pretrained, dtype=torch_dtype, device=device)
         elif model is not None:
@@ -132,6 +134,7 @@ class UnifusionLM(ConditionalRequests, LoglikelihoodRequests, GenerationRequests
                 model = model.to(device)
             if torch_dtype is not None:
                 model = model.to(torch_dtype)
+        assert model is not None  # exactly one of pretrained and model (checked above)
         self.model = model
         self.conditional = is_prefix_conditioned(model)
         self.tokenizer = self._tokenizer(tokenizer, pretrained)
