@@ -94,7 +94,7 @@ def test_the_choice_is_a_function_of_the_setting_and_the_size():
 def test_a_large_call_compiles_in_the_callers_thread_once_and_says_so(fake, caplog):
     """Small calls run eagerly; the first large call of a configuration compiles it in this thread (no counting of
     earlier calls, no background thread), with one log record naming it and its seconds; later calls reuse it."""
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())
     with caplog.at_level(logging.INFO, logger="unifusion"):
         for _ in range(3):
             assert _call(torch.ones(10))[0] == "eager"  # 10 logits < 100
@@ -113,7 +113,7 @@ def test_a_large_call_compiles_in_the_callers_thread_once_and_says_so(fake, capl
         assert len(caplog.records) == 1 and backend.compile_stats() == first
         assert _call(torch.arange(200.0), key=("other",))[0] == "compiled"  # another configuration: its own record
         assert len(caplog.records) == 2 and backend.compile_stats()["compiled"] == 2
-    assert threading.active_count() == threads_before
+    assert set(threading.enumerate()) <= threads_before  # no thread started (another one may have ended meanwhile)
     backend.set_backend("compiled")
     assert _call(torch.ones(3))[0] == "compiled"  # "compiled": any size
     backend.set_backend("eager")
