@@ -3,7 +3,7 @@
 One training step (``diffusion_loss`` forward + backward, mask kernel, bf16 autocast by default) of SmolLM2-135M
 (``unifusion.hf.load_smollm2``) adapted twice: ``block_size=None`` (the baseline: one bidirectional forward over
 L + 1 positions) and ``block_size=K`` (one forward over the ``[clean | noisy]`` stream of ``2L − K + L/K`` positions,
-:mod:`unifusion.hf.blocks`). Each variant runs in a fresh process (``--child``) so its peak memory is its own: peak
+:mod:`unifusion.hf.ar.blocks`). Each variant runs in a fresh process (``--child``) so its peak memory is its own: peak
 RSS increase over the loaded model and inputs on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA. The table
 prints the time (median of ``--steps`` steps after one warm-up) and the peak memory with their ratios to the
 baseline, all measured in this run.

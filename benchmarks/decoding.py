@@ -36,7 +36,7 @@ import torch
 
 import unifusion as uf
 from unifusion.hf import adapt_ar_model
-from unifusion.hf.decoding import BlockCacheDecoder
+from unifusion.hf.ar.decoding import BlockCacheDecoder
 from unifusion.precision import DTYPE_CHOICES, describe_device, resolve_dtype
 from unifusion.samplers import PolicySampler
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence

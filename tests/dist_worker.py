@@ -35,7 +35,7 @@ def local_loss(model, x0, mask, times, kernel, indices):
 
 def main() -> None:
     mode = sys.argv[1]
-    block_size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a block-diffusion model (unifusion.hf.blocks)
+    block_size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a block-diffusion model (unifusion.hf.ar.blocks)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -66,7 +66,7 @@ def test_a_complete_denoiser_is_called_through_forward_and_gets_loss() -> None:
 
 
 def test_the_package_models_implement_it() -> None:
-    from unifusion.hf.diffusion_gemma import DiffusionGemmaLM
+    from unifusion.hf.diffusion_gemma.model import DiffusionGemmaLM
 
     for cls in (uf.DiffusionLM, DiffusionGemmaLM):
         assert issubclass(cls, Denoiser) and not inspect.isabstract(cls), cls

@@ -9,7 +9,7 @@
   unifusion module defines. Private *modules* (``_validation``, ``_math``, ...) may be imported within the package:
   their names are the package's internal API.
 * No ``sys.modules`` look-ups: a lower layer never reaches an upper one behind the import graph's back.
-* No module imports a private *module* of another subpackage (``unifusion.hf.model`` importing
+* No module imports a private *module* of another subpackage (``unifusion.hf.ar.model`` importing
   ``unifusion.samplers._setup``): a private module is the internal API of the package that holds it (and of that
   package's subpackages); the top level's private modules (``unifusion._validation``, ...) serve the whole library.
   Another subpackage uses the public names its package re-exports.
@@ -17,6 +17,8 @@
   module, where the import graph (and a reader) sees it. The command line (``cli``, ``_cli_*``, ``demo``) imports its
   subcommands' layers lazily, to start fast.
 * docs/architecture.md's layers are the import graph's: every module is in one layer and imports nothing above it.
+  Each model kind of ``hf/`` (``hf/ar/``, ``hf/diffusion_gemma/``) is a unit of its own, and the kinds import nothing
+  of each other.
 """
 
 from __future__ import annotations
@@ -271,15 +273,20 @@ def _layers() -> dict[str, int]:
 
 
 def _unit(module: str) -> str | None:
-    """The layer unit of a unifusion module: ``hf/`` for unifusion.hf and everything in it, ``kernels`` for
-    unifusion.kernels; ``None`` for the package itself (the front door, above every layer)."""
+    """The layer unit of a unifusion module: ``losses/`` for unifusion.losses and everything in it, ``kernels`` for
+    unifusion.kernels, a model kind of ``hf/`` on its own (``hf/ar/`` for unifusion.hf.ar and everything in it; the
+    shared modules at hf's top are ``hf/``); ``None`` for the package itself (the front door, above every layer)."""
     parts = module.split(".")
     if len(parts) == 1:
         return None
+    if parts[1] == "hf" and len(parts) > 2 and f"unifusion.hf.{parts[2]}" in _PACKAGES:
+        return f"hf/{parts[2]}/"
     return parts[1] + "/" if f"unifusion.{parts[1]}" in _PACKAGES else parts[1]
 
 
 _PACKAGES = {_module_name(p) for p in ROOT.rglob("__init__.py")}
+MODEL_KINDS = sorted(p for p in _PACKAGES if p.count(".") == 2 and p.startswith("unifusion.hf."))
+"""The subpackages of unifusion.hf: one model kind each (docs/architecture.md, layer 4)."""
 
 
 def test_docs_architecture_shows_the_layering_the_imports_have():
@@ -302,3 +309,27 @@ def test_docs_architecture_shows_the_layering_the_imports_have():
                     upward.append(f"{name}:{node.lineno} ({here}, layer {layers[here]}) imports {target} "
                                   f"({there}, layer {layers[there]})")
     assert not upward, "imports that run up docs/architecture.md's layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_model_kinds_of_hf_import_nothing_of_each_other():
+    """A model kind of ``hf/`` (``hf/ar/``, ``hf/diffusion_gemma/``, ...) is one folder: it imports the layers below
+    ``hf`` and hf's shared modules (the registry), never another kind — not even its public names — and the shared
+    registry names no kind (each kind registers itself)."""
+    assert {"unifusion.hf.ar", "unifusion.hf.diffusion_gemma"} <= set(MODEL_KINDS)
+    modules = _parsed()
+    crossing = []
+    for name, (path, tree) in modules.items():
+        kind = _unit(name)
+        for node in ast.walk(tree):
+            for target in _import_targets(name, path, node, modules):
+                there = _unit(target) if target.split(".")[0] == "unifusion" else None
+                if kind in ("hf/", None) or there in ("hf/", None) or kind == there:
+                    continue
+                if kind.startswith("hf/") and there.startswith("hf/"):
+                    crossing.append(f"{name}:{node.lineno} ({kind}) imports {target} ({there})")
+    assert not crossing, "model kinds importing each other:\n" + "\n".join(sorted(crossing))
+    graph = _import_graph(modules)
+    assert "unifusion.hf.registry" in graph["unifusion.hf.diffusion_gemma"]  # the kind registers itself ...
+    assert not {t for t in graph["unifusion.hf.registry"] if _unit(t) != "hf/" and t.startswith("unifusion.hf")}
+    registry_source = (ROOT / "hf" / "registry.py").read_text(encoding="utf-8")
+    assert "DiffusionGemma" not in registry_source  # ... and the registry names no kind

@@ -42,7 +42,7 @@ def _alone_loss(model, kernel, x0, x_t, t, block: bool) -> torch.Tensor:
     with torch.no_grad():
         if block:
             logits = model(x_t, t, clean=x0)
-            t_pos = uf.hf.blocks.expand_block_times(t, x0.shape[1], model.block_size)
+            t_pos = uf.hf.ar.blocks.expand_block_times(t, x0.shape[1], model.block_size)
         else:
             logits = model(x_t, t)
             t_pos = t[:, None].expand(x0.shape)

@@ -23,7 +23,7 @@ from .cpu_linears import packed_linears
 from .precision import DTYPE_CHOICES
 
 if TYPE_CHECKING:  # the demo imports the model layer when it runs (the command line starts fast)
-    from .hf.model import DiffusionLM
+    from .hf.ar.model import DiffusionLM
 
 __all__ = ["DEMO_DESCRIPTION", "add_demo_arguments", "run_demo"]
 
@@ -254,7 +254,7 @@ def _block_decode(model: DiffusionLM, kernel: Any, variant: _Variant, prompt: to
     """One prompt ``(1, P)`` continued by block decoding with the exact KV cache of the block model (each denoising
     step runs one block against the cached prefix; a finished block enters the cache within the next block's first
     step): (the new tokens ``(N,)``, the backbone calls it took, prefill included)."""
-    from .hf.decoding import BlockCacheDecoder
+    from .hf.ar.decoding import BlockCacheDecoder
     from .samplers import PolicyOutput, PolicySampler
 
     sampler = PolicySampler(BlockCacheDecoder(model, merge_commits=True), kernel, variant.policy,

@@ -7,7 +7,7 @@ trained and sampled; a :class:`Denoiser` additionally declares its state space a
 the options it understands (attention annealing, padding, the fused loss). :class:`Denoiser` is an abstract base class
 (``abc.ABC``): a model class states what it provides by subclassing it, and cannot be instantiated while an abstract
 member is missing; mypy checks the signatures. The Hugging Face adapters (:class:`unifusion.hf.DiffusionLM`) and the
-native diffusion LMs of :mod:`unifusion.hf.registry` (:class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM`)
+native diffusion LMs of :mod:`unifusion.hf.registry` (:class:`~unifusion.hf.diffusion_gemma.model.DiffusionGemmaLM`)
 subclass it.
 
 **The prompt rule.** Every function that conditions a model on a clean prompt — :func:`~unifusion.diffusion_loss`,
@@ -177,7 +177,7 @@ class Denoiser(ABC):
 
     block_size: int | None = None
     """Tokens per block ``K`` of a block model: trained block-causally (block ``b`` sees the clean tokens of blocks
-    ``< b`` and its own noisy ones, :mod:`unifusion.hf.blocks`), sampled block by block with a decoding policy.
+    ``< b`` and its own noisy ones, :mod:`unifusion.hf.ar.blocks`), sampled block by block with a decoding policy.
     ``None``: not a block model (one bidirectional block over the whole sequence)."""
 
     tokenizer: Any = None
@@ -267,7 +267,7 @@ class Denoiser(ABC):
 class DenoiserModule(torch.nn.Module, Denoiser):
     """A :class:`Denoiser` that is a ``torch.nn.Module`` (parameters, ``to``, ``eval``, ``state_dict``, hooks): the
     base class of the package's models (:class:`~unifusion.DiffusionLM`,
-    :class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM`) and the type of a function that needs both faces (the
+    :class:`~unifusion.hf.diffusion_gemma.model.DiffusionGemmaLM`) and the type of a function that needs both faces (the
     evaluation harness moves, evaluates and calls its model). Calling it runs ``torch.nn.Module.__call__`` (hooks,
     then :meth:`~Denoiser.forward`). Abstract: a subclass implements :class:`Denoiser`'s members."""
 

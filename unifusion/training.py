@@ -21,8 +21,8 @@ from . import _validation as V
 from ._device import rand
 from .conversions import log_heads_from_x0_logits
 from .denoiser import X0Model, denoiser_of, prompt_conditioning
-from .hf import blocks
-from .hf.attention import anneal_schedule, check_bidirectional_prob
+from .hf.ar import blocks
+from .hf.ar.attention import anneal_schedule, check_bidirectional_prob
 from .kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from .losses import X0_HEAD_OBJECTIVES, check_objective, native, x0_head_loss
 from .schedules import LinearSchedule, Schedule
@@ -176,7 +176,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
         t: optional fixed times, one per sequence: a float, ``(B,)`` or ``(B, 1)``; otherwise :func:`sample_times`
             (low-discrepancy, t ∈ [t_min, 1)).
         t_min: smallest sampled time.
-        block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.blocks`) only:
+        block_times: block models (:attr:`DiffusionLM.block_size` ``< L``, :mod:`unifusion.hf.ar.blocks`) only:
             ``"block"`` (default) draws one time per block (``sample_times`` over the ``B·nb`` blocks, ``t`` is then
             ``(B, nb)``), ``"sequence"`` one per sequence shared by its blocks. A given ``t`` may be ``(B, nb)``.
         complementary: complementary masking (Fast-dLLM v2, LLaDA 2.0 SFT), :class:`~unifusion.MaskKernel` and
@@ -224,7 +224,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
             scored: a prompt token (``prompt_mask``), else a ``ValueError`` (chat templates start with one).
 
     **Block models** (``adapt_ar_model(..., block_size=K)`` with ``K < L``) are trained block-causally in one forward
-    (:mod:`unifusion.hf.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
+    (:mod:`unifusion.hf.ar.blocks`): the prediction of a token of block b sees the clean tokens of blocks < b and the
     noisy tokens of block b, the loss is Σ_b D_t(block b | clean prefix); ``step`` anneals the attention inside each
     block from causal to bidirectional. With ``K ≥ L`` the model is the plain one (the same code path and draws).
 

@@ -13,7 +13,7 @@ def _quiet_transformers():
 
 @pytest.fixture
 def static_flex():
-    """Inductor's CPU flex template fails on dynamic sizes (hf/blocks.py's docstring): every shape static here, and
+    """Inductor's CPU flex template fails on dynamic sizes (hf/ar/blocks.py's docstring): every shape static here, and
     dynamo's caches cleared before and after, so that no other test's flex compilation sees this one's shapes.
 
     The setting goes through dynamo's own ``config.patch``, which restores the value it found: pytest's

@@ -38,6 +38,27 @@ def test_the_moved_modules_are_gone() -> None:
     assert not present & {name.split(".")[-1] for name in GONE_MODULES}, present
 
 
+HF_MOVED = {"adapt": "ar", "adapted": "ar", "attention": "ar", "blocks": "ar", "decoding": "ar", "families": "ar",
+            "layout": "ar", "model": "ar", "time_embedding": "ar", "io": "ar",
+            "diffusion_gemma_cache": "diffusion_gemma", "diffusion_gemma_generation": "diffusion_gemma",
+            "diffusion_gemma_layout": "diffusion_gemma"}
+"""unifusion.hf's flat modules, moved into its model kinds (``unifusion.hf.blocks`` → ``unifusion.hf.ar.blocks``,
+``unifusion.hf.diffusion_gemma_cache`` → ``unifusion.hf.diffusion_gemma.cache``); docs/changelog.md lists them."""
+
+
+def test_the_flat_hf_modules_are_gone() -> None:
+    import unifusion.hf
+
+    present = {info.name: info.ispkg for info in pkgutil.iter_modules(unifusion.hf.__path__)}
+    assert present == {"ar": True, "diffusion_gemma": True, "embedded": False, "loading": False, "registry": False}
+    for name, kind in HF_MOVED.items():
+        assert not hasattr(unifusion.hf, name), f"unifusion.hf.{name}"
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"unifusion.hf.{name}")
+        new = name.removeprefix("diffusion_gemma_")
+        assert importlib.import_module(f"unifusion.hf.{kind}.{new}").__name__ == f"unifusion.hf.{kind}.{new}"
+
+
 @pytest.mark.parametrize("module", sorted(GONE_NAMES))
 def test_the_moved_names_are_gone(module: str) -> None:
     mod = importlib.import_module(module)

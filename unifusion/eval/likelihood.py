@@ -81,7 +81,7 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
 
     For a block model (``adapt_ar_model(..., block_size=K)``, K < L) it is the block bound
     Σ_b ∫ D_t(block b | clean prefix) dt + C_ELBO ≥ −Σ_b log p_θ(x_b | x_<b) (one forward of the block-causal layout of
-    :mod:`unifusion.hf.blocks` per time; every block at the same time, which estimates the same sum of integrals).
+    :mod:`unifusion.hf.ar.blocks` per time; every block at the same time, which estimates the same sum of integrals).
 
     bound = ∫_0^1 E[Σ_i D_t^i] dt + C_ELBO, estimated with ``num_times`` stratified times (module docstring).
 

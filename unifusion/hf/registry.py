@@ -1,11 +1,29 @@
 """Native diffusion LMs of transformers, wrapped as unifusion denoisers: one registry keyed by ``config.model_type``.
 
-An autoregressive model is *adapted* (:func:`unifusion.adapt_ar_model`); a model that already is a diffusion LM is
-*wrapped*: :func:`wrap_diffusion_lm` looks its ``config.model_type`` up here and returns the registered wrapper, an
-x0 :class:`~unifusion.denoiser.Denoiser` with its kernel. DiffusionGemma (``"diffusion_gemma"``) is registered; a
-third party registers another family with :func:`register_diffusion_lm`. A checkpoint folder of a registered family
-(its ``config.json`` names the ``model_type``) loads with :func:`load_registered`, which is how
+An autoregressive model is *adapted* (:func:`unifusion.adapt_ar_model`, the kind in :mod:`unifusion.hf.ar`); a model
+that already is a diffusion LM is *wrapped*: :func:`wrap_diffusion_lm` looks its ``config.model_type`` up here and
+returns the registered wrapper, an x0 :class:`~unifusion.denoiser.Denoiser` with its kernel. A checkpoint folder of a
+registered kind (its ``config.json`` names the ``model_type``) loads with :func:`load_registered`, which is how
 :func:`unifusion.hf.load_diffusion_model`, the command line and the lm-eval harness (``pretrained=DIR``) read it.
+
+This module names no model kind: each kind registers itself, the way peft's tuners do. ``unifusion.hf`` imports its
+built-in kinds (the subpackages of ``unifusion/hf/``), whose ``__init__`` calls :func:`register_diffusion_lm`; a
+third party calls it from its own package.
+
+**Adding a model kind** (a native dLLM such as LLaDA 2, SDAR or Dream) is one folder and one registration:
+
+1. ``unifusion/hf/<kind>/model.py``: the wrapper class, a :class:`~unifusion.denoiser.DenoiserModule` subclass (what
+   it implements: docs/architecture.md, "The model interface"), and a function ``wrap(model, **kwargs)`` that checks
+   the transformers model and builds the wrapper; further concepts of the kind (its layout, its cache, its
+   ``generate``) are further modules of the folder.
+2. ``unifusion/hf/<kind>/__init__.py``: re-export the public names and register the kind by its
+   ``config.model_type``: ``register_diffusion_lm("<model_type>", wrap, loader=Wrapper.from_pretrained)``.
+3. ``unifusion/hf/__init__.py``: import the kind (``from . import <kind>``, which runs the registration) and
+   re-export its public names; docs/architecture.md: add ``hf/<kind>/`` to layer 4 (``tests/test_imports.py`` then
+   checks that it imports no other kind and nothing above it), and docs/api/hf.md its modules.
+
+A kind imports from the layers below ``hf`` and from this module, never from another kind: the kinds are
+independent of each other.
 """
 
 from __future__ import annotations
@@ -28,29 +46,8 @@ Wrapper = Callable[..., Denoiser]
 Loader = Callable[..., Denoiser]
 
 
-def _wrap_diffusion_gemma(model: torch.nn.Module, **kwargs: Any) -> Denoiser:
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    from .diffusion_gemma import DiffusionGemmaLM
-
-    if not isinstance(model, DiffusionGemmaForBlockDiffusion):
-        raise TypeError(f"model: expected a DiffusionGemmaForBlockDiffusion (the model with its output head), got "
-                        f"{type(model).__name__}")
-    if getattr(model.config.get_text_config(), "use_bidirectional_attention", None) == "all":
-        raise ValueError("model: use_bidirectional_attention='all' makes the encoder bidirectional, so a canvas's "
-                         "clean prefix depends on how it was split into encoder calls; only causal encoders "
-                         "(None or 'vision') are supported")
-    return DiffusionGemmaLM(model, **kwargs)
-
-
-def _load_diffusion_gemma(directory: Any, **kwargs: Any) -> Denoiser:
-    from .diffusion_gemma import DiffusionGemmaLM
-
-    return DiffusionGemmaLM.from_pretrained(directory, **kwargs)
-
-
-_REGISTRY: dict[str, Wrapper] = {"diffusion_gemma": _wrap_diffusion_gemma}
-_LOADERS: dict[str, Loader] = {"diffusion_gemma": _load_diffusion_gemma}
+_REGISTRY: dict[str, Wrapper] = {}  # filled by the model kinds' __init__ (module docstring)
+_LOADERS: dict[str, Loader] = {}
 
 
 def supported_diffusion_lms() -> list[str]:
@@ -90,9 +87,9 @@ def registered_model_type(directory: str | os.PathLike[str]) -> str | None:
 
 
 def load_registered(directory: str | os.PathLike[str], **kwargs: Any) -> Denoiser:
-    """Load a checkpoint folder of a registered family (e.g. a DiffusionGemma folder, plain or written by
-    :meth:`DiffusionGemmaLM.save_pretrained <unifusion.hf.diffusion_gemma.DiffusionGemmaLM.save_pretrained>`) with
-    its loader; ``kwargs`` (``dtype=``, ``device=``, ...) go to it. ``ValueError`` if no loader takes the folder."""
+    """Load a checkpoint folder of a registered kind (a transformers checkpoint of it, or one its wrapper's
+    ``save_pretrained`` wrote) with its loader; ``kwargs`` (``dtype=``, ``device=``, ...) go to it. ``ValueError`` if
+    no loader takes the folder."""
     model_type = registered_model_type(directory)
     if model_type is None:
         raise ValueError(f"directory: {str(directory)!r} is not a checkpoint folder of a registered diffusion LM "
@@ -104,13 +101,13 @@ def wrap_diffusion_lm(model: torch.nn.Module, **kwargs: Any) -> Denoiser:
     """Wrap a transformers diffusion LM as a unifusion x0 denoiser, chosen by ``model.config.model_type``.
 
     Args:
-        model: e.g. a ``DiffusionGemmaForBlockDiffusion``. It is wrapped, not copied.
-        **kwargs: passed to the family's wrapper (DiffusionGemma: ``tokenizer=``, ``kernel=``).
+        model: a transformers model of a registered kind (:func:`supported_diffusion_lms`). It is wrapped, not
+            copied.
+        **kwargs: passed to the kind's wrapper (e.g. ``tokenizer=``, ``kernel=``).
 
     Returns:
-        The wrapper (for DiffusionGemma a :class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM` under
-        ``UniformKernel(V)``). A model that is already a :class:`~unifusion.denoiser.Denoiser` is returned as it is,
-        with a warning.
+        The kind's wrapper, with its kernel. A model that is already a :class:`~unifusion.denoiser.Denoiser` is
+        returned as it is, with a warning.
 
     Raises:
         ValueError: the model type is not registered (the message lists the supported ones); an AR model is

@@ -20,7 +20,7 @@ import torch
 from .. import _validation as V
 from ..denoiser import Denoiser, X0Model, denoiser_of
 from ..eval.likelihood import prior_kl
-from ..hf import blocks
+from ..hf.ar import blocks
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from ..schedules import LinearSchedule
 from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_log_probs, plan_masks, plan_trace, row_generators

@@ -11,9 +11,9 @@ The prompt is a fixed prefix of the sequence: it stays in ``z_t`` at every step 
   otherwise), decoded as below.
 * a decoding policy (:mod:`unifusion.samplers.policies`): :class:`~unifusion.samplers.PolicySampler`, block by block.
   On a block model with ``use_cache=True`` the exact cached decoder the model offers (``model.block_decoder()``, for
-  :class:`~unifusion.hf.DiffusionLM` the KV cache of :class:`~unifusion.hf.decoding.BlockCacheDecoder`); on a fully
+  :class:`~unifusion.hf.DiffusionLM` the KV cache of :class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`); on a fully
   bidirectional model ``cache_refresh=N`` opts into the *approximate* prefix cache it offers
-  (``model.prefix_decoder()``: Fast-dLLM's dual cache, :class:`~unifusion.hf.decoding.PrefixCacheDecoder`); otherwise
+  (``model.prefix_decoder()``: Fast-dLLM's dual cache, :class:`~unifusion.hf.ar.decoding.PrefixCacheDecoder`); otherwise
   every step runs the whole sequence (a block model through ``model.block_forward()``).
 
 **What the model offers** (a :class:`~unifusion.denoiser.Denoiser`: the decoders are its optional capabilities,

@@ -26,7 +26,7 @@ import torch
 from ..._device import host_to_device
 from ..._validation import unwrap_model
 from ...denoiser import Denoiser, prompt_conditioning
-from ...hf.model import DiffusionLM
+from ...hf.ar.model import DiffusionLM
 from ..likelihood import nll_bound
 from ._common import Cuts, HarnessBase, request_seed, seeded_generator
 

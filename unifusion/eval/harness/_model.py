@@ -13,8 +13,8 @@ from lm_eval.api.model import LM
 from ... import _validation as V
 from ..._kernel_config import default_kernel, make_kernel, warn_if_not_recorded_kernel
 from ...denoiser import DenoiserModule
+from ...hf.ar.model import DiffusionLM
 from ...hf.loading import dtype_from_name
-from ...hf.model import DiffusionLM
 from ...hf.registry import load_registered, registered_model_type
 from ...kernels import Kernel
 from . import _distributed

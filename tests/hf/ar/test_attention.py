@@ -1,4 +1,4 @@
-"""unifusion.hf.attention: the annealing schedule and mask, the attention paths (the model's own causal mask,
+"""unifusion.hf.ar.attention: the annealing schedule and mask, the attention paths (the model's own causal mask,
 ``is_causal=False`` without a mask at γ = 1, dense boolean/additive masks, flex attention's BlockMask, flash attention's
 refusals) and sliding windows; the mask-free path's outputs equal the dense-mask path's."""
 
@@ -11,8 +11,8 @@ from _hf_tiny import FAMILIES, VOCAB, random_ids, tiny_model, with_bos
 
 import unifusion as uf
 from unifusion.hf import adapt_ar_model, anneal_schedule, annealed_attention_mask
-from unifusion.hf import attention as hf_attention
-from unifusion.hf.families import FAMILIES as REGISTRY
+from unifusion.hf.ar import attention as hf_attention
+from unifusion.hf.ar.families import FAMILIES as REGISTRY
 
 L = 8  # network length 9 > the sliding windows of 4 in _hf_tiny
 MASK_ID = 3

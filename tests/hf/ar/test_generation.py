@@ -123,7 +123,7 @@ def hf_tokenizer():
 
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(Path(__file__).parent.parent / "data" / "tiny_tokenizer")
+    return PreTrainedTokenizerFast.from_pretrained(Path(__file__).parents[2] / "data" / "tiny_tokenizer")
 
 
 @pytest.fixture(scope="module")

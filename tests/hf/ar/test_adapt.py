@@ -1,4 +1,4 @@
-"""unifusion.hf.adapt: wrapping a causal LM (vocabulary, mask token, BOS, double wrapping, unsupported models)."""
+"""unifusion.hf.ar.adapt: wrapping a causal LM (vocabulary, mask token, BOS, double wrapping, unsupported models)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block diffusion (unifusion.hf.blocks): block-causal training in one forward, its identities, the cache helpers."""
+"""Block diffusion (unifusion.hf.ar.blocks): block-causal training in one forward, its identities, the cache helpers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from _cpu import FLEX_WRONG_ON_THIS_CPU
 from _hf_tiny import VOCAB, tiny_model
 
 import unifusion as uf
-from unifusion.hf import blocks
+from unifusion.hf.ar import blocks
 
 MASK_ID = 3
 WINDOWED = ("mistral", "gemma3_text")  # window 4 on every layer; per layer type (a dict of masks)

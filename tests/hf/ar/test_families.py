@@ -1,4 +1,4 @@
-"""unifusion.hf.families crossed with the model: every registered family through one shared checker, on tiny random
+"""unifusion.hf.ar.families crossed with the model: every registered family through one shared checker, on tiny random
 models (tests/_hf_tiny.py)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unifusion.hf import DiffusionLM, adapt_ar_model
-from unifusion.hf import model as hf_model
-from unifusion.hf.families import FAMILIES as REGISTRY
-from unifusion.hf.families import family_for
+from unifusion.hf.ar import model as hf_model
+from unifusion.hf.ar.families import FAMILIES as REGISTRY
+from unifusion.hf.ar.families import family_for
 
 L = 8  # sequence length of the tests (network length L + 1 = 9 > the sliding windows of 4 in _hf_tiny)
 MASK_ID = 3

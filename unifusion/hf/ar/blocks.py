@@ -57,8 +57,8 @@ from typing import Any
 import torch
 from einops import rearrange, repeat
 
-from .. import _validation as V
-from .._device import rand
+from ... import _validation as V
+from ..._device import rand
 from .adapted import AdaptedLM
 from .attention import draws_bernoulli, mask_style
 
@@ -153,7 +153,7 @@ def _mask_mod(layout: BlockLayout, gamma: float | torch.Tensor, key_valid: torch
               extra: torch.Tensor | None, window: int | None, documents: torch.Tensor | None = None) -> Any:
     """``mask_mod(b, h, q, kv) -> bool`` of the block layout (module docstring); works on broadcast index tensors
     (the dense mask) and under flex attention's vmap (the ``BlockMask``). ``extra``: ``(B, nb, K+1, K+1)`` Bernoulli(γ)
-    entries for ``0 < γ < 1`` or a tensor ``γ`` (:func:`~unifusion.hf.attention.draws_bernoulli`)."""
+    entries for ``0 < γ < 1`` or a tensor ``γ`` (:func:`~unifusion.hf.ar.attention.draws_bernoulli`)."""
     q_of, blk_of, off_of, K = layout.internal, layout.block, layout.offset, layout.block_size
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
@@ -272,7 +272,8 @@ def cached_forward(model: AdaptedLM, ids: torch.Tensor, positions: torch.Tensor,
     time-conditioned model (``None``: time 0). The mask goes in the form the model's attention takes: dense boolean
     (SDPA), additive (eager) or a flex ``BlockMask``. Returns the final hidden states ``(B, q, d)``.
 
-    The one way the cached decoders (these helpers and :mod:`unifusion.hf.decoding`) run the backbone after a prefill.
+    The one way the cached decoders (these helpers and :mod:`unifusion.hf.ar.decoding`) run the backbone after a
+    prefill.
     """
     hf = model.hf_model
     B, q = ids.shape
@@ -315,7 +316,7 @@ def block_hidden_states(model: AdaptedLM, hf: Any, x_t: torch.Tensor, t: torch.T
         attention_mask: ``(B, L)`` bool or ``None``.
         document_ids: ``(B, L)`` int64 document of each token (packed rows), or ``None``: every stream position
             then sees only positions of its own document and BOS, and position ids restart at each document
-            (:func:`unifusion.hf.layout.document_positions`), so a document that starts at a block boundary is
+            (:func:`unifusion.hf.ar.layout.document_positions`), so a document that starts at a block boundary is
             computed as it would be alone.
     """
     B, L = x_t.shape

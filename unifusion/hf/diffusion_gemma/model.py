@@ -16,12 +16,12 @@ uniform ELBO (:func:`unifusion.losses.gidd_loss`) trains and scores it. :class:`
     logits = model(x_t, t, prompt_mask=prompt_mask, x0=x0)        # (B, L, V); prompt columns carry x0 over
     loss = uf.losses.gidd_loss(logits, x0, x_t, t[:, None], model.kernel)   # 0 on the prompt
 
-Layout (:mod:`unifusion.hf.diffusion_gemma_layout`): each row is ``[prompt | response]`` (with optional padding);
+Layout (:mod:`unifusion.hf.diffusion_gemma.layout`): each row is ``[prompt | response]`` (with optional padding);
 the response is cut into canvases of ``K`` tokens from the end of the prompt, as ``generate`` commits them; canvas c
 is predicted from the clean prefix (prompt and canvases < c, read from ``x0`` when given, else from ``x_t``) and its
 own noisy tokens. The encoder runs once over the clean prefix of the last canvas; every canvas of the batch runs in
 one decoder call. The cached, step-by-step operations a sampler uses (prefill, denoise a canvas, commit it) are in
-:mod:`unifusion.hf.diffusion_gemma_cache`.
+:mod:`unifusion.hf.diffusion_gemma.cache`.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .. import _validation as V
-from .._kernel_config import kernel_config, kernel_from_config
-from ..denoiser import DenoiserModule, prompt_conditioning
-from ..kernels import UniformKernel, check_kernel
-from ..losses.fused_linear import fused_linear_diffusion_loss
-from .diffusion_gemma_layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
+from ... import _validation as V
+from ..._kernel_config import kernel_config, kernel_from_config
+from ...denoiser import DenoiserModule, prompt_conditioning
+from ...kernels import UniformKernel, check_kernel
+from ...losses.fused_linear import fused_linear_diffusion_loss
+from .layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
-__all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "CONFIG_NAME"]
+__all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "CONFIG_NAME", "wrap"]
 
 CONFIG_NAME = "unifusion_config.json"
 CARRY_LOGIT = -1.0e4
@@ -252,9 +252,9 @@ class DiffusionGemmaLM(DenoiserModule):
 
     def start_blocks(self, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> Any:
         """Encode the clean prefix ``(B, P)`` (``prefix_mask`` False at left padding) into a fresh KV cache; returns
-        the :class:`~unifusion.hf.diffusion_gemma_cache.CanvasState`. Blocks are canvases: use ``block_size =
+        the :class:`~unifusion.hf.diffusion_gemma.cache.CanvasState`. Blocks are canvases: use ``block_size =
         canvas_length``."""
-        from .diffusion_gemma_cache import prefill
+        from .cache import prefill
 
         return prefill(self, prefix, attention_mask=prefix_mask)
 
@@ -264,7 +264,7 @@ class DiffusionGemmaLM(DenoiserModule):
         cache, with ``self_condition`` (the previous step's temperature-scaled logits, cast to the weights' dtype as
         generation does) as the self-conditioning signal; ``t`` is not used (the model has no time input), nor is
         ``positions`` (every position's logits are computed: the next step's self-conditioning reads them all)."""
-        from .diffusion_gemma_cache import denoise, select_rows
+        from .cache import denoise, select_rows
 
         view = select_rows(self, state, rows.tolist())
         return denoise(self, view, block, self_conditioning_logits=self_condition)
@@ -272,7 +272,7 @@ class DiffusionGemmaLM(DenoiserModule):
     def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
         """Append the finished canvas ``block`` ``(B_a, K)`` of ``rows`` to the cache (one encoder forward); rows not
         in ``rows`` are dropped from the state for good."""
-        from .diffusion_gemma_cache import commit, select_rows
+        from .cache import commit, select_rows
 
         select_rows(self, state, rows.tolist(), copy_cache=False)
         commit(self, state, block)
@@ -283,8 +283,8 @@ class DiffusionGemmaLM(DenoiserModule):
                  return_dict: bool = False, parity: bool = False) -> Any:
         """Generate canvas by canvas with :class:`~unifusion.samplers.PolicySampler` and (by default)
         :class:`~unifusion.samplers.policies.EntropyBound` built from transformers'
-        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma_generation.generate`."""
-        from .diffusion_gemma_generation import generate
+        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma.generation.generate`."""
+        from .generation import generate
 
         return generate(self, prompt_ids, generation_config, attention_mask=attention_mask, generator=generator,
                         policy=policy, return_dict=return_dict, parity=parity)
@@ -469,6 +469,22 @@ class DiffusionGemmaLM(DenoiserModule):
 
     def extra_repr(self) -> str:
         return f"canvas_length={self.canvas_length}, num_states={self.num_states}, kernel={self.kernel!r}"
+
+
+def wrap(model: nn.Module, **kwargs: Any) -> DiffusionGemmaLM:
+    """The wrapper :func:`unifusion.hf.registry.wrap_diffusion_lm` calls for ``model_type="diffusion_gemma"``: checks
+    that ``model`` is a ``DiffusionGemmaForBlockDiffusion`` with a causal encoder, then ``DiffusionGemmaLM(model,
+    **kwargs)`` (``tokenizer=``, ``kernel=``)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    if not isinstance(model, DiffusionGemmaForBlockDiffusion):
+        raise TypeError(f"model: expected a DiffusionGemmaForBlockDiffusion (the model with its output head), got "
+                        f"{type(model).__name__}")
+    if getattr(model.config.get_text_config(), "use_bidirectional_attention", None) == "all":
+        raise ValueError("model: use_bidirectional_attention='all' makes the encoder bidirectional, so a canvas's "
+                         "clean prefix depends on how it was split into encoder calls; only causal encoders "
+                         "(None or 'vision') are supported")
+    return DiffusionGemmaLM(model, **kwargs)
 
 
 class PromptConditioned:

@@ -1,9 +1,9 @@
-"""What :meth:`DiffusionGemmaLM.generate <unifusion.hf.diffusion_gemma.DiffusionGemmaLM.generate>` does: transformers'
-``DiffusionGemmaForBlockDiffusion.generate`` on the package's one generate path, :func:`unifusion.samplers.generate`
-(its argument checks, left padding, EOS rule, choice of decoder and block loop). What is DiffusionGemma's own is here:
-transformers' ``DiffusionGemmaGenerationConfig`` read into that path's options (:func:`resolve_settings`; unset
-fields: the model's ``generation_config``, then the reference's defaults), among them the
-:class:`~unifusion.samplers.policies.EntropyBound` it describes (uniform-noise renoising at every step,
+"""What :meth:`DiffusionGemmaLM.generate <unifusion.hf.diffusion_gemma.model.DiffusionGemmaLM.generate>` does:
+transformers' ``DiffusionGemmaForBlockDiffusion.generate`` on the package's one generate path,
+:func:`unifusion.samplers.generate` (its argument checks, left padding, EOS rule, choice of decoder and block loop).
+What is DiffusionGemma's own is here: transformers' ``DiffusionGemmaGenerationConfig`` read into that path's options
+(:func:`resolve_settings`; unset fields: the model's ``generation_config``, then the reference's defaults), among them
+the :class:`~unifusion.samplers.policies.EntropyBound` it describes (uniform-noise renoising at every step,
 entropy-bounded acceptance, linear temperature schedule, stable-and-confident stopping); and the model as that path
 reads one: canvases of ``K = canvas_length`` tokens as its blocks, and the encoder cache as its block decoder (the
 prompt encoded once, each canvas decoded against the cache, then committed to it in one encoder pass).
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from ..samplers.generation import generate as generate_tokens
-from ..samplers.policies import EntropyBound
-from .diffusion_gemma_cache import CanvasState, commit, prefill
+from ...samplers.generation import generate as generate_tokens
+from ...samplers.policies import EntropyBound
+from .cache import CanvasState, commit, prefill
 
-DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma.model imports this module, not the other way round)
 
 __all__ = ["DEFAULTS", "DiffusionGemmaOutput", "GenerationSettings", "generate", "resolve_settings"]
 
@@ -223,7 +223,7 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
     """Generate after ``prompt_ids`` ``(B, P)`` canvas by canvas (see the module docstring for the two modes).
 
     Args:
-        model: the :class:`~unifusion.hf.diffusion_gemma.DiffusionGemmaLM`.
+        model: the :class:`~unifusion.hf.diffusion_gemma.model.DiffusionGemmaLM`.
         prompt_ids: ``(B, P)`` token ids (left-padded where ``attention_mask`` is 0).
         generation_config: a transformers ``DiffusionGemmaGenerationConfig`` (or any object with its fields);
             ``None``: the model's ``generation_config``, then the reference's defaults.

@@ -1,4 +1,4 @@
-"""unifusion.hf.io: save_pretrained / from_pretrained — safetensors, the config stamp, dtype, the tokenizer, the
+"""unifusion.hf.ar.io: save_pretrained / from_pretrained — safetensors, the config stamp, dtype, the tokenizer, the
 training kernel, plain HF folders — on tiny random models (tests/_hf_tiny.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import unifusion as uf
 from unifusion.hf import CONFIG_NAME, DiffusionLM, adapt_ar_model
 from unifusion.schedules import DUOCosineSchedule, GeometricSchedule, LogLinearSchedule
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = Path(__file__).parents[2] / "data"
 MASK_ID = 3
 
 
@@ -284,7 +284,7 @@ def _save_in_the_earlier_format(model: DiffusionLM, folder: Path) -> None:
     from safetensors.torch import save_file
 
     from unifusion.hf import kernel_config
-    from unifusion.hf.io import config_stamp
+    from unifusion.hf.ar.io import config_stamp
 
     folder.mkdir()
     stamp = config_stamp(model, kernel_config(model.kernel) if model.kernel is not None else None)

@@ -2,7 +2,7 @@
 
 The reference is transformers' own ``DiffusionGemmaForBlockDiffusion``: its decoder logits for (prefix, canvas), and
 its ``generate`` (reproduced token for token by a loop written from the notes' description of it over
-:mod:`unifusion.hf.diffusion_gemma_cache`).
+:mod:`unifusion.hf.diffusion_gemma.cache`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from _hf_tiny import tiny_diffusion_gemma as tiny
 
 import unifusion as uf
 from unifusion.denoiser import Denoiser
-from unifusion.hf.diffusion_gemma import CARRY_LOGIT, DiffusionGemmaLM
-from unifusion.hf.diffusion_gemma_cache import commit, denoise, prefill
+from unifusion.hf.diffusion_gemma.cache import commit, denoise, prefill
+from unifusion.hf.diffusion_gemma.model import CARRY_LOGIT, DiffusionGemmaLM
 from unifusion.hf.registry import register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +30,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # 
     EntropyBoundSamplerConfig,
 )
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tiny_tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tiny_tokenizer"
 
 
 @pytest.fixture(scope="module")

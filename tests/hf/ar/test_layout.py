@@ -1,11 +1,11 @@
-"""unifusion.hf.layout: the shifted network layout [BOS, x_t] with right and left padding."""
+"""unifusion.hf.ar.layout: the shifted network layout [BOS, x_t] with right and left padding."""
 
 from __future__ import annotations
 
 import torch
 
-from unifusion.hf.attention import AnnealedPattern
-from unifusion.hf.layout import shifted_layout
+from unifusion.hf.ar.attention import AnnealedPattern
+from unifusion.hf.ar.layout import shifted_layout
 
 BOS = 1
 

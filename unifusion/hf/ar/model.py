@@ -4,19 +4,19 @@ Implements paper §3.2 ("AR as the x0 model") and App. C.5 (Algorithm 1).
 
 **AR as the x0 model.** After a one-position shift, the AR next-token distribution for ``x^i`` given
 ``x^{<i}`` is used as the clean-token prediction ``x_θ^i(· | x_t, t)``. :class:`DiffusionLM` prepends a BOS
-token, runs the network on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``, :mod:`unifusion.hf.layout`) and keeps
+token, runs the network on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``, :mod:`unifusion.hf.ar.layout`) and keeps
 outputs ``0 .. L − 1``: the prediction for position ``i`` is the network output at position ``i − 1`` (BOS for
 ``i = 1``). With causal attention and a clean input, the logits are exactly the base model's next-token logits after
 ``[BOS, x^1 .. x^{i−1}]``.
 
-**Attention** follows the annealed pattern of :mod:`unifusion.hf.attention` (``bidirectional_prob = γ``; inference
+**Attention** follows the annealed pattern of :mod:`unifusion.hf.ar.attention` (``bidirectional_prob = γ``; inference
 uses ``γ = 1``). The BOS row is an ordinary row (its output predicts ``x^1``, so it must see the sequence when
 bidirectional); the BOS column is visible to every real query, since ``0 ≤ i``. A fully bidirectional call without
 padding or an active sliding window builds no mask (``is_causal=False``); :meth:`DiffusionLM.attention_path` tells
 which path a call takes.
 
 **Padding** (``attention_mask``, 1 = real token) must be contiguous: right padding or left padding; a padded row
-equals the unpadded one on its real positions (:mod:`unifusion.hf.layout`).
+equals the unpadded one on its real positions (:mod:`unifusion.hf.ar.layout`).
 
 Example::
 
@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _validation as V
-from ..denoiser import DenoiserModule
-from ..kernels import check_kernel
-from ..losses.fused_linear import fused_linear_diffusion_loss
-from ..samplers import generation
+from ... import _validation as V
+from ...denoiser import DenoiserModule
+from ...kernels import check_kernel
+from ...losses.fused_linear import fused_linear_diffusion_loss
+from ...samplers import generation
 from . import attention, blocks, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
@@ -63,7 +63,7 @@ class DiffusionLM(DenoiserModule):
             ``add_mask_token=False`` for uniform noise only).
         vocab_size: number of input ids / logit columns (including an added mask token).
         num_states: same as ``vocab_size`` (the state-space size ``S`` of the kernels).
-        family: the :class:`unifusion.hf.families.Family` entry used.
+        family: the :class:`unifusion.hf.ar.families.Family` entry used.
         tokenizer: the tokenizer given to :func:`~unifusion.hf.adapt_ar_model` (or found by :meth:`from_pretrained`),
             or ``None``; a plain attribute (not part of the state dict), written by :meth:`save_pretrained`.
         kernel: the forward kernel the model was trained with, when known (set it, or pass ``kernel=`` to
@@ -83,7 +83,7 @@ class DiffusionLM(DenoiserModule):
                  time_conditioning: bool = False, added_mask_token: bool = False, tokenizer: Any = None,
                  block_size: int | None = None) -> None:
         super().__init__()
-        # block diffusion (unifusion.hf.blocks): None = one bidirectional block over the whole sequence
+        # block diffusion (unifusion.hf.ar.blocks): None = one bidirectional block over the whole sequence
         self.block_size: int | None = blocks.check_block_size(block_size)
         self.tokenizer: Any = tokenizer
         self.kernel: Any = None  # the training kernel, when known (save_pretrained records it)
@@ -315,14 +315,14 @@ class DiffusionLM(DenoiserModule):
             position_weight: ``(B, L)`` weights of the loss (e.g. the padding mask: padded positions then cost no
                 gradient work); ones when ``None``.
             clean: block models only (:attr:`block_size`): the clean tokens x_0 ``(B, L)`` of the block-causal
-                layout (:mod:`unifusion.hf.blocks`); ``t`` may then be one time per block ``(B, nb)``. Required over
+                layout (:mod:`unifusion.hf.ar.blocks`); ``t`` may then be one time per block ``(B, nb)``. Required over
                 more than one block unless ``γ = 0`` (the causal AR forward); with one block (``block_size >= L``)
                 unused: the plain bidirectional forward.
             document_ids: block models with ``clean`` only: ``(B, L)`` int64, the document each token belongs to, for
                 right-padded rows that pack several documents (:class:`~unifusion.ChatCollator` with
                 ``packing=True`` gives them as ``conversation_ids``). A position then attends only to positions of
                 its own document, each document gets its own BOS (in the clean-stream slot and anchor of its first
-                column, :func:`unifusion.hf.blocks.block_hidden_states`) and position ids restart at each document,
+                column, :func:`unifusion.hf.ar.blocks.block_hidden_states`) and position ids restart at each document,
                 so a document that starts at a block boundary is computed exactly as it would be alone; one that
                 starts inside a block has its first token predicted at the previous document's last position (that
                 token should be unscored). Anything else (a plain model, one block) is a ``ValueError``.
@@ -343,7 +343,7 @@ class DiffusionLM(DenoiserModule):
                              "decode block by block (generate(policy=...), PolicySampler)")
         if document_ids is not None:
             document_ids = self._check_documents(document_ids, x_t)
-        if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.blocks
+        if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.ar.blocks
             routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
                                          objective, weighting, max_weight, reduction, position_weight, document_ids)
             if routed is not None:
@@ -507,7 +507,7 @@ class DiffusionLM(DenoiserModule):
             do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 
     def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
-        """The exact cached decoder of a block model (:class:`~unifusion.hf.decoding.BlockCacheDecoder`, a
+        """The exact cached decoder of a block model (:class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`, a
         :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.
         ``merge_commits``: append each committed block within the next block's first step (one call fewer per
         block, the same tokens)."""
@@ -518,14 +518,14 @@ class DiffusionLM(DenoiserModule):
 
     def prefix_decoder(self, seq_len: int, refresh: int) -> PrefixCacheDecoder:
         """Fast-dLLM's **approximate** dual cache for a fully bidirectional model
-        (:class:`~unifusion.hf.decoding.PrefixCacheDecoder`, a :class:`~unifusion.samplers.BlockDenoiser`) over
+        (:class:`~unifusion.hf.ar.decoding.PrefixCacheDecoder`, a :class:`~unifusion.samplers.BlockDenoiser`) over
         sequences of ``seq_len`` tokens, recomputed every ``refresh`` steps of a block (``generate(...,
         cache_refresh=refresh)``)."""
         return PrefixCacheDecoder(self, seq_len, refresh)
 
     def block_forward(self) -> BlockForward:
         """A block model as an x0 callable ``(x_t, t, attention_mask=None) → logits``: the training forward with the
-        current tokens as the clean stream (:class:`~unifusion.hf.decoding.BlockForward`), what :meth:`generate`
+        current tokens as the clean stream (:class:`~unifusion.hf.ar.decoding.BlockForward`), what :meth:`generate`
         calls with ``use_cache=False``."""
         return BlockForward(self)
 
@@ -565,7 +565,7 @@ class DiffusionLM(DenoiserModule):
         so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the backbone with identical weights;
         unifusion's record ``unifusion_config.json`` (kernel, block size, mask and BOS ids, time conditioning) and,
         for a time-conditioned model, ``unifusion_weights.safetensors`` (the time embedding) beside them; and the
-        tokenizer's files (:mod:`unifusion.hf.io`). What a serving engine needs is in docs/guides/serving.md.
+        tokenizer's files (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in docs/guides/serving.md.
 
         Args:
             save_directory: the folder (created if missing).

@@ -1,4 +1,4 @@
-"""unifusion.hf.model: DiffusionLM's checks, forward options, training features and properties on tiny random models
+"""unifusion.hf.ar.model: DiffusionLM's checks, forward options, training features and properties on tiny random models
 (tests/_hf_tiny.py); the families are crossed in test_families.py."""
 
 from __future__ import annotations

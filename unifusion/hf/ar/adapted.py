@@ -1,11 +1,11 @@
 """What :class:`~unifusion.hf.DiffusionLM`'s own helper modules read of it: the :class:`AdaptedLM` protocol.
 
-:mod:`unifusion.hf.blocks` (block diffusion), :mod:`unifusion.hf.decoding` (the cached decoders) and
-:mod:`unifusion.hf.io` (save and load) run the adapter's backbone, so they see more of it than the
+:mod:`unifusion.hf.ar.blocks` (block diffusion), :mod:`unifusion.hf.ar.decoding` (the cached decoders) and
+:mod:`unifusion.hf.ar.io` (save and load) run the adapter's backbone, so they see more of it than the
 :class:`~unifusion.denoiser.Denoiser` interface: the BOS token it prepends, its time embedding, its family's attention
-rules, the Hugging Face model inside. :mod:`unifusion.hf.model` imports them, so they cannot import it back; they type
-their ``model`` argument with this protocol instead, and mypy checks that :class:`~unifusion.hf.DiffusionLM` satisfies
-it wherever the model passes itself to them.
+rules, the Hugging Face model inside. :mod:`unifusion.hf.ar.model` imports them, so they cannot import it back; they
+type their ``model`` argument with this protocol instead, and mypy checks that :class:`~unifusion.hf.DiffusionLM`
+satisfies it wherever the model passes itself to them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class AdaptedLM(Protocol):
     is the implementation; see its attributes for their meaning)."""
 
     bos_token_id: int
-    """The token prepended internally (``[BOS, x_t]``, :mod:`unifusion.hf.layout`)."""
+    """The token prepended internally (``[BOS, x_t]``, :mod:`unifusion.hf.ar.layout`)."""
     mask_token_id: int | None
     added_mask_token: bool
     time_conditioning: bool

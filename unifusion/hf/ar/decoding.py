@@ -5,7 +5,7 @@ adapters the model offers :func:`unifusion.samplers.generate` (:meth:`DiffusionL
 uncached block forward (:class:`BlockForward`, :meth:`DiffusionLM.block_forward
 <unifusion.hf.DiffusionLM.block_forward>`).
 
-**Exact: a block model** (``adapt_ar_model(..., block_size=K)``, :mod:`unifusion.hf.blocks`) —
+**Exact: a block model** (``adapt_ar_model(..., block_size=K)``, :mod:`unifusion.hf.ar.blocks`) —
 :class:`BlockCacheDecoder`. The KV cache holds the *clean stream* of the block layout: the prompt is prefilled once
 (inputs ``[bos, prompt[:-1]]``, causal, position ids ``0 … P − 1``), each committed block is appended causally
 (inputs ``[anchor, block[:-1]]``). A denoising step runs only the current block's ``K + 1`` noisy positions (the
@@ -35,7 +35,7 @@ tokens). ``refresh=1`` recomputes at every step (the uncached computation). Mask
 
 Both handle left padding (a prefix mask: padded keys blocked, position ids counting real tokens, as
 :func:`~unifusion.hf.shifted_layout` places them) and batches whose rows finish early (the cache is narrowed to the
-running rows). Every cached call goes through :func:`unifusion.hf.blocks.cached_forward`, which hands the mask over
+running rows). Every cached call goes through :func:`unifusion.hf.ar.blocks.cached_forward`, which hands the mask over
 as the model's attention takes it (SDPA's boolean, eager's additive or flex attention's ``BlockMask``).
 """
 
@@ -122,8 +122,8 @@ def _cache_rows(cache: Any, idx: torch.Tensor, columns: torch.Tensor | None = No
 
 def _forward(model: AdaptedLM, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
              key_pos: torch.Tensor, cache: Any, t: torch.Tensor | None, clean: int = 0) -> torch.Tensor:
-    """:func:`~unifusion.hf.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after the
-    first ``clean`` (which, like ``t=None``, are at time 0)."""
+    """:func:`~unifusion.hf.ar.blocks.cached_forward` with the time ``t`` ``(B,)`` of the block at the positions after
+    the first ``clean`` (which, like ``t=None``, are at time 0)."""
     t_pos = None
     if model.time_embedding is not None and t is not None:
         q = ids.shape[1]

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .. import _validation as V
-from .._kernel_config import kernel_config, kernel_from_config
-from ..kernels import Kernel
+from ... import _validation as V
+from ..._kernel_config import kernel_config, kernel_from_config
+from ...kernels import Kernel
 from .adapted import AdaptedLM
 
 __all__ = ["CONFIG_KEYS", "CONFIG_NAME", "EXTRA_WEIGHTS_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp",

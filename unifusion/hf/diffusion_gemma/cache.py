@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma imports this module, not the other way round)
+DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma.model imports this module, not the other way round)
 
 __all__ = ["CanvasState", "commit", "denoise", "prefill", "select_rows"]
 

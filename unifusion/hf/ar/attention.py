@@ -48,8 +48,8 @@ from typing import Any, ClassVar, Literal, overload
 
 import torch
 
-from .. import _validation as V
-from .._device import rand
+from ... import _validation as V
+from ..._device import rand
 from .families import Family, WindowStyle
 
 __all__ = [

@@ -36,7 +36,7 @@ def adapt_ar_model(model: nn.Module, *, bos_token_id: int | None = None, mask_to
         tokenizer: the model's Hugging Face tokenizer, kept as ``result.tokenizer`` (a plain attribute, not state)
             and written by :meth:`DiffusionLM.save_pretrained`, so the saved folder works with
             ``unifusion sample --model DIR``. It is not changed: an added mask token has no text form.
-        block_size: ``K`` for block diffusion (:mod:`unifusion.hf.blocks`): :func:`~unifusion.diffusion_loss` then
+        block_size: ``K`` for block diffusion (:mod:`unifusion.hf.ar.blocks`): :func:`~unifusion.diffusion_loss` then
             trains every block of K tokens at once, each seeing the clean blocks before it and its own noisy tokens;
             saved and restored with the model. ``None`` (default): one bidirectional block over the whole sequence.
 

@@ -1,5 +1,5 @@
 """DiffusionLM.generate with a decoding policy (unifusion.samplers.generation) and the cached decoders
-(unifusion.hf.decoding): the policy path is PolicySampler's, left padding with the tokenizer's mask, the padding and
+(unifusion.hf.ar.decoding): the policy path is PolicySampler's, left padding with the tokenizer's mask, the padding and
 length checks, EOS defaults, the approximate dual cache (refresh 1 = uncached; K + 1 positions per cached step), and
 the save-time tokenizer warning — on tiny random models (tests/_hf_tiny.py)."""
 
@@ -242,7 +242,7 @@ class UncachedBlocks:
 @pytest.mark.parametrize("policy", [LowConfidence(), ConfidenceThreshold(0.3), RandomOrder()])
 @pytest.mark.parametrize("P", [0, 3, 4])
 def test_block_cache_equals_the_uncached_block_computation(policy, P) -> None:
-    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.hf.ar.decoding import BlockCacheDecoder
 
     model = _model()
     K, L, B = 4, P + 10, 3  # a ragged last block
@@ -258,7 +258,7 @@ def test_block_cache_equals_the_uncached_block_computation(policy, P) -> None:
 
 def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
     """Rows that stop at EOS leave the cache (later calls have fewer rows); a left-padded row equals the row alone."""
-    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.hf.ar.decoding import BlockCacheDecoder
 
     model = _model()
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
 def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
     """After the prefill every step runs the block's K + 1 positions and every commit its K clean ones; with
     merge_commits the commit rides with the next block's first step (2K + 1 positions), same tokens."""
-    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.hf.ar.decoding import BlockCacheDecoder
 
     model = _model()
     P, K, new = 6, 4, 12
@@ -310,7 +310,7 @@ def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
 def test_merged_commits_equal_the_uncached_blocks(time_conditioning) -> None:
     """merge_commits (the clean block and the next noisy one in one call, the clean positions at time 0) gives the
     tokens of the uncached block-causal forward, rows stopping at EOS in between included."""
-    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.hf.ar.decoding import BlockCacheDecoder
 
     hf = tiny_model("llama")
     model = adapt_ar_model(hf, mask_token_id=MASK_ID, block_size=4, time_conditioning=time_conditioning).eval()
@@ -337,7 +337,7 @@ def test_merged_commits_equal_the_uncached_blocks(time_conditioning) -> None:
 @pytest.mark.parametrize("P", [0, 4])
 def test_block_cache_equals_uncached_under_uniform_noise(P) -> None:
     """EntropyBound (uniform noise): the block is resampled every step; cached == uncached token for token."""
-    from unifusion.hf.decoding import BlockCacheDecoder
+    from unifusion.hf.ar.decoding import BlockCacheDecoder
     from unifusion.samplers.policies import EntropyBound
 
     model = adapt_ar_model(tiny_model("llama"), add_mask_token=False).eval()

@@ -1,6 +1,6 @@
 """The network's input layout: which ids go in at which positions, their position ids, and the attention pattern over
 them. :class:`DiffusionLM <unifusion.hf.DiffusionLM>` builds one per call, then hands the pattern to an attention
-strategy (:mod:`unifusion.hf.attention`).
+strategy (:mod:`unifusion.hf.ar.attention`).
 
 **The shifted layout** (paper §3.2, "AR as the x0 model"). The network runs on ``[BOS, x_t^1, ..., x_t^L]`` (``n = L +
 1`` positions) and output ``i`` predicts ``x_0^{i+1}``: the prediction for token ``i`` is read at the position of
@@ -42,7 +42,7 @@ class Layout:
 def shifted_layout(x_t: torch.Tensor, bos_token_id: int, gamma: float | torch.Tensor, *,
                    attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Layout:
     """The shifted layout ``[BOS, x_t]`` of checked tokens ``x_t`` ``(B, L)`` with the annealed pattern of ``γ = gamma``
-    (a float or a 0-d tensor; :class:`~unifusion.hf.attention.AnnealedPattern`), padded by ``attention_mask``
+    (a float or a 0-d tensor; :class:`~unifusion.hf.ar.attention.AnnealedPattern`), padded by ``attention_mask``
     ``(B, L)`` bool (contiguous)."""
     B, L = x_t.shape
     device = x_t.device
