@@ -30,7 +30,6 @@ Example::
 
 from .._kernel_config import KERNEL_NAMES, default_kernel, kernel_config, kernel_from_config
 from .ar import (
-                 CONFIG_NAME,
                  WEIGHTS_NAME,
                  DiffusionLM,
                  Family,
@@ -41,6 +40,7 @@ from .ar import (
                  family_for,
                  supported_model_types,
 )
+from .checkpoint import CONFIG_NAME, CheckpointMixin
 from .diffusion_gemma import DiffusionGemmaLM, DiffusionGemmaOutput  # registers "diffusion_gemma"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
@@ -48,6 +48,7 @@ from .registry import register_diffusion_lm, supported_diffusion_lms, wrap_diffu
 
 __all__ = [
     "CONFIG_NAME",
+    "CheckpointMixin",
     "KERNEL_NAMES",
     "WEIGHTS_NAME",
     "DiffusionGemmaLM",

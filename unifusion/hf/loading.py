@@ -11,8 +11,8 @@ import torch
 
 from ..denoiser import DenoiserModule
 from .ar.adapt import adapt_ar_model
-from .ar.io import CONFIG_NAME
 from .ar.model import DiffusionLM
+from .checkpoint import CONFIG_NAME
 from .embedded import load_smollm2, load_smollm2_tokenizer
 from .registry import load_registered, registered_model_type
 

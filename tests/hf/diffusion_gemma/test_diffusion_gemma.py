@@ -363,8 +363,11 @@ def test_save_and_load_round_trip(tmp_path):
     model.base_model.save_pretrained(tmp_path / "plain")
     plain = DiffusionGemmaLM.from_pretrained(tmp_path / "plain")
     assert repr(plain.kernel) == repr(uf.UniformKernel(VOCAB)) and plain.tokenizer is None
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match="directory: no such folder"):
         DiffusionGemmaLM.from_pretrained(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="directory: expected a DiffusionGemma checkpoint folder .with config.json"):
+        DiffusionGemmaLM.from_pretrained(tmp_path / "empty")
 
 
 def test_conditional_bound_is_finite_and_depends_on_the_prompt(model):

@@ -26,9 +26,9 @@ network, not a diffusion LM. Its registry is :mod:`~unifusion.hf.ar.families`; i
 from .adapt import adapt_ar_model
 from .attention import anneal_schedule, annealed_attention_mask
 from .families import Family, family_for, supported_model_types
-from .io import CONFIG_NAME, WEIGHTS_NAME
+from .io import WEIGHTS_NAME
 from .model import DiffusionLM
 from .time_embedding import TimeEmbedding
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DiffusionLM", "Family", "TimeEmbedding", "adapt_ar_model",
+__all__ = ["WEIGHTS_NAME", "DiffusionLM", "Family", "TimeEmbedding", "adapt_ar_model",
            "anneal_schedule", "annealed_attention_mask", "family_for", "supported_model_types"]

@@ -1,6 +1,5 @@
-"""Saving and loading adapted models: what
-:meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>` and
-:meth:`DiffusionLM.from_pretrained <unifusion.hf.DiffusionLM.from_pretrained>` do.
+"""An adapted model's checkpoint files: what :class:`~unifusion.hf.DiffusionLM` writes and reads inside the shared
+``save_pretrained`` / ``from_pretrained`` of :class:`unifusion.hf.checkpoint.CheckpointMixin`.
 
 A saved folder is a standard Hugging Face checkpoint of the backbone plus unifusion's record:
 
@@ -9,13 +8,14 @@ A saved folder is a standard Hugging Face checkpoint of the backbone plus unifus
   the Hub's tooling see an ordinary model folder; ``generation_config.json`` when the backbone has one.
 * ``model.safetensors`` (:data:`WEIGHTS_NAME`): the backbone's state dict under transformers' names, tied tensors
   stored once (``AutoModelForCausalLM`` loads identical weights).
-* ``unifusion_config.json`` (:data:`CONFIG_NAME`): the library version, the BOS and mask token ids, whether the mask
-  token was added, time conditioning, the family, the architecture class, the weights' dtype, the wrapped model's own
-  config (``base_config``), the block size of a block model and, when known, the training kernel (``"kernel"``, see
-  :func:`unifusion.hf.kernel_config`). Unknown keys are ignored with a warning on load.
+* ``unifusion_config.json`` (``CONFIG_NAME``, :mod:`unifusion.hf.checkpoint`): the library version, the BOS and mask
+  token ids, whether the mask token was added, time conditioning, the family, the architecture class, the weights'
+  dtype, the wrapped model's own config (``base_config``), the block size of a block model and, when known, the
+  training kernel (``"kernel"``, see :func:`unifusion.hf.kernel_config`). Unknown keys are ignored with a warning on
+  load.
 * ``unifusion_weights.safetensors`` (:data:`EXTRA_WEIGHTS_NAME`): the wrapper's own parameters that are not the
   backbone's (the time embedding of a ``time_conditioning`` model), only when there are any.
-* the tokenizer's files, when the model has a tokenizer (:data:`TOKENIZER_FILES` tell that one is there).
+* the tokenizer's files, when the model has a tokenizer.
 
 Loading opens the backbone with transformers' ``from_pretrained`` and the wrapper's parameters from their file:
 bit-identical weights. Folders of the earlier format (``unifusion_config.json`` and a ``model.safetensors`` holding
@@ -26,26 +26,17 @@ from ``base_config`` without initialising weights and the file is loaded into th
 from __future__ import annotations
 
 import copy
-import json
-import os
-import warnings
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ... import _validation as V
-from ..._kernel_config import kernel_config, kernel_from_config
-from ...kernels import Kernel
+from ..checkpoint import CONFIG_NAME, library_version
 from .adapted import AdaptedLM
 
-__all__ = ["CONFIG_KEYS", "CONFIG_NAME", "EXTRA_WEIGHTS_NAME", "TOKENIZER_FILES", "WEIGHTS_NAME", "config_stamp",
-           "from_pretrained", "hf_config", "parse_dtype", "save_pretrained"]
-
-CONFIG_NAME = "unifusion_config.json"
-"""The file that marks a folder written by ``save_pretrained``."""
+__all__ = ["CONFIG_KEYS", "EXTRA_WEIGHTS_NAME", "WEIGHTS_NAME", "config_stamp", "hf_config", "load_model",
+           "parse_dtype", "save_files"]
 
 WEIGHTS_NAME = "model.safetensors"
 """The backbone's weights (transformers' names and file), or the whole wrapper's in a folder of the earlier format."""
@@ -58,10 +49,8 @@ _BACKBONE_PREFIX = "base_model."  # the backbone's parameters inside the wrapper
 CONFIG_KEYS = frozenset({"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
                          "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel",
                          "block_size"})
-"""The keys :data:`CONFIG_NAME` may hold; others are ignored with a warning."""
-
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
-"""Any of these in a folder means a tokenizer was saved there."""
+"""The keys an adapted model's record (:data:`~unifusion.hf.checkpoint.CONFIG_NAME`) may hold; others are ignored
+with a warning."""
 
 
 def parse_dtype(dtype: object) -> torch.dtype | None:
@@ -88,7 +77,7 @@ def config_stamp(model: AdaptedLM, kernel: dict[str, Any] | None = None) -> dict
     base_config.pop("quantization_config", None)  # GGUF-loaded models: store the dequantised weights plainly
     dtype = hf.get_input_embeddings().weight.dtype
     stamp = {
-        "unifusion_version": _library_version(),
+        "unifusion_version": library_version(),
         "bos_token_id": model.bos_token_id,
         "mask_token_id": model.mask_token_id,
         "added_mask_token": model.added_mask_token,
@@ -132,35 +121,11 @@ def _state_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model: AdaptedLM, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
-                    kernel: Any = None) -> None:
-    """Write ``model`` (a :class:`~unifusion.hf.DiffusionLM`) to ``save_directory``; the arguments are those of
-    :meth:`DiffusionLM.save_pretrained <unifusion.hf.DiffusionLM.save_pretrained>`. Everything is checked before
-    anything is written."""
+def save_files(model: AdaptedLM, path: Path) -> None:
+    """Write ``model``'s backbone (``config.json``, ``model.safetensors``, ``generation_config.json``) and its other
+    parameters (:data:`EXTRA_WEIGHTS_NAME`) into the folder ``path``."""
     from safetensors.torch import save_file
 
-    kernel = kernel if kernel is not None else model.kernel
-    kernel_entry = None
-    if kernel is not None:
-        if not isinstance(kernel, Kernel):
-            raise TypeError(f"kernel: expected a unifusion Kernel or None, got {type(kernel).__name__}")
-        V.check_model_kernel(model, kernel, who="save_pretrained")  # a Kernel that fits the model (mask id, S)
-        kernel_entry = kernel_config(kernel)
-        if kernel_entry is None:
-            warnings.warn(f"kernel: {kernel!r} cannot be recorded in {CONFIG_NAME} (only uniform, mask and hybrid "
-                          "kernels with a built-in schedule can); the saved model names no kernel", stacklevel=3)
-    tok = tokenizer if tokenizer is not None else model.tokenizer
-    if tok is not None and not callable(getattr(tok, "save_pretrained", None)):
-        raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
-                        f"{type(tok).__name__}")
-    if model.hf_model is not model.base_model:
-        raise TypeError(
-            "save_pretrained: the base model is a peft model; merge the adapters first "
-            "(adapt_ar_model(model.base_model.merge_and_unload(), ...)) or save them with peft")
-    path = Path(save_directory)
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / CONFIG_NAME, "w") as f:
-        json.dump(config_stamp(model, kernel_entry), f, indent=2, sort_keys=True, default=str)
     # The backbone as transformers saves it (config.json + model.safetensors under its own names), the wrapper's
     # other parameters beside it. Tied tensors are stored once; every tensor is copied out contiguously, so
     # parameters that are views into one flat buffer (DeepSpeed ZeRO-2, FSDP-gathered) save too.
@@ -176,42 +141,26 @@ def save_pretrained(model: AdaptedLM, save_directory: str | os.PathLike[str], to
     generation_config = getattr(model.hf_model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(str(path))
-    if tok is not None:
-        tok.save_pretrained(str(path))
-    elif not any((path / name).exists() for name in TOKENIZER_FILES):
-        warnings.warn(f"save_pretrained: no tokenizer given and none in the model (model.tokenizer), so {path} holds "
-                      "none; `unifusion sample --model DIR` and text generation need one: pass tokenizer=, or save "
-                      "it there yourself (tokenizer.save_pretrained(DIR))", stacklevel=3)
 
 
-def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str], *,
-                    dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                    load_tokenizer: bool = True) -> Any:
-    """Rebuild a model written by :func:`save_pretrained`; the arguments are those of
-    :meth:`DiffusionLM.from_pretrained <unifusion.hf.DiffusionLM.from_pretrained>`.
+def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | None,
+               dtype: torch.dtype | str | None) -> Any:
+    """Rebuild the adapted model of the folder ``path`` from its files and its record ``record`` (``None``: the
+    folder has no :data:`~unifusion.hf.checkpoint.CONFIG_NAME`, a ``ValueError`` naming ``directory``).
 
     Args:
         build: the wrapper class (:class:`~unifusion.hf.DiffusionLM`), called as ``build(hf_model, bos_token_id=...,
-            mask_token_id=..., time_conditioning=..., added_mask_token=...)``.
-        directory: the folder.
+            mask_token_id=..., time_conditioning=..., added_mask_token=..., block_size=...)``.
+        path: the folder.
+        record: its :data:`~unifusion.hf.checkpoint.CONFIG_NAME`.
         dtype: floating dtype of the weights; default the saved one.
-        device: where to put the model; default CPU.
-        load_tokenizer: load the tokenizer saved in the folder, if any.
     """
     import transformers
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
-    path = Path(directory)
     weights_dtype = parse_dtype(dtype)
-    if not path.exists():
-        raise ValueError(f"directory: no such folder {str(path)!r}")
-    if not path.is_dir():
-        raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained, got the file "
-                         f"{str(path)!r}")
-    if not (path / CONFIG_NAME).is_file():
+    if record is None:
         if (path / "config.json").is_file():
             raise ValueError(
                 f"directory: {str(path)!r} is a plain Hugging Face model folder (config.json, no {CONFIG_NAME}); "
@@ -219,12 +168,7 @@ def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str]
                 f"{str(path)!r}))")
         raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained (holding "
                          f"{CONFIG_NAME}), got {str(path)!r}")
-    with open(path / CONFIG_NAME) as f:
-        stamp = json.load(f)
-    unknown = sorted(set(stamp) - CONFIG_KEYS)
-    if unknown:
-        warnings.warn(f"{CONFIG_NAME}: ignoring unknown keys {unknown} (written by unifusion "
-                      f"{stamp.get('unifusion_version', '?')})", stacklevel=3)
+    stamp = record
     saved_dtype = parse_dtype(stamp.get("dtype", "float32"))
     build_dtype = weights_dtype if weights_dtype is not None else saved_dtype
     model_cls = getattr(transformers, stamp.get("architecture", ""), None)
@@ -260,20 +204,7 @@ def from_pretrained(build: Callable[..., Any], directory: str | os.PathLike[str]
         if untied or unexpected:
             raise ValueError(f"directory: {WEIGHTS_NAME} does not match the model (missing {untied[:5]}, "
                              f"unexpected {list(unexpected)[:5]})")
-    if device is not None:
-        model.to(device)
-    if stamp.get("kernel") is not None:  # the training kernel, recorded by save_pretrained
-        model.kernel = kernel_from_config(stamp["kernel"], model.num_states, model.mask_token_id,
-                                          name=f"{CONFIG_NAME}: kernel")
-    if load_tokenizer and any((path / name).is_file() for name in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        try:
-            model.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except (OSError, ValueError) as err:
-            warnings.warn(f"{str(path)!r}: the tokenizer files could not be loaded ({err}); model.tokenizer is "
-                          "None", stacklevel=3)
-    return model.eval()
+    return model
 
 
 def _is_transformers_folder(path: Path) -> bool:
@@ -294,11 +225,3 @@ def _no_init() -> Any:
     except ImportError:  # pragma: no cover - older transformers
         import contextlib
         return contextlib.nullcontext()
-
-
-def _library_version() -> str:
-    """``unifusion.__version__``, read where the package reads it (no import of the package from inside it)."""
-    try:
-        return metadata.version("unifusion")
-    except metadata.PackageNotFoundError:  # a source tree without install, as unifusion.__version__ says
-        return "0.0.0+local"

@@ -27,8 +27,8 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -40,6 +40,7 @@ from ...denoiser import DenoiserModule
 from ...kernels import check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
 from ...samplers import generation
+from ..checkpoint import CheckpointMixin
 from . import attention, blocks, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
@@ -50,7 +51,7 @@ from .time_embedding import TimeEmbedding
 __all__ = ["DiffusionLM", "unwrap_peft"]
 
 
-class DiffusionLM(DenoiserModule):
+class DiffusionLM(CheckpointMixin, DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
     Build it with :func:`~unifusion.hf.adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is
@@ -558,49 +559,33 @@ class DiffusionLM(DenoiserModule):
 
     # -- save / load --------------------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
-                        kernel: Any = None) -> None:
-        """Write a standard Hugging Face folder: the backbone's ``config.json`` (its vocabulary includes an added mask
+    checkpoint_keys = io.CONFIG_KEYS
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """The record's entries of an adapted model (:func:`unifusion.hf.ar.io.config_stamp`). A peft backbone
+        cannot be saved this way (merge its adapters first): a ``TypeError``."""
+        if self.hf_model is not self.base_model:
+            raise TypeError(
+                "save_pretrained: the base model is a peft model; merge the adapters first "
+                "(adapt_ar_model(model.base_model.merge_and_unload(), ...)) or save them with peft")
+        return io.config_stamp(self)
+
+    def save_checkpoint_files(self, path: Path) -> None:
+        """A standard Hugging Face folder of the backbone: its ``config.json`` (the vocabulary includes an added mask
         token), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once),
         so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the backbone with identical weights;
-        unifusion's record ``unifusion_config.json`` (kernel, block size, mask and BOS ids, time conditioning) and,
-        for a time-conditioned model, ``unifusion_weights.safetensors`` (the time embedding) beside them; and the
-        tokenizer's files (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in docs/guides/serving.md.
-
-        Args:
-            save_directory: the folder (created if missing).
-            tokenizer: a Hugging Face tokenizer to save with the model (``tokenizer.save_pretrained``); default the
-                one :func:`~unifusion.hf.adapt_ar_model` was given (:attr:`tokenizer`). With a tokenizer in the
-                folder, ``unifusion sample --model DIR`` and :meth:`from_pretrained` find it.
-            kernel: the forward kernel the model was trained with (default :attr:`kernel`), recorded in the config
-                as ``"kernel"`` (:func:`unifusion.hf.kernel_config`) so that :meth:`from_pretrained` restores
-                :attr:`kernel` and :meth:`generate` and ``unifusion sample``/``eval`` use it by default. Uniform,
-                mask and hybrid kernels with a built-in schedule can be recorded; another kernel warns and is not.
-        """
-        io.save_pretrained(self, save_directory, tokenizer, kernel=kernel)
+        for a time-conditioned model ``unifusion_weights.safetensors`` (the time embedding) beside them
+        (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in docs/guides/serving.md."""
+        io.save_files(self, path)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None, load_tokenizer: bool = True) -> DiffusionLM:
-        """Rebuild a model written by :meth:`save_pretrained` (bit-identical weights), in eval mode, with its
-        recorded training kernel as :attr:`kernel` (``None`` when none was recorded).
-
-        Args:
-            directory: a folder written by :meth:`save_pretrained` (it holds ``unifusion_config.json``), in
-                today's format or the earlier one (the wrapper's state dict in ``model.safetensors``, no
-                ``config.json``).
-            dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default: the dtype they
-                were saved in.
-            device: where to put the model; default CPU.
-            load_tokenizer: load the tokenizer saved in the folder, if any, as :attr:`tokenizer`.
-
-        Raises:
-            ValueError: ``directory`` does not exist, is a plain Hugging Face model folder (load it with
-                transformers and wrap it with :func:`~unifusion.hf.adapt_ar_model`), is not a saved model at all, or
-                its weights do not match its config.
-        """
-        model: DiffusionLM = io.from_pretrained(cls, directory, dtype=dtype, device=device,
-                                                load_tokenizer=load_tokenizer)
+    def load_checkpoint(cls, path: Path, record: dict[str, Any] | None,
+                        dtype: torch.dtype | str | None) -> DiffusionLM:
+        """The model of a folder written by :meth:`save_pretrained`, in today's format or the earlier one (the
+        wrapper's state dict in ``model.safetensors``, no ``config.json``); a plain Hugging Face folder is a
+        ``ValueError`` saying to wrap it with :func:`~unifusion.hf.adapt_ar_model`
+        (:func:`unifusion.hf.ar.io.load_model`)."""
+        model: DiffusionLM = io.load_model(cls, path, record, dtype)
         return model
 
     def extra_repr(self) -> str:

@@ -26,9 +26,6 @@ one decoder call. The cached, step-by-step operations a sampler uses (prefill, d
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,22 +35,20 @@ from einops import rearrange
 from torch import nn
 
 from ... import _validation as V
-from ..._kernel_config import kernel_config, kernel_from_config
 from ...denoiser import DenoiserModule, prompt_conditioning
 from ...kernels import UniformKernel, check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
+from ..checkpoint import CheckpointMixin
 from .layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
-__all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "CONFIG_NAME", "wrap"]
+__all__ = ["CARRY_LOGIT", "DiffusionGemmaLM", "wrap"]
 
-CONFIG_NAME = "unifusion_config.json"
 CARRY_LOGIT = -1.0e4
 """Logit of every token but the clean one at the prompt and padding columns: ``x_θ`` there is the point mass on the
 known token (``e^{-10⁴}`` is 0 in float32 and float64), so the x0-head losses are exactly 0 there."""
-_CONFIG_KEYS = {"unifusion_version", "wrapper", "model_type", "architecture", "kernel"}
 
 
-class DiffusionGemmaLM(DenoiserModule):
+class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
     """``DiffusionGemmaForBlockDiffusion`` as an x0 denoiser over its ``V`` tokens (no mask token).
 
     Build it with :func:`unifusion.hf.registry.wrap_diffusion_lm`. The model is held, not copied: ``base_model`` is
@@ -413,59 +408,30 @@ class DiffusionGemmaLM(DenoiserModule):
 
     # -- save / load ----------------------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
-                        kernel: Any = None) -> None:
-        """Write the model as a Hugging Face checkpoint (``config.json``, ``model.safetensors``: tied weights once),
-        the tokenizer's files if any, and ``unifusion_config.json`` (the wrapper and the kernel record), so the
-        folder loads both with :meth:`from_pretrained` and with transformers."""
-        kernel = kernel if kernel is not None else self.kernel
-        V.check_model_kernel(self, kernel, who="save_pretrained")
-        record = kernel_config(kernel)
-        if record is None:
-            warnings.warn(f"kernel: {kernel!r} cannot be recorded in {CONFIG_NAME}; the saved model names no kernel",
-                          stacklevel=2)
-        tok = tokenizer if tokenizer is not None else self.tokenizer
-        path = Path(save_directory)
+    checkpoint_keys = frozenset({"wrapper", "model_type", "architecture"})
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """The record's entries of DiffusionGemma: the wrapper, the model type and the architecture class."""
+        return {"wrapper": "diffusion_gemma", "model_type": self.config.model_type,
+                "architecture": type(self.base_model).__name__}
+
+    def save_checkpoint_files(self, path: Path) -> None:
+        """The model as transformers saves it (``config.json``, ``model.safetensors``: tied weights once), so plain
+        transformers loads the folder with identical weights."""
         self.base_model.save_pretrained(str(path), safe_serialization=True)
-        stamp = {"unifusion_version": _library_version(), "wrapper": "diffusion_gemma",
-                 "model_type": self.config.model_type, "architecture": type(self.base_model).__name__,
-                 "kernel": record}
-        with open(path / CONFIG_NAME, "w") as f:
-            json.dump(stamp, f, indent=2, sort_keys=True)
-        if tok is not None:
-            tok.save_pretrained(str(path))
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None, load_tokenizer: bool = True) -> DiffusionGemmaLM:
-        """Load a folder written by :meth:`save_pretrained`, or a plain DiffusionGemma checkpoint folder
-        (``config.json`` with ``model_type: diffusion_gemma``), in eval mode; the recorded kernel, if any, becomes
-        :attr:`kernel` (else ``UniformKernel(V)``)."""
+    def load_checkpoint(cls, path: Path, record: dict[str, Any] | None,
+                        dtype: torch.dtype | str | None) -> DiffusionGemmaLM:
+        """A folder written by :meth:`save_pretrained`, or a plain DiffusionGemma checkpoint folder (``config.json``
+        with ``model_type: diffusion_gemma``; no record: ``UniformKernel(V)`` as the kernel)."""
         from transformers import DiffusionGemmaForBlockDiffusion
 
-        path = Path(directory)
         if not (path / "config.json").is_file():
             raise ValueError(f"directory: expected a DiffusionGemma checkpoint folder (with config.json), got "
                              f"{str(path)!r}")
-        stamp: dict[str, Any] = {}
-        if (path / CONFIG_NAME).is_file():
-            with open(path / CONFIG_NAME) as f:
-                stamp = json.load(f)
-            unknown = sorted(set(stamp) - _CONFIG_KEYS)
-            if unknown:
-                warnings.warn(f"{CONFIG_NAME}: ignoring unknown keys {unknown}", stacklevel=2)
         kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
-        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
-        model = cls(hf)
-        if stamp.get("kernel") is not None:
-            model.kernel = kernel_from_config(stamp["kernel"], model.num_states, None, name=f"{CONFIG_NAME}: kernel")
-        if load_tokenizer and any((path / n).is_file() for n in ("tokenizer_config.json", "tokenizer.json")):
-            from transformers import AutoTokenizer
-
-            model.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        if device is not None:
-            model.to(device)
-        return model.eval()
+        return cls(DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs))
 
     def extra_repr(self) -> str:
         return f"canvas_length={self.canvas_length}, num_states={self.num_states}, kernel={self.kernel!r}"
@@ -547,12 +513,3 @@ def _check_probability(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}: expected a float in [0, 1], got {value!r}")
     return float(value)
-
-
-def _library_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("unifusion")
-    except PackageNotFoundError:
-        return "unknown"
