@@ -439,6 +439,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=8, help="block size K of the block-diffusion model")
     parser.add_argument("--task", choices=arithmetic.KINDS, default="add", help="a+b or a+b-c")
     parser.add_argument("--digits", type=int, default=2, help="digits per operand")
+    parser.add_argument("--pad-answers", action=argparse.BooleanOptionalAction, default=False,
+                        help="zero-pad the SFT answers to a fixed width (085): each answer position is one digit "
+                             "place")
     parser.add_argument("--group-size", type=int, default=4, help="G, completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step over all processes")
     parser.add_argument("--steps", type=int, default=10_000, help="GRPO steps (at most; see --train-seconds)")
@@ -504,14 +507,21 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[uf.DiffusionL
     return model.to(device).train(), tokenizer
 
 
+def task_problems(args: argparse.Namespace, split: str) -> list[arithmetic.ArithmeticProblem]:
+    """The task's problems: the whole train split in the order of ``--seed``, or the first ``--eval-problems`` of
+    the held-out split (the same for every seed)."""
+    n = arithmetic.split_size("train", kind=args.task, digits=args.digits) if split == "train" else args.eval_problems
+    return arithmetic.make_problems(n, args.seed if split == "train" else 0, "train" if split == "train" else "test",
+                                    kind=args.task, digits=args.digits, pad_answers=args.pad_answers)
+
+
 def run_one(args: argparse.Namespace, inner: uf.DiffusionLM, tokenizer: Any, reward_fn: RewardFn, *, mode: str,
             rank: int, world: int, device: torch.device, dtype: torch.dtype, log: Callable[[str], None],
             sft_first: bool = True, before: float | None = None) -> dict[str, Any]:
     """SFT (if asked), held-out accuracy (unless ``before`` gives it), GRPO, held-out accuracy: one run's
     metrics."""
-    train = arithmetic.make_problems(arithmetic.split_size("train", kind=args.task, digits=args.digits), args.seed,
-                                     "train", kind=args.task, digits=args.digits)
-    test = arithmetic.make_problems(args.eval_problems, 0, "test", kind=args.task, digits=args.digits)
+    train = task_problems(args, "train")
+    test = task_problems(args, "test")
     wrapped = wrap_model(inner, mode, device)
     autocast = training_autocast(dtype, device)
     if sft_first:
@@ -539,8 +549,7 @@ def preflight(args: argparse.Namespace, inner: uf.DiffusionLM, tokenizer: Any, r
     """Every input check, before any rollout (or SFT) runs."""
     check_batch(args.prompts_per_step * args.group_size, args.group_size, world)
     check_sft_batch(args, world)
-    train = arithmetic.make_problems(arithmetic.split_size("train", kind=args.task, digits=args.digits), args.seed,
-                                     "train", kind=args.task, digits=args.digits)
+    train = task_problems(args, "train")
     # the longest prompt of the task and the longest answer must fit
     longest = max(train, key=lambda p: len(p.prompt))
     encode_prompts(tokenizer, [longest.prompt], block_size=args.block_size, max_new_tokens=args.max_new_tokens,
@@ -616,9 +625,8 @@ def main(argv: list[str] | None = None, *, reward_fn: RewardFn | None = None) ->
         base = argparse.Namespace(**{**vars(args), "seed": seed})
         if seed != args.seed:
             model, tokenizer = build(base, device)
-        sft(model, model, tokenizer, arithmetic.make_problems(
-            arithmetic.split_size("train", kind=args.task, digits=args.digits), seed, "train", kind=args.task,
-            digits=args.digits), base, rank=0, world=1, autocast=training_autocast(dtype, device), log=log)
+        sft(model, model, tokenizer, task_problems(base, "train"), base, rank=0, world=1,
+            autocast=training_autocast(dtype, device), log=log)
         start = copy.deepcopy(model.state_dict())
         before: float | None = None  # greedy decoding of the same weights: measured once per seed
         for objective in OBJECTIVES:

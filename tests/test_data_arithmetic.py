@@ -76,6 +76,21 @@ def test_batch_rewards_and_records():
     assert row["prompt"] == ps[0].prompt and row["answer"] == ps[0].answer and row["kind"] == "add"
 
 
+def test_padded_answers_have_one_digit_place_per_position():
+    plain, padded = make_problems(200, seed=2), make_problems(200, seed=2, pad_answers=True)
+    assert [p.operands for p in padded] == [p.operands for p in plain]  # the same problems and answers
+    assert [p.answer for p in padded] == [p.answer for p in plain]
+    assert arithmetic.answer_width("add", 2) == 3 and arithmetic.answer_width("add", 3) == 4
+    assert arithmetic.answer_width("add_sub", 1) == 2  # 9 + 9 - 0 = 18
+    assert {len(p.completion) for p in padded} == {3} and any(p.answer < 100 for p in padded)
+    for p in padded:
+        assert p.completion == f"{p.answer:03d}" and reward(p.completion, p) == 1.0
+    assert ArithmeticProblem((47, 38), "add", 85, width=3).completion == "085"
+    assert make_problems(5, seed=0, split="test", kind="add_sub", digits=1, pad_answers=True)[0].width == 2
+    with pytest.raises(TypeError, match="pad_answers"):
+        make_problems(3, pad_answers=1)  # type: ignore[arg-type]
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="split"):
         make_problems(3, split="val")

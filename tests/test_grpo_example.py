@@ -163,6 +163,20 @@ def test_group_split_over_processes_raises_before_any_rollout(grpo, no_rollouts,
                        world=1)
 
 
+def test_padded_answers_reach_sft_and_evaluation(grpo):
+    from unifusion.hf import load_smollm2_tokenizer
+
+    args = grpo.parse_args(["--pad-answers", "--eval-problems", "5"])
+    train, test = grpo.task_problems(args, "train"), grpo.task_problems(args, "test")
+    assert len(test) == 5 and len(train) == arithmetic.split_size("train")
+    assert all(len(p.completion) == 3 for p in train + test) and train[0].completion == f"{train[0].answer:03d}"
+    assert not grpo.parse_args([]).pad_answers
+    tok = load_smollm2_tokenizer()
+    p = arithmetic.ArithmeticProblem((47, 38), "add", 85, width=3)
+    row = grpo.answer_ids(tok, [p], 8)
+    assert grpo.decode_completions(tok, row) == ["085"] and arithmetic.reward("085", p) == 1.0
+
+
 def test_arguments_are_checked(grpo):
     args = grpo.parse_args([])
     assert (args.block_size, args.max_new_tokens, args.objective, args.estimator) == (8, 8, "grpo", "elbo")

@@ -5,6 +5,13 @@ of ``digits`` digits (no leading zero), written as a short prompt whose answer i
 
     prompt      "47+38="
     completion  "85"        (the answer's digits; the trainer appends the tokenizer's EOS)
+                "085"       (``pad_answers=True``: zero-padded to the width of the kind's largest answer)
+
+**Padded answers** (``make_problems(..., pad_answers=True)``): every completion has the same number of digits
+(``digits + 1``: up to 198 for 2-digit ``"add"``), so each position of the answer is one digit place — hundreds,
+tens, units — whatever the sum. A model that fills the answer's positions in parallel (a block-diffusion model) then
+does not have to decide the answer's length before it can place a digit; the reward is unchanged (``"085"``'s
+first number is 85).
 
 **Split.** Each operand tuple belongs to one split for good: it is held out when the first byte of
 ``blake2b("add:47,38")`` (the kind and the operands) is below 26 (≈ 10 %), so ``split="test"`` never shares a problem
@@ -41,7 +48,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-__all__ = ["KINDS", "SPLITS", "ArithmeticProblem", "make_problems", "reward", "rewards", "split_of", "split_size"]
+__all__ = ["KINDS", "SPLITS", "ArithmeticProblem", "answer_width", "make_problems", "reward", "rewards", "split_of",
+           "split_size"]
 
 KINDS = ("add", "add_sub")
 """The problem kinds: ``"add"`` (a + b) and ``"add_sub"`` (a + b − c ≥ 0)."""
@@ -63,11 +71,13 @@ class ArithmeticProblem:
         operands: ``(a, b)`` for ``"add"``, ``(a, b, c)`` for ``"add_sub"``.
         kind: one of :data:`KINDS`.
         answer: the exact result.
+        width: the completion's digits: the answer zero-padded on the left to this width (0: unpadded).
     """
 
     operands: tuple[int, ...]
     kind: str
     answer: int
+    width: int = 0
 
     @property
     def prompt(self) -> str:
@@ -77,8 +87,9 @@ class ArithmeticProblem:
 
     @property
     def completion(self) -> str:
-        """The target answer text for supervised fine-tuning, e.g. ``"85"`` (append the tokenizer's EOS)."""
-        return str(self.answer)
+        """The target answer text for supervised fine-tuning, e.g. ``"85"``, or ``"085"`` at ``width=3`` (append
+        the tokenizer's EOS)."""
+        return str(self.answer).zfill(self.width)
 
     def as_dict(self) -> dict[str, object]:
         """``{"prompt", "completion", "answer", "operands", "kind"}``: a row for a ``datasets.Dataset`` (TRL reads
@@ -136,8 +147,16 @@ def _check_split(split: object) -> str:
     return str(split)
 
 
+def answer_width(kind: str = "add", digits: int = 2) -> int:
+    """The digits of the kind's largest answer (``pad_answers``' width): ``digits + 1`` for both kinds."""
+    kind = _check_kind(kind)
+    top = 10 ** _check_digits(digits, kind) - 1
+    return len(str(2 * top))
+
+
 def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "train", *,
-                  kind: Literal["add", "add_sub"] = "add", digits: int = 2) -> list[ArithmeticProblem]:
+                  kind: Literal["add", "add_sub"] = "add", digits: int = 2,
+                  pad_answers: bool = False) -> list[ArithmeticProblem]:
     """``n`` distinct problems of the split, in an order fixed by ``seed`` (module docstring).
 
     Args:
@@ -147,6 +166,8 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
         kind: ``"add"`` (a + b) or ``"add_sub"`` (a + b − c, results ≥ 0).
         digits: digits of every operand (2: operands 10–99); 1 to 3 for ``"add"``, 1 or 2 for ``"add_sub"`` (the
             split is made by enumerating every operand tuple once per process: 2-digit ``"add_sub"`` takes seconds).
+        pad_answers: zero-pad every completion to :func:`answer_width` digits (module docstring); the problems,
+            answers and rewards are the same.
 
     Raises:
         ValueError: an unknown split or kind, ``digits`` out of range, ``n`` negative or above the split's size.
@@ -155,6 +176,9 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
     digits, split_ = _check_digits(digits, kind_), _check_split(split)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if not isinstance(pad_answers, bool):
+        raise TypeError(f"pad_answers: expected a bool, got {type(pad_answers).__name__}")
+    width = answer_width(kind_, digits) if pad_answers else 0
     pool = _pool(kind_, digits, split_)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(pool):
         raise ValueError(f"n: expected an int in [0, {len(pool)}] (the {split_} split of {digits}-digit {kind_!r} "
@@ -165,7 +189,7 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
     for i in order[:n]:
         ops = pool[i]
         answer = ops[0] + ops[1] - (ops[2] if kind_ == "add_sub" else 0)
-        out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=answer))
+        out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=answer, width=width))
     return out
 
 
