@@ -168,13 +168,12 @@ def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | N
                 f"{str(path)!r}))")
         raise ValueError(f"directory: expected a folder written by DiffusionLM.save_pretrained (holding "
                          f"{CONFIG_NAME}), got {str(path)!r}")
-    stamp = record
-    saved_dtype = parse_dtype(stamp.get("dtype", "float32"))
+    saved_dtype = parse_dtype(record.get("dtype", "float32"))
     build_dtype = weights_dtype if weights_dtype is not None else saved_dtype
-    model_cls = getattr(transformers, stamp.get("architecture", ""), None)
-    wrapper_kwargs = dict(bos_token_id=stamp["bos_token_id"], mask_token_id=stamp["mask_token_id"],
-                          time_conditioning=stamp.get("time_conditioning", False),
-                          added_mask_token=stamp.get("added_mask_token", False), block_size=stamp.get("block_size"))
+    model_cls = getattr(transformers, record.get("architecture", ""), None)
+    wrapper_kwargs = dict(bos_token_id=record["bos_token_id"], mask_token_id=record["mask_token_id"],
+                          time_conditioning=record.get("time_conditioning", False),
+                          added_mask_token=record.get("added_mask_token", False), block_size=record.get("block_size"))
     if _is_transformers_folder(path):
         loader = model_cls if model_cls is not None else AutoModelForCausalLM
         hf = loader.from_pretrained(str(path), dtype=build_dtype)
@@ -187,8 +186,8 @@ def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | N
             raise ValueError(f"directory: {EXTRA_WEIGHTS_NAME} does not match the model (missing {missing[:5]}, "
                              f"unexpected {list(unexpected)[:5]})")
     else:  # the earlier format: the wrapper's state dict, the backbone rebuilt from base_config
-        base_config = dict(stamp["base_config"])
-        model_type = base_config.pop("model_type", stamp.get("model_type"))
+        base_config = dict(record["base_config"])
+        model_type = base_config.pop("model_type", record.get("model_type"))
         config = AutoConfig.for_model(model_type, **base_config)
         with _no_init():
             hf = (model_cls._from_config(config, dtype=build_dtype) if model_cls is not None
