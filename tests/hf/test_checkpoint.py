@@ -68,14 +68,6 @@ def test_both_kinds_inherit_the_one_implementation() -> None:
         assert kind.from_pretrained.__func__ is CheckpointMixin.from_pretrained.__func__  # type: ignore[attr-defined]
 
 
-def test_a_kind_missing_a_hook_cannot_be_built() -> None:
-    class NoLoader(Toy):
-        load_checkpoint = CheckpointMixin.load_checkpoint  # the abstract hook again
-
-    with pytest.raises(TypeError, match="abstract.*load_checkpoint"):
-        NoLoader()
-
-
 def test_a_new_kind_round_trips_with_its_record_kernel_and_device(tmp_path) -> None:
     model = Toy(width=5)
     kernel = uf.MaskKernel(S, S - 1)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from abc import ABC, abstractmethod
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -53,10 +52,9 @@ def library_version() -> str:
         return "0.0.0+local"
 
 
-class CheckpointMixin(ABC):
+class CheckpointMixin:
     """``save_pretrained`` / ``from_pretrained`` for a :class:`~unifusion.denoiser.Denoiser` model kind (module
-    docstring), an abstract base class: a subclass (listed before its ``nn.Module`` base) missing a hook cannot be
-    built. It provides:
+    docstring). A subclass (listed before its ``nn.Module`` base) provides:
 
     * :attr:`checkpoint_keys`: the keys its record may hold (others are warned about on load);
     * :meth:`checkpoint_record`: its keys of the record (and a ``TypeError`` when the model cannot be saved);
@@ -72,17 +70,17 @@ class CheckpointMixin(ABC):
         Called before anything is written: raise here when the model cannot be saved as it is."""
         return {}
 
-    @abstractmethod
     def save_checkpoint_files(self, path: Path) -> None:
         """Write the kind's own files into the existing folder ``path``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to write its files")
 
     @classmethod
-    @abstractmethod
     def load_checkpoint(cls: type[_Model], path: Path, record: dict[str, Any] | None,
                         dtype: torch.dtype | str | None) -> _Model:
         """The model built from the folder ``path`` (weights in ``dtype``, default the saved one; on the CPU), given
         its record (``None`` when the folder holds no :data:`CONFIG_NAME`: a kind that can open its plain Hugging
         Face folders does, another raises a ``ValueError`` naming ``directory``)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how to read its files")
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
                         kernel: Any = None) -> None:
