@@ -68,6 +68,60 @@ def test_both_kinds_inherit_the_one_implementation() -> None:
         assert kind.from_pretrained.__func__ is CheckpointMixin.from_pretrained.__func__  # type: ignore[attr-defined]
 
 
+def test_a_kind_missing_a_hook_fails_when_its_class_is_defined() -> None:
+    with pytest.raises(TypeError, match="^NoLoader: a model kind built on CheckpointMixin must define "
+                                        "load_checkpoint "):
+        class NoLoader(CheckpointMixin, DenoiserModule):
+            def save_checkpoint_files(self, path: Path) -> None: ...
+
+    with pytest.raises(TypeError, match="^NoHooks: .* must define save_checkpoint_files and load_checkpoint "):
+        class NoHooks(CheckpointMixin, DenoiserModule):
+            pass
+
+    with pytest.raises(TypeError, match="^Shadowed: .* must define save_checkpoint_files and load_checkpoint "):
+        class Hooks:  # listed after the mixin, its hooks would never run: the mixin's come first in the MRO
+            def save_checkpoint_files(self, path: Path) -> None: ...
+
+            @classmethod
+            def load_checkpoint(cls, path: Path, record: Any, dtype: Any) -> Any: ...
+
+        class Shadowed(CheckpointMixin, Hooks, DenoiserModule):
+            pass
+
+
+def test_an_abstract_base_opts_out_for_itself_only() -> None:
+    class Base(CheckpointMixin, DenoiserModule, abstract=True):
+        """Shared by kinds that define the hooks."""
+
+    with pytest.raises(TypeError, match="^Incomplete: .* must define save_checkpoint_files and load_checkpoint "):
+        class Incomplete(Base):
+            pass
+
+    class Complete(Base):
+        save_checkpoint_files = Toy.save_checkpoint_files
+        load_checkpoint = Toy.__dict__["load_checkpoint"]
+
+    assert Complete.save_checkpoint_files is Toy.save_checkpoint_files
+    with pytest.raises(TypeError, match="abstract: expected a bool, got str"):
+        class Odd(CheckpointMixin, DenoiserModule, abstract="yes"):  # type: ignore[call-arg]
+            pass
+
+
+def test_classes_made_on_the_fly_inherit_the_hooks_and_take_the_instance() -> None:
+    """FSDP2's ``fully_shard`` swaps a model's ``__class__`` for ``FSDP<Class>(FSDPModule, Class)``, made on the fly
+    (no metaclass may stand in the way): such a subclass inherits the hooks, and the instance keeps working."""
+
+    class Sharded:  # stands in for FSDPModule
+        pass
+
+    model = Toy(width=4)
+    model.__class__ = type(f"FSDP{Toy.__name__}", (Sharded, Toy), {})
+    assert isinstance(model, Toy) and type(model).load_checkpoint.__func__ is Toy.load_checkpoint.__func__
+    assert torch.equal(model(torch.tensor([[1, 2]])), model.table.weight[[1, 2]][None])
+    for kind in (DiffusionLM, DiffusionGemmaLM):
+        assert issubclass(type(f"FSDP{kind.__name__}", (Sharded, kind), {}), kind)
+
+
 def test_a_new_kind_round_trips_with_its_record_kernel_and_device(tmp_path) -> None:
     model = Toy(width=5)
     kernel = uf.MaskKernel(S, S - 1)

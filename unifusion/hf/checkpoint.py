@@ -14,7 +14,8 @@ model from its files (:meth:`CheckpointMixin.load_checkpoint`), then restores wh
 the recorded kernel as ``model.kernel``, the tokenizer as ``model.tokenizer``, the device, eval mode.
 
 :class:`CheckpointMixin` is that shared implementation: :class:`~unifusion.hf.DiffusionLM` and
-:class:`~unifusion.hf.DiffusionGemmaLM` inherit it and provide its three hooks; a new model kind does the same.
+:class:`~unifusion.hf.DiffusionGemmaLM` inherit it and provide its hooks (two of them required, checked when the class
+is defined); a new model kind does the same.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def library_version() -> str:
         return "0.0.0+local"
 
 
+# the hooks of CheckpointMixin every model kind defines (checked when the class is defined)
+_HOOKS = ("save_checkpoint_files", "load_checkpoint")
+
+
 class CheckpointMixin:
     """``save_pretrained`` / ``from_pretrained`` for a :class:`~unifusion.denoiser.Denoiser` model kind (module
     docstring). A subclass (listed before its ``nn.Module`` base) provides:
@@ -60,10 +65,31 @@ class CheckpointMixin:
     * :meth:`checkpoint_record`: its keys of the record (and a ``TypeError`` when the model cannot be saved);
     * :meth:`save_checkpoint_files`: writes its own files into the folder;
     * :meth:`load_checkpoint`: builds the model from a folder (its record, or ``None`` when the folder has none).
+
+    The last two are required: a class that leaves one to this mixin is a ``TypeError`` naming the class and the hook
+    when it is defined (:meth:`__init_subclass__`), not when a checkpoint is first saved or loaded. An intermediate
+    base that leaves them to its subclasses says so: ``class Base(CheckpointMixin, DenoiserModule, abstract=True)``.
+    The check runs without a metaclass (an ``ABC`` here would make FSDP2's ``fully_shard`` fail: it swaps the
+    model's ``__class__`` for a subclass made on the fly, which inherits the hooks and passes the check).
     """
 
     checkpoint_keys: ClassVar[frozenset[str]] = frozenset()
     """The record's keys the kind writes or reads, besides ``unifusion_version`` and ``kernel``."""
+
+    def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
+        """Check that ``cls`` defines (or inherits from a class other than this mixin) every hook of ``_HOOKS``;
+        ``abstract=True`` skips the check for ``cls`` itself (not for its subclasses)."""
+        super().__init_subclass__(**kwargs)
+        if not isinstance(abstract, bool):
+            raise TypeError(f"abstract: expected a bool, got {type(abstract).__name__}")
+        if abstract:
+            return
+        missing = [name for name in _HOOKS
+                   if next(k for k in cls.__mro__ if name in vars(k)) is CheckpointMixin]
+        if missing:
+            raise TypeError(f"{cls.__name__}: a model kind built on CheckpointMixin must define "
+                            f"{' and '.join(missing)} (how it writes and reads its own files); an intermediate base "
+                            f"class that leaves them to its subclasses is declared with abstract=True")
 
     def checkpoint_record(self) -> dict[str, Any]:
         """The kind's entries of :data:`CONFIG_NAME` (JSON-serialisable; ``str`` is applied to anything else).
@@ -71,7 +97,8 @@ class CheckpointMixin:
         return {}
 
     def save_checkpoint_files(self, path: Path) -> None:
-        """Write the kind's own files into the existing folder ``path``."""
+        """Write the kind's own files into the existing folder ``path`` (required: the body here is only reached on an
+        ``abstract=True`` base)."""
         raise NotImplementedError(f"{type(self).__name__} does not say how to write its files")
 
     @classmethod
@@ -79,7 +106,8 @@ class CheckpointMixin:
                         dtype: torch.dtype | str | None) -> _Model:
         """The model built from the folder ``path`` (weights in ``dtype``, default the saved one; on the CPU), given
         its record (``None`` when the folder holds no :data:`CONFIG_NAME`: a kind that can open its plain Hugging
-        Face folders does, another raises a ``ValueError`` naming ``directory``)."""
+        Face folders does, another raises a ``ValueError`` naming ``directory``); required, like
+        :meth:`save_checkpoint_files`."""
         raise NotImplementedError(f"{cls.__name__} does not say how to read its files")
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None, *,
