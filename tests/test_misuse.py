@@ -314,7 +314,7 @@ def test_an_empty_batch_names_what_was_passed(model):
     with pytest.raises(ValueError, match="batch_size"):
         uf.BayesianSampler(model, kernel, 2).sample(0, 4)
     for shape in ((0, 6), (2, 0)):
-        with pytest.raises(ValueError, match=r"x0: expected a non-empty batch of clean tokens.*got "
+        with pytest.raises(ValueError, match=r"x0: expected a non-empty batch of token ids.*got "
                                              + re.escape(str(shape))):
             uf.eval.nll_bound(model, torch.zeros(shape, dtype=torch.long), kernel, num_times=2)
 

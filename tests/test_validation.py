@@ -4,6 +4,7 @@ checks only."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -227,3 +228,50 @@ def test_sequence_times_and_meta_tensors():
     V.check_model_device(torch.nn.Linear(2, 2), "device", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"device: is on meta but the model's parameters are on cpu"):
         V.check_model_device(torch.nn.Linear(2, 2), "device", torch.device("meta"))
+
+
+def test_a_batch_of_token_ids_is_one_rule_at_every_entry_point():
+    """``(B, L)`` integer token ids with B, L >= 1: one check (``_validation.check_token_batch``) behind the model's
+    forward, the losses, the likelihood, the RL log-probabilities and DiffusionGemma's prompts; each error names the
+    argument, what was expected and what came."""
+    from _hf_tiny import tiny_diffusion_gemma, tiny_model
+
+    from unifusion import _validation as V
+
+    ids = torch.ones(2, 3, dtype=torch.long)
+    assert V.check_token_batch("x0", ids) is ids
+    for value, error, message in [
+            ([[1, 2]], TypeError, r"x0: expected a \(B, L\) integer tensor of token ids, got list"),
+            (ids[0], ValueError, r"x0: expected shape \(B, L\), got \(3,\)"),
+            (ids[:, :0], ValueError, r"x0: expected a non-empty batch of token ids \(B, L\) with B, L >= 1, got "
+                                     r"\(2, 0\)"),
+            (ids.float(), TypeError, "x0: expected integer token ids \\(int64\\), got dtype torch.float32"),
+            (ids.bool(), TypeError, "x0: expected integer token ids \\(int64\\), got dtype torch.bool"),
+            (ids.to("meta"), ValueError, "x0: is on the meta device")]:
+        with pytest.raises(error, match="^" + message):
+            V.check_token_batch("x0", value)
+    with pytest.raises(ValueError, match=r"^prompt_ids: expected a non-empty batch of token ids \(B, P\) with B, P "
+                                         r">= 1, got \(1, 0\)"):
+        V.check_token_batch("prompt_ids", ids[:1, :0], ("B", "P"))
+
+    model = uf.adapt_ar_model(tiny_model("llama"))
+    kernel = uf.UniformKernel(model.num_states)
+    gemma = uf.hf.wrap_diffusion_lm(tiny_diffusion_gemma())
+    empty = ids[:0]
+    entry_points = {
+        "x_t": lambda x: model(x),
+        "x0": lambda x: uf.diffusion_loss(model, x, kernel),
+        "input_ids": lambda x: uf.rl.sequence_logprob(model, x, torch.ones_like(x, dtype=torch.bool)),
+        "prompt_ids": lambda x: gemma.generate(x),
+    }
+    for name, call in entry_points.items():
+        dims = "(B, P)" if name == "prompt_ids" else "(B, L)"
+        with pytest.raises(ValueError, match=f"^{name}: expected a non-empty batch of token ids {re.escape(dims)}"):
+            call(empty)
+        with pytest.raises(TypeError, match=rf"^{name}: expected integer token ids \(int64\), got dtype "
+                                            "torch.float32"):
+            call(ids.float())
+    with pytest.raises(ValueError, match=r"^x0: expected shape \(B, L\), got \(3,\)"):
+        uf.eval.nll_bound(model, ids[0], kernel, num_times=2)
+    with pytest.raises(ValueError, match=r"^x_t: expected shape \(B, L\), got \(3,\)"):
+        gemma(ids[0], prompt_length=1)

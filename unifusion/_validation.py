@@ -78,6 +78,29 @@ def fail_if(bad: torch.Tensor, message: Callable[[], str]) -> None:
         raise ValueError(message())
 
 
+def check_token_batch(name: str, value: object, dims: tuple[str, str] = ("B", "L")) -> torch.Tensor:
+    """A non-empty batch of token ids: a 2-D integer tensor with data, of shape ``(B, L)`` with ``B, L >= 1`` (``dims``
+    names the two sizes in the messages, e.g. ``("B", "P")`` for a prompt). Metadata only (no host sync); the ids'
+    range is :func:`check_token_ids`'s.
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: not 2-D, an empty batch, or a meta tensor.
+    """
+    shape = f"({dims[0]}, {dims[1]})"
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a {shape} integer tensor of token ids, got {type(value).__name__}")
+    check_not_meta(name, value)
+    if value.dim() != 2:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(value.shape)}")
+    if 0 in value.shape:
+        raise ValueError(f"{name}: expected a non-empty batch of token ids {shape} with {dims[0]}, {dims[1]} >= 1, "
+                         f"got {tuple(value.shape)}")
+    if not is_integer_dtype(value.dtype):
+        raise TypeError(f"{name}: expected integer token ids (int64), got dtype {value.dtype}")
+    return value
+
+
 def check_token_ids(name: str, value: object, num_states: int) -> torch.Tensor:
     """Integer tensor with values in [0, num_states)."""
     ids = check_tensor(name, value)

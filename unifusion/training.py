@@ -265,12 +265,8 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
         raise ValueError("generator: torch.compile cannot trace a torch.Generator; in a compiled step pass "
                          "generator=None and seed the global generator instead (torch.manual_seed)")
     V.check_model_kernel(model, kernel)
-    x0 = V.check_tensor("x0", x0)
-    if x0.dim() != 2:
-        raise ValueError(f"x0: expected clean tokens of shape (B, L), got {tuple(x0.shape)}")
+    x0 = V.check_token_batch("x0", x0)
     B, L = x0.shape
-    if B == 0 or L == 0:
-        raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got {(B, L)}")
     V.check_model_device(model, "x0", x0)
     V.check_model_length(model, L, "x0")
     # every value check of the step in one host sync, then kernel, model and loss run unchecked

@@ -122,13 +122,7 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
         raise TypeError(f"reference: expected a bool, got {type(reference).__name__}")
     if batch_size is not None:
         batch_size = V.check_positive_int("batch_size", batch_size)
-    if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
-        raise ValueError(f"x0: expected a (B, L) tensor of token ids, got "
-                         f"{tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__}")
-    if x0.shape[0] == 0 or x0.shape[1] == 0:
-        raise ValueError(f"x0: expected a non-empty batch of clean tokens (B, L) with B, L >= 1, got "
-                         f"{tuple(x0.shape)}")
-    V.check_not_meta("x0", x0)
+    x0 = V.check_token_batch("x0", x0)
     V.check_model_kernel(model, kernel)
     generator = V.check_generator(generator)
     V.check_model_device(model, "x0", x0)

@@ -155,9 +155,7 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
     if inner is None:
         raise TypeError(f"model: expected a unifusion model (DiffusionLM, DiffusionGemmaLM) whose forward computes the "
                         f"fused loss, got {type(V.unwrap_model(model)).__name__}")
-    x0 = V.check_tensor("input_ids", input_ids)
-    if x0.dim() != 2 or x0.shape[0] == 0 or x0.shape[1] == 0:
-        raise ValueError(f"input_ids: expected a non-empty (B, L) tensor of token ids, got {tuple(x0.shape)}")
+    x0 = V.check_token_batch("input_ids", input_ids)
     B, L = x0.shape
     if not isinstance(completion_mask, torch.Tensor) or tuple(completion_mask.shape) != (B, L):
         got = tuple(completion_mask.shape) if isinstance(completion_mask, torch.Tensor) else \

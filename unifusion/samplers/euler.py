@@ -221,9 +221,7 @@ class ConvertedModel(ConvertedHead):
                 f"dtype={self.dtype})")
 
     def __call__(self, x_t: torch.Tensor, t: torch.Tensor | float) -> Any:
-        x_t = V.check_tensor("x_t", x_t)
-        if x_t.dim() != 2:
-            raise ValueError(f"x_t: expected token ids of shape (B, L), got {tuple(x_t.shape)}")
+        x_t = V.check_token_batch("x_t", x_t)
         V.check_model_device(self.model, "x_t", x_t)  # device metadata only: no sync
         kernel, dtype = self.kernel, self.dtype
         with V.batched_checks():

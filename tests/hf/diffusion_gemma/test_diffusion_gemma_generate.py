@@ -267,7 +267,7 @@ def test_generation_config_checks(model):
         model.generate(prompt, config(), policy=EntropyBound(0.1), parity=True)
     with pytest.raises(ValueError, match="generator"):
         model.generate(prompt, config(), generator=[torch.Generator()], parity=True)
-    with pytest.raises(ValueError, match="prompt_ids"):
+    with pytest.raises(TypeError, match="prompt_ids: expected integer token ids"):
         model.generate(prompt.float(), config())
     with pytest.raises(ValueError, match="attention_mask"):
         model.generate(prompt, config(), attention_mask=torch.tensor([[1, 0, 1, 1]]))

@@ -181,13 +181,8 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
 
     def _check(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any
                ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None]:
-        if not isinstance(x_t, torch.Tensor):
-            raise TypeError(f"x_t: expected a (B, L) int64 tensor of token ids, got {type(x_t).__name__}")
-        if x_t.dim() != 2:
-            raise ValueError(f"x_t: expected shape (B, L), got {tuple(x_t.shape)}")
+        x_t = V.check_token_batch("x_t", x_t)
         B, L = x_t.shape
-        if B == 0 or L == 0:
-            raise ValueError(f"x_t: expected a non-empty batch (B, L) with B, L >= 1, got {(B, L)}")
         V.check_model_device(self, "x_t", x_t)
         # every value check in one host sync (none with validation off)
         with V.batched_checks():

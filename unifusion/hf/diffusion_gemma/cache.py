@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ... import _validation as V
+
 DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma.model imports this module, not the other way round)
 
 __all__ = ["CanvasState", "commit", "denoise", "prefill", "select_rows"]
@@ -86,8 +88,7 @@ def prefill(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, *,
     """Encode the prompt ``(B, P)`` (left-padded where ``attention_mask`` is 0) into a fresh ``DynamicCache``."""
     from transformers import DynamicCache
 
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
-        raise ValueError("prompt_ids: expected a (B, P) tensor of token ids with P >= 1")
+    prompt_ids = V.check_token_batch("prompt_ids", prompt_ids, ("B", "P"))
     B, P = prompt_ids.shape
     if attention_mask is None:
         mask = torch.ones((B, P), dtype=torch.bool, device=prompt_ids.device)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ... import _validation as V
 from ...samplers.generation import generate as generate_tokens
 from ...samplers.policies import EntropyBound
 from .cache import CanvasState, commit, prefill
@@ -239,10 +240,7 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
     """
     if not isinstance(parity, bool) or not isinstance(return_dict, bool):
         raise TypeError("parity, return_dict: expected bools")
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape \
-            or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
-        raise ValueError(f"prompt_ids: expected a non-empty (B, P) integer tensor of token ids, got {got}")
+    prompt_ids = V.check_token_batch("prompt_ids", prompt_ids, ("B", "P"))
     B, P = prompt_ids.shape
     s = resolve_settings(model, generation_config, P, parity=parity)
     if policy is None:

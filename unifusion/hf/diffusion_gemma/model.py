@@ -288,9 +288,7 @@ class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
 
     def _check(self, x_t: Any, t: Any, x0: Any, attention_mask: Any, bidirectional_prob: Any
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or 0 in x_t.shape:
-            got = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
-            raise ValueError(f"x_t: expected a non-empty (B, L) tensor of token ids, got {got}")
+        x_t = V.check_token_batch("x_t", x_t)
         if bidirectional_prob != 1.0:
             raise ValueError(f"bidirectional_prob: DiffusionGemma's decoder is bidirectional by design; expected 1.0, "
                              f"got {bidirectional_prob!r} (attention annealing does not apply)")
@@ -460,8 +458,7 @@ class PromptConditioned:
     def __init__(self, model: DiffusionGemmaLM, x0: torch.Tensor, *, prompt_mask: torch.Tensor | None,
                  prompt_length: int | torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                  self_conditioning_prob: float = 0.0, generator: torch.Generator | None = None) -> None:
-        if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
-            raise ValueError("x0: expected a (B, L) tensor of token ids")
+        x0 = V.check_token_batch("x0", x0)
         self.model, self.x0 = model, x0
         self.attention_mask, self.generator = attention_mask, generator
         self.self_conditioning_prob = _check_probability("self_conditioning_prob", self_conditioning_prob)
