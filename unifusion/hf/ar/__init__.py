@@ -10,6 +10,8 @@ One concept per module:
 * :mod:`~unifusion.hf.ar.blocks`: block diffusion, the ``[clean | noisy]`` layout in one forward and the KV-cache
   helpers;
 * :mod:`~unifusion.hf.ar.time_embedding`: the optional learned time embedding;
+* :mod:`~unifusion.hf.ar.head`: the output head, hidden states to logits as the family computes them, on the kept
+  positions only;
 * :mod:`~unifusion.hf.ar.model`: :class:`DiffusionLM`, the wrapper (forward, hidden states, fused loss);
 * :mod:`~unifusion.hf.ar.adapted`: :class:`~unifusion.hf.ar.adapted.AdaptedLM`, what the helper modules read of
   the wrapper (they cannot import ``model``, which imports them);

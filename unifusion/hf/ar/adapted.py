@@ -1,11 +1,12 @@
 """What :class:`~unifusion.hf.DiffusionLM`'s own helper modules read of it: the :class:`AdaptedLM` protocol.
 
-:mod:`unifusion.hf.ar.blocks` (block diffusion), :mod:`unifusion.hf.ar.decoding` (the cached decoders) and
-:mod:`unifusion.hf.ar.io` (save and load) run the adapter's backbone, so they see more of it than the
-:class:`~unifusion.denoiser.Denoiser` interface: the BOS token it prepends, its time embedding, its family's attention
-rules, the Hugging Face model inside. :mod:`unifusion.hf.ar.model` imports them, so they cannot import it back; they
-type their ``model`` argument with this protocol instead, and mypy checks that :class:`~unifusion.hf.DiffusionLM`
-satisfies it wherever the model passes itself to them.
+:mod:`unifusion.hf.ar.blocks` (block diffusion), :mod:`unifusion.hf.ar.decoding` (the cached decoders),
+:mod:`unifusion.hf.ar.head` (the output head) and :mod:`unifusion.hf.ar.io` (save and load) run the adapter's
+backbone, so they see more of it than the :class:`~unifusion.denoiser.Denoiser` interface: the BOS token it prepends,
+its time embedding, its family's attention rules and output head, the Hugging Face model inside.
+:mod:`unifusion.hf.ar.model` imports them, so they cannot import it back; they type their ``model`` argument with this
+protocol instead, and mypy checks that :class:`~unifusion.hf.DiffusionLM` satisfies it wherever the model passes
+itself to them (and in ``tests/_protocol_checks.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ class AdaptedLM(Protocol):
 
     @property
     def num_states(self) -> int: ...
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    @property
+    def lm_head_bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def logit_scale(self) -> float: ...
+
+    @property
+    def final_logit_softcap(self) -> float | None: ...
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor: ...
 

@@ -7,7 +7,8 @@ Implements paper §3.2 ("AR as the x0 model") and App. C.5 (Algorithm 1).
 token, runs the network on ``[BOS, x_t^1, ..., x_t^L]`` (length ``L + 1``, :mod:`unifusion.hf.ar.layout`) and keeps
 outputs ``0 .. L − 1``: the prediction for position ``i`` is the network output at position ``i − 1`` (BOS for
 ``i = 1``). With causal attention and a clean input, the logits are exactly the base model's next-token logits after
-``[BOS, x^1 .. x^{i−1}]``.
+``[BOS, x^1 .. x^{i−1}]``. The output head runs on the ``L`` kept positions only, as the family's own ``forward``
+computes it (:mod:`unifusion.hf.ar.head`).
 
 **Attention** follows the annealed pattern of :mod:`unifusion.hf.ar.attention` (``bidirectional_prob = γ``; inference
 uses ``γ = 1``). The BOS row is an ordinary row (its output predicts ``x^1``, so it must see the sequence when
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import _validation as V
@@ -41,7 +41,7 @@ from ...kernels import check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
 from ...samplers import generation
 from ..checkpoint import CheckpointMixin
-from . import attention, blocks, io
+from . import attention, blocks, head, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
 from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
 from .families import Family, family_for, unwrap_peft
@@ -357,8 +357,8 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
                 logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
-        return self._logits(self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids),
-                            x_t.shape[1])
+        return head.kept_logits(self, self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids),
+                                x_t.shape[1])
 
     @staticmethod
     def _check_documents(document_ids: object, x_t: object) -> torch.Tensor:
@@ -411,23 +411,6 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
             logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
             position_weight=position_weight)
 
-    def _logits(self, kwargs: dict[str, Any], L: int) -> torch.Tensor:
-        """Contiguous ``(B, L, V)`` logits of the first ``L`` of the ``L + 1`` network positions.
-
-        The head runs on those positions only: the hidden states are sliced before it, not the logits after it (a
-        ``(B, L, V)`` view with row stride ``(L + 1) V`` would be copied whole by a loss reading rows, and its backward
-        would allocate a ``(B, L + 1, V)`` gradient). Families whose ``forward`` takes transformers'
-        ``logits_to_keep`` get ``slice(0, L)`` (their own head, post-processing and hooks run); others run the
-        backbone, then the head module and :meth:`logits_from_hidden`'s post-processing on ``h[:, :-1]``.
-        """
-        if _takes_logits_to_keep(self._hf.__class__):
-            logits = self._hf(**kwargs, logits_to_keep=slice(0, L)).logits  # (B, L, V)
-            if logits.shape[1] == L:
-                return logits
-            return logits[:, :L].contiguous()  # pragma: no cover - a family that ignores logits_to_keep
-        h = self._hf.base_model(**kwargs).last_hidden_state[:, :-1]  # (B, L, d)
-        return self._post_head(self._hf.get_output_embeddings()(h))
-
     def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
                       bidirectional_prob: float | torch.Tensor = 1.0,
                       attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
@@ -447,23 +430,13 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         h = self._hf.base_model(**kwargs).last_hidden_state  # (B, L+1, d)
         return h[:, :-1]
 
-
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``.
+        """The family's output head on hidden states ``(..., d)`` → logits ``(..., V)``
+        (:func:`unifusion.hf.ar.head.logits_from_hidden`).
 
         ``z = (h W^T + b) · logit_scale``, then ``c · tanh(z / c)`` when the family soft-caps (gemma2/3).
         """
-        return self._post_head(F.linear(h, self.lm_head_weight, self.lm_head_bias))
-
-    def _post_head(self, z: torch.Tensor) -> torch.Tensor:
-        """The family's post-processing of the head's output ``z``: the logit scale, then the soft-cap."""
-        scale = self.logit_scale
-        if scale != 1.0:
-            z = z * scale
-        c = self.final_logit_softcap
-        if c is not None:
-            z = torch.tanh(z / c) * c
-        return z
+        return head.logits_from_hidden(self, h)
 
     # -- generation ---------------------------------------------------------------------------------------------
 
@@ -589,22 +562,3 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
                 f"time_conditioning={self.time_conditioning}"
                 + (f", block_size={self.block_size}" if self.block_size is not None else ""))
 
-
-_LOGITS_TO_KEEP: dict[Any, bool] = {}  # _takes_logits_to_keep's answer per class
-
-
-@torch.compiler.assume_constant_result  # a traced step takes the answer as a constant: no guard on the cache's state
-def _takes_logits_to_keep(model_cls: Any) -> bool:
-    """Whether ``model_cls.forward`` names a ``logits_to_keep`` parameter: transformers' ``*ForCausalLM`` index the
-    hidden states with it before ``lm_head`` (every supported family in transformers 5). Older releases (an int-only
-    ``num_logits_to_keep``, or none) take :meth:`DiffusionLM._logits`'s backbone-then-head path."""
-    known = _LOGITS_TO_KEEP.get(model_cls)
-    if known is None:
-        import inspect
-
-        try:
-            known = "logits_to_keep" in inspect.signature(model_cls.forward).parameters
-        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-            known = False
-        _LOGITS_TO_KEEP[model_cls] = known
-    return known
