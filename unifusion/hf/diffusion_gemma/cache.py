@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import _validation as V
-
-DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma.model imports this module, not the other way round)
+from .wrapped import WrappedDiffusionGemma
 
 __all__ = ["CanvasState", "commit", "denoise", "prefill", "select_rows"]
 
@@ -57,7 +56,7 @@ class CanvasState:
         return torch.arange(self.length, self.length + canvas_length, dtype=torch.int32, device=device)[None]
 
 
-def _encode(model: DiffusionGemmaLM, ids: torch.Tensor, state: CanvasState) -> None:
+def _encode(model: WrappedDiffusionGemma, ids: torch.Tensor, state: CanvasState) -> None:
     """Encoder over ``ids (B, n)`` at the columns after ``state.length - n``, appended to the cache, then the decoder
     masks of the canvas after them."""
     hf = model.base_model
@@ -72,7 +71,7 @@ def _encode(model: DiffusionGemmaLM, ids: torch.Tensor, state: CanvasState) -> N
     _decoder_masks(model, state)
 
 
-def _decoder_masks(model: DiffusionGemmaLM, state: CanvasState) -> None:
+def _decoder_masks(model: WrappedDiffusionGemma, state: CanvasState) -> None:
     """The decoder masks of the next canvas (what generation builds once per canvas)."""
     hf, K = model.base_model, model.canvas_length
     B = state.attention_mask.shape[0]
@@ -83,7 +82,7 @@ def _decoder_masks(model: DiffusionGemmaLM, state: CanvasState) -> None:
 
 
 @torch.no_grad()
-def prefill(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, *,
+def prefill(model: WrappedDiffusionGemma, prompt_ids: torch.Tensor, *,
             attention_mask: torch.Tensor | None = None) -> CanvasState:
     """Encode the prompt ``(B, P)`` (left-padded where ``attention_mask`` is 0) into a fresh ``DynamicCache``."""
     from transformers import DynamicCache
@@ -102,7 +101,7 @@ def prefill(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, *,
     return state
 
 
-def denoise(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor, *,
+def denoise(model: WrappedDiffusionGemma, state: CanvasState, canvas: torch.Tensor, *,
             self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's soft-capped float32 logits ``(B, K, V)`` for ``canvas (B, K)`` against the cache (read only),
     with the previous step's logits ``(B, K, V)`` as the self-conditioning signal (``None`` on a canvas's first
@@ -117,7 +116,7 @@ def denoise(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor, *
 
 
 @torch.no_grad()
-def commit(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor) -> None:
+def commit(model: WrappedDiffusionGemma, state: CanvasState, canvas: torch.Tensor) -> None:
     """Append the clean ``canvas (B, K)`` to the cache (one encoder forward at its positions)."""
     B, K = canvas.shape
     state.attention_mask = F.pad(state.attention_mask, (0, K), value=True)
@@ -125,7 +124,7 @@ def commit(model: DiffusionGemmaLM, state: CanvasState, canvas: torch.Tensor) ->
     _encode(model, canvas, state)
 
 
-def select_rows(model: DiffusionGemmaLM, state: CanvasState, rows: list[int], *, copy_cache: bool = True
+def select_rows(model: WrappedDiffusionGemma, state: CanvasState, rows: list[int], *, copy_cache: bool = True
                 ) -> CanvasState:
     """The state restricted to ``rows`` (ids of the rows given to :func:`prefill`, a subset of ``state.rows`` in
     its order). ``copy_cache=True``: a new state over a copy of the cache (kept in ``state.views`` until the next

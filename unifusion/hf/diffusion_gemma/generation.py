@@ -37,8 +37,7 @@ from ... import _validation as V
 from ...samplers.generation import generate as generate_tokens
 from ...samplers.policies import EntropyBound
 from .cache import CanvasState, commit, prefill
-
-DiffusionGemmaLM = Any  # the wrapper (unifusion.hf.diffusion_gemma.model imports this module, not the other way round)
+from .wrapped import WrappedDiffusionGemma
 
 __all__ = ["DEFAULTS", "DiffusionGemmaOutput", "GenerationSettings", "generate", "resolve_settings"]
 
@@ -98,7 +97,7 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-def resolve_settings(model: DiffusionGemmaLM, generation_config: Any, prompt_length: int, *,
+def resolve_settings(model: WrappedDiffusionGemma, generation_config: Any, prompt_length: int, *,
                      parity: bool = False) -> GenerationSettings:
     """The settings of a call: each field from ``generation_config``, else the model's ``generation_config``, else
     :data:`DEFAULTS` (``entropy_bound`` from ``sampler_config``); ``max_length`` replaces ``max_new_tokens`` when the
@@ -166,7 +165,7 @@ class _Canvases:
 
     mask_token_id = None
 
-    def __init__(self, model: DiffusionGemmaLM) -> None:
+    def __init__(self, model: WrappedDiffusionGemma) -> None:
         self.model = model
         self.device, self.num_states, self.kernel = model.device, model.num_states, model.kernel
         self.config, self.tokenizer, self.block_size = model.text_config, model.tokenizer, model.canvas_length
@@ -218,7 +217,7 @@ def _row_generators(generator: Any, batch_size: int, device: torch.device) -> li
 
 
 @torch.no_grad()
-def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_config: Any = None, *,
+def generate(model: WrappedDiffusionGemma, prompt_ids: torch.Tensor, generation_config: Any = None, *,
              attention_mask: torch.Tensor | None = None, generator: Any = None, policy: Any = None,
              return_dict: bool = False, parity: bool = False) -> torch.Tensor | DiffusionGemmaOutput:
     """Generate after ``prompt_ids`` ``(B, P)`` canvas by canvas (see the module docstring for the two modes).
@@ -258,7 +257,7 @@ def generate(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, generation_confi
                    return_dict)
 
 
-def _reference_loop(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def _reference_loop(model: WrappedDiffusionGemma, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     s: GenerationSettings, policy: Any, generator: Any, return_dict: bool
                     ) -> torch.Tensor | DiffusionGemmaOutput:
     """Parity mode: the reference's canvas loop, one :func:`~unifusion.samplers.generate` call (without EOS) per
@@ -304,7 +303,7 @@ def _reference_loop(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, attention
     return DiffusionGemmaOutput(sequences=seq, tokens_per_forward=rate, num_forwards=forwards, cache=state.cache)
 
 
-def _decode(model: DiffusionGemmaLM, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def _decode(model: WrappedDiffusionGemma, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             s: GenerationSettings, policy: Any, generators: list[torch.Generator], return_dict: bool
             ) -> torch.Tensor | DiffusionGemmaOutput:
     """The default mode: one :func:`~unifusion.samplers.generate` call over every canvas — the sampler's block loop
