@@ -51,13 +51,13 @@ from typing import Literal
 __all__ = ["KINDS", "SPLITS", "ArithmeticProblem", "answer_width", "make_problems", "reward", "rewards", "split_of",
            "split_size"]
 
-KINDS = ("add", "add_sub")
-"""The problem kinds: ``"add"`` (a + b) and ``"add_sub"`` (a + b − c ≥ 0)."""
+KINDS = ("add", "add_sub", "max", "median")
+"""The problem kinds: ``"add"`` (a + b), ``"add_sub"`` (a + b − c ≥ 0) and ``"max"`` (the largest of a, b, c)."""
 
 SPLITS = ("train", "test")
 """The two splits; every operand tuple is in exactly one (:func:`split_of`)."""
 
-_MAX_DIGITS = {"add": 3, "add_sub": 2}  # the split enumerates every tuple: ≤ 810,000 of them
+_MAX_DIGITS = {"add": 3, "add_sub": 2, "max": 2, "median": 2}  # the split enumerates every tuple: ≤ 810,000 of them
 _TEST_THRESHOLD = 26  # first hash byte below this: held out (26/256 ≈ 10.2 %)
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BARE_INTEGER = re.compile(r"-?\d+")
@@ -82,6 +82,8 @@ class ArithmeticProblem:
     @property
     def prompt(self) -> str:
         """The question, e.g. ``"47+38="`` or ``"47+38-12="``."""
+        if self.kind in ("max", "median"):
+            return self.kind + "(" + ",".join(str(x) for x in self.operands) + ")="
         a, b, *rest = self.operands
         return f"{a}+{b}" + "".join(f"-{c}" for c in rest) + "="
 
@@ -130,6 +132,8 @@ def _pool(kind: str, digits: int, split: str) -> tuple[tuple[int, ...], ...]:
     tuples: Iterable[tuple[int, ...]]
     if kind == "add":
         tuples = itertools.product(r, r)
+    elif kind in ("max", "median"):
+        tuples = itertools.product(r, r, r)
     else:
         tuples = ((a, b, c) for a, b, c in itertools.product(r, r, r) if a + b - c >= 0)
     return tuple(t for t in tuples if split_of(t, kind) == split)
@@ -151,7 +155,7 @@ def answer_width(kind: str = "add", digits: int = 2) -> int:
     """The digits of the kind's largest answer (``pad_answers``' width): ``digits + 1`` for both kinds."""
     kind = _check_kind(kind)
     top = 10 ** _check_digits(digits, kind) - 1
-    return len(str(2 * top))
+    return len(str(top if kind in ("max", "median") else 2 * top))
 
 
 def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "train", *,
@@ -188,7 +192,7 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
     out = []
     for i in order[:n]:
         ops = pool[i]
-        answer = ops[0] + ops[1] - (ops[2] if kind_ == "add_sub" else 0)
+        answer = max(ops) if kind_ == "max" else sorted(ops)[1] if kind_ == "median" else ops[0] + ops[1] - (ops[2] if kind_ == "add_sub" else 0)
         out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=answer, width=width))
     return out
 
