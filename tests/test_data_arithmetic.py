@@ -30,6 +30,26 @@ def test_add_sub_problems_are_non_negative():
         assert p.answer == a + b - c >= 0 and p.prompt == f"{a}+{b}-{c}="
 
 
+@pytest.mark.parametrize("kind", ["max", "median"])
+def test_comparison_problems_answer_one_of_their_numbers(kind):
+    a = make_problems(200, seed=1, kind=kind, digits=1)
+    assert a == make_problems(200, seed=1, kind=kind, digits=1) and len(set(a)) == 200
+    for p in a:
+        x, y, z = p.operands
+        assert p.kind == kind and p.prompt == f"{kind}({x},{y},{z})="
+        assert p.answer == (max(x, y, z) if kind == "max" else sorted((x, y, z))[1])
+        assert p.completion == str(p.answer) and reward(p.completion, p) == 1.0
+    assert any(p.answer != p.operands[-1] for p in a) and any(p.answer == p.operands[0] for p in a)
+    assert arithmetic.answer_width(kind, 2) == 2  # the answer is one of the operands
+    padded = make_problems(5, seed=0, kind=kind, digits=1, pad_answers=True)
+    assert all(p.width == 1 and len(p.completion) == 1 for p in padded)
+    # each kind has its own split: the hash key names the kind
+    train = make_problems(arithmetic.split_size("train", kind=kind, digits=1), kind=kind, digits=1)
+    test = make_problems(arithmetic.split_size("test", kind=kind, digits=1), split="test", kind=kind, digits=1)
+    assert len(train) + len(test) == 10 ** 3 and not {p.operands for p in train} & {p.operands for p in test}
+    assert all(arithmetic.split_of(p.operands, kind) == "test" for p in test)
+
+
 def test_splits_are_disjoint_and_fixed():
     train = make_problems(arithmetic.split_size("train"), seed=0)
     test = make_problems(arithmetic.split_size("test"), seed=0, split="test")
@@ -98,6 +118,8 @@ def test_bad_arguments_raise():
         make_problems(3, kind="mul")
     with pytest.raises(ValueError, match="digits"):
         make_problems(3, digits=5)
+    with pytest.raises(ValueError, match=r"digits: expected an int in \[1, 2\] for kind='max'"):
+        make_problems(3, kind="max", digits=3)
     with pytest.raises(ValueError, match="n: expected an int in"):
         make_problems(arithmetic.split_size("test") + 1, split="test")
     with pytest.raises(ValueError, match="n: "):

@@ -24,7 +24,7 @@ from unifusion.data import arithmetic
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-TINY = ["--tiny", "--steps", "2", "--sft-steps", "2", "--sft-batch", "4", "--sft-micro-batch", "2",
+TINY = ["--tiny", "--task", "add", "--steps", "2", "--sft-steps", "2", "--sft-batch", "4", "--sft-micro-batch", "2",
         "--eval-problems", "4", "--group-size", "2", "--prompts-per-step", "2", "--lr", "1e-3",
         "--backend", "eager", "--dtype", "float32"]
 STEP_LINE = re.compile(r"^step\s+(\d+) \| reward (\S+) \| loss (\S+) \| logp/token (\S+) \| grad_norm (\S+)", re.M)
@@ -166,7 +166,7 @@ def test_group_split_over_processes_raises_before_any_rollout(grpo, no_rollouts,
 def test_padded_answers_reach_sft_and_evaluation(grpo):
     from unifusion.hf import load_smollm2_tokenizer
 
-    args = grpo.parse_args(["--pad-answers", "--eval-problems", "5"])
+    args = grpo.parse_args(["--task", "add", "--pad-answers", "--eval-problems", "5"])
     train, test = grpo.task_problems(args, "train"), grpo.task_problems(args, "test")
     assert len(test) == 5 and len(train) == arithmetic.split_size("train")
     assert all(len(p.completion) == 3 for p in train + test) and train[0].completion == f"{train[0].answer:03d}"
@@ -180,6 +180,8 @@ def test_padded_answers_reach_sft_and_evaluation(grpo):
 def test_arguments_are_checked(grpo):
     args = grpo.parse_args([])
     assert (args.block_size, args.max_new_tokens, args.objective, args.estimator) == (8, 8, "grpo", "elbo")
+    # the CPU recipe of docs/guides/rl.md's table
+    assert (args.task, args.sft_steps, args.lr) == ("max", 8, 5e-6)
     for bad in (["--group-size", "0"], ["--beta", "-1"], ["--objective", "wd1", "--beta", "0.1"],
                 ["--temperature", "0"], ["--objective", "ppo"]):
         with pytest.raises(SystemExit):

@@ -1,5 +1,5 @@
 """Bundled offline data: the Python-documentation prose and chat set (:mod:`unifusion.chat` reads them) and
-:mod:`unifusion.data.arithmetic`, a verifiable arithmetic task with exact rewards for RL."""
+:mod:`unifusion.data.arithmetic`, verifiable integer tasks (addition, max, median) with exact rewards for RL."""
 
 from . import arithmetic
 from .arithmetic import ArithmeticProblem, make_problems, reward, rewards

@@ -1,21 +1,35 @@
-"""A verifiable task for RL on a CPU: integer arithmetic with carries, exact rewards, a fixed held-out split.
+"""A verifiable task for RL on a CPU: small integer problems with exact rewards and a fixed held-out split.
 
-Problems are ``a + b`` (``kind="add"``) or ``a + b − c`` (``kind="add_sub"``, the result kept ≥ 0) on operands
-of ``digits`` digits (no leading zero), written as a short prompt whose answer is a handful of tokens::
+Four kinds, on operands of ``digits`` digits (no leading zero), each a short prompt whose answer is a handful of
+tokens::
 
-    prompt      "47+38="
-    completion  "85"        (the answer's digits; the trainer appends the tokenizer's EOS)
-                "085"       (``pad_answers=True``: zero-padded to the width of the kind's largest answer)
+    kind        prompt               completion
+    "add"       "47+38="             "85"        a + b, with carries
+    "add_sub"   "47+38-12="          "73"        a + b − c, the result kept ≥ 0
+    "max"       "max(47,38,91)="     "91"        the largest of a, b, c
+    "median"    "median(47,38,91)="  "47"        the middle one of a, b, c
+
+(the completion is the answer's digits; the trainer appends the tokenizer's EOS; ``"085"`` with
+``pad_answers=True``, zero-padded to the width of the kind's largest answer).
+
+**Which kind for what.** The addition kinds are the harder tasks: SmolLM2-135M adapted to a block-diffusion model
+does not learn them from a few hundred SFT updates, so on a CPU its accuracy stays at a few percent and GRPO's groups
+are nearly all wrong (``docs/guides/rl.md``). The comparison kinds are what such a model learns within minutes:
+``"max"`` goes from ≈ 17 % before any SFT to ≈ 55–70 % after 8–10 updates, the start where groups disagree and
+GRPO has a gradient; ``"median"`` (two comparisons) stays near 50 % over the first 30 updates. Every answer of
+``"max"`` and ``"median"`` is one of the prompt's numbers, so a model that copies one of them at random scores 1/3.
 
 **Padded answers** (``make_problems(..., pad_answers=True)``): every completion has the same number of digits
-(``digits + 1``: up to 198 for 2-digit ``"add"``), so each position of the answer is one digit place — hundreds,
-tens, units — whatever the sum. A model that fills the answer's positions in parallel (a block-diffusion model) then
+(:func:`answer_width`: ``digits + 1`` for the addition kinds, up to 198 for 2-digit ``"add"``; ``digits`` for the
+comparison kinds), so each position of the answer is one digit place — hundreds, tens, units — whatever the
+answer. A model that fills the answer's positions in parallel (a block-diffusion model) then
 does not have to decide the answer's length before it can place a digit; the reward is unchanged (``"085"``'s
 first number is 85).
 
 **Split.** Each operand tuple belongs to one split for good: it is held out when the first byte of
-``blake2b("add:47,38")`` (the kind and the operands) is below 26 (≈ 10 %), so ``split="test"`` never shares a problem
-with ``split="train"``, whatever ``n`` and ``seed``, on every Python version and machine. ``make_problems(n, seed,
+``blake2b("add:47,38")`` (the kind and the operands, in the prompt's order) is below 26 (≈ 10 %), so
+``split="test"`` never shares a problem with ``split="train"``, whatever ``n`` and ``seed``, on every Python version
+and machine. ``make_problems(n, seed,
 split)`` enumerates the split's tuples in a fixed order, shuffles them with ``random.Random(seed)`` and returns the
 first n: distinct problems, the same ones for the same arguments.
 
@@ -48,16 +62,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-__all__ = ["KINDS", "SPLITS", "ArithmeticProblem", "answer_width", "make_problems", "reward", "rewards", "split_of",
-           "split_size"]
+__all__ = ["KINDS", "SPLITS", "ArithmeticProblem", "Kind", "answer_width", "make_problems", "reward", "rewards",
+           "split_of", "split_size"]
 
 KINDS = ("add", "add_sub", "max", "median")
-"""The problem kinds: ``"add"`` (a + b), ``"add_sub"`` (a + b − c ≥ 0) and ``"max"`` (the largest of a, b, c)."""
+"""The problem kinds: ``"add"`` (a + b), ``"add_sub"`` (a + b − c ≥ 0), ``"max"`` (the largest of a, b, c) and
+``"median"`` (the middle one of a, b, c)."""
+
+Kind = Literal["add", "add_sub", "max", "median"]
 
 SPLITS = ("train", "test")
 """The two splits; every operand tuple is in exactly one (:func:`split_of`)."""
 
 _MAX_DIGITS = {"add": 3, "add_sub": 2, "max": 2, "median": 2}  # the split enumerates every tuple: ≤ 810,000 of them
+_COMPARISONS = ("max", "median")
 _TEST_THRESHOLD = 26  # first hash byte below this: held out (26/256 ≈ 10.2 %)
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BARE_INTEGER = re.compile(r"-?\d+")
@@ -68,7 +86,7 @@ class ArithmeticProblem:
     """One problem: its operands, kind and exact answer.
 
     Attributes:
-        operands: ``(a, b)`` for ``"add"``, ``(a, b, c)`` for ``"add_sub"``.
+        operands: ``(a, b)`` for ``"add"``, ``(a, b, c)`` for the other kinds.
         kind: one of :data:`KINDS`.
         answer: the exact result.
         width: the completion's digits: the answer zero-padded on the left to this width (0: unpadded).
@@ -81,8 +99,8 @@ class ArithmeticProblem:
 
     @property
     def prompt(self) -> str:
-        """The question, e.g. ``"47+38="`` or ``"47+38-12="``."""
-        if self.kind in ("max", "median"):
+        """The question, e.g. ``"47+38="``, ``"47+38-12="`` or ``"max(47,38,91)="``."""
+        if self.kind in _COMPARISONS:
             return self.kind + "(" + ",".join(str(x) for x in self.operands) + ")="
         a, b, *rest = self.operands
         return f"{a}+{b}" + "".join(f"-{c}" for c in rest) + "="
@@ -132,7 +150,7 @@ def _pool(kind: str, digits: int, split: str) -> tuple[tuple[int, ...], ...]:
     tuples: Iterable[tuple[int, ...]]
     if kind == "add":
         tuples = itertools.product(r, r)
-    elif kind in ("max", "median"):
+    elif kind in _COMPARISONS:
         tuples = itertools.product(r, r, r)
     else:
         tuples = ((a, b, c) for a, b, c in itertools.product(r, r, r) if a + b - c >= 0)
@@ -152,14 +170,15 @@ def _check_split(split: object) -> str:
 
 
 def answer_width(kind: str = "add", digits: int = 2) -> int:
-    """The digits of the kind's largest answer (``pad_answers``' width): ``digits + 1`` for both kinds."""
+    """The digits of the kind's largest answer (``pad_answers``' width): ``digits + 1`` for the addition kinds,
+    ``digits`` for the comparison kinds."""
     kind = _check_kind(kind)
     top = 10 ** _check_digits(digits, kind) - 1
-    return len(str(top if kind in ("max", "median") else 2 * top))
+    return len(str(top if kind in _COMPARISONS else 2 * top))
 
 
 def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "train", *,
-                  kind: Literal["add", "add_sub"] = "add", digits: int = 2,
+                  kind: Kind = "add", digits: int = 2,
                   pad_answers: bool = False) -> list[ArithmeticProblem]:
     """``n`` distinct problems of the split, in an order fixed by ``seed`` (module docstring).
 
@@ -167,9 +186,10 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
         n: how many (at most :func:`split_size`; 2-digit ``"add"``: 7,294 train, 806 test).
         seed: the shuffle's seed.
         split: ``"train"`` or ``"test"`` (held out; never overlaps train).
-        kind: ``"add"`` (a + b) or ``"add_sub"`` (a + b − c, results ≥ 0).
-        digits: digits of every operand (2: operands 10–99); 1 to 3 for ``"add"``, 1 or 2 for ``"add_sub"`` (the
-            split is made by enumerating every operand tuple once per process: 2-digit ``"add_sub"`` takes seconds).
+        kind: one of :data:`KINDS` (module docstring).
+        digits: digits of every operand (2: operands 10–99); 1 to 3 for ``"add"``, 1 or 2 for the three-operand
+            kinds (the split is made by enumerating every operand tuple once per process: a 2-digit three-operand
+            kind takes seconds).
         pad_answers: zero-pad every completion to :func:`answer_width` digits (module docstring); the problems,
             answers and rewards are the same.
 
@@ -192,9 +212,18 @@ def make_problems(n: int, seed: int = 0, split: Literal["train", "test"] = "trai
     out = []
     for i in order[:n]:
         ops = pool[i]
-        answer = max(ops) if kind_ == "max" else sorted(ops)[1] if kind_ == "median" else ops[0] + ops[1] - (ops[2] if kind_ == "add_sub" else 0)
-        out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=answer, width=width))
+        out.append(ArithmeticProblem(operands=ops, kind=kind_, answer=_answer(kind_, ops), width=width))
     return out
+
+
+def _answer(kind: str, operands: tuple[int, ...]) -> int:
+    if kind == "add":
+        return operands[0] + operands[1]
+    if kind == "add_sub":
+        return operands[0] + operands[1] - operands[2]
+    if kind == "max":
+        return max(operands)
+    return sorted(operands)[1]  # median
 
 
 def reward(completion: str, problem: ArithmeticProblem, *, format_weight: float = 0.0) -> float:
