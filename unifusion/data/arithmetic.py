@@ -15,9 +15,9 @@ tokens::
 **Which kind for what.** The addition kinds are the harder tasks: SmolLM2-135M adapted to a block-diffusion model
 does not learn them from a few hundred SFT updates, so on a CPU its accuracy stays at a few percent and GRPO's groups
 are nearly all wrong (``docs/guides/rl.md``). The comparison kinds are what such a model learns within minutes:
-``"max"`` goes from ≈ 17 % before any SFT to ≈ 55–70 % after 8–10 updates, the start where groups disagree and
-GRPO has a gradient; ``"median"`` (two comparisons) stays near 50 % over the first 30 updates. Every answer of
-``"max"`` and ``"median"`` is one of the prompt's numbers, so a model that copies one of them at random scores 1/3.
+``"max"`` goes from ≈ 17 % before any SFT to 56–80 % after 8 updates (three seeds), the start where groups
+disagree and GRPO has a gradient; ``"median"`` (two comparisons) stays near 50 % over the first 30 updates. Every
+answer of ``"max"`` and ``"median"`` is one of the prompt's numbers, so a model that copies one at random scores 1/3.
 
 **Padded answers** (``make_problems(..., pad_answers=True)``): every completion has the same number of digits
 (:func:`answer_width`: ``digits + 1`` for the addition kinds, up to 198 for 2-digit ``"add"``; ``digits`` for the
