@@ -98,6 +98,23 @@ def test_spg_takes_the_lower_bound_for_positive_and_the_upper_for_negative_advan
     assert torch.allclose(spg_loss(lower, upper, A, mix_weight=0.5), torch.tensor([5.0, -4.5, -9.0]))
 
 
+def test_spg_with_the_elbo_for_both_signs_is_on_policy_grpo_for_equal_lengths():
+    """docs/guides/rl.md's identity: a block model has no EUBO, so SPG's ω = 0 (the ELBO for both signs); with one
+    inner update and completions of one length N, SPG's ``Σ_i −A_i ELBO_i / (B N)`` and on-policy GRPO (ratio 1,
+    ``"grpo"`` normalisation) have the same gradient; with ragged lengths GRPO's ``1/|o_i|`` makes them differ."""
+    logp, _, A = _batch()
+    full = torch.ones(B, L, dtype=torch.bool)
+    (g_grpo,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, full).sum(), logp)
+    elbo = logp.sum(-1)
+    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logp)
+    assert torch.allclose(g_grpo, g_spg, rtol=0, atol=1e-15)
+    _, ragged, _ = _batch(1)
+    (g_grpo,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, ragged).sum(), logp)
+    elbo = (logp * ragged).sum(-1)
+    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logp)
+    assert not torch.allclose(g_grpo, g_spg)
+
+
 def test_dpo_prefers_the_chosen_completion():
     c, r = torch.tensor([-3.0], requires_grad=True), torch.tensor([-3.0], requires_grad=True)
     loss = dpo_loss(c, r, torch.tensor([-3.0]), torch.tensor([-3.0]), beta=0.5)
