@@ -71,8 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import (  # noqa: E402
     add_dtype_argument,
     all_reduce_sum,
+    load_pretrained,
     setup_distributed,
     stream_generator,
+    tiny_with_smollm2_tokenizer,
     training_autocast,
     training_dtype,
     wrap_model,
@@ -136,26 +138,10 @@ def probe_reward_fn(reward_fn: RewardFn, problems: list[arithmetic.ArithmeticPro
 def load_policy(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``: SmolLM2-135M-Instruct (bundled, offline), a local HF folder, or (``--tiny``) a
     random 2-layer Llama with SmolLM2's vocabulary and tokenizer."""
-    from unifusion.hf import load_smollm2, load_smollm2_tokenizer
-
-    if args.model == "smollm2" or args.tiny:
-        tokenizer = load_smollm2_tokenizer()
-        if not args.tiny:
-            return load_smollm2(), tokenizer
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                             tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(args.seed)
-        return LlamaForCausalLM(config), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not Path(args.model).is_dir():
-        raise ValueError(f"--model: expected 'smollm2' or a local Hugging Face model folder, got {args.model!r}")
-    return (AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).train(),
-            AutoTokenizer.from_pretrained(args.model))
+    if args.tiny:
+        return tiny_with_smollm2_tokenizer(args.seed, max_positions=256)
+    hf_model, tokenizer = load_pretrained(args.model)
+    return hf_model.train(), tokenizer
 
 
 def max_positions(model: uf.DiffusionLM) -> int | None:

