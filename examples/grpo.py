@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +140,7 @@ def load_policy(args: argparse.Namespace) -> tuple[Any, Any]:
     random 2-layer Llama with SmolLM2's vocabulary and tokenizer."""
     if args.tiny:
         return tiny_with_smollm2_tokenizer(args.seed, max_positions=256)
-    hf_model, tokenizer = load_pretrained(args.model)
-    return hf_model.train(), tokenizer
+    return load_pretrained(args.model)  # build() puts the wrapped model in train mode
 
 
 def max_positions(model: uf.DiffusionLM) -> int | None:
@@ -500,10 +499,20 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[uf.DiffusionL
 
 def task_problems(args: argparse.Namespace, split: str) -> list[arithmetic.ArithmeticProblem]:
     """The task's problems: the whole train split in the order of ``--seed``, or the first ``--eval-problems`` of
-    the held-out split (the same for every seed)."""
-    n = arithmetic.split_size("train", kind=args.task, digits=args.digits) if split == "train" else args.eval_problems
-    return arithmetic.make_problems(n, args.seed if split == "train" else 0, "train" if split == "train" else "test",
-                                    kind=args.task, digits=args.digits, pad_answers=args.pad_answers)
+    the held-out split (the same for every seed). Built once per arguments (the checks, SFT and every run of a
+    report read the same list; a 2-digit three-operand train split is ~650,000 problems, seconds to build)."""
+    seed = args.seed if split == "train" else 0
+    n = None if split == "train" else args.eval_problems
+    return list(_problems(args.task, args.digits, args.pad_answers, split, seed, n))
+
+
+@lru_cache(maxsize=8)
+def _problems(kind: arithmetic.Kind, digits: int, pad_answers: bool, split: str, seed: int,
+              n: int | None) -> tuple[arithmetic.ArithmeticProblem, ...]:
+    """:func:`task_problems`' cached list (``n=None``: the whole split)."""
+    size = arithmetic.split_size(split, kind=kind, digits=digits) if n is None else n
+    return tuple(arithmetic.make_problems(size, seed, "train" if split == "train" else "test", kind=kind,
+                                          digits=digits, pad_answers=pad_answers))
 
 
 def run_one(args: argparse.Namespace, inner: uf.DiffusionLM, tokenizer: Any, reward_fn: RewardFn, *, mode: str,
