@@ -55,6 +55,7 @@ from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
 from ..denoiser import BlockDenoiser, DecodableModel, X0Model
 from ._policy_run import eos_stop, resolve_attention_mask
+from ._draws import x0_weights
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .generation_options import resolve_hf_options, stop_after, streaming
@@ -87,14 +88,14 @@ def model_pad_token_id(model: DecodableModel) -> int | None:
     return pad if pad is not None else _first_id(getattr(model.config, "pad_token_id", None))
 
 
-def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None,
+def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, max_new_tokens: int | None = None,
              seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
              block_size: int | None = None, use_cache: bool = True,
              cache_refresh: int | None = None, merge_commits: bool = False, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | Sequence[int] | str | None = "auto", pad_token_id: int | None = None,
              return_dict: bool = False, return_trace: bool = False, num_return_sequences: int | None = None,
-             kernel: Any = None, temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
-             eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
+             kernel: Any = None, temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
              progress: bool = False, generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              streamer: Any = None, **kwargs: Any) -> Any:
@@ -106,7 +107,9 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
     Args:
         model: the model (a :class:`~unifusion.hf.DiffusionLM`; the module docstring lists what another must offer).
         prompt_ids: ``(B, P)`` or ``(P,)`` int64 token ids (``P = 0`` samples unconditionally; a ``(P,)`` prompt
-            gives ``B = 1``). Left-padded batches need ``attention_mask``.
+            gives ``B = 1``). Padded batches need ``attention_mask``. transformers' names for it, ``input_ids=`` and
+            ``inputs=``, are accepted too, so ``generate(model, **tokenizer(texts, return_tensors="pt",
+            padding=True))`` works (a one-segment ``token_type_ids`` is accepted and dropped).
         max_new_tokens: number of tokens to generate after the prompt; or give
         seq_len: the total length ``P + max_new_tokens`` (exactly one of the two). ``seq_len + 1`` (bos) above the
             config's ``max_position_embeddings`` is a ``ValueError``.
@@ -126,7 +129,10 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
         cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
             full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
             between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
-        attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token, left padding).
+        attention_mask: the tokenizer's ``(B, P)`` mask (1 = real token), left or right padding: a right-padded
+            row is decoded with its text moved to the end of the prompt columns (the generated tokens follow the
+            text, not the pads) and returned with its prompt columns as given, so ``out[:, P:]`` holds every row's
+            new tokens either way. Real tokens that are not one run at an end of the row are a ``ValueError``.
         eos_token_id: ``"auto"`` (the tokenizer's EOS, else the config's, when a policy decodes; none for
             the BayesianSampler), ``None`` (never stop), an id or a list of ids (any of them): a row stops at its
             first EOS, every later position becomes EOS (the first id; or ``pad_token_id``); with a policy it costs
@@ -146,9 +152,12 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
         kernel: the forward kernel the model was trained with; default the model's ``kernel`` when recorded, else
             :class:`~unifusion.MaskKernel` on the model's mask token, else :class:`~unifusion.UniformKernel`
             (:func:`unifusion.hf.default_kernel`, the rule ``unifusion sample`` follows too).
-        temperature: ``T > 0``; ``x_θ = softmax(logits / T)``.
-        top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: off).
-        top_k: keep the ``k`` most likely tokens (``None``: off).
+        temperature: ``T > 0``; ``x_θ = softmax(logits / T)`` (``None``: ``generation_config``'s, else 1; with
+            ``do_sample=False`` it does not apply and ``0`` is accepted).
+        top_p: nucleus truncation of ``x_θ`` in ``(0, 1]`` (``None``: ``generation_config``'s, else off; ``1.0``:
+            off).
+        top_k: keep the ``k`` most likely tokens (``None``: ``generation_config``'s, else off; ``0``: off, as in
+            transformers).
         eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
         generator: random generator on the model's device, for reproducible samples; or a list of ``B``
             generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
@@ -156,10 +165,13 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
         progress: show a progress bar.
         generation_config: a ``transformers.GenerationConfig`` (e.g. ``model.generation_config``, the backbone's
             saved one). Its ``max_new_tokens``/``max_length``, ``do_sample``, ``temperature``, ``top_k``,
-            ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id`` and ``stop_strings`` are read; a
-            keyword given here with another value than its default wins. Fields that say how transformers runs
-            (``use_cache``, ``output_*``, ...) are ignored; any field that would change the tokens and does not
-            apply to diffusion decoding (``num_beams`` > 1, ``repetition_penalty`` ≠ 1, ...) is a ``ValueError``.
+            ``top_p``, ``eos_token_id`` (an int or a list), ``pad_token_id``, ``stop_strings``,
+            ``num_return_sequences``, ``return_dict_in_generate``, ``output_scores`` and ``output_logits`` are read;
+            a keyword given here (not ``None``) wins whatever its value, as in transformers. Fields that only say how
+            transformers runs (``use_cache``, ``cache_implementation``, ...) are ignored; any field that would change
+            the tokens or the output and does not apply to diffusion decoding (``num_beams`` > 1,
+            ``repetition_penalty`` ≠ 1, ``output_attentions=True``, ...) is a ``ValueError``
+            (:func:`~unifusion.samplers.generation_options.resolve_hf_options`).
         max_length: transformers' name for ``seq_len`` (the total length, prompt included).
         do_sample: ``False``: greedy decoding — each committed token is the argmax of x_θ (the policy still
             ranks positions by x_θ; mask kernels; ``policy=None`` then means the default policy, block by
@@ -173,8 +185,14 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
             block's generated tokens ``(k,)`` as soon as the block is decided (stop strings and EOS applied, so
             the fill after EOS is pushed too: what is pushed after the prompt is exactly the returned row's
             generated tokens), and ``end()`` last. The full-sequence sampler pushes the whole completion once.
-        **kwargs: other ``transformers.GenerationConfig`` fields, accepted at their neutral value only
-            (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other name is a ``TypeError``.
+        **kwargs: ``return_dict_in_generate=True``: return a :class:`~unifusion.samplers.PolicyOutput` (as
+            ``return_dict``); with it ``output_scores=True`` / ``output_logits=True`` add its ``scores`` / ``logits``,
+            transformers' layout (a tuple of one ``(B, S)`` tensor per generated column) in the diffusion sense: the
+            distribution of the model call that committed that column's token (decoding policies with a mask kernel;
+            the full-sequence sampler, which commits no token at a step, refuses them). Other
+            ``transformers.GenerationConfig`` fields and ``generate`` keywords (``logits_processor``, ...) are
+            accepted at their neutral value only (``num_beams=1``; ``num_beams=4`` is a ``ValueError``); any other
+            name is a ``TypeError``.
 
     Returns:
         ``(B, P + max_new_tokens)`` int64 token ids, the prompt unchanged in the first ``P`` columns (or a
@@ -185,6 +203,7 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
     device type than the model (or a number of per-row generators other than ``B``), a padded batch without
     ``attention_mask`` and a length beyond the model's positions are ``ValueError``s naming the argument.
     """
+    prompt_ids = _prompt_argument(prompt_ids, kwargs)
     hf = resolve_hf_options(generation_config, kwargs, max_new_tokens=max_new_tokens, seq_len=seq_len,
                             max_length=max_length, do_sample=do_sample, temperature=temperature, top_k=top_k,
                             top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -204,13 +223,22 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids: expected shape (B, P) with B >= 1, got {tuple(prompt_ids.shape)}")
     B, P = prompt_ids.shape
+    given_prompt = None  # the prompt as given, when right-padded rows were moved to the left
     if attention_mask is not None:
         attention_mask = _check_attention_mask(attention_mask, B, P)
+        if attention_mask is not None:
+            flushed, attention_mask = _flush_left(prompt_ids, attention_mask)
+            if flushed is not prompt_ids:
+                given_prompt, prompt_ids = prompt_ids, flushed
     n = hf.num_return_sequences
     if n > 1:  # a group of n completions per prompt, rows b·n … b·n + n − 1, in one batch
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
+        given_prompt = None if given_prompt is None else given_prompt.repeat_interleave(n, dim=0)
         B = B * n
+    if return_trace or hf.return_dict_in_generate:
+        return_dict = True
+    scores_asked = hf.output_scores or hf.output_logits
     generator = V.check_generators(generator, B)  # None, one generator, or one per row
     for g in (generator,) if isinstance(generator, torch.Generator) else generator or ():
         if g.device.type != device.type:
@@ -256,13 +284,16 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
     stream = streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions
     prompt[:, :P] = prompt_ids
-    if streamer is not None:
-        streamer.put(prompt_ids.cpu())  # the prompt first, as transformers' generate does
+    if streamer is not None:  # the prompt first, as transformers' generate does
+        streamer.put((prompt_ids if given_prompt is None else given_prompt).cpu())
     if policy is None:
-        if return_trace:
-            raise ValueError("return_trace: records the step at which a decoding policy commits each position; the "
-                             "full-sequence BayesianSampler (policy=None on a model without blocks) commits none: "
-                             "pass a policy (policy=uf.samplers.policies.LowConfidence(), ...)")
+        for name, asked in (("return_trace", return_trace), ("output_scores", hf.output_scores),
+                            ("output_logits", hf.output_logits)):
+            if asked:
+                raise ValueError(f"{name}: records the distribution (and step) at which a decoding policy commits "
+                                 "each position; the full-sequence BayesianSampler (policy=None on a model without "
+                                 "blocks) commits none: pass a policy (policy=uf.samplers.policies.LowConfidence(), "
+                                 "...)")
         out = _bayesian(model, kernel, prompt, attention_mask, generator, num_steps, temperature, top_p, top_k,
                         eps, eos, pad_token_id, return_dict, progress, block_size, cache_refresh, merge_commits)
         if stream is not None:  # one "block": the whole generated region, decided at the end
@@ -271,7 +302,7 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
             stream.on_block(0, seqs, torch.arange(P, L, device=seqs.device).expand(B, -1))
             if streamer is not None:
                 streamer.end()
-        return out
+        return _as_given(out, given_prompt)
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = model.block_size
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
@@ -288,18 +319,90 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor, *, max_new_tokens:
              if callable(hook)]
     out = sampler.sample(B, L + shift, prompt=prompt, attention_mask=attention_mask, generator=generator,
                          eos_token_id=eos, pad_token_id=pad_token_id, return_dict=return_dict,
-                         return_trace=return_trace, progress=progress,
+                         return_trace=return_trace, return_logits=scores_asked, progress=progress,
                          stopping=stream.stopping if stream is not None and stream.stop_strings else None,
                          on_block=_chain(hooks))
     if streamer is not None:
         streamer.end()
     if isinstance(out, torch.Tensor):
-        return out[:, shift:]
-    if not shift:
+        return _as_given(out[:, shift:], given_prompt)
+    cut = {name: getattr(out, name)[:, shift:] for name in ("commit_step", "commit_logprob", "commit_logits")
+           if getattr(out, name) is not None}
+    out = dataclasses.replace(out, sequences=out.sequences[:, shift:], **cut)
+    if scores_asked:
+        out = with_scores(out, P, kernel.mask_id, temperature, top_k, top_p, hf.output_scores, hf.output_logits)
+    return _as_given(out, given_prompt)
+
+
+def _prompt_argument(prompt_ids: Any, kwargs: dict[str, Any]) -> Any:
+    """The prompt, from ``prompt_ids`` or transformers' names for it (``input_ids=``, ``inputs=``: what
+    ``generate(**tokenizer(texts, return_tensors="pt"))`` passes), popped from ``kwargs``; a tokenizer's
+    ``token_type_ids`` (one segment: all zeros) is accepted and dropped."""
+    given = {name: kwargs.pop(name) for name in ("input_ids", "inputs") if kwargs.get(name) is not None}
+    kwargs.pop("input_ids", None), kwargs.pop("inputs", None)
+    if prompt_ids is not None:
+        given = {"prompt_ids": prompt_ids, **given}
+    if len(given) != 1:
+        raise TypeError(f"prompt_ids: give the prompt once (prompt_ids, or transformers' input_ids= / inputs=), got "
+                        f"{sorted(given) or 'none'}")
+    token_types = kwargs.pop("token_type_ids", None)
+    if token_types is not None and (not isinstance(token_types, torch.Tensor) or bool(token_types.ne(0).any())):
+        raise ValueError("token_type_ids: the model reads one segment; expected all zeros (what a tokenizer gives "
+                         "for one text), got other segment ids")
+    return next(iter(given.values()))
+
+
+def _flush_left(prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows of ``prompt_ids`` ``(B, P)`` moved to the left (their real tokens last, the pads first), so
+    that the generated tokens follow the text; left-padded and unpadded rows unchanged (``prompt_ids`` itself comes
+    back when no row was right-padded). A mask whose real tokens are not one run touching an end of the row is a
+    ``ValueError``. One host sync."""
+    real = attention_mask.to(prompt_ids.device).ne(0)
+    B, P = real.shape
+    count = real.sum(-1)
+    runs = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()
+    right = real[:, 0] & ~real[:, -1]
+    bad = (runs > 1) | ((count > 0) & ~real[:, 0] & ~real[:, -1])
+    flags = torch.stack([bad.any(), right.any()]).tolist()
+    if flags[0]:
+        raise ValueError("attention_mask: expected each row's real tokens in one run, with the padding on the left "
+                         "or on the right (what a tokenizer gives), got a row with padding between or around them")
+    if not flags[1]:
+        return prompt_ids, real
+    shift = torch.where(right, P - count, 0)
+    index = (torch.arange(P, device=real.device) - shift[:, None]) % P
+    return prompt_ids.gather(1, index), real.gather(1, index)
+
+
+def _as_given(out: Any, given_prompt: torch.Tensor | None) -> Any:
+    """``out`` with its prompt columns as the caller gave them (right-padded rows were decoded moved left: the
+    generated columns are the same either way)."""
+    if given_prompt is None:
         return out
-    trace = {} if out.commit_step is None or out.commit_logprob is None else {
-        "commit_step": out.commit_step[:, shift:], "commit_logprob": out.commit_logprob[:, shift:]}
-    return dataclasses.replace(out, sequences=out.sequences[:, shift:], **trace)
+    seqs = out if isinstance(out, torch.Tensor) else out.sequences
+    seqs = torch.cat([given_prompt.to(seqs.device, seqs.dtype), seqs[:, given_prompt.shape[1]:]], 1)
+    return seqs if isinstance(out, torch.Tensor) else dataclasses.replace(out, sequences=seqs)
+
+
+def with_scores(out: PolicyOutput, P: int, mask_id: int | None, temperature: float, top_k: int | None,
+                top_p: float | None, scores: bool, logits: bool) -> PolicyOutput:
+    """``out`` with transformers' ``scores`` / ``logits``: one ``(B, S)`` float32 tensor per generated column
+    ``P … L − 1``, from the model call that committed the column's token (:attr:`PolicyOutput.commit_logits`).
+    ``logits``: that call's raw logits; ``scores``: the log of the distribution the token was drawn from
+    (``log softmax(logits / T)``, the mask state and what top-k / top-p cut at ``-inf``). Both are 0 at columns the
+    model did not commit (the fill after EOS or a stop string)."""
+    assert out.commit_logits is not None and out.commit_step is not None
+    raw = out.commit_logits[:, P:]
+    committed = (out.commit_step[:, P:] >= 0).unsqueeze(-1)
+    record: dict[str, Any] = {}
+    if logits:
+        record["logits"] = tuple(raw.unbind(1))
+    if scores:
+        weights = x0_weights(raw, torch.empty_like(raw), mask_id=mask_id, temperature=temperature, top_k=top_k,
+                             top_p=top_p)
+        logp = (weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)).log()
+        record["scores"] = tuple(torch.where(committed, logp, 0.0).unbind(1))
+    return dataclasses.replace(out, **record)
 
 
 def _chain(hooks: list[Any]) -> Any:

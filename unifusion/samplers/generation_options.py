@@ -2,9 +2,12 @@
 keywords of transformers' ``generate`` resolved into the options diffusion decoding honours, stop strings, and the
 streamer hooks (batch 1).
 
-* :func:`resolve_hf_options`: explicit keywords over a ``GenerationConfig``'s fields (:data:`HF_SUPPORTED`); fields
-  that say how transformers runs are ignored, fields that would change the tokens and do not apply to diffusion
-  decoding (``num_beams > 1``, ...) are a ``ValueError``, unknown names a ``TypeError``.
+* :func:`resolve_hf_options`: explicit keywords over a ``GenerationConfig``'s fields (:data:`HF_SUPPORTED`), as
+  transformers resolves them: a keyword given (not ``None``) wins whatever its value, even one equal to the default;
+  transformers' "off" values mean off (``top_k=0``, ``top_p=1.0``). Fields that only say how transformers runs
+  (caches, compilation, bookkeeping) are ignored; every field that would change the tokens or the output and does not
+  apply to diffusion decoding (``num_beams > 1``, ``output_attentions=True``, a non-empty ``logits_processor``, ...)
+  is a ``ValueError``; unknown names a ``TypeError``.
 * :func:`stop_column`: where a row's decoded text first completes a stop string.
 * :class:`Streaming` (built and checked by :func:`streaming`): the hooks :class:`~unifusion.samplers.PolicySampler`
   calls after each block (``stopping``, ``on_block``); :func:`stop_after` applies stop strings to a finished run.
@@ -26,23 +29,36 @@ __all__ = ["HF_SUPPORTED", "HFOptions", "Streaming", "resolve_hf_options", "stop
 
 
 HF_SUPPORTED = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                "pad_token_id", "stop_strings", "num_return_sequences")
+                "pad_token_id", "stop_strings", "num_return_sequences", "return_dict_in_generate", "output_scores",
+                "output_logits")
 """The ``transformers.GenerationConfig`` fields ``generate`` reads (from a config or as keywords)."""
 
 _HF_IGNORED = frozenset({
     "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
-    "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
     "_from_model_config", "transformers_version", "compile_config", "disable_compile", "low_memory",
     "renormalize_logits", "remove_invalid_values", "prefill_chunk_size", "is_assistant", "num_assistant_tokens",
-    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "continuous_batching_config"})
-"""Fields that say how transformers runs (caches, outputs, bookkeeping), not which tokens come out: ignored."""
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "continuous_batching_config", "synced_gpus", "use_model_defaults"})
+"""Fields and keywords that say how transformers runs (caches, compilation, bookkeeping; the assistant's settings,
+which act only with an ``assistant_model``, itself refused), not which tokens come out: ignored. ``scores`` are
+always normalised log-probabilities, so ``renormalize_logits`` changes nothing."""
 
 _HF_NEUTRAL: dict[str, Any] = {
     "num_beams": 1, "num_beam_groups": 1, "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
-"""Fields that do not apply to diffusion decoding but are accepted at their neutral value (``num_beams=1``, ...)."""
+    "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0,
+    "min_p": 0.0, "output_attentions": False, "output_hidden_states": False, "use_mtp": False, "token_healing": False,
+    "logits_processor": [], "stopping_criteria": [], "assistant_model": None}
+"""Fields and ``generate`` keywords that do not apply to diffusion decoding but are accepted at their neutral (HF's
+"off") value (``num_beams=1``, ``output_attentions=False``, an empty ``logits_processor``, ...); any other value is a
+``ValueError``."""
+
+_HF_KEYWORDS = frozenset({"logits_processor", "stopping_criteria", "assistant_model", "synced_gpus",
+                          "use_model_defaults", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+                          "negative_prompt_attention_mask", "custom_generate"})
+"""transformers ``generate`` keywords that are not ``GenerationConfig`` fields (refused unless neutral or
+ignored)."""
 
 
 @dataclasses.dataclass
@@ -52,25 +68,35 @@ class HFOptions:
     max_new_tokens: int | None
     seq_len: int | None
     do_sample: bool
-    temperature: float
+    temperature: Any  # checked by the sampler
     top_k: int | None
     top_p: float | None
     eos_token_id: Any
     pad_token_id: int | None
     stop_strings: tuple[str, ...]
     num_return_sequences: int = 1
+    return_dict_in_generate: bool = False
+    output_scores: bool = False
+    output_logits: bool = False
 
 
 def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new_tokens: int | None,
-                       seq_len: int | None, max_length: int | None, do_sample: bool | None, temperature: float,
+                       seq_len: int | None, max_length: int | None, do_sample: bool | None, temperature: float | None,
                        top_k: int | None, top_p: float | None, eos_token_id: Any, pad_token_id: int | None,
                        stop_strings: Any, num_return_sequences: int | None = None) -> HFOptions:
-    """Merge a ``transformers.GenerationConfig`` with ``generate``'s keywords (a keyword given with another value
-    than its default wins) and refuse what diffusion decoding cannot honour.
+    """Merge a ``transformers.GenerationConfig`` with ``generate``'s keywords and refuse what diffusion decoding
+    cannot honour.
 
-    ``extra``: keywords ``generate`` does not name. A ``GenerationConfig`` field among them is taken at its neutral
-    value (``num_beams=1``) and is a ``ValueError`` otherwise (``num_beams=4``: no beam search here); any other name
-    is a ``TypeError``, as an unknown keyword is in Python.
+    Precedence is transformers': a keyword given (not ``None``; ``eos_token_id`` other than ``"auto"``) wins over the
+    config's field whatever its value (``temperature=1.0`` beats the config's 0.3), the config's field over the
+    default. transformers' "off" values mean off: ``top_k=0`` and ``top_p=1.0`` (no truncation); with
+    ``do_sample=False`` the temperature does not apply (``temperature=0`` is then accepted, as transformers does).
+
+    ``extra``: keywords ``generate`` does not name. ``return_dict_in_generate``, ``output_scores`` and
+    ``output_logits`` are read from there (or the config); a ``GenerationConfig`` field or transformers ``generate``
+    keyword is taken at its neutral value (``num_beams=1``, ``logits_processor=[]``) and is a ``ValueError``
+    otherwise (``num_beams=4``: no beam search here); any other name is a ``TypeError``, as an unknown keyword is in
+    Python.
     """
     fields: dict[str, Any] = {}
     if generation_config is not None:
@@ -79,7 +105,7 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
             raise TypeError(f"generation_config: expected a transformers.GenerationConfig (e.g. "
                             f"model.generation_config), got {type(generation_config).__name__}")
         fields = {k: v for k, v in to_dict().items() if v is not None}
-    known = _known_hf_fields() if extra else frozenset()
+    known = (_known_hf_fields() | _HF_KEYWORDS) if extra else frozenset()
     for name in extra:
         if name not in known and name not in _HF_NEUTRAL:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
@@ -87,11 +113,16 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
         for name, value in items:
             if name in HF_SUPPORTED or name in _HF_IGNORED or value is None:
                 continue
-            if name in _HF_NEUTRAL and value == _HF_NEUTRAL[name]:
+            if name in _HF_NEUTRAL and _is_neutral(value, _HF_NEUTRAL[name]):
                 continue
             neutral = f" (only {_HF_NEUTRAL[name]!r} is accepted)" if name in _HF_NEUTRAL else ""
             raise ValueError(f"{source}{name}: does not apply to diffusion decoding{neutral}, got {value!r}; "
                              f"generate reads {', '.join(HF_SUPPORTED)}")
+
+    def pick(name: str, given: Any) -> Any:
+        """The keyword when given, else the config's field (``None`` when neither)."""
+        return given if given is not None else extra.get(name, fields.get(name))
+
     given = [n for n, v in (("max_new_tokens", max_new_tokens), ("seq_len", seq_len), ("max_length", max_length))
              if v is not None]
     if len(given) > 1:
@@ -107,22 +138,23 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
             max_new_tokens = fields["max_new_tokens"]
         elif fields.get("max_length") is not None:
             seq_len = fields["max_length"]
-    if do_sample is None:
-        do_sample = fields.get("do_sample", True)
+    do_sample = pick("do_sample", do_sample)
+    do_sample = True if do_sample is None else do_sample
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample: expected a bool, got {type(do_sample).__name__}")
-    if temperature == 1.0 and "temperature" in fields:
-        temperature = float(fields["temperature"])
-    if top_k is None and "top_k" in fields:
-        top_k = int(fields["top_k"])
-    if top_p is None and "top_p" in fields:
-        top_p = float(fields["top_p"])
+    temperature = pick("temperature", temperature)
+    if temperature is None or (not do_sample and temperature == 0):
+        temperature = 1.0  # greedy decoding: the temperature does not apply (transformers ignores it too)
+    top_k = pick("top_k", top_k)
+    if top_k is not None and not isinstance(top_k, bool) and isinstance(top_k, int) and top_k == 0:
+        top_k = None  # transformers' "off"
+    top_p = pick("top_p", top_p)
+    if top_p is not None and not isinstance(top_p, bool) and isinstance(top_p, (int, float)) and top_p == 1.0:
+        top_p = None  # the whole distribution: off
     if isinstance(eos_token_id, str) and eos_token_id == "auto" and "eos_token_id" in fields:
         eos_token_id = fields["eos_token_id"]
-    if pad_token_id is None and "pad_token_id" in fields:
-        pad_token_id = int(fields["pad_token_id"])
-    if stop_strings is None:
-        stop_strings = fields.get("stop_strings")
+    pad_token_id = pick("pad_token_id", pad_token_id)
+    stop_strings = pick("stop_strings", stop_strings)
     if stop_strings is None:
         strings: tuple[str, ...] = ()
     elif isinstance(stop_strings, str):
@@ -133,12 +165,31 @@ def resolve_hf_options(generation_config: Any, extra: dict[str, Any], *, max_new
         raise TypeError(f"stop_strings: expected a non-empty string or a list of them, got {stop_strings!r}")
     if any(not s for s in strings):
         raise ValueError("stop_strings: expected non-empty strings, got ''")
-    if num_return_sequences is None:
-        num_return_sequences = fields.get("num_return_sequences", 1)
-    num_return_sequences = V.check_positive_int("num_return_sequences", num_return_sequences)
+    num_return_sequences = pick("num_return_sequences", num_return_sequences)
+    num_return_sequences = V.check_positive_int("num_return_sequences", 1 if num_return_sequences is None
+                                                else num_return_sequences)
+    flags = {}
+    for name in ("return_dict_in_generate", "output_scores", "output_logits"):
+        value = pick(name, None)
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        flags[name] = bool(value)
+    for name in ("output_scores", "output_logits"):
+        if flags[name] and not flags["return_dict_in_generate"]:
+            raise ValueError(f"{name}: the scores come back in the output record; pass return_dict_in_generate=True "
+                             "too (transformers would drop them silently)")
     return HFOptions(max_new_tokens=max_new_tokens, seq_len=seq_len, do_sample=do_sample, temperature=temperature,
                      top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                     stop_strings=strings, num_return_sequences=num_return_sequences)
+                     stop_strings=strings, num_return_sequences=num_return_sequences, **flags)
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    """Whether ``value`` is the neutral ``neutral`` (an empty list for the processor lists)."""
+    if isinstance(neutral, list):
+        return isinstance(value, (list, tuple)) and not value
+    if isinstance(neutral, bool):
+        return value is neutral
+    return not isinstance(value, bool) and bool(value == neutral)
 
 
 def _known_hf_fields() -> frozenset[str]:

@@ -80,6 +80,14 @@ class PolicyOutput:
             top-p; with ``do_sample=False`` the argmax's probability under it); ``0`` where ``commit_step`` is
             ``-1``. ``commit_logprob.sum(-1)`` is the log-probability of the row's rollout under the decoder's own
             order (what :func:`unifusion.rl.sequence_logprob` with ``estimator="trace"`` replays).
+        commit_logits: with ``return_logits=True``: ``(B, L, S)`` float32, the raw logits of the model call that
+            committed each position (``0`` where ``commit_step`` is ``-1``).
+        scores: from :func:`unifusion.samplers.generate` with ``output_scores=True`` (transformers' name and layout):
+            one ``(B, S)`` float32 tensor per generated column, the log of the distribution its token was committed
+            from (after temperature, the mask state, top-k and top-p: ``-inf`` outside it); 0 where nothing was
+            committed (the fill after EOS). A diffusion model commits tokens in its own order, so entry ``j`` is the
+            distribution at generated column ``j`` at the step that decided it, not the ``j``-th step's.
+        logits: with ``output_logits=True``: the same columns' raw logits from that model call.
     """
 
     sequences: torch.Tensor
@@ -87,6 +95,9 @@ class PolicyOutput:
     tokens_per_forward: torch.Tensor
     commit_step: torch.Tensor | None = None
     commit_logprob: torch.Tensor | None = None
+    commit_logits: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
 
     @property
     def commit_prob(self) -> torch.Tensor | None:
@@ -114,6 +125,7 @@ class _Run:
     checked: bool = False  # the first model output has been checked
     commit_step: torch.Tensor | None = None  # (B, L + 1) int64, -1 where nothing was committed (return_trace)
     commit_logprob: torch.Tensor | None = None  # (B, L + 1) float32, 0 where nothing was committed (return_trace)
+    commit_logits: torch.Tensor | None = None  # (B, L + 1, S) float32, 0 where nothing was committed (return_logits)
 
     def forget_commits(self, rows: torch.Tensor | None, after: torch.Tensor) -> None:
         """Drop the trace at the positions ``after`` ``(B_a, L)`` of ``rows`` (all rows for ``None``): their tokens
@@ -128,6 +140,13 @@ class _Run:
             self.commit_step[:, :L], self.commit_logprob[:, :L] = step, logp
         else:
             self.commit_step[rows, :L], self.commit_logprob[rows, :L] = step, logp
+        if self.commit_logits is not None:
+            full = torch.zeros_like(self.commit_step, dtype=torch.bool)
+            if rows is None:
+                full[:, :L] = after
+            else:
+                full[rows, :L] = after
+            self.commit_logits.masked_fill_(full.unsqueeze(-1), 0.0)
 
     def randomness(self, rows: torch.Tensor, rows_host: list[int]) -> RowRandomness:
         g = self.generator
@@ -219,8 +238,8 @@ class PolicySampler:
                | None = None, attention_mask: torch.Tensor | None = None,
                generator: torch.Generator | Sequence[torch.Generator] | None = None,
                eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-               return_dict: bool = False, return_trace: bool = False, progress: bool = False,
-               stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+               return_dict: bool = False, return_trace: bool = False, return_logits: bool = False,
+               progress: bool = False, stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
                on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
                ) -> torch.Tensor | PolicyOutput:
         """Generate ``(batch_size, seq_len)`` int64 token ids (or a :class:`PolicyOutput`).
@@ -243,6 +262,8 @@ class PolicySampler:
                 (:attr:`PolicyOutput.commit_step`, :attr:`PolicyOutput.commit_logprob`); implies ``return_dict``.
                 Mask policies only: :class:`~unifusion.samplers.policies.EntropyBound` decides a whole block at once
                 from resampled canvases, so no token has a commit step (``ValueError``).
+            return_logits: also record the raw logits of the model call that committed each generated position
+                (:attr:`PolicyOutput.commit_logits`, with the trace); implies ``return_dict``; mask policies only.
             progress: a tqdm bar over the blocks.
             stopping: called after each block ``b`` is decided as ``stopping(b, tokens (B, L), cols (B, K_b))``
                 (``cols``: the block's columns per row, values ``≥ L`` past a row's end); it returns ``None`` or a
@@ -265,20 +286,24 @@ class PolicySampler:
         for name, fn in (("stopping", stopping), ("on_block", on_block)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name}: expected a callable (block, tokens, cols) or None, got {type(fn).__name__}")
-        for name, flag in (("return_dict", return_dict), ("return_trace", return_trace)):
+        for name, flag in (("return_dict", return_dict), ("return_trace", return_trace),
+                           ("return_logits", return_logits)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if return_trace and self.policy.family != "mask":
-            raise ValueError(f"return_trace: records the step at which each masked position is committed, which "
+        traced = "return_trace" if return_trace else "return_logits" if return_logits else None
+        if traced is not None and self.policy.family != "mask":
+            raise ValueError(f"{traced}: records the step at which each masked position is committed, which "
                              f"the mask policies do; {type(self.policy).__name__} resamples whole blocks and keeps "
                              "the last argmax, so its tokens have no commit step")
         dev, source = resolve_device(self.model, prompt, generators, None)
         check_devices(self.model, generators, dev, source)
         with torch.no_grad():
             run = self._start(B, L, prompt, attention_mask, generators, dev)
-            if return_trace:
+            if traced is not None:
                 run.commit_step = torch.full((B, L + 1), -1, dtype=torch.long, device=dev)
                 run.commit_logprob = torch.zeros((B, L + 1), dtype=torch.float32, device=dev)
+            if return_logits:
+                run.commit_logits = torch.zeros((B, L + 1, self.kernel.num_states), dtype=torch.float32, device=dev)
             blocks: Any = range(run.grid.num_blocks)
             if progress:
                 from tqdm.auto import tqdm
@@ -299,7 +324,7 @@ class PolicySampler:
                 if run.block_state is not None and b + 1 < run.grid.num_blocks:
                     self._commit(run, b)
         sequences = run.x[:, :L].contiguous()
-        if not (return_dict or return_trace):
+        if not (return_dict or traced):
             return sequences
         extra = getattr(run.block_state, "extra_forwards", None)
         if extra is not None:  # the denoiser's calls outside the steps (prefill, commits)
@@ -311,6 +336,8 @@ class PolicySampler:
         if run.commit_step is not None and run.commit_logprob is not None:
             trace = {"commit_step": run.commit_step[:, :L].contiguous(),
                      "commit_logprob": run.commit_logprob[:, :L].contiguous()}
+        if run.commit_logits is not None:
+            trace["commit_logits"] = run.commit_logits[:, :L].contiguous()
         return PolicyOutput(sequences=sequences, num_forwards=run.forwards, tokens_per_forward=rate, **trace)
 
     # -- setup
@@ -481,13 +508,13 @@ class PolicySampler:
             u_r.scatter_(1, cols_r, und_r & ~commit)
             run.x[rows], run.undecided[rows] = x_r, u_r
             if run.commit_step is not None:
-                self._record(run, rows, cols_r, commit, p)
+                self._record(run, rows, cols_r, commit, p, logits)
             self._finish_eos(run, rows, eos, pad)
             if run.block_state is not None:
                 previous = (logits.float() / self.temperature, rows_host)
 
-    def _record(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, commit: torch.Tensor, p: torch.Tensor
-                ) -> None:
+    def _record(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, commit: torch.Tensor, p: torch.Tensor,
+                logits: torch.Tensor) -> None:
         """The trace of one step: the committed positions ``commit`` ``(B_a, K)`` at ``cols`` of ``rows`` get the
         index of the model call just made (the row's calls so far, the denoiser's own ones included, minus one) and
         the log of their probability ``p`` ``(B_a, K)``."""
@@ -496,6 +523,12 @@ class PolicySampler:
         extra = getattr(run.block_state, "extra_forwards", None)
         if extra is not None:  # the prefill and separate commit passes so far
             index = index + extra[rows]
+        if run.commit_logits is not None:
+            kept = run.commit_logits[rows]
+            S = kept.shape[-1]
+            index3 = cols.unsqueeze(-1).expand(-1, -1, S)
+            chosen = torch.where(commit.unsqueeze(-1), logits.float(), kept.gather(1, index3))
+            run.commit_logits[rows] = kept.scatter(1, index3, chosen)
         step_r, logp_r = run.commit_step[rows], run.commit_logprob[rows]
         step_r.scatter_(1, cols, torch.where(commit, index[:, None], step_r.gather(1, cols)))
         logp_r.scatter_(1, cols, torch.where(commit, p.log(), logp_r.gather(1, cols)))

@@ -440,12 +440,12 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int | None = None, seq_len: int | None = None,
+    def generate(self, prompt_ids: torch.Tensor | None = None, *, max_new_tokens: int | None = None, seq_len: int | None = None,
                  policy: Any = None, num_steps: int | None = None, block_size: int | None = None,
                  use_cache: bool = True, cache_refresh: int | None = None, merge_commits: bool = False,
                  attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
                  pad_token_id: int | None = None, return_dict: bool = False, return_trace: bool = False,
-                 num_return_sequences: int | None = None, kernel: Any = None, temperature: float = 1.0,
+                 num_return_sequences: int | None = None, kernel: Any = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False, generation_config: Any = None, max_length: int | None = None,
@@ -462,8 +462,11 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
 
         The arguments, the result and the rules for padding, EOS and the caches are those of
         :func:`unifusion.samplers.generate`, the one generate path, which this method calls with the model (and which
-        lists them): ``(B, P)`` prompt ids in, ``(B, P + max_new_tokens)`` ids out, or a
-        :class:`~unifusion.samplers.PolicyOutput`. Defaults come from the model: :attr:`kernel` (else
+        lists them): ``(B, P)`` prompt ids in — also as transformers passes them, ``model.generate(**tokenizer(texts,
+        return_tensors="pt", padding=True), max_new_tokens=...)`` (``input_ids``, ``attention_mask``; left or right
+        padding) —, ``(B, P + max_new_tokens)`` ids out, or a :class:`~unifusion.samplers.PolicyOutput`
+        (``return_dict_in_generate=True``, with ``scores`` / ``logits`` when ``output_scores`` / ``output_logits``
+        ask). Defaults come from the model: :attr:`kernel` (else
         :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
         """
         return generation.generate(
