@@ -277,6 +277,33 @@ def test_generation_config_checks(model):
     assert out.sequences.shape == (1, 9) and out.num_forwards.tolist() == [4]
 
 
+def test_generate_called_as_transformers_calls_it(model):
+    """transformers' call (issue 44): ``generate(input_ids=..., attention_mask=..., max_new_tokens=...)`` with the
+    config's fields as keywords over ``generation_config``, ``return_dict_in_generate=True`` for the record; what it
+    cannot honour is refused."""
+    prompt = tokens((2, 5), 3)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # left padding
+    base = config(max_new_tokens=8, max_denoising_steps=2)
+
+    def gens():
+        return [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]
+
+    by_config = model.generate(prompt, base, attention_mask=mask, generator=gens())
+    by_keywords = model.generate(input_ids=prompt, attention_mask=mask, generation_config=config(max_new_tokens=3),
+                                 max_new_tokens=8, max_denoising_steps=2, generator=gens())
+    assert torch.equal(by_keywords, by_config)
+    record = model.generate(input_ids=prompt, attention_mask=mask, generation_config=base, generator=gens(),
+                            return_dict_in_generate=True)
+    assert torch.equal(record.sequences, by_config)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['temperature'\]"):
+        model.generate(input_ids=prompt, generation_config=base, temperature=0.5)
+    with pytest.raises(ValueError, match="output_scores: not recorded"):
+        model.generate(input_ids=prompt, generation_config=base, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(TypeError, match="prompt_ids: give the prompt once"):
+        model.generate(prompt, base, input_ids=prompt)
+
+
 # -- fine-tuning through diffusion_loss ----------------------------------------------------------------------------
 
 

@@ -273,15 +273,52 @@ class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
         commit(self, state, block)
         return state
 
-    def generate(self, prompt_ids: torch.Tensor, generation_config: Any = None, *,
-                 attention_mask: torch.Tensor | None = None, generator: Any = None, policy: Any = None,
-                 return_dict: bool = False, parity: bool = False) -> Any:
+    def generate(self, prompt_ids: torch.Tensor | None = None, generation_config: Any = None, *,
+                 input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generator: Any = None, policy: Any = None, return_dict: bool = False, parity: bool = False,
+                 **kwargs: Any) -> Any:
         """Generate canvas by canvas with :class:`~unifusion.samplers.PolicySampler` and (by default)
         :class:`~unifusion.samplers.policies.EntropyBound` built from transformers'
-        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma.generation.generate`."""
+        ``DiffusionGemmaGenerationConfig``; see :func:`unifusion.hf.diffusion_gemma.generation.generate`.
+
+        Called as transformers' ``DiffusionGemmaForBlockDiffusion.generate`` is: the prompt as ``input_ids=`` (so
+        ``model.generate(**tokenizer(texts, return_tensors="pt", padding=True))`` works), and the config's fields as
+        keywords (``max_new_tokens=64``, ``t_min=...``), which win over ``generation_config`` (default the model's);
+        ``return_dict_in_generate=True`` is ``return_dict=True`` (a config's ``return_dict_in_generate``, True by
+        default in transformers' class, is not read: the keyword decides). A keyword that is not a field of the config
+        is a ``TypeError``; ``output_scores`` / ``output_logits`` (no commit step under EntropyBound) and
+        ``streamer`` are ``ValueError``s."""
+        import copy
+
         from .generation import generate
 
-        return generate(self, prompt_ids, generation_config, attention_mask=attention_mask, generator=generator,
+        if (prompt_ids is None) == (input_ids is None):
+            raise TypeError("prompt_ids: give the prompt once (prompt_ids, or transformers' input_ids=)")
+        prompt = prompt_ids if prompt_ids is not None else input_ids
+        token_types = kwargs.pop("token_type_ids", None)
+        if token_types is not None and bool(torch.as_tensor(token_types).ne(0).any()):
+            raise ValueError("token_type_ids: the model reads one segment; expected all zeros, got other ids")
+        as_record = kwargs.pop("return_dict_in_generate", None)
+        if as_record is not None:
+            if not isinstance(as_record, bool):
+                raise TypeError(f"return_dict_in_generate: expected a bool, got {type(as_record).__name__}")
+            return_dict = return_dict or as_record
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states", "streamer"):
+            value = kwargs.pop(name, None)
+            if value not in (None, False):
+                raise ValueError(f"{name}: not recorded by DiffusionGemma's entropy-bounded decoding (it resamples "
+                                 f"whole canvases; no token has a committing step), got {value!r}")
+        if kwargs:
+            from transformers import DiffusionGemmaGenerationConfig
+
+            base = generation_config if generation_config is not None else getattr(
+                self.base_model, "generation_config", None)
+            generation_config = copy.deepcopy(base) if base is not None else DiffusionGemmaGenerationConfig()
+            unused = generation_config.update(**kwargs)
+            if unused:
+                raise TypeError(f"generate() got unexpected keyword arguments {sorted(unused)} (not fields of "
+                                "DiffusionGemmaGenerationConfig)")
+        return generate(self, prompt, generation_config, attention_mask=attention_mask, generator=generator,
                         policy=policy, return_dict=return_dict, parity=parity)
 
     # -- internals ------------------------------------------------------------------------------------------------
