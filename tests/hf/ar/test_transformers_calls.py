@@ -159,3 +159,33 @@ def test_generation_options_that_would_be_ignored_are_refused(tok) -> None:
     # the record without scores works on the full-sequence sampler too
     out = plain.generate(**inputs, max_new_tokens=4, num_steps=2, return_dict_in_generate=True)
     assert isinstance(out, uf.samplers.PolicyOutput) and out.sequences.shape[1] == inputs["input_ids"].shape[1] + 4
+
+
+def test_the_text_generation_pipeline_runs_generate(model, tok) -> None:
+    """``transformers.pipeline("text-generation", model=diffusion_lm, tokenizer=tok)``: one text or a padded batch,
+    the tokens those of ``model.generate`` on the same call."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    for batch_size in (1, 2):
+        got = pipe(TEXTS[:2], max_new_tokens=6, do_sample=False, return_tensors=True, batch_size=batch_size)
+        for text, (row,) in zip(TEXTS[:2], got, strict=True):
+            alone = model.generate(**tok([text], return_tensors="pt"), max_new_tokens=6, do_sample=False)
+            ids = row["generated_token_ids"]  # batched: the pipeline's own left padding first
+            pads = len(ids) - alone.shape[1]
+            assert ids[pads:] == alone[0].tolist() and set(ids[:pads]) <= {tok.pad_token_id}, (batch_size, text)
+    text = pipe(TEXTS[0], max_new_tokens=4)[0]["generated_text"]  # the pipeline's sampling defaults run too
+    assert text.startswith(TEXTS[0]) and len(text) > len(TEXTS[0])
+
+
+def test_the_diffusion_gemma_pipeline_is_refused_at_construction() -> None:
+    from _hf_tiny import tiny_diffusion_gemma
+    from transformers import pipeline
+
+    from unifusion.hf import wrap_diffusion_lm
+
+    gemma = wrap_diffusion_lm(tiny_diffusion_gemma())
+    tokenizer = __import__("transformers").PreTrainedTokenizerFast.from_pretrained(
+        Path(__file__).parents[2] / "data" / "tiny_tokenizer")
+    with pytest.raises(TypeError, match=r"text-generation pipeline .* call model.generate"):
+        pipeline("text-generation", model=gemma, tokenizer=tokenizer)

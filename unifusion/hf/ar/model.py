@@ -478,6 +478,17 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
             generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
             do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 
+    input_modalities = ("text",)
+    output_modalities = ("text",)
+    """What transformers' pipelines read of a generating model (text in, text out)."""
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """``True``: :meth:`generate` takes transformers' call, so ``transformers.pipeline("text-generation",
+        model=model, tokenizer=tok)`` runs it (transformers logs that the class is not in its list of causal LMs;
+        the pipeline works all the same)."""
+        return True
+
     def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
         """The exact cached decoder of a block model (:class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`, a
         :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.

@@ -273,6 +273,16 @@ class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
         commit(self, state, block)
         return state
 
+    def can_generate(self) -> bool:
+        """Refuses, with a ``TypeError`` naming :meth:`generate`, what transformers' pipelines ask first: a
+        ``text-generation`` pipeline passes sampling options (``temperature``, ``do_sample``) that DiffusionGemma's
+        decoding does not take (its ``DiffusionGemmaGenerationConfig`` has ``t_min``/``t_max`` instead), so it fails
+        at construction rather than at the first call."""
+        raise TypeError("DiffusionGemmaLM: transformers' text-generation pipeline passes sampling options "
+                        "(temperature, do_sample) that DiffusionGemma's decoding does not take; call "
+                        "model.generate(**tokenizer(texts, return_tensors='pt', padding=True, padding_side='left'), "
+                        "max_new_tokens=...) and decode with the tokenizer")
+
     def generate(self, prompt_ids: torch.Tensor | None = None, generation_config: Any = None, *,
                  input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generator: Any = None, policy: Any = None, return_dict: bool = False, parity: bool = False,
