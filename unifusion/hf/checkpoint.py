@@ -158,26 +158,49 @@ class CheckpointMixin:
     @classmethod
     def from_pretrained(cls: type[_Model], directory: str | os.PathLike[str], *,
                         dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                        load_tokenizer: bool = True) -> _Model:
+                        load_tokenizer: bool = True, torch_dtype: torch.dtype | str | None = None,
+                        device_map: Any = None, revision: str | None = None,
+                        cache_dir: str | os.PathLike[str] | None = None, token: str | bool | None = None,
+                        local_files_only: bool = False, force_download: bool = False) -> _Model:
         """Load a folder written by :meth:`save_pretrained` (or, for a kind that opens them, its plain Hugging Face
-        folder): bit-identical weights, in eval mode, the recorded kernel as ``model.kernel`` (else the kind's
-        default), the saved tokenizer as ``model.tokenizer``.
+        folder), or a Hub repository holding one: bit-identical weights, in eval mode, the recorded kernel as
+        ``model.kernel`` (else the kind's default), the saved tokenizer as ``model.tokenizer``.
 
         Args:
-            directory: the folder.
+            directory: the folder, or a Hub repository id (``"owner/name"``) when no such folder exists: it is
+                resolved with ``huggingface_hub.snapshot_download`` (the cache first; offline with
+                ``HF_HUB_OFFLINE=1`` or ``local_files_only=True``).
             dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); default the saved one.
             device: where to put the model; default CPU.
             load_tokenizer: load the tokenizer saved in the folder, if any (a tokenizer that fails to load warns and
                 leaves ``model.tokenizer`` as it was).
+            torch_dtype: transformers' older name for ``dtype`` (both given with different values: ``ValueError``).
+            device_map: transformers' placement, for one device: a device (``"cuda:0"``, ``0``, ``torch.device``),
+                ``{"": device}``, or ``"auto"`` (the one GPU, else the CPU); a map over several devices is a
+                ``ValueError`` (the model is not split across devices; use FSDP/DeepSpeed for that). With ``device``
+                too they must agree.
+            revision, cache_dir, token, local_files_only, force_download: ``snapshot_download``'s, for a Hub id; a
+                local folder has no revision and no cache, so ``revision``, ``cache_dir``, ``token`` and
+                ``force_download`` with one are a ``ValueError`` (``local_files_only`` is then true anyway).
 
         Raises:
-            ValueError: ``directory`` does not exist, is a file, or is not a checkpoint of this model kind.
+            ValueError: ``directory`` is neither a folder nor a Hub repository found, is a file, or is not a
+                checkpoint of this model kind.
         """
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
+        dtype = _one_dtype(dtype, torch_dtype)
+        device = _one_device(device, device_map)
+        hub = {"revision": revision, "cache_dir": cache_dir, "token": token,
+               "force_download": force_download or None}
         path = Path(directory)
-        if not path.exists():
-            raise ValueError(f"directory: no such folder {str(path)!r}")
+        if path.exists():
+            given = sorted(name for name, value in hub.items() if value is not None)
+            if given:
+                raise ValueError(f"{given[0]}: {str(path)!r} is a local folder, which has no Hub revision, cache or "
+                                 f"token; drop {', '.join(given)} (they apply to a Hub repository id)")
+        else:
+            path = _from_hub(str(directory), cls.__name__, local_files_only=local_files_only, **hub)
         if not path.is_dir():
             raise ValueError(f"directory: expected a folder written by {cls.__name__}.save_pretrained, got the file "
                              f"{str(path)!r}")
@@ -205,3 +228,61 @@ class CheckpointMixin:
                 warnings.warn(f"{str(path)!r}: the tokenizer files could not be loaded ({err}); model.tokenizer is "
                               "left as it was", stacklevel=2)
         return model.eval()
+
+
+def _one_dtype(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """``dtype``, or transformers' older name ``torch_dtype`` for it (both given: they must agree)."""
+    if torch_dtype is None:
+        return dtype
+    if dtype is not None and str(dtype).removeprefix("torch.") != str(torch_dtype).removeprefix("torch."):
+        raise ValueError(f"dtype, torch_dtype: two names for one setting, got {dtype} and {torch_dtype}")
+    return torch_dtype
+
+
+def _one_device(device: torch.device | str | None, device_map: Any) -> torch.device | str | None:
+    """The device of ``device`` and transformers' ``device_map`` (one device only: a device, ``{"": device}`` or
+    ``"auto"``); both given: they must agree."""
+    if device_map is None:
+        return device
+    target: Any = device_map
+    if isinstance(device_map, dict):
+        placed = {str(torch.device(v) if isinstance(v, int) else v) for v in device_map.values()}
+        if len(placed) != 1:
+            raise ValueError(f"device_map: places the model on one device here (it is not split across devices; "
+                             f"use FSDP or DeepSpeed for that), got a map over {sorted(placed) or 'no device'}")
+        target = next(iter(device_map.values()))
+    if target in ("auto", "balanced", "balanced_low_0", "sequential"):
+        gpus = torch.cuda.device_count()
+        if gpus > 1:
+            raise ValueError(f"device_map: {target!r} would split the model over the {gpus} GPUs; this model is "
+                             "placed on one device: pass device_map='cuda:0' (or device=)")
+        target = "cuda:0" if gpus == 1 else "cpu"
+    if isinstance(target, int) and not isinstance(target, bool):
+        target = f"cuda:{target}"
+    if not isinstance(target, (str, torch.device)):
+        raise TypeError(f"device_map: expected a device, {{'': device}} or 'auto', got {type(device_map).__name__}")
+    resolved = torch.device(target)
+    if device is not None and torch.device(device) != resolved:
+        raise ValueError(f"device, device_map: two places for one model, got {device} and {device_map!r}")
+    return resolved
+
+
+def _from_hub(repo_id: str, who: str, *, revision: str | None, cache_dir: Any, token: Any,
+              local_files_only: bool, force_download: bool | None) -> Path:
+    """The local snapshot of the Hub repository ``repo_id`` (``huggingface_hub.snapshot_download``: the cache,
+    offline under ``HF_HUB_OFFLINE=1``); a ``ValueError`` naming ``directory`` when it is not a repository id or is
+    not found."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", repo_id) or ".." in repo_id:
+        raise ValueError(f"directory: no such folder {repo_id!r}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
+                                      local_files_only=local_files_only, force_download=bool(force_download)))
+    except (HFValidationError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise ValueError(f"directory: no such folder {repo_id!r}, and as a Hub repository id it could not be "
+                         f"resolved ({type(err).__name__}: {err}); {who}.from_pretrained takes a folder written by "
+                         "save_pretrained or the id of a Hub repository holding one") from None

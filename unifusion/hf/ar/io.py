@@ -3,11 +3,14 @@
 
 A saved folder is a standard Hugging Face checkpoint of the backbone plus unifusion's record:
 
-* ``config.json``: the backbone's own config (``architectures`` and ``dtype`` set; the vocabulary includes an added
-  mask token), so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens it, and serving engines and
-  the Hub's tooling see an ordinary model folder; ``generation_config.json`` when the backbone has one.
+* ``config.json``: the backbone's own config (``dtype`` set; the vocabulary includes an added mask token) that says
+  it is a diffusion model: ``architectures`` is :data:`DIFFUSION_ARCHITECTURE` (no engine's causal-LM class) and
+  :data:`DIFFUSION_CONFIG_KEY` holds :func:`diffusion_record` (kind, mask id, block size, shift, the backbone's
+  class); ``generation_config.json`` when the backbone has one.
 * ``model.safetensors`` (:data:`WEIGHTS_NAME`): the backbone's state dict under transformers' names, tied tensors
-  stored once (``AutoModelForCausalLM`` loads identical weights).
+  stored once, and :data:`DIFFUSION_MARKER`: ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens
+  the backbone with identical weights and warns (its load report names the marker); the explicit way to the plain
+  backbone is ``DiffusionLM.from_pretrained(folder).hf_model``.
 * ``unifusion_config.json`` (``CONFIG_NAME``, :mod:`unifusion.hf.checkpoint`): the library version, the BOS and mask
   token ids, whether the mask token was added, time conditioning, the family, the architecture class, the weights'
   dtype, the wrapped model's own config (``base_config``), the block size of a block model and, when known, the
@@ -17,8 +20,8 @@ A saved folder is a standard Hugging Face checkpoint of the backbone plus unifus
   backbone's (the time embedding of a ``time_conditioning`` model), only when there are any.
 * the tokenizer's files, when the model has a tokenizer.
 
-Loading opens the backbone with transformers' ``from_pretrained`` and the wrapper's parameters from their file:
-bit-identical weights. Folders of the earlier format (``unifusion_config.json`` and a ``model.safetensors`` holding
+Loading opens the backbone with transformers' ``from_pretrained`` on the weights file without the marker (no load
+report) and the wrapper's parameters from their file: bit-identical weights. Folders of the earlier format (``unifusion_config.json`` and a ``model.safetensors`` holding
 the wrapper's state dict, names prefixed ``base_model.``, no ``config.json``) keep loading: the backbone is rebuilt
 from ``base_config`` without initialising weights and the file is loaded into the wrapper.
 """
@@ -35,8 +38,8 @@ import torch
 from ..checkpoint import CONFIG_NAME, library_version
 from .adapted import AdaptedLM
 
-__all__ = ["CONFIG_KEYS", "EXTRA_WEIGHTS_NAME", "WEIGHTS_NAME", "config_stamp", "hf_config", "load_model",
-           "parse_dtype", "save_files"]
+__all__ = ["CONFIG_KEYS", "DIFFUSION_ARCHITECTURE", "DIFFUSION_CONFIG_KEY", "DIFFUSION_MARKER", "EXTRA_WEIGHTS_NAME",
+           "WEIGHTS_NAME", "config_stamp", "diffusion_record", "hf_config", "load_model", "parse_dtype", "save_files"]
 
 WEIGHTS_NAME = "model.safetensors"
 """The backbone's weights (transformers' names and file), or the whole wrapper's in a folder of the earlier format."""
@@ -45,6 +48,23 @@ EXTRA_WEIGHTS_NAME = "unifusion_weights.safetensors"
 """The wrapper's parameters outside the backbone (the time embedding), when there are any."""
 
 _BACKBONE_PREFIX = "base_model."  # the backbone's parameters inside the wrapper's state dict
+
+DIFFUSION_ARCHITECTURE = "UnifusionDiffusionLM"
+"""``config.json``'s ``architectures`` entry of a saved model: no causal-LM class of transformers or of a serving
+engine has this name, so an engine that picks its implementation by ``architectures`` does not take the weights for
+an autoregressive model of the backbone's family (the backbone's class is recorded under
+:data:`DIFFUSION_CONFIG_KEY`)."""
+
+DIFFUSION_CONFIG_KEY = "unifusion"
+"""The key of ``config.json`` that says the weights are a diffusion model (:func:`diffusion_record`): a nested
+dict, which ``PretrainedConfig`` keeps as an attribute and writes back on every save, so it survives
+``AutoConfig`` / ``from_pretrained`` / ``save_pretrained`` round trips."""
+
+DIFFUSION_MARKER = "unifusion.diffusion_model.load_with.unifusion.DiffusionLM.from_pretrained"
+"""A one-element tensor stored beside the backbone's weights in :data:`WEIGHTS_NAME`. No backbone has a parameter of
+that name, so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` — what a user or a tool that treats the
+folder as a plain causal LM calls — still loads the backbone but logs its load report (a warning) naming this key as
+UNEXPECTED; unifusion's own loader drops it."""
 
 CONFIG_KEYS = frozenset({"unifusion_version", "bos_token_id", "mask_token_id", "added_mask_token",
                          "time_conditioning", "model_type", "architecture", "dtype", "base_config", "kernel",
@@ -94,16 +114,30 @@ def config_stamp(model: AdaptedLM, kernel: dict[str, Any] | None = None) -> dict
     return stamp
 
 
+def diffusion_record(model: AdaptedLM) -> dict[str, Any]:
+    """What ``config.json`` records under :data:`DIFFUSION_CONFIG_KEY`: that the weights are a diffusion model
+    (``kind``: ``"block_diffusion"`` with ``block_size`` K, else ``"diffusion"``), its ``mask_token_id`` (``None``
+    without one), its ``bos_token_id``, the ``shift`` (1: the logits that predict position ``i`` are read at
+    position ``i − 1``, as in AR decoding; docs/guides/serving.md), whether the mask token was added and time
+    conditioning, the backbone's class and how to load it."""
+    return {"kind": "block_diffusion" if model.block_size is not None else "diffusion",
+            "mask_token_id": model.mask_token_id, "block_size": model.block_size, "shift": 1,
+            "bos_token_id": model.bos_token_id, "added_mask_token": model.added_mask_token,
+            "time_conditioning": model.time_conditioning, "backbone_architecture": type(model.hf_model).__name__,
+            "load_with": "unifusion.DiffusionLM.from_pretrained", "unifusion_version": library_version()}
+
+
 def hf_config(model: AdaptedLM) -> Any:
     """The backbone's config as ``config.json`` gets it: a copy of ``model.config`` without a GGUF
-    ``quantization_config`` (the weights are stored dequantised), with ``architectures`` naming the backbone's class
-    and ``dtype`` the weights' dtype. ``vocab_size`` already counts an added mask token (the embeddings were resized
-    when it was added)."""
+    ``quantization_config`` (the weights are stored dequantised), with ``architectures`` :data:`DIFFUSION_ARCHITECTURE`,
+    :func:`diffusion_record` under :data:`DIFFUSION_CONFIG_KEY` and ``dtype`` the weights' dtype. ``vocab_size``
+    already counts an added mask token (the embeddings were resized when it was added)."""
     hf = model.hf_model
     config = copy.deepcopy(hf.config)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
-    config.architectures = [type(hf).__name__]
+    config.architectures = [DIFFUSION_ARCHITECTURE]
+    setattr(config, DIFFUSION_CONFIG_KEY, diffusion_record(model))
     config.dtype = hf.get_input_embeddings().weight.dtype
     return config
 
@@ -133,7 +167,9 @@ def save_files(model: AdaptedLM, path: Path) -> None:
     state = _state_once(model.state_dict())
     backbone = {n[len(_BACKBONE_PREFIX):]: v for n, v in state.items() if n.startswith(_BACKBONE_PREFIX)}
     extra = {n: v for n, v in state.items() if not n.startswith(_BACKBONE_PREFIX)}
-    save_file(backbone, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    backbone[DIFFUSION_MARKER] = torch.ones(1, dtype=torch.int64)
+    kind = diffusion_record(model)["kind"]
+    save_file(backbone, str(path / WEIGHTS_NAME), metadata={"format": "pt", DIFFUSION_CONFIG_KEY: kind})
     if extra:
         save_file(extra, str(path / EXTRA_WEIGHTS_NAME), metadata={"format": "pt"})
     elif (path / EXTRA_WEIGHTS_NAME).exists():  # left by an earlier save of another model into the same folder
@@ -157,7 +193,7 @@ def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | N
     """
     import transformers
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     weights_dtype = parse_dtype(dtype)
     if record is None:
@@ -176,7 +212,12 @@ def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | N
                           added_mask_token=record.get("added_mask_token", False), block_size=record.get("block_size"))
     if _is_transformers_folder(path):
         loader = model_cls if model_cls is not None else AutoModelForCausalLM
-        hf = loader.from_pretrained(str(path), dtype=build_dtype)
+        weights = load_file(str(path / WEIGHTS_NAME), device="cpu")
+        weights.pop(DIFFUSION_MARKER, None)  # the key that makes a plain causal-LM load warn
+        hf = loader.from_pretrained(None, config=AutoConfig.from_pretrained(str(path)), state_dict=weights,
+                                    dtype=build_dtype)
+        if (path / "generation_config.json").is_file():
+            hf.generation_config = GenerationConfig.from_pretrained(str(path))
         model = build(hf, **wrapper_kwargs)
         extra_path = path / EXTRA_WEIGHTS_NAME
         state = load_file(str(extra_path), device="cpu") if extra_path.is_file() else {}

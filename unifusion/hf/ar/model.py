@@ -553,10 +553,11 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         return io.config_stamp(self)
 
     def save_checkpoint_files(self, path: Path) -> None:
-        """A standard Hugging Face folder of the backbone: its ``config.json`` (the vocabulary includes an added mask
-        token), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once),
-        so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the backbone with identical weights;
-        for a time-conditioned model ``unifusion_weights.safetensors`` (the time embedding) beside them
+        """A standard Hugging Face folder of the backbone that says it is a diffusion model: its ``config.json`` (the
+        vocabulary includes an added mask token; ``architectures`` and the ``"unifusion"`` entry name the diffusion
+        model), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once,
+        a marker tensor beside them), so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the
+        backbone with identical weights and warns; for a time-conditioned model ``unifusion_weights.safetensors`` (the time embedding) beside them
         (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in docs/guides/serving.md."""
         io.save_files(self, path)
 
