@@ -179,9 +179,12 @@ class CheckpointMixin:
                 ``{"": device}``, or ``"auto"`` (the one GPU, else the CPU); a map over several devices is a
                 ``ValueError`` (the model is not split across devices; use FSDP/DeepSpeed for that). With ``device``
                 too they must agree.
-            revision, cache_dir, token, local_files_only, force_download: ``snapshot_download``'s, for a Hub id; a
-                local folder has no revision and no cache, so ``revision``, ``cache_dir``, ``token`` and
-                ``force_download`` with one are a ``ValueError`` (``local_files_only`` is then true anyway).
+            revision: for a Hub id, the branch, tag or commit (``snapshot_download``'s); a local folder has none: with
+                one it is a ``ValueError``, as ``cache_dir``, ``token`` and ``force_download`` are.
+            cache_dir: for a Hub id, the Hub cache folder (default ``HF_HUB_CACHE``).
+            token: for a Hub id, the access token.
+            local_files_only: for a Hub id, use the cache only (true of a local folder anyway).
+            force_download: for a Hub id, download again.
 
         Raises:
             ValueError: ``directory`` is neither a folder nor a Hub repository found, is a file, or is not a
@@ -191,8 +194,8 @@ class CheckpointMixin:
             raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
         dtype = _one_dtype(dtype, torch_dtype)
         device = _one_device(device, device_map)
-        hub = {"revision": revision, "cache_dir": cache_dir, "token": token,
-               "force_download": force_download or None}
+        hub: dict[str, Any] = {"revision": revision, "cache_dir": cache_dir, "token": token,
+                               "force_download": force_download or None}
         path = Path(directory)
         if path.exists():
             given = sorted(name for name, value in hub.items() if value is not None)

@@ -54,8 +54,8 @@ import torch
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
 from ..denoiser import BlockDenoiser, DecodableModel, X0Model
-from ._policy_run import eos_stop, resolve_attention_mask
 from ._draws import x0_weights
+from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .generation_options import resolve_hf_options, stop_after, streaming
@@ -95,8 +95,9 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
              eos_token_id: int | Sequence[int] | str | None = "auto", pad_token_id: int | None = None,
              return_dict: bool = False, return_trace: bool = False, num_return_sequences: int | None = None,
              kernel: Any = None, temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, eps: float = 1e-3, generator: torch.Generator | Sequence[torch.Generator] | None = None,
-             progress: bool = False, generation_config: Any = None, max_length: int | None = None,
+             top_k: int | None = None, eps: float = 1e-3,
+             generator: torch.Generator | Sequence[torch.Generator] | None = None, progress: bool = False,
+             generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              streamer: Any = None, **kwargs: Any) -> Any:
     """Continue ``prompt_ids`` with ``model`` (a :class:`~unifusion.hf.DiffusionLM`, or any model that offers what the

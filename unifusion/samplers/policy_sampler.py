@@ -239,7 +239,8 @@ class PolicySampler:
                generator: torch.Generator | Sequence[torch.Generator] | None = None,
                eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                return_dict: bool = False, return_trace: bool = False, return_logits: bool = False,
-               progress: bool = False, stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+               progress: bool = False,
+               stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
                on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
                ) -> torch.Tensor | PolicyOutput:
         """Generate ``(batch_size, seq_len)`` int64 token ids (or a :class:`PolicyOutput`).

@@ -21,9 +21,10 @@ A saved folder is a standard Hugging Face checkpoint of the backbone plus unifus
 * the tokenizer's files, when the model has a tokenizer.
 
 Loading opens the backbone with transformers' ``from_pretrained`` on the weights file without the marker (no load
-report) and the wrapper's parameters from their file: bit-identical weights. Folders of the earlier format (``unifusion_config.json`` and a ``model.safetensors`` holding
-the wrapper's state dict, names prefixed ``base_model.``, no ``config.json``) keep loading: the backbone is rebuilt
-from ``base_config`` without initialising weights and the file is loaded into the wrapper.
+report) and the wrapper's parameters from their file: bit-identical weights. Folders of the earlier format
+(``unifusion_config.json`` and a ``model.safetensors`` holding the wrapper's state dict, names prefixed
+``base_model.``, no ``config.json``) keep loading: the backbone is rebuilt from ``base_config`` without initialising
+weights and the file is loaded into the wrapper.
 """
 
 from __future__ import annotations
@@ -214,8 +215,9 @@ def load_model(build: Callable[..., Any], path: Path, record: dict[str, Any] | N
         loader = model_cls if model_cls is not None else AutoModelForCausalLM
         weights = load_file(str(path / WEIGHTS_NAME), device="cpu")
         weights.pop(DIFFUSION_MARKER, None)  # the key that makes a plain causal-LM load warn
-        hf = loader.from_pretrained(None, config=AutoConfig.from_pretrained(str(path)), state_dict=weights,
-                                    dtype=build_dtype)
+        # no path: the weights come from state_dict (transformers refuses both); typed str | PathLike there
+        hf = loader.from_pretrained(None, config=AutoConfig.from_pretrained(str(path)),  # type: ignore[arg-type]
+                                    state_dict=weights, dtype=build_dtype)
         if (path / "generation_config.json").is_file():
             hf.generation_config = GenerationConfig.from_pretrained(str(path))
         model = build(hf, **wrapper_kwargs)

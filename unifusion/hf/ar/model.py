@@ -440,8 +440,9 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: torch.Tensor | None = None, *, max_new_tokens: int | None = None, seq_len: int | None = None,
-                 policy: Any = None, num_steps: int | None = None, block_size: int | None = None,
+    def generate(self, prompt_ids: torch.Tensor | None = None, *, max_new_tokens: int | None = None,
+                 seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
+                 block_size: int | None = None,
                  use_cache: bool = True, cache_refresh: int | None = None, merge_commits: bool = False,
                  attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
                  pad_token_id: int | None = None, return_dict: bool = False, return_trace: bool = False,
@@ -557,8 +558,9 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         vocabulary includes an added mask token; ``architectures`` and the ``"unifusion"`` entry name the diffusion
         model), ``generation_config.json`` and ``model.safetensors`` (transformers' names, tied weights stored once,
         a marker tensor beside them), so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads the
-        backbone with identical weights and warns; for a time-conditioned model ``unifusion_weights.safetensors`` (the time embedding) beside them
-        (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in docs/guides/serving.md."""
+        backbone with identical weights and warns; for a time-conditioned model ``unifusion_weights.safetensors``
+        (the time embedding) beside them (:mod:`unifusion.hf.ar.io`). What a serving engine needs is in
+        docs/guides/serving.md."""
         io.save_files(self, path)
 
     @classmethod

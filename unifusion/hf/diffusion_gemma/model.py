@@ -305,6 +305,7 @@ class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
         if (prompt_ids is None) == (input_ids is None):
             raise TypeError("prompt_ids: give the prompt once (prompt_ids, or transformers' input_ids=)")
         prompt = prompt_ids if prompt_ids is not None else input_ids
+        assert prompt is not None  # exactly one was given
         token_types = kwargs.pop("token_type_ids", None)
         if token_types is not None and bool(torch.as_tensor(token_types).ne(0).any()):
             raise ValueError("token_type_ids: the model reads one segment; expected all zeros, got other ids")
