@@ -38,7 +38,7 @@ _HF_IGNORED = frozenset({
     "_from_model_config", "transformers_version", "compile_config", "disable_compile", "low_memory",
     "renormalize_logits", "remove_invalid_values", "prefill_chunk_size", "is_assistant", "num_assistant_tokens",
     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
-    "continuous_batching_config", "synced_gpus", "use_model_defaults"})
+    "continuous_batching_config"})
 """Fields and keywords that say how transformers runs (caches, compilation, bookkeeping; the assistant's settings,
 which act only with an ``assistant_model``, itself refused), not which tokens come out: ignored. ``scores`` are
 always normalised log-probabilities, so ``renormalize_logits`` changes nothing."""
@@ -49,7 +49,8 @@ _HF_NEUTRAL: dict[str, Any] = {
     "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "min_length": 0, "min_new_tokens": 0, "diversity_penalty": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0,
     "min_p": 0.0, "output_attentions": False, "output_hidden_states": False, "use_mtp": False, "token_healing": False,
-    "logits_processor": [], "stopping_criteria": [], "assistant_model": None}
+    "logits_processor": [], "stopping_criteria": [], "assistant_model": None, "synced_gpus": False,
+    "use_model_defaults": False}
 """Fields and ``generate`` keywords that do not apply to diffusion decoding but are accepted at their neutral (HF's
 "off") value (``num_beams=1``, ``output_attentions=False``, an empty ``logits_processor``, ...); any other value is a
 ``ValueError``."""
