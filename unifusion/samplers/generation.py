@@ -281,6 +281,11 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         _refuse_ambiguous_padding(prompt_ids, pad_token_id if pad_token_id is not None else model_pad_token_id(model))
     if policy is None and (model.block_size is not None or not hf.do_sample):
         policy = default_policy(kernel)  # a block model decodes block by block; greedy decoding needs a policy
+    if scores_asked and policy is not None and getattr(policy, "family", None) != "mask":
+        name = "output_scores" if hf.output_scores else "output_logits"
+        raise ValueError(f"{name}: records the distribution of the call that commits each masked position, which "
+                         f"the mask policies do; {type(policy).__name__} resamples whole blocks (a uniform kernel's "
+                         "decoding), so no token has a committing call")
     eos = _resolve_eos(model, eos_token_id, policy)
     stream = streaming(model, streamer, tokenizer, hf.stop_strings, B, P, L, eos, pad_token_id)
     prompt = torch.full((B, L), PROMPT_FILL, dtype=torch.int64, device=device)  # generated positions

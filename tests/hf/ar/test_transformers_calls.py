@@ -189,3 +189,10 @@ def test_the_diffusion_gemma_pipeline_is_refused_at_construction() -> None:
         Path(__file__).parents[2] / "data" / "tiny_tokenizer")
     with pytest.raises(TypeError, match=r"text-generation pipeline .* call model.generate"):
         pipeline("text-generation", model=gemma, tokenizer=tokenizer)
+
+
+def test_scores_of_a_uniform_kernel_block_model_are_refused(model, tok) -> None:
+    inputs = tok(TEXTS[:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="output_scores: records the distribution .* EntropyBound resamples"):
+        model.generate(**inputs, max_new_tokens=4, kernel=uf.UniformKernel(model.num_states),
+                       return_dict_in_generate=True, output_scores=True)
