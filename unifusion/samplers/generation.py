@@ -54,11 +54,10 @@ import torch
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
 from ..denoiser import BlockDenoiser, DecodableModel, X0Model
-from ._draws import x0_weights
 from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
-from .generation_options import resolve_hf_options, stop_after, streaming
+from .generation_options import resolve_hf_options, stop_after, streaming, with_scores
 from .policies import default_policy
 from .policy_sampler import PolicyOutput, PolicySampler
 
@@ -388,27 +387,6 @@ def _as_given(out: Any, given_prompt: torch.Tensor | None) -> Any:
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     seqs = torch.cat([given_prompt.to(seqs.device, seqs.dtype), seqs[:, given_prompt.shape[1]:]], 1)
     return seqs if isinstance(out, torch.Tensor) else dataclasses.replace(out, sequences=seqs)
-
-
-def with_scores(out: PolicyOutput, P: int, mask_id: int | None, temperature: float, top_k: int | None,
-                top_p: float | None, scores: bool, logits: bool) -> PolicyOutput:
-    """``out`` with transformers' ``scores`` / ``logits``: one ``(B, S)`` float32 tensor per generated column
-    ``P … L − 1``, from the model call that committed the column's token (:attr:`PolicyOutput.commit_logits`).
-    ``logits``: that call's raw logits; ``scores``: the log of the distribution the token was drawn from
-    (``log softmax(logits / T)``, the mask state and what top-k / top-p cut at ``-inf``). Both are 0 at columns the
-    model did not commit (the fill after EOS or a stop string)."""
-    assert out.commit_logits is not None and out.commit_step is not None
-    raw = out.commit_logits[:, P:]
-    committed = (out.commit_step[:, P:] >= 0).unsqueeze(-1)
-    record: dict[str, Any] = {}
-    if logits:
-        record["logits"] = tuple(raw.unbind(1))
-    if scores:
-        weights = x0_weights(raw, torch.empty_like(raw), mask_id=mask_id, temperature=temperature, top_k=top_k,
-                             top_p=top_p)
-        logp = (weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)).log()
-        record["scores"] = tuple(torch.where(committed, logp, 0.0).unbind(1))
-    return dataclasses.replace(out, **record)
 
 
 def _chain(hooks: list[Any]) -> Any:

@@ -9,6 +9,8 @@ streamer hooks (batch 1).
   apply to diffusion decoding (``num_beams > 1``, ``output_attentions=True``, a non-empty ``logits_processor``, ...)
   is a ``ValueError``; unknown names a ``TypeError``.
 * :func:`stop_column`: where a row's decoded text first completes a stop string.
+* :func:`with_scores`: transformers' ``scores`` / ``logits`` of a decoding run (``output_scores``,
+  ``output_logits``), from the logits of the calls that committed each column.
 * :class:`Streaming` (built and checked by :func:`streaming`): the hooks :class:`~unifusion.samplers.PolicySampler`
   calls after each block (``stopping``, ``on_block``); :func:`stop_after` applies stop strings to a finished run.
 """
@@ -23,8 +25,11 @@ import torch
 
 from .. import _validation as V
 from ..denoiser import DecodableModel
+from ._draws import x0_weights
+from .policy_sampler import PolicyOutput
 
-__all__ = ["HF_SUPPORTED", "HFOptions", "Streaming", "resolve_hf_options", "stop_after", "stop_column", "streaming"]
+__all__ = ["HF_SUPPORTED", "HFOptions", "Streaming", "resolve_hf_options", "stop_after", "stop_column", "streaming",
+           "with_scores"]
 
 
 
@@ -280,3 +285,24 @@ def stop_after(out: Any, stream: Streaming, P: int, L: int, pad: int | None, eos
     after = (stop[:, None] >= 0) & (col > stop[:, None]) & (col >= P)
     seqs = torch.where(after, fill, seqs)
     return seqs if isinstance(out, torch.Tensor) else dataclasses.replace(out, sequences=seqs)
+
+
+def with_scores(out: PolicyOutput, P: int, mask_id: int | None, temperature: float, top_k: int | None,
+                top_p: float | None, scores: bool, logits: bool) -> PolicyOutput:
+    """``out`` with transformers' ``scores`` / ``logits``: one ``(B, S)`` float32 tensor per generated column
+    ``P … L − 1``, from the model call that committed the column's token (:attr:`PolicyOutput.commit_logits`).
+    ``logits``: that call's raw logits; ``scores``: the log of the distribution the token was drawn from
+    (``log softmax(logits / T)``, the mask state and what top-k / top-p cut at ``-inf``). Both are 0 at columns the
+    model did not commit (the fill after EOS or a stop string)."""
+    assert out.commit_logits is not None and out.commit_step is not None
+    raw = out.commit_logits[:, P:]
+    committed = (out.commit_step[:, P:] >= 0).unsqueeze(-1)
+    record: dict[str, Any] = {}
+    if logits:
+        record["logits"] = tuple(raw.unbind(1))
+    if scores:
+        weights = x0_weights(raw, torch.empty_like(raw), mask_id=mask_id, temperature=temperature, top_k=top_k,
+                             top_p=top_p)
+        logp = (weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)).log()
+        record["scores"] = tuple(torch.where(committed, logp, 0.0).unbind(1))
+    return dataclasses.replace(out, **record)
