@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import re
@@ -28,7 +29,7 @@ import trl
 from datasets import Dataset
 from packaging.requirements import Requirement
 from transformers import PreTrainedTokenizerFast
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 import unifusion as uf
 from unifusion.denoiser import unwrap_model
@@ -138,6 +139,22 @@ def test_two_steps_pass_with_every_causal_path_raising(tmp_path, tokenizer) -> N
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert not torch.equal(before, model.lm_head_weight)  # the steps trained the policy
     assert any(log.get("reward_std", 0) > 0 for log in trainer.state.log_history)  # a real learning signal
+
+
+def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -> None:
+    """The module docstring's recipe, sized down, every other option at DiffusionGRPOConfig's and GRPOConfig's
+    defaults (gradient checkpointing on: TRL re-enables it around each rollout with a positional argument)."""
+    model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer)
+    args = DiffusionGRPOConfig(str(tmp_path), estimator="elbo", num_mc_samples=2, decoding_policy="low_confidence",
+                               num_generations=2, max_completion_length=8, beta=0.04,
+                               max_steps=2, per_device_train_batch_size=2, report_to=[])
+    default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
+    assert default is True and args.gradient_checkpointing is True
+    assert args.bf16 == (uf.precision.auto_dtype("cpu") == torch.bfloat16)  # no GPU here: the CPU's choice
+    trainer = DiffusionGRPOTrainer(model, reward_funcs=[mean_id], args=args,
+                                   train_dataset=Dataset.from_list(PROMPTS * 2), processing_class=tokenizer)
+    assert trainer.train().global_step == 2
+    assert model.is_gradient_checkpointing  # the trainer turned it on; TRL off for the rollouts and on again
 
 
 def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -> None:

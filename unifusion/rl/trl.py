@@ -72,6 +72,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 
 from .. import _validation as V
 from ..hf import DiffusionLM
+from ..precision import auto_dtype
 from ..samplers.policies import POLICY_NAMES, make_policy
 from .estimators import ESTIMATORS
 from .logprob import sequence_logprob
@@ -96,6 +97,10 @@ _TOKEN_LOGPS = ("per_token", "spread")
 @dataclass
 class DiffusionGRPOConfig(GRPOConfig):
     """TRL's ``GRPOConfig`` plus the diffusion likelihood and decoding options (module docstring).
+
+    ``bf16`` left unset (``None``) follows :func:`unifusion.precision.auto_dtype` of the training device: bf16 mixed
+    precision where the device computes bf16 natively, float32 elsewhere (TRL's default, ``True`` unless ``fp16``,
+    makes a step several times slower on a CPU without native bf16, and on a GPU-less machine needs ``use_cpu``).
 
     TRL's ``temperature``, ``top_p``, ``top_k`` and ``max_completion_length`` apply to the rollouts; ``beta``,
     ``epsilon``, ``loss_type``, ``importance_sampling_level``, ``num_iterations``, ... to the loss as in TRL.
@@ -136,6 +141,9 @@ class DiffusionGRPOConfig(GRPOConfig):
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["estimator_options"]
 
     def __post_init__(self) -> None:
+        if self.bf16 is None:  # TRL's default is True; bf16 only where the device computes it natively
+            cuda = torch.cuda.is_available() and not self.use_cpu
+            self.bf16 = not self.fp16 and auto_dtype("cuda" if cuda else "cpu") == torch.bfloat16
         super().__post_init__()
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {self.estimator!r}")
