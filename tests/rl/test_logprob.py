@@ -18,13 +18,16 @@ from unifusion.rl import combine_log_probs, gauss_legendre, plan_masks, sequence
 from ._exact import (
     MASK,
     adapted,
+    decoder_block_log_probs,
     exact_elbo,
     exact_log_likelihood,
     exact_mean_field,
     generators,
     mean_and_se,
+    sharpened,
     subset_log_probs,
     tiny_diffusion_gemma,
+    truncated_elbo,
 )
 
 L, P = 8, 3  # 3 prompt tokens, 5 completion tokens
@@ -173,20 +176,74 @@ def test_uniform_and_hybrid_kernel_elbo_agrees_with_nll_bound(noise):
     assert abs(m1 - m2) < 4 * math.hypot(s1, s2)
 
 
-def test_block_elbo_is_the_sum_of_each_blocks_exact_elbo_on_its_clean_prefix():
-    model = adapted(block_size=4)
-    Lb, Pb = 10, 3  # blocks [0, 4), [4, 8), [8, 10): completion tokens 3..9
-    x0 = torch.randint(4, 128, (Lb,), generator=torch.Generator().manual_seed(5))
-    exact = 0.0
-    for lo, hi in ((Pb, 4), (4, 8), (8, 10)):
-        pos = list(range(lo, hi))
-        exact += exact_elbo(subset_log_probs(model, x0, pos, clean=True), pos)
-    comp = torch.zeros(R, Lb, dtype=torch.bool)
-    comp[:, Pb:] = True
-    mu, se = mean_and_se(_run(model, x0, comp, "elbo", 2).sequence)
-    assert abs(mu - exact) < 4 * se + 1e-4
+# A block model (K = 4) whose prompt length is not a multiple of K: the decoder's blocks are [6, 10), [10, 14);
+# blocks at column multiples of K would be [6, 8), [8, 12), [12, 14). Times in [t_min, 1] (the "elbo" estimator's
+# t_min) keep the 1/t weights small, so that a few hundred draws tell the two partitions apart.
+KB, PB, NB, RB = 4, 6, 8, 200
+
+
+@pytest.fixture(scope="module")
+def block_setup():
+    model = sharpened(block_size=KB)
+    x0 = torch.randint(4, 128, (PB + NB,), generator=torch.Generator().manual_seed(5))
+    return model, x0
+
+
+@pytest.mark.parametrize("t_min", [0.8])
+def test_block_elbo_is_the_exact_elbo_of_the_blocks_the_decoder_samples(block_setup, t_min):
+    """(b) of issue 43: the estimate's mean is the block ELBO enumerated with the decoder's own forward on the
+    decoder's blocks, and far (> 8 SE) from the ELBO of blocks cut at column multiples of K."""
+    model, x0 = block_setup
+    decoder = sum(truncated_elbo(decoder_block_log_probs(model, x0, lo, hi), list(range(lo, hi)), t_min)
+                  for lo, hi in ((6, 10), (10, 14)))
+    columns = sum(truncated_elbo(subset_log_probs(model, x0, list(range(lo, hi)), clean=True), list(range(lo, hi)),
+                                 t_min) for lo, hi in ((6, 8), (8, 12), (12, 14)))
+    comp = torch.zeros(RB, PB + NB, dtype=torch.bool)
+    comp[:, PB:] = True
+    mu, se = mean_and_se(_run(model, x0, comp, "elbo", 4, t_min=t_min).sequence)
+    assert abs(mu - decoder) < 4 * se, (mu, se, decoder)
+    assert abs(columns - decoder) > 8 * se, (columns, decoder, se)  # the test tells the partitions apart
     with pytest.raises(ValueError, match="estimator"):
         _run(model, x0, comp[:1], "coupled", 1)
+
+
+def test_block_elbo_does_not_depend_on_the_rows_alignment(block_setup):
+    """(a) of issue 43, "elbo": the same prompt and completion left-aligned (P = 6, P mod K = 2) and left-padded to a
+    block boundary (2 pads), each with its own seeds: equal expectations (4 SE)."""
+    model, x0 = block_setup
+    L = PB + NB
+    aligned = torch.zeros(RB, L, dtype=torch.bool)
+    aligned[:, PB:] = True
+    padded_ids = torch.cat([torch.zeros(RB, 2, dtype=torch.long), x0.repeat(RB, 1)], 1)
+    padded = torch.cat([torch.zeros(RB, 2, dtype=torch.bool), aligned], 1)
+    attention = torch.cat([torch.zeros(RB, 2), torch.ones(RB, L)], 1).long()
+    with torch.no_grad():
+        left = sequence_logprob(model, x0.repeat(RB, 1), aligned, num_samples=4, t_min=0.8,
+                                generator=generators(RB, 1)).sequence
+        pads = sequence_logprob(model, padded_ids, padded, num_samples=4, t_min=0.8, generator=generators(RB, 2),
+                                attention_mask=attention).sequence
+    (m1, s1), (m2, s2) = mean_and_se(left), mean_and_se(pads)
+    assert abs(m1 - m2) < 4 * math.hypot(s1, s2), (m1, s1, m2, s2)
+
+
+def test_trace_replay_does_not_depend_on_the_rows_alignment(block_setup):
+    """(a) of issue 43, "trace" (deterministic): a rollout of the block model (P = 6) replayed in generate's layout
+    and left-padded to a block boundary gives the same log-probs, which are the ones the sampler committed with."""
+    model, x0 = block_setup
+    with torch.no_grad():
+        out = model.generate(x0[None, :PB], max_new_tokens=NB, policy=uf.samplers.policies.LowConfidence(),
+                             num_steps=KB, return_trace=True, generator=torch.Generator().manual_seed(3),
+                             eos_token_id=None)
+    ids, trace = out.sequences, out.commit_step
+    comp = trace >= 0
+    pad = torch.zeros(1, 2, dtype=torch.long)
+    with torch.no_grad():
+        left = sequence_logprob(model, ids, comp, estimator="trace", trace=trace)
+        pads = sequence_logprob(model, torch.cat([pad, ids], 1), torch.cat([pad.bool(), comp], 1),
+                                estimator="trace", trace=torch.cat([pad - 1, trace], 1),
+                                attention_mask=torch.cat([pad, torch.ones_like(ids)], 1))
+    torch.testing.assert_close(pads.per_token[:, 2:], left.per_token, rtol=0, atol=1e-5)
+    torch.testing.assert_close(left.sequence, out.commit_logprob.sum(-1), rtol=0, atol=1e-4)
 
 
 def test_diffusion_gemma_elbo_agrees_with_nll_bound():

@@ -33,7 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import unifusion as uf
 from unifusion.denoiser import unwrap_model
-from unifusion.rl.trl import ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
+from unifusion.rl.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -189,19 +189,13 @@ def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -
     assert [log["loss"] for log in trainer.state.log_history if "loss" in log] == [0.0, 0.0]  # all rows masked
 
 
-def _left_aligned(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row as prompt, completion, padding, in TRL's width: ids, completion mask, attention mask."""
+def _as_generated(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's rows as generate returned them: ``[left-padded prompt | completion]`` (cut after its EOS): ids,
+    completion mask, attention mask. Nothing is moved."""
     prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
-    B, W = prompt.shape[0], prompt.shape[1] + completion.shape[1]
-    ids = torch.zeros(B, W, dtype=torch.long)
-    scored = torch.zeros(B, W, dtype=torch.bool)
-    attention = torch.zeros(B, W, dtype=torch.long)
-    for b in range(B):
-        p = prompt[b][inputs["prompt_mask"][b].bool()]
-        c = completion[b][inputs["completion_mask"][b].bool()]
-        ids[b, :len(p) + len(c)] = torch.cat([p, c])
-        scored[b, len(p):len(p) + len(c)] = True
-        attention[b, :len(p) + len(c)] = 1
+    ids = torch.cat([prompt, completion], 1)
+    scored = torch.cat([torch.zeros_like(prompt, dtype=torch.bool), inputs["completion_mask"].bool()], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     return ids, scored, attention
 
 
@@ -235,8 +229,21 @@ def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, bl
     torch.testing.assert_close(out["advantages"], uf.rl.group_advantages(rewards, G))
 
     old_policy = records[0][2]  # the weights at the rollout (the first step's, before its update)
+    # the rows are what the policy's own generate returns for each row's rollout seed, in generate's layout
+    inputs = records[0][0]
+    P = inputs["prompt_ids"].shape[1]
+    for b in range(len(inputs[ROW_SEED])):
+        gen = torch.Generator().manual_seed(int(inputs[ROW_SEED][b]) ^ ROLLOUT_SALT)
+        with torch.no_grad():
+            again = old_policy.generate(
+                inputs["prompt_ids"][b:b + 1], attention_mask=inputs["prompt_mask"][b:b + 1],
+                max_new_tokens=args.max_completion_length, policy=trainer._policy, num_steps=args.num_steps,
+                generator=[gen], eos_token_id=list(trainer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
+        n = int(inputs["completion_mask"][b].sum())
+        assert torch.equal(again[0, P:P + n], inputs["completion_ids"][b, :n])
+    assert any(int(m.sum()) % 4 for m in inputs["prompt_mask"])  # prompts whose length is not a multiple of K
     for step, (inputs, loss, policy) in enumerate(records):
-        ids, scored, attention = _left_aligned(inputs)
+        ids, scored, attention = _as_generated(inputs)
 
         def score(model, inputs=inputs, ids=ids, scored=scored, attention=attention):
             gens = [torch.Generator().manual_seed(int(s)) for s in inputs[ROW_SEED]]

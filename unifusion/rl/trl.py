@@ -13,9 +13,10 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   not depend on its batch neighbours. The completion ends at its first EOS (kept), like TRL's.
 * **Log-probs** (``_get_per_token_logps_and_entropies``, TRL 1.16's one method for the old, reference and current
   policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_mc_samples`` and
-  ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``; each is scored
-  left-aligned (prompt, completion, then padding), so a row is scored as the sampler generated it, and the
-  estimates are put back at TRL's completion positions.
+  ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``, the layout the
+  rollout's ``generate`` returned (the completion cut after its EOS); each is scored as it stands.
+  ``sequence_logprob``'s draws are each row's own and a block model's blocks are cut from the row's first completion
+  column, as the decoder cut them, so a row's estimate does not depend on its padding or batch.
 * **Shared randomness** (``_generate_and_score_completions``, ``_compute_loss``): every rollout row gets a 62-bit
   seed, drawn from ``torch.Generator().manual_seed(args.seed)`` (the same draws on every rank; rank r takes the
   global rows ``[r·B, (r + 1)·B)``), carried with the row through TRL's shuffles and splits as the batch column
@@ -35,7 +36,8 @@ with ``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 
 ``tests/rl/test_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's at
 temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
 while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus
-completion length): old, reference and current policy always see the same width, and so the same draws.
+completion length): the mask estimators of a fully bidirectional model draw over the row's width, which is the same
+for the old, reference and current policy.
 
 What is refused (``ValueError`` naming the option): vLLM and transformers' continuous batching (causal
 generators), tools, environments and ``rollout_func``, the entropy mask and bonus (``top_entropy_quantile``,
@@ -352,38 +354,31 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         B, W = input_ids.shape
         seeds = self._seeds_for(B, "the log-prob estimate")
         real = attention_mask.bool()
-        # left-align every row (prompt, completion, padding): a stable sort puts the real tokens first, in order
-        order = torch.argsort((~real).to(torch.uint8), dim=1, stable=True)
-        packed = input_ids.gather(1, order)
-        packed_real = real.gather(1, order)
         scored = real.clone()
         scored[:, :W - logits_to_keep] = False
-        packed_scored = scored.gather(1, order)
         # a row without completion tokens (TRL's mask_truncated_completions) is scored on a stand-in (its last real
         # token) and weighted 0: every row still runs through the model, so the loss stays connected to every
         # parameter (the backward of an all-masked batch, DDP's reducer); rows do not affect each other's numbers
-        empty = ~packed_scored.any(-1)
+        empty = ~scored.any(-1)
         if bool(empty.any()):
-            last = (packed_real.sum(-1) - 1).clamp_min(0)
-            stand_in = torch.zeros_like(packed_scored).scatter(1, last[:, None], True) & empty[:, None]
-            packed_scored, packed_real = packed_scored | stand_in, packed_real | stand_in
+            last = W - 1 - torch.argmax(real.flip(-1).to(torch.uint8), dim=-1)  # (B,) each row's last real column
+            scored = scored | (torch.zeros_like(scored).scatter(1, last[:, None], True) & empty[:, None])
         chunk = batch_size or B
         options = dict(args.estimator_options or {})
         pieces = []
         for start in range(0, B, chunk):
             rows = slice(start, min(start + chunk, B))
             gens = [torch.Generator(device=input_ids.device).manual_seed(s) for s in seeds[rows]]
-            est = sequence_logprob(model, packed[rows], packed_scored[rows], estimator=args.estimator,
+            est = sequence_logprob(model, input_ids[rows], scored[rows], estimator=args.estimator,
                                    num_samples=args.num_mc_samples, generator=gens,
-                                   attention_mask=packed_real[rows].long(), **options)
+                                   attention_mask=real[rows].long(), **options)
             values = est.per_token
             if args.token_logps == "spread":
-                mask = packed_scored[rows]
+                mask = scored[rows]
                 values = torch.where(mask, (est.sequence / mask.sum(-1))[:, None], values.new_zeros(()))
             pieces.append(values)
-        packed_values = torch.cat(pieces)
-        packed_values = torch.where(empty[:, None], packed_values * 0.0, packed_values)
-        per_token = torch.zeros_like(packed_values).scatter(1, order, packed_values)  # back to TRL's positions
+        per_token = torch.cat(pieces)
+        per_token = torch.where(empty[:, None], per_token * 0.0, per_token)
         logps = per_token[:, W - logits_to_keep:]
         entropies = torch.full_like(logps.detach(), float("nan")) if compute_entropy else None
         return logps, entropies, None
