@@ -307,3 +307,28 @@ def test_bad_input_names_the_argument(setup):
     with pytest.raises(ValueError, match="completion_mask"):
         sequence_logprob(model, ids, c, attention_mask=pad)
     assert MASK == model.mask_token_id and list(itertools.islice(POS, 1)) == [P]
+
+
+def test_holes_in_the_attention_mask_and_mask_tokens_in_the_input_are_refused(setup):
+    """Checked as diffusion_loss and generate check them: a right-padded prompt followed by its completion (a pad
+    between real tokens) and the mask id at a real position are ValueErrors naming the argument; padding on both
+    sides of one run of real tokens is what a batch of rollouts has, and scores as the row alone."""
+    model, x0, _, comp = setup
+    ids, c = x0.repeat(2, 1), comp[:2].clone()
+    holes = torch.ones_like(ids)
+    holes[0, 1] = 0  # inside the prompt, before the completion
+    with pytest.raises(ValueError, match="attention_mask: expected each row's real tokens in one run"):
+        sequence_logprob(model, ids, c, attention_mask=holes)
+    masked = ids.clone()
+    masked[1, P + 1] = MASK
+    with pytest.raises(ValueError, match=f"input_ids: the mask token \\(id {MASK}\\) at real positions of rows \\[1\\]"):
+        sequence_logprob(model, masked, c)
+    both = torch.zeros(1, L + 3, dtype=torch.long)
+    both[0, 1:L + 1] = 1  # one pad on the left, two on the right
+    row = torch.cat([torch.zeros(1, 1, dtype=torch.long), x0[None], torch.zeros(1, 2, dtype=torch.long)], 1)
+    scored = torch.cat([torch.zeros(1, 1, dtype=torch.bool), comp[:1], torch.zeros(1, 2, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        padded = sequence_logprob(model, row, scored, attention_mask=both, estimator="mean_field",
+                                  prompt_mask_prob=0.0).sequence
+        alone = sequence_logprob(model, x0[None], comp[:1], estimator="mean_field", prompt_mask_prob=0.0).sequence
+    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-4)

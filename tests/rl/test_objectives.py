@@ -39,14 +39,38 @@ def test_group_advantages():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_on_policy_grpo_is_reinforce(normalization, level):
     logp, mask, A = _batch()
-    loss = grpo_loss(logp, logp.detach(), A, mask, level=level, normalization=normalization).sum()
+    budget = {"dr_grpo": 9}.get(normalization)  # Dr.GRPO's completion budget (max_new_tokens)
+    loss = grpo_loss(logp, logp.detach(), A, mask, level=level, normalization=normalization, max_length=budget).sum()
     (grad,) = torch.autograd.grad(loss, logp)
     n = mask.sum(-1).double()
-    norm = {"grpo": n * B, "dr_grpo": torch.full((B,), float(B * L), dtype=torch.float64),
+    norm = {"grpo": n * B, "dr_grpo": torch.full((B,), float(B * 9), dtype=torch.float64),
             "dapo": torch.full((B,), float(mask.sum()), dtype=torch.float64)}[normalization]
     # −A_i ∇x_{i,t} / norm_i on both levels (sequence: ∇ρ_i = Σ_t ∇x_{i,t} / |o_i|, shared by |o_i| tokens)
     reinforce = -(A / norm)[:, None] * mask
     assert torch.allclose(grad, reinforce.double())
+
+
+def test_the_objectives_refuse_what_would_fail_silently():
+    """A grad-carrying old or reference estimate (the ratio's gradient would vanish into it), NaN rewards (a whole
+    group of NaN advantages), a negative clip side or coefficient, Dr.GRPO without its length budget."""
+    logp, mask, A = _batch()
+    with pytest.raises(ValueError, match="old_logp: carries a gradient"):
+        grpo_loss(logp, logp, A, mask)
+    with pytest.raises(ValueError, match="ref_logp: carries a gradient"):
+        grpo_loss(logp, logp.detach(), A, mask, ref_logp=logp * 1.0, beta=0.1)
+    with pytest.raises(ValueError, match="rewards: expected finite values, got NaN or inf at rows \\[1\\]"):
+        group_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 2)
+    for name, kwargs in (("epsilon_high", {"epsilon_high": -0.1}), ("epsilon", {"epsilon": -0.2}),
+                         ("beta", {"beta": -0.04, "ref_logp": logp.detach()})):
+        with pytest.raises(ValueError, match=f"{name}: expected"):
+            grpo_loss(logp, logp.detach(), A, mask, **kwargs)
+    with pytest.raises(ValueError, match="max_length: normalization='dr_grpo'"):
+        grpo_loss(logp, logp.detach(), A, mask, normalization="dr_grpo")
+    with pytest.raises(ValueError, match="beta: expected DPO's"):
+        dpo_loss(logp[:, 0], logp[:, 1], logp[:, 2], logp[:, 3], beta=-0.1)
+    # the gradient that a grad-carrying old_logp would have hidden: on policy, the ratio's gradient is REINFORCE's
+    (grad,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, mask).sum(), logp)
+    assert grad.norm() > 0
 
 
 def test_zero_advantages_give_zero_gradient():
