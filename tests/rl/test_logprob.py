@@ -321,7 +321,7 @@ def test_holes_in_the_attention_mask_and_mask_tokens_in_the_input_are_refused(se
         sequence_logprob(model, ids, c, attention_mask=holes)
     masked = ids.clone()
     masked[1, P + 1] = MASK
-    with pytest.raises(ValueError, match=f"input_ids: the mask token \\(id {MASK}\\) at real positions of rows \\[1\\]"):
+    with pytest.raises(ValueError, match=rf"input_ids: the mask token \(id {MASK}\) at real positions of rows \[1\]"):
         sequence_logprob(model, masked, c)
     both = torch.zeros(1, L + 3, dtype=torch.long)
     both[0, 1:L + 1] = 1  # one pad on the left, two on the right
