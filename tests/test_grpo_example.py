@@ -158,7 +158,7 @@ def test_group_split_over_processes_raises_before_any_rollout(grpo, no_rollouts,
     grpo.preflight(args, model, tokenizer, arithmetic.rewards, world=1)  # one process: fine
     with pytest.raises(ValueError, match="group_size: 3 groups of 2 do not split into whole groups over 2"):
         grpo.preflight(args, model, tokenizer, arithmetic.rewards, world=2)
-    with pytest.raises(ValueError, match="--estimator: a block model takes 'elbo'"):
+    with pytest.raises(ValueError, match="--estimator: DiffusionLM with blocks supports estimator='elbo'"):
         grpo.preflight(grpo.parse_args([*argv, "--estimator", "coupled"]), model, tokenizer, arithmetic.rewards,
                        world=1)
 

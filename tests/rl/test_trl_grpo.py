@@ -37,7 +37,7 @@ from unifusion.rl.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRP
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from _hf_tiny import tiny_model  # noqa: E402
+from _hf_tiny import tiny_diffusion_gemma, tiny_model  # noqa: E402
 
 G = 2  # completions per prompt
 PROMPTS = [{"prompt": "the cat and the dog"}, {"prompt": "a bird"}]
@@ -275,12 +275,35 @@ def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None
         return DiffusionGRPOConfig(str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to=[],
                                    use_cpu=True, **options)
 
-    for option, value in [("estimator", "exact"), ("num_mc_samples", 0), ("token_logps", "mean"),
-                          ("decoding_policy", "beam"), ("use_vllm", True), ("entropy_coef", 0.01),
-                          ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
+    for option, value in [("estimator", "exact"), ("estimator", "trace"), ("num_mc_samples", 0),
+                          ("token_logps", "mean"), ("decoding_policy", "beam"), ("use_vllm", True),
+                          ("entropy_coef", 0.01), ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
         with pytest.raises(ValueError, match=option):
             config(**{option: value})
-    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+    with pytest.raises(TypeError, match="model: expected a unifusion model"):
         DiffusionGRPOTrainer(tiny_model("llama"), reward_funcs=mean_id, args=config(), processing_class=tokenizer)
-    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+    with pytest.raises(TypeError, match="model: expected a unifusion model"):
         DiffusionGRPOTrainer("HuggingFaceTB/SmolLM2-135M", reward_funcs=mean_id, args=config())
+    with pytest.raises(TypeError, match="model: DiffusionGemmaLM.generate does not take the rollout options"):
+        DiffusionGRPOTrainer(uf.hf.wrap_diffusion_lm(tiny_diffusion_gemma()), reward_funcs=mean_id, args=config(),
+                             processing_class=tokenizer)
+
+    # the model and the TRL features: refused when the trainer is built, before TRL's constructor runs
+    block = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer)
+    data = Dataset.from_list(PROMPTS)
+    built: list = []
+    original = GRPOTrainer.__init__
+    try:
+        GRPOTrainer.__init__ = lambda *a, **k: built.append(1)  # would be the first thing to run after the checks
+        with pytest.raises(ValueError, match="estimator: DiffusionLM with blocks supports estimator='elbo'"):
+            DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(estimator="coupled"), train_dataset=data)
+        for option in ("tools", "rollout_func", "environment_factory", "peft_config", "quantization_config"):
+            with pytest.raises(ValueError, match=f"{option}: not supported by DiffusionGRPOTrainer"):
+                DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(), train_dataset=data,
+                                     **{option: [mean_id] if option == "tools" else object()})
+        with pytest.raises(ValueError, match="train_dataset: expected a 'prompt' column"):
+            DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(),
+                                 train_dataset=Dataset.from_list([{"question": "a bird"}]))
+    finally:
+        GRPOTrainer.__init__ = original
+    assert not built

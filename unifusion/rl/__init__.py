@@ -19,7 +19,7 @@ from .estimators import (
     plan_trace,
     row_generators,
 )
-from .logprob import SequenceLogProb, sequence_logprob
+from .logprob import SequenceLogProb, check_estimator, sequence_logprob
 from .objectives import dpo_loss, group_advantages, grpo_loss, spg_loss, wd1_loss
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "MaskPlan",
     "SequenceLogProb",
     "TracePlan",
+    "check_estimator",
     "combine_log_probs",
     "dpo_loss",
     "gauss_legendre",

@@ -25,7 +25,7 @@ from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from ..schedules import LinearSchedule
 from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_log_probs, plan_masks, plan_trace, row_generators
 
-__all__ = ["SequenceLogProb", "sequence_logprob"]
+__all__ = ["SequenceLogProb", "check_estimator", "sequence_logprob"]
 
 _OPTIONS = {
     "elbo": {"t_min"},
@@ -70,6 +70,62 @@ def _block_size(model: X0Model, length: int) -> int | None:
     """The model's block size when a row of ``length`` columns spans more than one block, else ``None``."""
     K = _denoiser(model).block_size
     return None if K is None or K >= length else int(K)
+
+
+def check_estimator(model: X0Model, estimator: str, *, kernel: Kernel | None = None, traces: bool = True) -> Kernel:
+    """Whether ``model`` takes ``estimator`` (the checks :func:`sequence_logprob` runs before it reads a batch, for a
+    trainer or a script to run before its first rollout); returns the kernel the estimator scores under.
+
+    * ``model``: a unifusion model (a :class:`~unifusion.denoiser.Denoiser` inside its wrappers, of any kind);
+    * ``estimator``: one of :data:`~unifusion.rl.estimators.ESTIMATORS`; the mask estimators (all but ``"elbo"``)
+      need a :class:`~unifusion.MaskKernel`; a block model (``block_size`` set) and a model that encodes the prompt
+      (``conditions_on_prompt``) take ``"elbo"`` (a block model also ``"trace"``);
+    * ``traces=False``: the caller has no decoder traces to give, so ``"trace"`` is refused.
+
+    Args:
+        model: the policy (possibly inside DDP / FSDP / compile wrappers).
+        estimator: the estimator's name.
+        kernel: the forward kernel; default the model's (``model.kernel``) or a mask kernel on its mask token.
+        traces: whether ``trace=`` commit steps will be passed.
+
+    Raises:
+        TypeError: ``model`` is not a unifusion model.
+        ValueError: naming ``estimator`` (or ``kernel``) when the model or kernel cannot take it.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
+    inner = denoiser_of(model)
+    if inner is None:
+        raise TypeError(f"model: expected a unifusion model (a Denoiser: DiffusionLM, DiffusionGemmaLM, ...) whose "
+                        f"forward computes the fused loss, got {type(V.unwrap_model(model)).__name__}")
+    if kernel is None:
+        kernel = inner.kernel
+    if kernel is None:
+        mask_id = inner.mask_token_id
+        if mask_id is None:
+            raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
+        kernel = MaskKernel(inner.num_states, mask_id)
+    kernel = check_kernel(kernel)
+    prompted = bool(inner.conditions_on_prompt)
+    block = inner.block_size
+    if estimator == "trace":
+        if not traces:
+            raise ValueError("estimator: 'trace' replays each rollout's commit order (trace=, from generate(..., "
+                             "return_trace=True)), which this caller does not keep; use 'elbo' or a mask estimator")
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: 'trace' replays a mask decoder's commits and needs a MaskKernel, got "
+                             f"kernel={kernel!r}")
+        if prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
+                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
+    elif estimator != "elbo":
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
+                             "use estimator='elbo' under uniform or hybrid noise")
+        if block is not None or prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} with {'blocks' if block else 'a prompt encoder'} "
+                             f"supports estimator='elbo' (the block ELBO), got {estimator!r}")
+    return kernel
 
 
 def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: torch.Tensor, *,
@@ -152,10 +208,10 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
         raise TypeError(f"{sorted(unknown)[0]}: not an option of estimator={estimator!r}; its options are "
                         f"{sorted(_OPTIONS[estimator]) or 'none'}")
     K = V.check_positive_int("num_samples", num_samples)
-    inner = denoiser_of(model)
-    if inner is None:
-        raise TypeError(f"model: expected a unifusion model (DiffusionLM, DiffusionGemmaLM) whose forward computes the "
-                        f"fused loss, got {type(V.unwrap_model(model)).__name__}")
+    kernel = check_estimator(model, estimator, kernel=kernel, traces=True)
+    inner = _denoiser(model)
+    if estimator == "trace" and K != 1:
+        raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
     x0 = V.check_token_batch("input_ids", input_ids)
     B, L = x0.shape
     if not isinstance(completion_mask, torch.Tensor) or tuple(completion_mask.shape) != (B, L):
@@ -173,32 +229,8 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
         valid = attention_mask.to(torch.bool)
     else:
         valid = torch.ones_like(completion)
-    if kernel is None:
-        kernel = inner.kernel
-    if kernel is None:
-        mask_id = inner.mask_token_id
-        if mask_id is None:
-            raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
-        kernel = MaskKernel(inner.num_states, mask_id)
-    kernel = check_kernel(kernel)
     prompted = _conditions_on_prompt(model)
     block = inner.block_size
-    if estimator == "trace":
-        if not isinstance(kernel, MaskKernel):
-            raise ValueError(f"estimator: 'trace' replays a mask decoder's commits and needs a MaskKernel, got "
-                             f"kernel={kernel!r}")
-        if prompted:
-            raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
-                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
-        if K != 1:
-            raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
-    elif estimator != "elbo":
-        if not isinstance(kernel, MaskKernel):
-            raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
-                             "use estimator='elbo' under uniform or hybrid noise")
-        if block is not None or prompted:
-            raise ValueError(f"estimator: {type(inner).__name__} with {'blocks' if block else 'a prompt encoder'} "
-                             f"supports estimator='elbo' (the block ELBO), got {estimator!r}")
     with V.batched_checks():
         x0 = V.check_token_ids("input_ids", x0, kernel.num_states)
         empty = ~completion.any(-1)

@@ -39,8 +39,11 @@ while the rollouts sample at ``temperature``. A row is scored in TRL's batch wid
 completion length): the mask estimators of a fully bidirectional model draw over the row's width, which is the same
 for the old, reference and current policy.
 
-What is refused (``ValueError`` naming the option): vLLM and transformers' continuous batching (causal
-generators), tools, environments and ``rollout_func``, the entropy mask and bonus (``top_entropy_quantile``,
+What is refused (``ValueError`` naming the option, when the config or the trainer is built: :func:`preflight`): an
+estimator the model cannot take and ``"trace"`` (the trainer keeps no commit orders), vLLM and transformers'
+continuous batching (causal generators), ``tools``, ``environment_factory``, ``rollout_func``, ``peft_config`` and
+``quantization_config`` (wrap the backbone with peft before ``adapt_ar_model``), a dataset without a ``"prompt"``
+column, the entropy mask and bonus (``top_entropy_quantile``,
 ``entropy_coef``, ``use_adaptive_entropy``: the estimators give no per-token entropy; the ``entropy`` metric is
 NaN), ``cast_lm_head_to_fp32``, ``repetition_penalty`` ≠ 1, ``min_p``, ``generation_kwargs``, a MoE router loss,
 multimodal inputs. The reference policy (``beta > 0``) is a frozen copy of the policy at the start (or
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,13 +77,13 @@ from trl import GRPOConfig, GRPOTrainer, SyncRefModelCallback
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from .. import _validation as V
-from ..hf import DiffusionLM
+from ..denoiser import denoiser_of
 from ..precision import auto_dtype
 from ..samplers.policies import POLICY_NAMES, make_policy
 from .estimators import ESTIMATORS
-from .logprob import sequence_logprob
+from .logprob import check_estimator, sequence_logprob
 
-__all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer"]
+__all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer", "preflight"]
 
 ROW_SEED = "row_seed"
 """The batch column (``(B,)`` int64, on the CPU) that carries each rollout row's seed through TRL's buffers."""
@@ -147,8 +151,10 @@ class DiffusionGRPOConfig(GRPOConfig):
             cuda = torch.cuda.is_available() and not self.use_cpu
             self.bf16 = not self.fp16 and auto_dtype("cuda" if cuda else "cpu") == torch.bfloat16
         super().__post_init__()
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.estimator not in ESTIMATORS or self.estimator == "trace":
+            raise ValueError(f"estimator: expected one of {tuple(e for e in ESTIMATORS if e != 'trace')} ('trace' "
+                             f"needs each rollout's commit order, which the trainer does not keep), got "
+                             f"{self.estimator!r}")
         V.check_positive_int("num_mc_samples", self.num_mc_samples)
         if self.estimator_options is not None and not isinstance(self.estimator_options, dict):
             raise TypeError(f"estimator_options: expected a dict or None, got {type(self.estimator_options).__name__}")
@@ -177,14 +183,59 @@ class DiffusionGRPOConfig(GRPOConfig):
                                  "at its default")
 
 
+_ROLLOUT_OPTIONS = ("attention_mask", "max_new_tokens", "policy", "num_steps", "block_size", "use_cache",
+                    "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id", "generator")
+
+
+def preflight(model: Any, args: DiffusionGRPOConfig, *, train_dataset: Any = None, ref_model: Any = None,
+              **trl_features: Any) -> None:
+    """Everything :class:`DiffusionGRPOTrainer` refuses, checked before it builds anything (no rollout has run):
+
+    * ``model``: a unifusion model (a :class:`~unifusion.denoiser.Denoiser` of any kind, inside its wrappers) whose
+      ``generate`` takes the rollout options the trainer passes (``TypeError`` naming ``model``); ``ref_model``
+      likewise;
+    * ``args.estimator`` for this model (:func:`~unifusion.rl.check_estimator`, without traces: the trainer keeps
+      none);
+    * TRL's features the trainer does not support (``tools``, ``rollout_func``, ``environment_factory``,
+      ``peft_config``, ``quantization_config``): a ``ValueError`` naming the option when given;
+    * a ``train_dataset`` with column names and no ``"prompt"`` column.
+
+    ``examples/grpo.py`` runs :func:`~unifusion.rl.check_estimator` the same way.
+    """
+    inner = denoiser_of(model) if not isinstance(model, str) else None
+    if inner is None:
+        got = repr(model) if isinstance(model, str) else type(model).__name__
+        raise TypeError(f"model: expected a unifusion model (adapt_ar_model(...), DiffusionLM.from_pretrained(...), "
+                        f"any Denoiser), got {got}")
+    accepted = inspect.signature(type(inner).generate).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    missing = [o for o in _ROLLOUT_OPTIONS if o not in accepted and not takes_any]
+    if missing:
+        raise TypeError(f"model: {type(inner).__name__}.generate does not take the rollout options {missing} "
+                        "DiffusionGRPOTrainer passes (unifusion.samplers.generate's)")
+    if ref_model is not None and denoiser_of(ref_model) is None:
+        raise TypeError(f"ref_model: expected a unifusion model or None, got {type(ref_model).__name__}")
+    check_estimator(model, args.estimator, traces=False)
+    for name, value in trl_features.items():
+        if value is not None:
+            raise ValueError(f"{name}: not supported by DiffusionGRPOTrainer (rollouts come from the model's own "
+                             f"generate, one turn, full weights; wrap the backbone with peft before adapt_ar_model "
+                             f"for adapters), got {value!r}")
+    columns = getattr(train_dataset, "column_names", None)
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"train_dataset: expected a 'prompt' column (TRL's prompt format), got columns {columns}")
+
+
 class DiffusionGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with unifusion rollouts and :func:`~unifusion.rl.sequence_logprob` log-probs (module
     docstring).
 
     Args:
-        model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model; or a DDP / compile wrapper
-            around one, which :func:`~unifusion.denoiser.unwrap_model` looks through); a model name, a causal LM
-            or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is a ``TypeError``.
+        model: a unifusion model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model) or any
+            :class:`~unifusion.denoiser.Denoiser` whose ``generate`` takes :func:`unifusion.samplers.generate`'s
+            options (or a DDP / compile wrapper around one, which :func:`~unifusion.denoiser.unwrap_model` looks
+            through); a model name, a causal LM or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is
+            a ``TypeError`` (:func:`preflight`).
         reward_funcs: TRL's reward functions (callables or reward models).
         args: a :class:`DiffusionGRPOConfig` (``None``: its defaults with ``output_dir="unifusion-grpo"``).
         train_dataset: TRL's dataset with a ``"prompt"`` column (other columns reach the reward functions).
@@ -194,22 +245,23 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         callbacks: as in ``GRPOTrainer``.
         optimizers: as in ``GRPOTrainer``.
         ref_model: the reference policy for ``beta > 0`` (default a frozen copy of ``model`` as passed).
+        tools, rollout_func, environment_factory, peft_config, quantization_config: TRL's, refused with a
+            ``ValueError`` naming the option when given (:func:`preflight`).
     """
 
     def __init__(self, model: torch.nn.Module, reward_funcs: Any = None, args: DiffusionGRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: Any = None,
-                 optimizers: tuple[Any, Any] = (None, None), ref_model: torch.nn.Module | None = None) -> None:
-        if not isinstance(V.unwrap_model(model), DiffusionLM):
-            got = repr(model) if isinstance(model, str) else type(model).__name__
-            raise TypeError(f"model: expected a unifusion DiffusionLM (adapt_ar_model(...), "
-                            f"DiffusionLM.from_pretrained(...)), got {got}")
+                 optimizers: tuple[Any, Any] = (None, None), ref_model: torch.nn.Module | None = None,
+                 *, tools: Any = None, rollout_func: Any = None, environment_factory: Any = None,
+                 peft_config: Any = None, quantization_config: Any = None) -> None:
         if args is None:
             args = DiffusionGRPOConfig("unifusion-grpo")
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args: expected a DiffusionGRPOConfig, got {type(args).__name__}")
-        if ref_model is not None and not isinstance(V.unwrap_model(ref_model), DiffusionLM):
-            raise TypeError(f"ref_model: expected a unifusion DiffusionLM or None, got {type(ref_model).__name__}")
+        preflight(model, args, train_dataset=train_dataset, ref_model=ref_model, tools=tools,
+                  rollout_func=rollout_func, environment_factory=environment_factory, peft_config=peft_config,
+                  quantization_config=quantization_config)
         if processing_class is None:
             processing_class = getattr(model, "tokenizer", None)
             if processing_class is None:
