@@ -295,7 +295,7 @@ def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
         t = plan.t[k].clamp(1e-6, MAX_TIME)  # (B,) float64
         w = t * (plan.coef[k] if linear else 1.0)
         weight = torch.where(plan.scored[k], w[:, None], torch.zeros((), dtype=w.dtype, device=w.device)).float()
-        with V.validation(False):
+        with V.unchecked():
             loss = model(x_t, t.float(), x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
                          attention_mask=attention_mask)
         per_pass.append(-loss)
@@ -365,7 +365,7 @@ def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: o
         t_blk = torch.where(t_pos > 0, t_pos, 0.5)  # (B, nb)
         t_in = t_blk[:, 0].float() if block is None else t_blk.float()
         t_tok = t_blk.expand(B, Lp) if block is None else expand_block_times(t_blk, Lp, block)
-        with V.validation(False):
+        with V.unchecked():
             if temperature == 1.0:  # the fused loss: −(1/t) log x_θ(y_i) at masked positions, weight t
                 weight = torch.where(scored, t_tok, 0.0).float()
                 lp = -model(x_t, t_in, x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
@@ -426,7 +426,7 @@ def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: tor
     total = torch.zeros(B, width, device=device)
     for j in range(K):
         x_t = x0_a.clone()
-        with V.validation(False):
+        with V.unchecked():
             for b, (s, e) in enumerate(zip(starts, ends)):
                 t_span = times[b][j, :1][None] if block is None else \
                     expand_block_times(times[b][j][None], e - s, block)  # (1, 1) or (1, e − s)
@@ -434,11 +434,11 @@ def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: tor
                 span = kernel.sample(x0[b:b + 1, s:e], t_span, generator=gens[b])[0]
                 x_t[b, o:o + e - s] = torch.where(completion[b, s:e], span, x0[b, s:e])
         t_in = torch.stack([t[j, 0] for t in times]).float() if block is None else t_blocks[j].float()
-        with V.validation(False):
+        with V.unchecked():
             D = model(x_t, t_in, x0=x0_a, kernel=kernel, objective="gidd", position_weight=weight,
                       attention_mask=mask_a, **extra)
         total = total - D
-    with V.validation(False):
+    with V.unchecked():
         c = prior_kl(kernel, x0)  # (B, L) float64, 0 for α_1 = 0
     per_token = _unaligned(total, shifts, L) - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=K)
