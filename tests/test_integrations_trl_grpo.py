@@ -1,11 +1,12 @@
-"""unifusion.rl.trl: TRL's GRPOTrainer on the diffusion likelihood, on tiny random models whose causal paths raise.
+"""unifusion.integrations.trl's GRPO: TRL's GRPOTrainer on the diffusion likelihood, on tiny random models whose
+causal paths raise.
 
 * two trainer steps pass on a model whose causal-LM forward, causal (γ = 0) forward, causal LM loss and
   transformers' ``generate`` all raise, while TRL's own log-prob method does hit that guard: no TRL code path
   computed autoregressive log-probs or generated autoregressively;
 * every method the subclass overrides exists on the pinned TRL's ``GRPOTrainer`` with the parameters TRL passes,
   and is called during a step (a TRL rename would otherwise silently bypass the override), and the installed TRL is
-  inside the ``[rl]`` extra's pin;
+  inside the ``[trl]`` extra's pin;
 * the loss of each step equals ``grpo_loss`` on ``sequence_logprob`` estimates computed by hand (old policy =
   the weights at the rollout, reference = the initial weights, current = the weights at the step) on the same batch
   and row seeds; the old log-probs equal the current ones at the first iteration (ratio 1); the advantages are
@@ -33,9 +34,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 import unifusion as uf
 from unifusion.denoiser import unwrap_model
-from unifusion.rl.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
+from unifusion.integrations.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from _hf_tiny import tiny_diffusion_gemma, tiny_model  # noqa: E402
 
@@ -159,12 +160,13 @@ def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -
 
 def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
-    line = re.search(r"^rl = \[(.*)\]$", pyproject, re.M)  # the [rl] extra
+    line = re.search(r"^trl = \[(.*)\]$", pyproject, re.M)  # the [trl] extra
     assert line is not None
     pin = next(Requirement(r) for r in re.findall(r'"([^"]+)"', line.group(1)) if Requirement(r).name == "trl")
-    assert pin.specifier.contains(trl.__version__), f"trl {trl.__version__} is outside the [rl] pin {pin}"
+    assert pin.specifier.contains(trl.__version__), f"trl {trl.__version__} is outside the [trl] pin {pin}"
     pins = {Requirement(r).specifier for r in re.findall(r'"(trl[<>=~!][^"]*)"', pyproject)}
-    assert pins == {pin.specifier}  # [trl], [rl] and [dev] pin TRL alike
+    assert pins == {pin.specifier}  # [trl] and [dev] pin TRL alike
+    assert not re.search(r"^rl = ", pyproject, re.M)  # one TRL extra
 
     own = {name for name, value in vars(DiffusionGRPOTrainer).items()
            if callable(value) and name != "__init__" and hasattr(GRPOTrainer, name)}
@@ -307,3 +309,15 @@ def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None
     finally:
         GRPOTrainer.__init__ = original
     assert not built
+
+
+def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() -> None:
+    import subprocess
+
+    code = ("import sys, unifusion.rl; print(sorted(m for m in ('trl', 'unifusion.integrations') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import unifusion.integrations.trl as module
+
+    assert {"DiffusionSFTTrainer", "DiffusionGRPOTrainer", "DiffusionGRPOConfig"} <= set(module.__all__)
+    assert not hasattr(uf.rl, "trl")

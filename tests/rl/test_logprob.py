@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.rl import combine_log_probs, gauss_legendre, plan_masks, sequence_logprob
+from unifusion.rl import sequence_logprob
+from unifusion.rl.estimators import combine_log_probs, gauss_legendre, plan_masks
 
 from ._exact import (
     MASK,

@@ -1,6 +1,6 @@
 """Parity with the RL anchors' own code on fixed inputs: tests/data/rl_peers/reference_values.json holds their
 outputs (their functions run unmodified on given logits; their random masks recorded), see the README there.
-Here unifusion's plans (:func:`~unifusion.rl.plan_from_masks`), combination and objectives reproduce them."""
+Here unifusion's plans (:func:`~unifusion.rl.estimators.plan_from_masks`), combination and objectives reproduce them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unifusion.rl import combine_log_probs, grpo_loss, plan_from_masks, spg_loss, wd1_loss
+from unifusion.rl import grpo_loss, spg_loss, wd1_loss
+from unifusion.rl.estimators import combine_log_probs, plan_from_masks
 
 DATA = json.loads((Path(__file__).resolve().parents[1] / "data" / "rl_peers" / "reference_values.json").read_text())
 INP = DATA["inputs"]

@@ -4,7 +4,8 @@ the sampler committed with, and the exact sum over the groups of a fixed order b
 import pytest
 import torch
 
-from unifusion.rl import plan_trace, sequence_logprob
+from unifusion.rl import sequence_logprob
+from unifusion.rl.estimators import plan_trace
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence, MaskPolicy
 
 from ._exact import adapted, subset_log_probs

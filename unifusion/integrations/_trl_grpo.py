@@ -1,9 +1,9 @@
 """TRL's ``GRPOTrainer`` on the diffusion likelihood: rollouts from unifusion's sampler, every log-prob from
-:func:`~unifusion.rl.sequence_logprob`.
+:func:`~unifusion.rl.sequence_logprob` (public in :mod:`unifusion.integrations.trl`).
 
 A diffusion LM has no causal ``log p(y_t | y_<t)``, and TRL's ``GRPOTrainer`` computes its log-probs with the causal
 forward (a fused causal LM head it patches onto the model) and generates with transformers' or vLLM's causal
-``generate``. :class:`DiffusionGRPOTrainer` (tested with TRL 1.16; the ``[rl]`` extra pins ``trl>=1.16,<1.17``)
+``generate``. :class:`DiffusionGRPOTrainer` (tested with TRL 1.16; the ``[trl]`` extra pins ``trl>=1.16,<1.17``)
 replaces both and keeps the rest of TRL's trainer — datasets, reward functions, group advantages, the loss types
 (``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ...), the clip, the k3 KL, ``num_iterations``, logging, data parallelism:
 
@@ -26,18 +26,18 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   carries no mask noise after it. The rollout uses ``manual_seed(row_seed[r] ^ ROLLOUT_SALT)``.
 
 **TRL's per-token interface.** ``token_logps="per_token"`` (default) hands TRL the estimator's per-token shares
-(:attr:`~unifusion.rl.SequenceLogProb.per_token`, which sum to the sequence estimate): TRL's token-level ratios are
-then d1's and coupled-GRPO's, and ``importance_sampling_level="sequence"`` gives GSPO's length-normalised sequence
-ratio ``exp((log π_θ(y) − log π_old(y)) / |y|)``. ``token_logps="spread"`` spreads the sequence estimate evenly,
-``log π(y) / |y|`` at every completion token, so that even token-level ratios are that sequence ratio. Either way
-TRL's loss is :func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``: ``normalization="grpo"``;
-``"dapo"``: ``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with ``max_completion_length``)
-with ``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 term by the importance ratio.
-``tests/rl/test_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's at
-temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
-while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus
-completion length): the mask estimators of a fully bidirectional model draw over the row's width, which is the same
-for the old, reference and current policy.
+(:attr:`~unifusion.rl.SequenceLogProb.per_token`, which sum to the sequence estimate): TRL's token-level ratios are then
+d1's and coupled-GRPO's, and ``importance_sampling_level="sequence"`` gives GSPO's length-normalised sequence ratio
+``exp((log π_θ(y) − log π_old(y)) / |y|)``. ``token_logps="spread"`` spreads the sequence estimate evenly, ``log π(y) /
+|y|`` at every completion token, so that even token-level ratios are that sequence ratio. Either way TRL's loss is
+:func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``: ``normalization="grpo"``; ``"dapo"``:
+``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with ``max_completion_length``) with
+``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 term by the importance ratio.
+``tests/test_integrations_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's
+at temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
+while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus completion
+length): the mask estimators of a fully bidirectional model draw over the row's width, which is the same for the old,
+reference and current policy.
 
 What is refused (``ValueError`` naming the option, when the config or the trainer is built: :func:`preflight`): an
 estimator the model cannot take and ``"trace"`` (the trainer keeps no commit orders), vLLM and transformers'
@@ -51,9 +51,9 @@ multimodal inputs. The reference policy (``beta > 0``) is a frozen copy of the p
 ``GRPOTrainer`` patches onto the model's ``forward``, is removed again: a causal-LM call on the policy fails rather
 than computing autoregressive log-probs.
 
-Recipe (``pip install "unifusion[rl]"``)::
+Recipe (``pip install "unifusion[trl]"``)::
 
-    from unifusion.rl.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
+    from unifusion.integrations.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
 
     model = uf.adapt_ar_model(AutoModelForCausalLM.from_pretrained(name), tokenizer=tok, block_size=32)
     args = DiffusionGRPOConfig("out", estimator="elbo", num_mc_samples=2, decoding_policy="low_confidence",
@@ -79,9 +79,9 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 from .. import _validation as V
 from ..denoiser import denoiser_of
 from ..precision import auto_dtype
+from ..rl.estimators import ESTIMATORS
+from ..rl.logprob import check_estimator, sequence_logprob
 from ..samplers.policies import POLICY_NAMES, make_policy
-from .estimators import ESTIMATORS
-from .logprob import check_estimator, sequence_logprob
 
 __all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer", "preflight"]
 
