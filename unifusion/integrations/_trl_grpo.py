@@ -23,7 +23,9 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   :data:`ROW_SEED`. The old, reference and current estimates of row r use
   ``torch.Generator(device).manual_seed(row_seed[r])``: the same masks and times, so the ratio
   ``π_θ / π_old`` is 1 before the first update (up to float rounding when the batches are chunked differently) and
-  carries no mask noise after it. The rollout uses ``manual_seed(row_seed[r] ^ ROLLOUT_SALT)``.
+  carries no mask noise after it. The rollout uses ``manual_seed(row_seed[r] ^ ROLLOUT_SALT)``. Each checkpoint
+  saves the seed generator's state (:mod:`unifusion.integrations.checkpoints`), so a resumed run draws the row seeds
+  of the run that never stopped; ``save_model`` and ``checkpoint-N`` are the model's ``save_pretrained`` folders.
 
 **TRL's per-token interface.** ``token_logps="per_token"`` (default) hands TRL the estimator's per-token shares
 (:attr:`~unifusion.rl.SequenceLogProb.per_token`, which sum to the sequence estimate): TRL's token-level ratios are then
@@ -82,6 +84,7 @@ from ..precision import auto_dtype
 from ..rl.estimators import ESTIMATORS
 from ..rl.logprob import check_estimator, sequence_logprob
 from ..samplers.policies import POLICY_NAMES, make_policy
+from .checkpoints import TrainerCheckpoints
 
 __all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer", "preflight"]
 
@@ -226,7 +229,7 @@ def preflight(model: Any, args: DiffusionGRPOConfig, *, train_dataset: Any = Non
         raise ValueError(f"train_dataset: expected a 'prompt' column (TRL's prompt format), got columns {columns}")
 
 
-class DiffusionGRPOTrainer(GRPOTrainer):
+class DiffusionGRPOTrainer(TrainerCheckpoints, GRPOTrainer):
     """TRL's ``GRPOTrainer`` with unifusion rollouts and :func:`~unifusion.rl.sequence_logprob` log-probs (module
     docstring).
 
@@ -308,6 +311,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             args.decoding_policy, threshold=args.policy_threshold, bound=args.policy_bound, arg="decoding_policy")
 
     # -- shared randomness ------------------------------------------------------------------------------------------
+
+    def extra_checkpoint_state(self) -> dict[str, Any]:
+        """The row-seed generator's state, saved with each checkpoint: a resumed run draws the same row seeds (and so
+        the same rollouts and masks) as the run that never stopped."""
+        return {"row_seed_generator": self._seed_generator.get_state()}
+
+    def load_extra_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore the row-seed generator (:meth:`extra_checkpoint_state`)."""
+        self._seed_generator.set_state(state["row_seed_generator"])
 
     def _draw_row_seeds(self, num_rows: int) -> torch.Tensor:
         """``(num_rows,)`` int64 seeds of this rank's rows: one draw of the global batch's seeds (every rank draws
