@@ -333,3 +333,22 @@ def test_holes_in_the_attention_mask_and_mask_tokens_in_the_input_are_refused(se
                                   prompt_mask_prob=0.0).sequence
         alone = sequence_logprob(model, x0[None], comp[:1], estimator="mean_field", prompt_mask_prob=0.0).sequence
     torch.testing.assert_close(padded, alone, rtol=0, atol=1e-4)
+
+
+def test_under_bf16_autocast_the_head_and_the_sums_stay_float32():
+    """What the estimators add to a bf16 backbone's rounding: nothing. Their fused head (logits, log-softmax, the
+    1/t-weighted sums) computes from the float32 hidden states in float32 under bf16 autocast, bit for bit as without
+    it; the remaining |bf16 − fp32| of a bf16 run is the backbone's (docs/guides/rl.md, "bf16")."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 6, 32)
+    weight = torch.randn(128, 32)
+    x0 = torch.randint(4, 120, (2, 6))
+    x_t = torch.where(torch.rand(2, 6) < 0.5, torch.full_like(x0, MASK), x0)
+    kernel = uf.MaskKernel(128, MASK)
+    plain = uf.losses.fused_linear_diffusion_loss(h, weight, x0, x_t, torch.tensor([0.3, 0.8]), kernel,
+                                                   objective="gidd")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = uf.losses.fused_linear_diffusion_loss(h, weight, x0, x_t, torch.tensor([0.3, 0.8]), kernel,
+                                                       objective="gidd")
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
