@@ -6,7 +6,6 @@ call (rows draw independently), whose mean must lie within 4 standard errors of 
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -65,7 +64,8 @@ def test_unbiased_estimators_match_the_exact_elbo(setup, estimator, K, opts):
     assert torch.allclose(out.per_token.sum(-1), out.sequence) and (out.per_token[:, :P] == 0).all()
 
 
-def test_the_elbo_is_below_the_exact_log_likelihood():
+def test_the_oracles_elbo_is_below_their_log_likelihood():
+    """A check of the oracles in _exact.py (which the library checks here lean on), not of the library."""
     for seed in range(3):
         model = adapted(seed=seed)
         x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(seed))
@@ -307,7 +307,6 @@ def test_bad_input_names_the_argument(setup):
     pad[:, -1] = 0
     with pytest.raises(ValueError, match="completion_mask"):
         sequence_logprob(model, ids, c, attention_mask=pad)
-    assert MASK == model.mask_token_id and list(itertools.islice(POS, 1)) == [P]
 
 
 def test_holes_in_the_attention_mask_and_mask_tokens_in_the_input_are_refused(setup):

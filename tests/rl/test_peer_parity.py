@@ -42,7 +42,9 @@ def _pad(values: list) -> torch.Tensor:
 def test_d1_mean_field_log_probs_and_grpo_loss():
     case = DATA["d1"]
     plan = plan_from_masks("mean_field", COMPLETION, torch.tensor(case["noised"])[None])
-    assert torch.equal(plan.noised[0] | ~torch.ones(B, L, dtype=torch.bool), torch.tensor(case["noised"]))
+    # every completion token scored once with weight 1 (their mean field), their corruption kept as it is
+    assert torch.equal(plan.scored[0], COMPLETION) and torch.equal(plan.coef, torch.ones(1, B, dtype=torch.float64))
+    assert torch.equal(plan.noised[0], torch.tensor(case["noised"]) | COMPLETION)
     per_token = combine_log_probs(plan, _log_probs(case["logits"])[None])
     theirs = _pad(case["per_token_logps"])
     assert torch.allclose(_on_completion(per_token), _on_completion(theirs), atol=1e-5)

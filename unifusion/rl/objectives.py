@@ -34,7 +34,7 @@ def _check_detached(name: str, value: torch.Tensor | None) -> None:
 
 
 def _check_coefficient(name: str, value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN fails >= 0
         raise ValueError(f"{name}: expected {what} >= 0, got {value!r}")
     return float(value)
 
