@@ -351,3 +351,67 @@ def test_under_bf16_autocast_the_head_and_the_sums_stay_float32():
                                                        objective="gidd")
     assert mixed.dtype == torch.float32
     torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+
+
+class ToyKind(uf.denoiser.DenoiserModule):
+    """A model kind defined outside the package (no registration, no DiffusionLM): an embedding plus the mean of the
+    row's real tokens as its hidden state, a linear head, the fused loss on request."""
+
+    mask_token_id = MASK
+
+    def __init__(self, S: int = 32, d: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(S, d, generator=g))
+        self.head = torch.nn.Parameter(torch.randn(S, d, generator=g))
+
+    @property
+    def num_states(self) -> int:
+        return int(self.head.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def _hidden(self, x_t, attention_mask):
+        real = torch.ones_like(x_t, dtype=torch.float32) if attention_mask is None else attention_mask.float()
+        e = self.emb[x_t]
+        context = (e * real[..., None]).sum(1, keepdim=True) / real.sum(1, keepdim=True)[..., None]
+        return torch.tanh(e + context)
+
+    def forward(self, x_t, t=None, *, x0=None, kernel=None, objective="gidd", position_weight=None,
+                attention_mask=None, **kwargs):
+        h = self._hidden(x_t, attention_mask)
+        if x0 is None:
+            return self.logits_from_hidden(h)
+        return uf.losses.fused_linear_diffusion_loss(h, self.head, x0, x_t, t[:, None].expand(x_t.shape), kernel,
+                                                     objective=objective, position_weight=position_weight)
+
+    def logits_from_hidden(self, h):
+        return h @ self.head.T
+
+    def generate(self, prompt_ids, *args, **kwargs):
+        raise NotImplementedError
+
+    def save_pretrained(self, save_directory, tokenizer=None, *, kernel=None):
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, directory, *, dtype=None, device=None, load_tokenizer=True):
+        raise NotImplementedError
+
+
+def test_a_model_kind_from_outside_the_package_is_scored():
+    """sequence_logprob takes any Denoiser: the mean field of a kind it has never seen equals Σ_i log p(y_i | the
+    completion masked) from the kind's own logits; check_estimator applies the kind's rules (a mask kernel here)."""
+    model = ToyKind()
+    x0 = torch.randint(4, 32, (2, 7), generator=torch.Generator().manual_seed(1))
+    comp = torch.zeros(2, 7, dtype=torch.bool)
+    comp[:, 3:] = True
+    assert isinstance(uf.rl.check_estimator(model, "coupled"), uf.MaskKernel)
+    with torch.no_grad():
+        got = sequence_logprob(model, x0, comp, estimator="mean_field", prompt_mask_prob=0.0).sequence
+        logits = model(torch.where(comp, MASK, x0)).double()
+    logits[..., MASK] = -math.inf
+    lp = torch.log_softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
+    torch.testing.assert_close(got.double(), (lp * comp).sum(-1), rtol=0, atol=1e-4)
