@@ -190,8 +190,8 @@ _ROLLOUT_OPTIONS = ("attention_mask", "max_new_tokens", "policy", "num_steps", "
                     "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id", "generator")
 
 
-def preflight(model: Any, args: DiffusionGRPOConfig, *, train_dataset: Any = None, ref_model: Any = None,
-              **trl_features: Any) -> None:
+def preflight(model: torch.nn.Module | str, args: DiffusionGRPOConfig, *, train_dataset: Any = None,
+              ref_model: torch.nn.Module | None = None, **trl_features: Any) -> None:
     """Everything :class:`DiffusionGRPOTrainer` refuses, checked before it builds anything (no rollout has run):
 
     * ``model``: a unifusion model (a :class:`~unifusion.denoiser.Denoiser` of any kind, inside its wrappers) whose
@@ -218,7 +218,7 @@ def preflight(model: Any, args: DiffusionGRPOConfig, *, train_dataset: Any = Non
                         "DiffusionGRPOTrainer passes (unifusion.samplers.generate's)")
     if ref_model is not None and denoiser_of(ref_model) is None:
         raise TypeError(f"ref_model: expected a unifusion model or None, got {type(ref_model).__name__}")
-    check_estimator(model, args.estimator, traces=False)
+    check_estimator(inner, args.estimator, traces=False)
     for name, value in trl_features.items():
         if value is not None:
             raise ValueError(f"{name}: not supported by DiffusionGRPOTrainer (rollouts come from the model's own "
@@ -248,8 +248,11 @@ class DiffusionGRPOTrainer(TrainerCheckpoints, GRPOTrainer):
         callbacks: as in ``GRPOTrainer``.
         optimizers: as in ``GRPOTrainer``.
         ref_model: the reference policy for ``beta > 0`` (default a frozen copy of ``model`` as passed).
-        tools, rollout_func, environment_factory, peft_config, quantization_config: TRL's, refused with a
-            ``ValueError`` naming the option when given (:func:`preflight`).
+        tools: TRL's, refused (``ValueError`` naming the option when given, :func:`preflight`).
+        rollout_func: TRL's, refused.
+        environment_factory: TRL's, refused.
+        peft_config: TRL's, refused (wrap the backbone with peft before ``adapt_ar_model``).
+        quantization_config: TRL's, refused.
     """
 
     def __init__(self, model: torch.nn.Module, reward_funcs: Any = None, args: DiffusionGRPOConfig | None = None,
