@@ -146,7 +146,7 @@ def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -
     """The module docstring's recipe, sized down, every other option at DiffusionGRPOConfig's and GRPOConfig's
     defaults (gradient checkpointing on: TRL re-enables it around each rollout with a positional argument)."""
     model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer)
-    args = DiffusionGRPOConfig(str(tmp_path), estimator="elbo", num_mc_samples=2, decoding_policy="low_confidence",
+    args = DiffusionGRPOConfig(str(tmp_path), estimator="elbo", num_samples=2, decoding_policy="low_confidence",
                                num_generations=2, max_completion_length=8, beta=0.04,
                                max_steps=2, per_device_train_batch_size=2, report_to=[])
     default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
@@ -202,7 +202,7 @@ def _as_generated(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("block_size, config", [
-    (4, dict(estimator="elbo", num_mc_samples=2)),
+    (4, dict(estimator="elbo", num_samples=2)),
     (None, dict(estimator="coupled", token_logps="spread", decoding_policy=None, num_steps=4)),
 ], ids=["block-elbo-per_token", "coupled-spread"])
 def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, block_size, config) -> None:
@@ -251,7 +251,7 @@ def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, bl
             gens = [torch.Generator().manual_seed(int(s)) for s in inputs[ROW_SEED]]
             with torch.no_grad():
                 est = uf.rl.sequence_logprob(model, ids, scored, estimator=args.estimator,
-                                             num_samples=args.num_mc_samples, generator=gens,
+                                             num_samples=args.num_samples, generator=gens,
                                              attention_mask=attention)
             if args.token_logps == "spread":
                 return torch.where(scored, (est.sequence / scored.sum(-1))[:, None], torch.zeros(()))
@@ -277,7 +277,7 @@ def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None
         return DiffusionGRPOConfig(str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to=[],
                                    use_cpu=True, **options)
 
-    for option, value in [("estimator", "exact"), ("estimator", "trace"), ("num_mc_samples", 0),
+    for option, value in [("estimator", "exact"), ("estimator", "trace"), ("num_samples", 0),
                           ("token_logps", "mean"), ("decoding_policy", "beam"), ("use_vllm", True),
                           ("entropy_coef", 0.01), ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
         with pytest.raises(ValueError, match=option):

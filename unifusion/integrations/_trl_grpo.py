@@ -12,7 +12,7 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   model by default) and TRL's ``temperature``, ``top_p``, ``top_k``; one generator per row, so a row's rollout does
   not depend on its batch neighbours. The completion ends at its first EOS (kept), like TRL's.
 * **Log-probs** (``_get_per_token_logps_and_entropies``, TRL 1.16's one method for the old, reference and current
-  policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_mc_samples`` and
+  policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_samples`` and
   ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``, the layout the
   rollout's ``generate`` returned (the completion cut after its EOS); each is scored as it stands.
   ``sequence_logprob``'s draws are each row's own and a block model's blocks are cut from the row's first completion
@@ -58,7 +58,7 @@ Recipe (``pip install "unifusion[trl]"``)::
     from unifusion.integrations.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
 
     model = uf.adapt_ar_model(AutoModelForCausalLM.from_pretrained(name), tokenizer=tok, block_size=32)
-    args = DiffusionGRPOConfig("out", estimator="elbo", num_mc_samples=2, decoding_policy="low_confidence",
+    args = DiffusionGRPOConfig("out", estimator="elbo", num_samples=2, decoding_policy="low_confidence",
                                num_generations=8, max_completion_length=64, beta=0.04)
     trainer = DiffusionGRPOTrainer(model, reward_funcs=[my_reward], args=args, train_dataset=prompts,
                                    processing_class=tok)
@@ -119,7 +119,7 @@ class DiffusionGRPOConfig(GRPOConfig):
     Args:
         estimator: the :func:`~unifusion.rl.sequence_logprob` estimator (``"elbo"``, ``"elbo_discrete"``,
             ``"coupled"``, ``"quadrature"``, ``"mean_field"``, ``"eubo"``; a block model takes ``"elbo"``).
-        num_mc_samples: its ``num_samples`` K (passes per estimate).
+        num_samples: its ``num_samples`` K (passes per estimate; the same name as in ``sequence_logprob``).
         estimator_options: its estimator options (``{"t_range": [0.2, 0.8], "fully_masked": True}``, ...).
         token_logps: ``"per_token"`` or ``"spread"`` (module docstring).
         decoding_policy: a policy name of :data:`~unifusion.samplers.policies.POLICY_NAMES` (``"low_confidence"``,
@@ -133,7 +133,7 @@ class DiffusionGRPOConfig(GRPOConfig):
     """
 
     estimator: str = field(default="elbo", metadata={"help": f"sequence_logprob estimator, one of {ESTIMATORS}."})
-    num_mc_samples: int = field(default=1, metadata={"help": "Monte-Carlo passes K per log-prob estimate."})
+    num_samples: int = field(default=1, metadata={"help": "Monte-Carlo passes K per log-prob estimate."})
     estimator_options: dict[str, Any] | None = field(
         default=None, metadata={"help": "Options of the estimator (sequence_logprob's **options)."})
     token_logps: str = field(default="per_token", metadata={
@@ -158,7 +158,7 @@ class DiffusionGRPOConfig(GRPOConfig):
             raise ValueError(f"estimator: expected one of {tuple(e for e in ESTIMATORS if e != 'trace')} ('trace' "
                              f"needs each rollout's commit order, which the trainer does not keep), got "
                              f"{self.estimator!r}")
-        V.check_positive_int("num_mc_samples", self.num_mc_samples)
+        V.check_positive_int("num_samples", self.num_samples)
         if self.estimator_options is not None and not isinstance(self.estimator_options, dict):
             raise TypeError(f"estimator_options: expected a dict or None, got {type(self.estimator_options).__name__}")
         if self.token_logps not in _TOKEN_LOGPS:
@@ -437,7 +437,7 @@ class DiffusionGRPOTrainer(TrainerCheckpoints, GRPOTrainer):
             rows = slice(start, min(start + chunk, B))
             gens = [torch.Generator(device=input_ids.device).manual_seed(s) for s in seeds[rows]]
             est = sequence_logprob(model, input_ids[rows], scored[rows], estimator=args.estimator,
-                                   num_samples=args.num_mc_samples, generator=gens,
+                                   num_samples=args.num_samples, generator=gens,
                                    attention_mask=real[rows].long(), **options)
             values = est.per_token
             if args.token_logps == "spread":
