@@ -556,8 +556,10 @@ def preflight(args: argparse.Namespace, inner: uf.DiffusionLM, tokenizer: Any, r
                    positions=max_positions(inner))
     answer_ids(tokenizer, [max(train, key=lambda p: len(p.completion))], args.max_new_tokens)
     probe_reward_fn(reward_fn, train[:args.prompts_per_step // world], args.group_size)
-    if args.estimator != "elbo" and getattr(inner, "block_size", None) is not None:
-        raise ValueError(f"--estimator: a block model takes 'elbo' (the block ELBO), got {args.estimator!r}")
+    try:  # the trainer's check: an estimator this model cannot take, 'trace' (no commit orders kept)
+        uf.rl.check_estimator(inner, args.estimator, traces=False)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
 
 
 def report_table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:

@@ -158,7 +158,7 @@ def test_group_split_over_processes_raises_before_any_rollout(grpo, no_rollouts,
     grpo.preflight(args, model, tokenizer, arithmetic.rewards, world=1)  # one process: fine
     with pytest.raises(ValueError, match="group_size: 3 groups of 2 do not split into whole groups over 2"):
         grpo.preflight(args, model, tokenizer, arithmetic.rewards, world=2)
-    with pytest.raises(ValueError, match="--estimator: a block model takes 'elbo'"):
+    with pytest.raises(ValueError, match="--estimator: DiffusionLM with blocks supports estimator='elbo'"):
         grpo.preflight(grpo.parse_args([*argv, "--estimator", "coupled"]), model, tokenizer, arithmetic.rewards,
                        world=1)
 
@@ -196,7 +196,10 @@ def test_tiny_run_trains_and_writes_metrics(one_process):
     assert any(g > 0 for *_, g in steps.values())  # the length reward has signal: a real gradient
     assert "held-out accuracy before GRPO" in stdout and "held-out accuracy after GRPO" in stdout
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["steps"] == 2 and 0.0 <= metrics["accuracy_after"] <= 1.0
+    assert metrics["steps"] == 2
+    # a held-out accuracy is a count over the 4 evaluated problems (--eval-problems 4)
+    for key in ("accuracy_before", "accuracy_after"):
+        assert (metrics[key] * 4) == round(metrics[key] * 4), (key, metrics[key])
     assert 0 < metrics["rollout_share"] < 1 and 0 < metrics["likelihood_share"] < 1
     assert metrics["rollout_tokens_per_s"] > 0 and len(metrics["records"]) == 2
 
@@ -239,9 +242,6 @@ def test_tiny_report_writes_a_table(launcher, tmp_path):
     assert [r["objective"] for r in runs] == ["grpo", "wd1", "spg"] * 2
     for r in runs:  # a block model has no EUBO: spg's ELBO stand-in, and only there
         assert (r.get("spg_upper") or "").startswith("elbo") == (r["objective"] == "spg")
-    # one SFT per seed: every objective starts from the same accuracy
-    for seed in (0, 1):
-        assert len({r["accuracy_before"] for r in runs if r["seed"] == seed}) == 1
 
 
 def test_tiny_run_skips_the_update_when_every_group_ties(tmp_path):

@@ -275,3 +275,86 @@ def test_a_batch_of_token_ids_is_one_rule_at_every_entry_point():
         uf.eval.nll_bound(model, ids[0], kernel, num_times=2)
     with pytest.raises(ValueError, match=r"^x_t: expected shape \(B, L\), got \(3,\)"):
         gemma(ids[0], prompt_length=1)
+
+
+def test_unchecked_is_local_to_the_context_and_library_code_never_sets_the_switch(kernel: uf.Kernel) -> None:
+    """Library code turns checks off for its own internal calls only (a ContextVar): a thread inside ``unchecked()``
+    leaves another thread's checks on; and no library module calls the process-wide switch."""
+    import ast
+    import threading
+    from pathlib import Path
+
+    from unifusion.validation import unchecked, validation_enabled
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def worker() -> None:
+        with unchecked():
+            seen["worker"] = validation_enabled()
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert inside.wait(10)
+    seen["main"] = validation_enabled()
+    with pytest.raises(ValueError, match="x0"):  # this thread's value checks still run
+        kernel.sample(torch.full((1, 3), 10_000), 0.5)
+    release.set()
+    thread.join()
+    assert seen == {"worker": False, "main": True}
+    with unchecked():
+        kernel.sample(torch.full((1, 3), 1), 0.5)
+        assert not validation_enabled()
+    assert validation_enabled()
+
+    root = Path(uf.__file__).parent
+    calls = []
+    for path in root.rglob("*.py"):
+        if path.name == "validation.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in ("validation", "set_validation") or (
+                        isinstance(f, ast.Attribute) and name in ("set", "scoped") and
+                        isinstance(f.value, (ast.Name, ast.Attribute)) and "SWITCH" in ast.unparse(f.value)):
+                    calls.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    assert not calls, calls
+
+
+def test_the_architecture_page_names_all_process_state() -> None:
+    """Every module-level object the package mutates (containers written to, thread-locals, context variables,
+    cached functions) is named in docs/architecture.md."""
+    import ast
+    from pathlib import Path
+
+    root = Path(uf.__file__).parent
+    page = (root.parent / "docs" / "architecture.md").read_text()
+    found = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        containers = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else \
+                node.target if isinstance(node, ast.AnnAssign) else None
+            value = getattr(node, "value", None)
+            if isinstance(target, ast.Name) and value is not None:
+                text = ast.unparse(value)
+                if isinstance(value, (ast.Dict, ast.List, ast.Set)) or "threading.local" in text \
+                        or "ContextVar" in text:
+                    containers[target.id] = "local" in text or "ContextVar" in text
+            if isinstance(node, ast.FunctionDef) and any("cache" in ast.unparse(d) for d in node.decorator_list):
+                found.append(node.name)
+        mutated = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+                mutated.add(node.value.id)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.attr in (
+                        "append", "pop", "update", "clear", "setdefault", "add", "extend", "set"):
+                mutated.add(node.func.value.id)
+        found += [name for name, always in containers.items() if always or name in mutated]
+    missing = sorted({name for name in found if f"{name}" not in page})
+    assert not missing, f"process state not named in docs/architecture.md: {missing}"

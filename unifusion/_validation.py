@@ -17,9 +17,9 @@ import torch
 
 from ._device import host_to_device
 from .denoiser import BlockDenoiser, ConvertedHead, Denoiser, X0Model, denoiser_of, unwrap_model
-from .validation import set_validation, validation, validation_enabled
+from .validation import set_validation, unchecked, validation, validation_enabled
 
-__all__ = ["set_validation", "validation", "validation_enabled"]  # the switch, re-exported from unifusion.validation
+__all__ = ["set_validation", "unchecked", "validation", "validation_enabled"]  # re-exported from unifusion.validation
 
 
 # ----------------------------------------------------------------------------------------------------------

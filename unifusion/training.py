@@ -339,7 +339,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
     if t is None:
         t = sample_times(B, t_min=t_min, generator=generator, device=x0.device)
     t_tokens = t if block is None else blocks.expand_block_times(t, L, block)  # (B,) or (B, L)
-    with V.validation(False):
+    with V.unchecked():
         x_t = kernel.sample(x0, t_tokens, generator=generator)  # one time per row, or per position (blocks)
     x_t = torch.where(valid, x_t, x0)
     if prompt_mask is not None:  # prompt tokens stay clean at every time, score 0 and do not count
@@ -380,7 +380,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
                       "anneal its attention; step is ignored", stacklevel=2)
     if fused:
         # padded positions weighted 0: exactly 0 loss, and no gradient work for them in the fused backward
-        with V.validation(False):
+        with V.unchecked():
             loss = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
                          kernel=kernel, objective=objective, weighting=weighting, max_weight=max_weight,
                          position_weight=None if attention_mask is None and prompt_mask is None else valid,
@@ -389,7 +389,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
         mask = valid.to(loss.dtype)
         return DiffusionLossOutput(loss=loss, mask=mask, num_tokens=mask.sum(), t=t, x_t=x_t,
                                    bidirectional_prob=gamma)
-    with V.validation(False):
+    with V.unchecked():
         if V.is_diffusion_lm(model):
             logits = model(x_t, t, bidirectional_prob=gamma, attention_mask=attention_mask, generator=generator,
                            **block_kwargs, **conditioning)
@@ -403,7 +403,7 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
     # bf16 logits go to the loss as they are: it computes in float32 internally (no (B, L, V) float32 copy)
     dtype = V.compute_dtype(logits)
     t_pos = t.to(dtype)[:, None].expand(B, L) if block is None else t_tokens.to(dtype)
-    with V.validation(False):  # inputs were validated above; skip the syncing re-checks inside
+    with V.unchecked():  # inputs were validated above; skip the syncing re-checks inside
         if head == "mu":
             loss = native.m2s_loss(logits, x0, x_t, t_pos, kernel)
         elif reference:

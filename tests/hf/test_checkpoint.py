@@ -107,7 +107,7 @@ def test_an_abstract_base_opts_out_for_itself_only() -> None:
             pass
 
 
-def test_classes_made_on_the_fly_inherit_the_hooks_and_take_the_instance() -> None:
+def test_classes_made_on_the_fly_inherit_the_hooks_and_take_the_instance(tmp_path) -> None:
     """FSDP2's ``fully_shard`` swaps a model's ``__class__`` for ``FSDP<Class>(FSDPModule, Class)``, made on the fly
     (no metaclass may stand in the way): such a subclass inherits the hooks, and the instance keeps working."""
 
@@ -118,8 +118,22 @@ def test_classes_made_on_the_fly_inherit_the_hooks_and_take_the_instance() -> No
     model.__class__ = type(f"FSDP{Toy.__name__}", (Sharded, Toy), {})
     assert isinstance(model, Toy) and type(model).load_checkpoint.__func__ is Toy.load_checkpoint.__func__
     assert torch.equal(model(torch.tensor([[1, 2]])), model.table.weight[[1, 2]][None])
+    # the library's kinds: the class made on the fly passes the hook check (a TypeError otherwise), and a swapped
+    # DiffusionLM saves and loads as the model it is
     for kind in (DiffusionLM, DiffusionGemmaLM):
-        assert issubclass(type(f"FSDP{kind.__name__}", (Sharded, kind), {}), kind)
+        type(f"FSDP{kind.__name__}", (Sharded, kind), {})
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _hf_tiny import tiny_model
+
+    lm = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=127)
+    lm.__class__ = type("FSDPDiffusionLM", (Sharded, DiffusionLM), {})
+    with pytest.warns(UserWarning, match="no tokenizer given"):
+        lm.save_pretrained(tmp_path)
+    back = DiffusionLM.from_pretrained(tmp_path)
+    assert type(back) is DiffusionLM and all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                                                lm.state_dict().values()))
 
 
 def test_a_new_kind_round_trips_with_its_record_kernel_and_device(tmp_path) -> None:

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,3 +83,54 @@ def generators(count: int, seed: int = 0) -> list[torch.Generator]:
 def tiny_diffusion_gemma(canvas_length: int = 4) -> uf.hf.diffusion_gemma.DiffusionGemmaLM:
     """A random DiffusionGemma (2 layers, 2 experts, vocabulary 128), wrapped."""
     return uf.wrap_diffusion_lm(hf_tiny_diffusion_gemma(canvas_length, num_experts=2, top_k_experts=1))
+
+
+def sharpened(seed: int = 0, **kw: object) -> uf.DiffusionLM:
+    """:func:`adapted` with its embeddings and head ×8 and its projections ×2: predictions that depend strongly on
+    what each position sees (a random tiny model is nearly uniform, which hides which tokens a prediction saw)."""
+    model = adapted(seed, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name or "lm_head" in name:
+                p.mul_(8.0)
+            elif "proj" in name:
+                p.mul_(2.0)
+    return model
+
+
+def decoder_block_log_probs(model, x0: torch.Tensor, lo: int, hi: int) -> dict[frozenset[int], torch.Tensor]:
+    """For every subset M of the block ``[lo, hi)``: ``log p(x0_i | x0[:lo] clean, the block with M masked)`` at the
+    block's positions (0 elsewhere), float64 ``(L,)``, computed by the decoder ``generate`` samples with (the block
+    model's exact KV-cache decoder: the prefix ``x0[:lo]`` prefilled as the prompt, one denoising step on the
+    block). ``x0`` is one row ``(L,)``; the mask logit is left out."""
+    positions = list(range(lo, hi))
+    subsets = [frozenset(c) for r in range(len(positions) + 1) for c in itertools.combinations(positions, r)]
+    S = len(subsets)
+    block = x0[lo:hi].repeat(S, 1)
+    for j, M in enumerate(subsets):
+        block[j, [m - lo for m in sorted(M)]] = MASK
+    decoder = model.block_decoder()
+    with torch.no_grad():
+        state = decoder.start_blocks(x0[:lo].repeat(S, 1), torch.ones(S, lo, dtype=torch.bool))
+        logits = decoder.denoise_block(state, block, torch.full((S,), 0.5), torch.arange(S), None).double()
+    logits[..., MASK] = -math.inf
+    lp = torch.log_softmax(logits, -1).gather(-1, x0[lo:hi].repeat(S, 1)[..., None])[..., 0]
+    full = torch.zeros(S, x0.shape[0], dtype=torch.float64)
+    full[:, lo:hi] = lp
+    return {M: full[j] for j, M in enumerate(subsets)}
+
+
+def truncated_elbo(lp: dict[frozenset[int], torch.Tensor], positions: list[int], t_min: float) -> float:
+    """The mask-kernel ELBO (linear schedule) over times ``[t_min, 1]`` only: ``Σ_{M ≠ ∅} Σ_{i∈M} log p(x_i | x_¬M)
+    ∫_{t_min}^1 t^{l−1} (1 − t)^{n−l} dt`` (``(1/t)`` times the probability of the mask M at time t; Gauss–Legendre
+    with 16 nodes is exact for these polynomials). ``t_min = 0`` gives :func:`exact_elbo`."""
+    n = len(positions)
+    nodes, weights = numpy.polynomial.legendre.leggauss(16)
+    t = (1 + t_min) / 2 + (1 - t_min) / 2 * nodes
+    w = weights * (1 - t_min) / 2
+    total = 0.0
+    for M, v in lp.items():
+        l_ = len(M)
+        if l_:
+            total += float((w * t ** (l_ - 1) * (1 - t) ** (n - l_)).sum()) * float(v[sorted(M)].sum())
+    return total

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.rl import combine_log_probs, gauss_legendre, plan_masks
+from unifusion.rl.estimators import combine_log_probs, gauss_legendre, plan_masks
 
 
 def _completion(B: int = 3, L: int = 10, starts: tuple[int, ...] = (2, 4, 6)) -> torch.Tensor:

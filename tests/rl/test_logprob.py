@@ -6,25 +6,28 @@ call (rows draw independently), whose mean must lie within 4 standard errors of 
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 
 import unifusion as uf
-from unifusion.rl import combine_log_probs, gauss_legendre, plan_masks, sequence_logprob
+from unifusion.rl import sequence_logprob
+from unifusion.rl.estimators import combine_log_probs, gauss_legendre, plan_masks
 
 from ._exact import (
     MASK,
     adapted,
+    decoder_block_log_probs,
     exact_elbo,
     exact_log_likelihood,
     exact_mean_field,
     generators,
     mean_and_se,
+    sharpened,
     subset_log_probs,
     tiny_diffusion_gemma,
+    truncated_elbo,
 )
 
 L, P = 8, 3  # 3 prompt tokens, 5 completion tokens
@@ -61,7 +64,8 @@ def test_unbiased_estimators_match_the_exact_elbo(setup, estimator, K, opts):
     assert torch.allclose(out.per_token.sum(-1), out.sequence) and (out.per_token[:, :P] == 0).all()
 
 
-def test_the_elbo_is_below_the_exact_log_likelihood():
+def test_the_oracles_elbo_is_below_their_log_likelihood():
+    """A check of the oracles in _exact.py (which the library checks here lean on), not of the library."""
     for seed in range(3):
         model = adapted(seed=seed)
         x0 = torch.randint(4, 128, (L,), generator=torch.Generator().manual_seed(seed))
@@ -173,20 +177,74 @@ def test_uniform_and_hybrid_kernel_elbo_agrees_with_nll_bound(noise):
     assert abs(m1 - m2) < 4 * math.hypot(s1, s2)
 
 
-def test_block_elbo_is_the_sum_of_each_blocks_exact_elbo_on_its_clean_prefix():
-    model = adapted(block_size=4)
-    Lb, Pb = 10, 3  # blocks [0, 4), [4, 8), [8, 10): completion tokens 3..9
-    x0 = torch.randint(4, 128, (Lb,), generator=torch.Generator().manual_seed(5))
-    exact = 0.0
-    for lo, hi in ((Pb, 4), (4, 8), (8, 10)):
-        pos = list(range(lo, hi))
-        exact += exact_elbo(subset_log_probs(model, x0, pos, clean=True), pos)
-    comp = torch.zeros(R, Lb, dtype=torch.bool)
-    comp[:, Pb:] = True
-    mu, se = mean_and_se(_run(model, x0, comp, "elbo", 2).sequence)
-    assert abs(mu - exact) < 4 * se + 1e-4
+# A block model (K = 4) whose prompt length is not a multiple of K: the decoder's blocks are [6, 10), [10, 14);
+# blocks at column multiples of K would be [6, 8), [8, 12), [12, 14). Times in [t_min, 1] (the "elbo" estimator's
+# t_min) keep the 1/t weights small, so that a few hundred draws tell the two partitions apart.
+KB, PB, NB, RB = 4, 6, 8, 200
+
+
+@pytest.fixture(scope="module")
+def block_setup():
+    model = sharpened(block_size=KB)
+    x0 = torch.randint(4, 128, (PB + NB,), generator=torch.Generator().manual_seed(5))
+    return model, x0
+
+
+@pytest.mark.parametrize("t_min", [0.8])
+def test_block_elbo_is_the_exact_elbo_of_the_blocks_the_decoder_samples(block_setup, t_min):
+    """(b) of issue 43: the estimate's mean is the block ELBO enumerated with the decoder's own forward on the
+    decoder's blocks, and far (> 8 SE) from the ELBO of blocks cut at column multiples of K."""
+    model, x0 = block_setup
+    decoder = sum(truncated_elbo(decoder_block_log_probs(model, x0, lo, hi), list(range(lo, hi)), t_min)
+                  for lo, hi in ((6, 10), (10, 14)))
+    columns = sum(truncated_elbo(subset_log_probs(model, x0, list(range(lo, hi)), clean=True), list(range(lo, hi)),
+                                 t_min) for lo, hi in ((6, 8), (8, 12), (12, 14)))
+    comp = torch.zeros(RB, PB + NB, dtype=torch.bool)
+    comp[:, PB:] = True
+    mu, se = mean_and_se(_run(model, x0, comp, "elbo", 4, t_min=t_min).sequence)
+    assert abs(mu - decoder) < 4 * se, (mu, se, decoder)
+    assert abs(columns - decoder) > 8 * se, (columns, decoder, se)  # the test tells the partitions apart
     with pytest.raises(ValueError, match="estimator"):
         _run(model, x0, comp[:1], "coupled", 1)
+
+
+def test_block_elbo_does_not_depend_on_the_rows_alignment(block_setup):
+    """(a) of issue 43, "elbo": the same prompt and completion left-aligned (P = 6, P mod K = 2) and left-padded to a
+    block boundary (2 pads), each with its own seeds: equal expectations (4 SE)."""
+    model, x0 = block_setup
+    L = PB + NB
+    aligned = torch.zeros(RB, L, dtype=torch.bool)
+    aligned[:, PB:] = True
+    padded_ids = torch.cat([torch.zeros(RB, 2, dtype=torch.long), x0.repeat(RB, 1)], 1)
+    padded = torch.cat([torch.zeros(RB, 2, dtype=torch.bool), aligned], 1)
+    attention = torch.cat([torch.zeros(RB, 2), torch.ones(RB, L)], 1).long()
+    with torch.no_grad():
+        left = sequence_logprob(model, x0.repeat(RB, 1), aligned, num_samples=4, t_min=0.8,
+                                generator=generators(RB, 1)).sequence
+        pads = sequence_logprob(model, padded_ids, padded, num_samples=4, t_min=0.8, generator=generators(RB, 2),
+                                attention_mask=attention).sequence
+    (m1, s1), (m2, s2) = mean_and_se(left), mean_and_se(pads)
+    assert abs(m1 - m2) < 4 * math.hypot(s1, s2), (m1, s1, m2, s2)
+
+
+def test_trace_replay_does_not_depend_on_the_rows_alignment(block_setup):
+    """(a) of issue 43, "trace" (deterministic): a rollout of the block model (P = 6) replayed in generate's layout
+    and left-padded to a block boundary gives the same log-probs, which are the ones the sampler committed with."""
+    model, x0 = block_setup
+    with torch.no_grad():
+        out = model.generate(x0[None, :PB], max_new_tokens=NB, policy=uf.samplers.policies.LowConfidence(),
+                             num_steps=KB, return_trace=True, generator=torch.Generator().manual_seed(3),
+                             eos_token_id=None)
+    ids, trace = out.sequences, out.commit_step
+    comp = trace >= 0
+    pad = torch.zeros(1, 2, dtype=torch.long)
+    with torch.no_grad():
+        left = sequence_logprob(model, ids, comp, estimator="trace", trace=trace)
+        pads = sequence_logprob(model, torch.cat([pad, ids], 1), torch.cat([pad.bool(), comp], 1),
+                                estimator="trace", trace=torch.cat([pad - 1, trace], 1),
+                                attention_mask=torch.cat([pad, torch.ones_like(ids)], 1))
+    torch.testing.assert_close(pads.per_token[:, 2:], left.per_token, rtol=0, atol=1e-5)
+    torch.testing.assert_close(left.sequence, out.commit_logprob.sum(-1), rtol=0, atol=1e-4)
 
 
 def test_diffusion_gemma_elbo_agrees_with_nll_bound():
@@ -249,4 +307,111 @@ def test_bad_input_names_the_argument(setup):
     pad[:, -1] = 0
     with pytest.raises(ValueError, match="completion_mask"):
         sequence_logprob(model, ids, c, attention_mask=pad)
-    assert MASK == model.mask_token_id and list(itertools.islice(POS, 1)) == [P]
+
+
+def test_holes_in_the_attention_mask_and_mask_tokens_in_the_input_are_refused(setup):
+    """Checked as diffusion_loss and generate check them: a right-padded prompt followed by its completion (a pad
+    between real tokens) and the mask id at a real position are ValueErrors naming the argument; padding on both
+    sides of one run of real tokens is what a batch of rollouts has, and scores as the row alone."""
+    model, x0, _, comp = setup
+    ids, c = x0.repeat(2, 1), comp[:2].clone()
+    holes = torch.ones_like(ids)
+    holes[0, 1] = 0  # inside the prompt, before the completion
+    with pytest.raises(ValueError, match="attention_mask: expected each row's real tokens in one run"):
+        sequence_logprob(model, ids, c, attention_mask=holes)
+    masked = ids.clone()
+    masked[1, P + 1] = MASK
+    with pytest.raises(ValueError, match=rf"input_ids: the mask token \(id {MASK}\) at real positions of rows \[1\]"):
+        sequence_logprob(model, masked, c)
+    both = torch.zeros(1, L + 3, dtype=torch.long)
+    both[0, 1:L + 1] = 1  # one pad on the left, two on the right
+    row = torch.cat([torch.zeros(1, 1, dtype=torch.long), x0[None], torch.zeros(1, 2, dtype=torch.long)], 1)
+    scored = torch.cat([torch.zeros(1, 1, dtype=torch.bool), comp[:1], torch.zeros(1, 2, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        padded = sequence_logprob(model, row, scored, attention_mask=both, estimator="mean_field",
+                                  prompt_mask_prob=0.0).sequence
+        alone = sequence_logprob(model, x0[None], comp[:1], estimator="mean_field", prompt_mask_prob=0.0).sequence
+    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-4)
+
+
+def test_under_bf16_autocast_the_head_and_the_sums_stay_float32():
+    """What the estimators add to a bf16 backbone's rounding: nothing. Their fused head (logits, log-softmax, the
+    1/t-weighted sums) computes from the float32 hidden states in float32 under bf16 autocast, bit for bit as without
+    it; the remaining |bf16 − fp32| of a bf16 run is the backbone's (docs/guides/rl.md, "bf16")."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 6, 32)
+    weight = torch.randn(128, 32)
+    x0 = torch.randint(4, 120, (2, 6))
+    x_t = torch.where(torch.rand(2, 6) < 0.5, torch.full_like(x0, MASK), x0)
+    kernel = uf.MaskKernel(128, MASK)
+    plain = uf.losses.fused_linear_diffusion_loss(h, weight, x0, x_t, torch.tensor([0.3, 0.8]), kernel,
+                                                   objective="gidd")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = uf.losses.fused_linear_diffusion_loss(h, weight, x0, x_t, torch.tensor([0.3, 0.8]), kernel,
+                                                       objective="gidd")
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+
+
+class ToyKind(uf.denoiser.DenoiserModule):
+    """A model kind defined outside the package (no registration, no DiffusionLM): an embedding plus the mean of the
+    row's real tokens as its hidden state, a linear head, the fused loss on request."""
+
+    mask_token_id = MASK
+
+    def __init__(self, S: int = 32, d: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(S, d, generator=g))
+        self.head = torch.nn.Parameter(torch.randn(S, d, generator=g))
+
+    @property
+    def num_states(self) -> int:
+        return int(self.head.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def _hidden(self, x_t, attention_mask):
+        real = torch.ones_like(x_t, dtype=torch.float32) if attention_mask is None else attention_mask.float()
+        e = self.emb[x_t]
+        context = (e * real[..., None]).sum(1, keepdim=True) / real.sum(1, keepdim=True)[..., None]
+        return torch.tanh(e + context)
+
+    def forward(self, x_t, t=None, *, x0=None, kernel=None, objective="gidd", position_weight=None,
+                attention_mask=None, **kwargs):
+        h = self._hidden(x_t, attention_mask)
+        if x0 is None:
+            return self.logits_from_hidden(h)
+        return uf.losses.fused_linear_diffusion_loss(h, self.head, x0, x_t, t[:, None].expand(x_t.shape), kernel,
+                                                     objective=objective, position_weight=position_weight)
+
+    def logits_from_hidden(self, h):
+        return h @ self.head.T
+
+    def generate(self, prompt_ids, *args, **kwargs):
+        raise NotImplementedError
+
+    def save_pretrained(self, save_directory, tokenizer=None, *, kernel=None):
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, directory, *, dtype=None, device=None, load_tokenizer=True):
+        raise NotImplementedError
+
+
+def test_a_model_kind_from_outside_the_package_is_scored():
+    """sequence_logprob takes any Denoiser: the mean field of a kind it has never seen equals Σ_i log p(y_i | the
+    completion masked) from the kind's own logits; check_estimator applies the kind's rules (a mask kernel here)."""
+    model = ToyKind()
+    x0 = torch.randint(4, 32, (2, 7), generator=torch.Generator().manual_seed(1))
+    comp = torch.zeros(2, 7, dtype=torch.bool)
+    comp[:, 3:] = True
+    assert isinstance(uf.rl.check_estimator(model, "coupled"), uf.MaskKernel)
+    with torch.no_grad():
+        got = sequence_logprob(model, x0, comp, estimator="mean_field", prompt_mask_prob=0.0).sequence
+        logits = model(torch.where(comp, MASK, x0)).double()
+    logits[..., MASK] = -math.inf
+    lp = torch.log_softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
+    torch.testing.assert_close(got.double(), (lp * comp).sum(-1), rtol=0, atol=1e-4)

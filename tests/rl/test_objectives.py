@@ -3,8 +3,12 @@ stops the gradient exactly where the ratio leaves its range on the advantage's s
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from unifusion.rl import dpo_loss, group_advantages, grpo_loss, spg_loss, wd1_loss
 
@@ -35,14 +39,38 @@ def test_group_advantages():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_on_policy_grpo_is_reinforce(normalization, level):
     logp, mask, A = _batch()
-    loss = grpo_loss(logp, logp.detach(), A, mask, level=level, normalization=normalization).sum()
+    budget = {"dr_grpo": 9}.get(normalization)  # Dr.GRPO's completion budget (max_new_tokens)
+    loss = grpo_loss(logp, logp.detach(), A, mask, level=level, normalization=normalization, max_length=budget).sum()
     (grad,) = torch.autograd.grad(loss, logp)
     n = mask.sum(-1).double()
-    norm = {"grpo": n * B, "dr_grpo": torch.full((B,), float(B * L), dtype=torch.float64),
+    norm = {"grpo": n * B, "dr_grpo": torch.full((B,), float(B * 9), dtype=torch.float64),
             "dapo": torch.full((B,), float(mask.sum()), dtype=torch.float64)}[normalization]
     # −A_i ∇x_{i,t} / norm_i on both levels (sequence: ∇ρ_i = Σ_t ∇x_{i,t} / |o_i|, shared by |o_i| tokens)
     reinforce = -(A / norm)[:, None] * mask
     assert torch.allclose(grad, reinforce.double())
+
+
+def test_the_objectives_refuse_what_would_fail_silently():
+    """A grad-carrying old or reference estimate (the ratio's gradient would vanish into it), NaN rewards (a whole
+    group of NaN advantages), a negative clip side or coefficient, Dr.GRPO without its length budget."""
+    logp, mask, A = _batch()
+    with pytest.raises(ValueError, match="old_logp: carries a gradient"):
+        grpo_loss(logp, logp, A, mask)
+    with pytest.raises(ValueError, match="ref_logp: carries a gradient"):
+        grpo_loss(logp, logp.detach(), A, mask, ref_logp=logp * 1.0, beta=0.1)
+    with pytest.raises(ValueError, match="rewards: expected finite values, got NaN or inf at rows \\[1\\]"):
+        group_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 2)
+    for name, kwargs in (("epsilon_high", {"epsilon_high": -0.1}), ("epsilon", {"epsilon": -0.2}),
+                         ("beta", {"beta": -0.04, "ref_logp": logp.detach()})):
+        with pytest.raises(ValueError, match=f"{name}: expected"):
+            grpo_loss(logp, logp.detach(), A, mask, **kwargs)
+    with pytest.raises(ValueError, match="max_length: normalization='dr_grpo'"):
+        grpo_loss(logp, logp.detach(), A, mask, normalization="dr_grpo")
+    with pytest.raises(ValueError, match="beta: expected DPO's"):
+        dpo_loss(logp[:, 0], logp[:, 1], logp[:, 2], logp[:, 3], beta=-0.1)
+    # the gradient that a grad-carrying old_logp would have hidden: on policy, the ratio's gradient is REINFORCE's
+    (grad,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, mask).sum(), logp)
+    assert grad.norm() > 0
 
 
 def test_zero_advantages_give_zero_gradient():
@@ -123,40 +151,47 @@ def test_dpo_prefers_the_chosen_completion():
     assert c.grad is not None and r.grad is not None and c.grad < 0 < r.grad
 
 
-def test_a_grpo_step_in_a_user_loop_moves_the_policy():
-    """The guide's GRPO step (docs/guides/rl.md) on a tiny model: shared-seed scoring, k3 KL, two updates."""
-    import copy
+def _guide_loop() -> str:
+    """The own-loop GRPO block of docs/guides/rl.md, as written there."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "rl.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (code,) = [b for b in blocks if "for _ in range(num_inner_updates)" in b]
+    return code
 
+
+@pytest.mark.parametrize("block_size", [None, 4], ids=["bidirectional", "block"])
+def test_the_guides_grpo_loop_runs_and_scores_the_rollouts_as_sampled(block_size):
+    """docs/guides/rl.md's own-loop GRPO step, run as written on a tiny model (the policy line builds it) with a
+    5-token prompt (not a multiple of the block size): it moves the policy; the old policy's scores are the ones
+    of the same rows left-padded to a block boundary (the blocks the decoder sampled from, whatever the alignment)."""
     import unifusion as uf
 
-    from ._exact import adapted
+    from ._exact import tiny_model
 
-    policy = adapted()
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
-    G = 4
-    prompt = torch.randint(4, 128, (1, 5), generator=torch.Generator().manual_seed(0))
-    completions = torch.randint(4, 128, (G, 4), generator=torch.Generator().manual_seed(1))  # stand-in rollouts
-    ids = torch.cat([prompt.repeat(G, 1), completions], 1)
-    completion_mask = torch.zeros_like(ids, dtype=torch.bool)
-    completion_mask[:, prompt.shape[1]:] = True
-    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), G)
+    tok = PreTrainedTokenizerFast.from_pretrained(Path(__file__).resolve().parents[1] / "data" / "tiny_tokenizer")
+    code = _guide_loop()
+    assert "uf.adapt_ar_model(hf_model, tokenizer=tok)" in code
+    code = code.replace("uf.adapt_ar_model(hf_model, tokenizer=tok)", "make_policy()")
 
-    def score(model):
-        return uf.rl.sequence_logprob(model, ids, completion_mask, estimator="coupled",
-                                      generator=torch.Generator().manual_seed(1234))
+    def make_policy():
+        return uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=block_size, tokenizer=tok)
 
-    with torch.no_grad():
-        old = score(policy).per_token
-        ref = score(reference).per_token
-    before = [p.detach().clone() for p in policy.parameters()]
-    for _ in range(2):
-        new = score(policy).per_token
-        loss = grpo_loss(new, old, advantages, completion_mask, ref_logp=ref, beta=0.04).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    torch.manual_seed(0)
+    scope = {"make_policy": make_policy, "tok": tok, "step": 7, "num_inner_updates": 2,
+             "prompt": torch.randint(4, 100, (1, 5), generator=torch.Generator().manual_seed(0)),
+             "reward": lambda completions: completions.float().mean(-1)}
+    code = code.replace("max_new_tokens=128", "max_new_tokens=8")
+    exec(compile(code.replace("lr=1e-6", "lr=1e-2"), "rl.md", "exec"), scope)
+    policy, reference, loss = scope["policy"], scope["reference"], scope["loss"]
     assert torch.isfinite(loss)
-    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
-    with torch.no_grad():  # the same seed scores the old policy again: identical, so the first ratio was exactly 1
-        assert torch.equal(score(reference).per_token, ref)
+    assert any(not torch.equal(a, b) for a, b in zip(reference.parameters(), policy.parameters()))
+    ids, completion, attention = scope["ids"], scope["completion_mask"], scope["attention_mask"]
+    pad = 3 if block_size else 0  # 5 + 3 = 8: the completion starts on a block boundary
+    with torch.no_grad():
+        again = uf.rl.sequence_logprob(
+            reference, torch.cat([torch.zeros(ids.shape[0], pad, dtype=torch.long), ids], 1),
+            torch.cat([torch.zeros(ids.shape[0], pad, dtype=torch.bool), completion], 1),
+            estimator=scope["estimator"], generator=torch.Generator().manual_seed(7),
+            attention_mask=torch.cat([torch.zeros(ids.shape[0], pad, dtype=torch.long), attention], 1))
+    if block_size:
+        torch.testing.assert_close(again.per_token[:, pad:], scope["ref"], rtol=0, atol=1e-5)

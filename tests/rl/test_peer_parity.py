@@ -1,6 +1,6 @@
 """Parity with the RL anchors' own code on fixed inputs: tests/data/rl_peers/reference_values.json holds their
 outputs (their functions run unmodified on given logits; their random masks recorded), see the README there.
-Here unifusion's plans (:func:`~unifusion.rl.plan_from_masks`), combination and objectives reproduce them."""
+Here unifusion's plans (:func:`~unifusion.rl.estimators.plan_from_masks`), combination and objectives reproduce them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unifusion.rl import combine_log_probs, grpo_loss, plan_from_masks, spg_loss, wd1_loss
+from unifusion.rl import grpo_loss, spg_loss, wd1_loss
+from unifusion.rl.estimators import combine_log_probs, plan_from_masks
 
 DATA = json.loads((Path(__file__).resolve().parents[1] / "data" / "rl_peers" / "reference_values.json").read_text())
 INP = DATA["inputs"]
@@ -41,7 +42,9 @@ def _pad(values: list) -> torch.Tensor:
 def test_d1_mean_field_log_probs_and_grpo_loss():
     case = DATA["d1"]
     plan = plan_from_masks("mean_field", COMPLETION, torch.tensor(case["noised"])[None])
-    assert torch.equal(plan.noised[0] | ~torch.ones(B, L, dtype=torch.bool), torch.tensor(case["noised"]))
+    # every completion token scored once with weight 1 (their mean field), their corruption kept as it is
+    assert torch.equal(plan.scored[0], COMPLETION) and torch.equal(plan.coef, torch.ones(1, B, dtype=torch.float64))
+    assert torch.equal(plan.noised[0], torch.tensor(case["noised"]) | COMPLETION)
     per_token = combine_log_probs(plan, _log_probs(case["logits"])[None])
     theirs = _pad(case["per_token_logps"])
     assert torch.allclose(_on_completion(per_token), _on_completion(theirs), atol=1e-5)

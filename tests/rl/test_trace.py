@@ -4,7 +4,8 @@ the sampler committed with, and the exact sum over the groups of a fixed order b
 import pytest
 import torch
 
-from unifusion.rl import plan_trace, sequence_logprob
+from unifusion.rl import sequence_logprob
+from unifusion.rl.estimators import plan_trace
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence, MaskPolicy
 
 from ._exact import adapted, subset_log_probs
@@ -126,10 +127,21 @@ def test_bad_input_names_the_argument(models):
             sequence_logprob(model, x0, completion, estimator="trace", trace=trace, temperature=0.0)
         with pytest.raises(TypeError, match="temperature"):
             sequence_logprob(model, x0, completion, estimator="elbo", temperature=0.5)
-        shifted = trace.clone()
-        shifted[1, 3] = -1  # row 1's generated region starts a column later
-        with pytest.raises(ValueError, match="completion_mask: a block model"):
-            sequence_logprob(models["block"], x0, shifted >= 0, estimator="trace", trace=shifted)
+        with pytest.raises(ValueError, match="attention_mask: expected each row's real tokens in one run"):
+            sequence_logprob(model, x0, completion, estimator="trace", trace=trace,
+                             attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]] * 2))
+
+
+def test_rows_whose_generated_regions_start_at_other_columns_replay_as_each_row_alone(models):
+    """A block model's rows with generated starts in different columns mod K (row 1 a column later): each row
+    scores as it does alone (the blocks cut from each row's own start)."""
+    x0 = torch.randint(4, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    trace = torch.tensor([[-1, -1, -1, 0, 0, 1, 2, 2], [-1, -1, -1, -1, 0, 1, 2, 2]])
+    with torch.no_grad():
+        both = sequence_logprob(models["block"], x0, trace >= 0, estimator="trace", trace=trace).sequence
+        alone = [sequence_logprob(models["block"], x0[b:b + 1], trace[b:b + 1] >= 0, estimator="trace",
+                                  trace=trace[b:b + 1]).sequence for b in range(2)]
+    torch.testing.assert_close(both, torch.cat(alone))
 
 
 class LeftToRight(MaskPolicy):

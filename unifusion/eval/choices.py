@@ -47,7 +47,7 @@ from .._validation import (
     check_model_kernel,
     check_positive_int,
     check_token_ids,
-    validation,
+    unchecked,
 )
 from ..denoiser import CausalLM, X0Model
 from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
@@ -128,7 +128,7 @@ def corrupt_span(kernel: Kernel, span: torch.Tensor, t: torch.Tensor,
         pi_t = kernel.noise_distribution(t, t.dtype, t.device)  # (K, S): π_t (t made by the caller, valid: no check)
         noise = categorical(pi_t, m, generator)  # (K, m), no host sync
         return torch.where(selected, noise, x_0), selected
-    with validation(False):  # span and times checked or made by the caller: no per-choice read back
+    with unchecked():  # span and times checked or made by the caller: no per-choice read back
         z = kernel.sample(x_0, t.unsqueeze(-1), generator=generator)
     return z, z != x_0
 
@@ -146,7 +146,7 @@ def _span_nll(model: X0Model, kernel: Kernel, context: torch.Tensor, targets: to
     out = []
     for k in range(0, N, batch_size):
         rows = slice(k, k + batch_size)
-        with validation(False):  # rows made here from checked ids: no read back per model call
+        with unchecked():  # rows made here from checked ids: no read back per model call
             logits = logits_of(model(x_t[rows], t[rows]))
         log_x = x0_log_probs(kernel, logits[:, -m:].float())  # (b, m, S)
         out.append(-log_x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))

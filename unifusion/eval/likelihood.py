@@ -160,7 +160,7 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
         if clean:
             extra["clean"] = x_0n
         extra.update(prompt_conditioning(model, x_0n, None if prompt is None else prompt.repeat(n, 1)))
-        with V.validation(False):
+        with V.unchecked():
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)
             x_t = torch.where(valid_n, x_t, x_0n)
             logits = logits_of(model(x_t, t.float(), **extra))  # (n B, L, S)
@@ -169,7 +169,7 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
         D_t = torch.where(valid_n, D_t.double(), torch.zeros((), dtype=torch.float64, device=x_0.device))
         total += D_t.sum(-1).view(n, B).sum(0)
     integral = total * (1.0 - t_min) / num_times
-    with V.validation(False):  # x_0 was checked above
+    with V.unchecked():  # x_0 was checked above
         c_elbo = torch.where(valid, prior_kl(kernel, x_0), torch.zeros((), dtype=torch.float64)).sum(-1)
     bound = integral + c_elbo
     if per_token:

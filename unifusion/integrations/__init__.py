@@ -36,6 +36,7 @@ from ..chat import ChatCollator
 from ..denoiser import X0Model, denoiser_of
 from ..kernels import Kernel
 from ..training import diffusion_loss
+from .checkpoints import TrainerCheckpoints
 
 __all__ = ["BATCH_KEYS", "ChatDataCollator", "DiffusionLossMixin", "DiffusionTrainer", "compute_diffusion_loss"]
 
@@ -76,9 +77,10 @@ def compute_diffusion_loss(model: X0Model, inputs: Mapping[str, Any], kernel: Ke
                           document_ids=inputs.get("document_ids"), **kwargs)
 
 
-class DiffusionLossMixin:
+class DiffusionLossMixin(TrainerCheckpoints):
     """``compute_loss``, ``prediction_step`` and the kept columns of a ``transformers.Trainer`` subclass, for a
-    :class:`~unifusion.DiffusionLM` trained with :func:`~unifusion.diffusion_loss`.
+    :class:`~unifusion.DiffusionLM` trained with :func:`~unifusion.diffusion_loss`; checkpoints the model's own
+    ``save_pretrained`` folder (:class:`~unifusion.integrations.checkpoints.TrainerCheckpoints`).
 
     Set ``self.diffusion_kernel`` (``None``: the model's :func:`~unifusion.hf.default_kernel`) and
     ``self.diffusion_loss_kwargs`` (keywords of :func:`~unifusion.diffusion_loss`: ``objective``,

@@ -1,4 +1,8 @@
-"""TRL's ``SFTTrainer`` with the diffusion loss: supervised fine-tuning of a block :class:`~unifusion.DiffusionLM`
+"""unifusion's TRL trainers: :class:`DiffusionSFTTrainer` (below) and :class:`DiffusionGRPOTrainer` with
+:class:`DiffusionGRPOConfig` (TRL's ``GRPOTrainer`` on the diffusion likelihood, its own section below:
+:mod:`unifusion.integrations._trl_grpo`). ``pip install "unifusion[trl]"``.
+
+**SFT.** TRL's ``SFTTrainer`` with the diffusion loss: supervised fine-tuning of a block :class:`~unifusion.DiffusionLM`
 through TRL's dataset handling (conversational or prompt-completion datasets, chat templates, its collator).
 
 TRL tokenises the data and its collator right-pads the batch and writes ``labels`` with ``-100`` on what is not
@@ -38,8 +42,10 @@ from trl import SFTTrainer
 
 from ..kernels import Kernel
 from . import BATCH_KEYS, DiffusionLossMixin
+from ._trl_grpo import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer, preflight
 
-__all__ = ["DiffusionSFTTrainer", "PackedDocumentsCollator", "packed_block_size"]
+__all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer",
+           "DiffusionSFTTrainer", "PackedDocumentsCollator", "packed_block_size", "preflight"]
 
 
 class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):

@@ -3,39 +3,24 @@
 * :func:`sequence_logprob` — ``log p_θ(completion | prompt)`` by every published estimator (ELBO, LLaDA's discrete
   ELBO, DiffuCoder's coupled pairs, GDPO's quadrature, d1's mean field, SPG's EUBO, TraceRL's replay of a rollout's
   commit order) through the fused output head.
-* :mod:`unifusion.rl.estimators` — their masks, times and weights (:func:`plan_masks`) and how log-probs combine.
+* :mod:`unifusion.rl.estimators` — their masks, times and weights (``plan_masks``, ``plan_trace``,
+  ``plan_from_masks``), how log-probs combine (``combine_log_probs``), the quadrature nodes and the per-row
+  generators: the plumbing, public in that module only.
 * :mod:`unifusion.rl.objectives` — :func:`grpo_loss`, :func:`wd1_loss`, :func:`spg_loss`, :func:`dpo_loss` and
   :func:`group_advantages`, per sample or per token (the caller reduces).
 """
 
-from .estimators import (
-    ESTIMATORS,
-    MaskPlan,
-    TracePlan,
-    combine_log_probs,
-    gauss_legendre,
-    plan_from_masks,
-    plan_masks,
-    plan_trace,
-    row_generators,
-)
-from .logprob import SequenceLogProb, sequence_logprob
+from .estimators import ESTIMATORS
+from .logprob import SequenceLogProb, check_estimator, sequence_logprob
 from .objectives import dpo_loss, group_advantages, grpo_loss, spg_loss, wd1_loss
 
 __all__ = [
     "ESTIMATORS",
-    "MaskPlan",
     "SequenceLogProb",
-    "TracePlan",
-    "combine_log_probs",
+    "check_estimator",
     "dpo_loss",
-    "gauss_legendre",
     "group_advantages",
     "grpo_loss",
-    "plan_from_masks",
-    "plan_masks",
-    "plan_trace",
-    "row_generators",
     "sequence_logprob",
     "spg_loss",
     "wd1_loss",

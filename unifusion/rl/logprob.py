@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from ..block_partition import aligning_shifts, expand_block_times, generated_start, num_blocks, shift_right
 from ..denoiser import Denoiser, X0Model, denoiser_of
 from ..eval.likelihood import prior_kl
-from ..hf.ar import blocks
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from ..schedules import LinearSchedule
 from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_log_probs, plan_masks, plan_trace, row_generators
 
-__all__ = ["SequenceLogProb", "sequence_logprob"]
+__all__ = ["SequenceLogProb", "check_estimator", "sequence_logprob"]
 
 _OPTIONS = {
     "elbo": {"t_min"},
@@ -67,8 +67,65 @@ def _conditions_on_prompt(model: X0Model) -> bool:
 
 
 def _block_size(model: X0Model, length: int) -> int | None:
+    """The model's block size when a row of ``length`` columns spans more than one block, else ``None``."""
     K = _denoiser(model).block_size
     return None if K is None or K >= length else int(K)
+
+
+def check_estimator(model: X0Model, estimator: str, *, kernel: Kernel | None = None, traces: bool = True) -> Kernel:
+    """Whether ``model`` takes ``estimator`` (the checks :func:`sequence_logprob` runs before it reads a batch, for a
+    trainer or a script to run before its first rollout); returns the kernel the estimator scores under.
+
+    * ``model``: a unifusion model (a :class:`~unifusion.denoiser.Denoiser` inside its wrappers, of any kind);
+    * ``estimator``: one of :data:`~unifusion.rl.estimators.ESTIMATORS`; the mask estimators (all but ``"elbo"``)
+      need a :class:`~unifusion.MaskKernel`; a block model (``block_size`` set) and a model that encodes the prompt
+      (``conditions_on_prompt``) take ``"elbo"`` (a block model also ``"trace"``);
+    * ``traces=False``: the caller has no decoder traces to give, so ``"trace"`` is refused.
+
+    Args:
+        model: the policy (possibly inside DDP / FSDP / compile wrappers).
+        estimator: the estimator's name.
+        kernel: the forward kernel; default the model's (``model.kernel``) or a mask kernel on its mask token.
+        traces: whether ``trace=`` commit steps will be passed.
+
+    Raises:
+        TypeError: ``model`` is not a unifusion model.
+        ValueError: naming ``estimator`` (or ``kernel``) when the model or kernel cannot take it.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
+    inner = denoiser_of(model)
+    if inner is None:
+        raise TypeError(f"model: expected a unifusion model (a Denoiser: DiffusionLM, DiffusionGemmaLM, ...) whose "
+                        f"forward computes the fused loss, got {type(V.unwrap_model(model)).__name__}")
+    if kernel is None:
+        kernel = inner.kernel
+    if kernel is None:
+        mask_id = inner.mask_token_id
+        if mask_id is None:
+            raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
+        kernel = MaskKernel(inner.num_states, mask_id)
+    kernel = check_kernel(kernel)
+    prompted = bool(inner.conditions_on_prompt)
+    block = inner.block_size
+    if estimator == "trace":
+        if not traces:
+            raise ValueError("estimator: 'trace' replays each rollout's commit order (trace=, from generate(..., "
+                             "return_trace=True)), which this caller does not keep; use 'elbo' or a mask estimator")
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: 'trace' replays a mask decoder's commits and needs a MaskKernel, got "
+                             f"kernel={kernel!r}")
+        if prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
+                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
+    elif estimator != "elbo":
+        if not isinstance(kernel, MaskKernel):
+            raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
+                             "use estimator='elbo' under uniform or hybrid noise")
+        if block is not None or prompted:
+            raise ValueError(f"estimator: {type(inner).__name__} with {'blocks' if block else 'a prompt encoder'} "
+                             f"supports estimator='elbo' (the block ELBO), got {estimator!r}")
+    return kernel
 
 
 def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: torch.Tensor, *,
@@ -151,10 +208,10 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
         raise TypeError(f"{sorted(unknown)[0]}: not an option of estimator={estimator!r}; its options are "
                         f"{sorted(_OPTIONS[estimator]) or 'none'}")
     K = V.check_positive_int("num_samples", num_samples)
-    inner = denoiser_of(model)
-    if inner is None:
-        raise TypeError(f"model: expected a unifusion model (DiffusionLM, DiffusionGemmaLM) whose forward computes the "
-                        f"fused loss, got {type(V.unwrap_model(model)).__name__}")
+    kernel = check_estimator(model, estimator, kernel=kernel, traces=True)
+    inner = _denoiser(model)
+    if estimator == "trace" and K != 1:
+        raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
     x0 = V.check_token_batch("input_ids", input_ids)
     B, L = x0.shape
     if not isinstance(completion_mask, torch.Tensor) or tuple(completion_mask.shape) != (B, L):
@@ -172,32 +229,8 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
         valid = attention_mask.to(torch.bool)
     else:
         valid = torch.ones_like(completion)
-    if kernel is None:
-        kernel = inner.kernel
-    if kernel is None:
-        mask_id = inner.mask_token_id
-        if mask_id is None:
-            raise ValueError("kernel: the model has no mask token and no kernel of its own; pass kernel=")
-        kernel = MaskKernel(inner.num_states, mask_id)
-    kernel = check_kernel(kernel)
     prompted = _conditions_on_prompt(model)
-    block = _block_size(model, L)
-    if estimator == "trace":
-        if not isinstance(kernel, MaskKernel):
-            raise ValueError(f"estimator: 'trace' replays a mask decoder's commits and needs a MaskKernel, got "
-                             f"kernel={kernel!r}")
-        if prompted:
-            raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
-                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
-        if K != 1:
-            raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
-    elif estimator != "elbo":
-        if not isinstance(kernel, MaskKernel):
-            raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
-                             "use estimator='elbo' under uniform or hybrid noise")
-        if block is not None or prompted:
-            raise ValueError(f"estimator: {type(inner).__name__} with {'blocks' if block else 'a prompt encoder'} "
-                             f"supports estimator='elbo' (the block ELBO), got {estimator!r}")
+    block = inner.block_size
     with V.batched_checks():
         x0 = V.check_token_ids("input_ids", x0, kernel.num_states)
         empty = ~completion.any(-1)
@@ -206,6 +239,18 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
             "completion token to score"))
         pad = (completion & ~valid).any()
         V.fail_if(pad, lambda: "completion_mask: marks padding (attention_mask == 0) as completion")
+        runs = (valid[:, 1:] & ~valid[:, :-1]).sum(-1) + valid[:, 0].long()  # starts of runs of real tokens
+        holes = runs > 1
+        V.fail_if(holes.any(), lambda: (
+            f"attention_mask: expected each row's real tokens in one run (padding on the left and/or right, no pads "
+            f"between real tokens), got rows with holes {holes.nonzero().flatten().tolist()[:8]}; put the prompt "
+            "and the completion side by side"))
+        if isinstance(kernel, MaskKernel):
+            masked = (x0 == kernel.mask_id) & valid
+            V.fail_if(masked.any(), lambda: (
+                f"input_ids: the mask token (id {kernel.mask_id}) at real positions of rows "
+                f"{masked.any(-1).nonzero().flatten().tolist()[:8]}; the estimators score clean tokens (a mask token "
+                "in the data would be scored as the mask state)"))
         if prompted:
             bare = ~(valid & ~completion).any(-1)
             V.fail_if(bare.any(), lambda: (
@@ -250,7 +295,7 @@ def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
         t = plan.t[k].clamp(1e-6, MAX_TIME)  # (B,) float64
         w = t * (plan.coef[k] if linear else 1.0)
         weight = torch.where(plan.scored[k], w[:, None], torch.zeros((), dtype=w.dtype, device=w.device)).float()
-        with V.validation(False):
+        with V.unchecked():
             loss = model(x_t, t.float(), x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
                          attention_mask=attention_mask)
         per_pass.append(-loss)
@@ -262,38 +307,51 @@ def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
+def _aligned(x: torch.Tensor, shifts: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
+    """``x`` ``(B, L)`` with row b behind ``shifts[b]`` columns (a block model's partition from each row's generated
+    start, :mod:`unifusion.block_partition`); ``x`` itself when nothing moves."""
+    return x if width == x.shape[1] else shift_right(x, shifts, width, fill)
+
+
+def _unaligned(x: torch.Tensor, shifts: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of :func:`_aligned` for ``(B, width)`` → ``(B, L)``."""
+    if x.shape[1] == length:
+        return x
+    return x.gather(1, torch.arange(length, device=x.device)[None, :] + shifts[:, None])
+
+
+def _first_real(x0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(B, 1)`` each row's first real token: a valid id for the invisible alignment columns."""
+    return x0.gather(1, generated_start(valid).clamp_max(x0.shape[1] - 1)[:, None])
+
+
 def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: object, mask_id: int,
             attention_mask: torch.Tensor | None, temperature: float) -> SequenceLogProb:
     """The ``"trace"`` estimator: the passes of :func:`~unifusion.rl.estimators.plan_trace`, each through the model's
-    forward; a block model runs behind ``−start mod K`` invisible left pads so that its blocks are cut where the
-    decoder's were (at the completion's first column), as ``generate(..., use_cache=False)`` does."""
+    forward; a block model runs each row behind ``−start mod K`` invisible left pads so that its blocks are cut where
+    the decoder's were (at the row's first generated column), as ``generate(..., use_cache=False)`` does."""
     B, L = x0.shape
     inner = _denoiser(model)
     K = inner.block_size
     plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
-    shift = 0
+    valid = torch.ones((B, L), dtype=torch.bool, device=x0.device) if attention_mask is None else \
+        attention_mask.to(torch.bool)
+    shifts = torch.zeros(B, dtype=torch.long, device=x0.device)
+    Lp = L
     if K is not None:
         assert isinstance(trace, torch.Tensor)  # plan_trace checked it
-        generated = completion | (trace.to(x0.device) >= 0)
-        start = torch.where(generated, torch.arange(L, device=x0.device), L).amin(-1)  # (B,) the decoder's first column
-        shifts = sorted(set(((-start) % int(K)).tolist()))  # one host read
-        if len(shifts) > 1:
-            raise ValueError(f"completion_mask: a block model's replay cuts blocks where the generated region starts "
-                             f"(the first column with a step or in the completion), which must be the same column "
-                             f"modulo block_size = {K} in every row, got starts {sorted(set(start.tolist()))[:8]}; "
-                             "left-pad the prompts (attention_mask), as generate does")
-        shift = shifts[0]
-    if shift:
-        def pad(x: torch.Tensor, value: Any) -> torch.Tensor:
-            return torch.cat([x.new_full((*x.shape[:-1], shift), value), x], -1)
-        x0 = torch.cat([x0[:, :1].expand(B, shift), x0], 1)  # any valid id: no query sees the pads
-        valid = torch.ones((B, L), dtype=torch.bool, device=x0.device) if attention_mask is None else \
-            attention_mask.to(torch.bool)
-        attention_mask = pad(valid, False)
-        plan = TracePlan(noised=pad(plan.noised, False), scored=pad(plan.scored, False), t=pad(plan.t, 0.5))
-    Lp = x0.shape[1]
+        shifts = aligning_shifts(generated_start(completion | (trace.to(x0.device) >= 0)), int(K))
+        Lp = L + int(shifts.max())  # one host read
+    if Lp != L:
+        x0 = _aligned(x0, shifts, Lp, _first_real(x0, valid))  # any valid id: no query sees the pads
+        attention_mask = _aligned(valid, shifts, Lp, False)
+
+        def move(x: torch.Tensor, fill: Any) -> torch.Tensor:
+            return _aligned(x, shifts, Lp, fill)
+        plan = TracePlan(noised=torch.stack([move(n, False) for n in plan.noised]),
+                         scored=torch.stack([move(c, False) for c in plan.scored]), t=move(plan.t, 0.5))
     block = _block_size(model, Lp)
-    nb = 1 if block is None else blocks.num_blocks(Lp, block)
+    nb = 1 if block is None else num_blocks(Lp, block)
     width = Lp if block is None else block
     extra: dict[str, Any] = {} if block is None else {"clean": x0}
     scorer = MaskKernel(inner.num_states, mask_id, LinearSchedule())
@@ -306,8 +364,8 @@ def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: o
         t_pos = torch.nn.functional.pad(t_pos, (0, nb * width - Lp)).unflatten(-1, (nb, width)).amax(-1)
         t_blk = torch.where(t_pos > 0, t_pos, 0.5)  # (B, nb)
         t_in = t_blk[:, 0].float() if block is None else t_blk.float()
-        t_tok = t_blk.expand(B, Lp) if block is None else blocks.expand_block_times(t_blk, Lp, block)
-        with V.validation(False):
+        t_tok = t_blk.expand(B, Lp) if block is None else expand_block_times(t_blk, Lp, block)
+        with V.unchecked():
             if temperature == 1.0:  # the fused loss: −(1/t) log x_θ(y_i) at masked positions, weight t
                 weight = torch.where(scored, t_tok, 0.0).float()
                 lp = -model(x_t, t_in, x0=x0, kernel=scorer, objective="mdlm", position_weight=weight,
@@ -318,39 +376,69 @@ def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: o
                 logits[..., mask_id] = -math.inf
                 lp = torch.log_softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
         per_pass.append(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)))
-    per_token = torch.stack(per_pass).sum(0)[:, shift:]
+    per_token = _unaligned(torch.stack(per_pass).sum(0), shifts, L)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
 def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: torch.Tensor, kernel: Kernel, K: int,
           gens: tuple[torch.Generator, ...], attention_mask: torch.Tensor | None, block: int | None,
           prompted: bool, t_min: float) -> SequenceLogProb:
-    """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K (one u per row, per block for a
-    block model) and x_t ~ q_{t|0} drawn row by row from the row's generator."""
+    """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K and x_t ~ q_{t|0}.
+
+    Every draw is the row's own, from its generator, over its completion span ``[s, e)`` (first to last completion
+    column): one u per row (per block of the span for a block model, the blocks cut from s as the decoder cut them),
+    then per pass the corruption of the span. So a row's estimate depends on its tokens and seed only, not on its
+    alignment, padding or batch. A block model runs each row behind ``(−s) mod K`` invisible left pads, which put
+    the forward's block boundaries at s, s + K, … (:mod:`unifusion.block_partition`)."""
     B, L = x0.shape
     device = x0.device
-    nb = 1 if block is None else blocks.num_blocks(L, block)
-    u = torch.stack([torch.rand(nb, generator=g, device=device, dtype=torch.float64) for g in gens])  # (B, nb)
-    k = torch.arange(1, K + 1, device=device, dtype=torch.float64)[:, None, None]
-    times = (t_min + (1.0 - t_min) * (k - u[None]) / K).clamp(1e-12, MAX_TIME)  # (K, B, nb)
-    weight = completion.float() * ((1.0 - t_min) / K)
+    span_start = generated_start(completion)
+    span_end = L - generated_start(completion.flip(-1))
+    starts, ends = span_start.tolist(), span_end.tolist()  # one host read
+    sizes = [1 if block is None else num_blocks(e - s, block) for s, e in zip(starts, ends)]
+    k = torch.arange(1, K + 1, device=device, dtype=torch.float64)[:, None]
+    times = [(t_min + (1.0 - t_min) * (k - torch.rand(n, generator=g, device=device, dtype=torch.float64)[None]) / K
+              ).clamp(1e-12, MAX_TIME) for g, n in zip(gens, sizes)]  # per row (K, blocks of its span)
+    shifts = torch.zeros(B, dtype=torch.long, device=device)
+    moves = [0] * B
+    width = L
+    if block is not None:
+        shifts = aligning_shifts(span_start, block)
+        moves = [(-s) % block for s in starts]
+        width = L + max(moves)
+        if width <= block:  # one block (no prompt before it): the plain forward
+            block, sizes = None, [1] * B
+            times = [t[:, :1] for t in times]
+    x0_a = _aligned(x0, shifts, width, _first_real(x0, valid))
+    completion_a = _aligned(completion, shifts, width, False)
+    mask_a = attention_mask if width == L else _aligned(valid, shifts, width, False).long()
     extra: dict[str, Any] = {}
     if block is not None:
-        extra["clean"] = x0
+        extra["clean"] = x0_a
+        nb = num_blocks(width, block)
+        t_blocks = torch.full((K, B, nb), 0.5, dtype=torch.float64, device=device)  # prompt blocks: unscored
+        for b, (s, n) in enumerate(zip(starts, sizes)):
+            first = (s + (-s) % block) // block
+            t_blocks[:, b, first:first + n] = times[b]
     if prompted:
         extra["prompt_mask"] = valid & ~completion
-    total = torch.zeros(B, L, device=device)
+    weight = completion_a.float() * ((1.0 - t_min) / K)
+    total = torch.zeros(B, width, device=device)
     for j in range(K):
-        t_tok = times[j] if block is None else blocks.expand_block_times(times[j], L, block)  # (B, 1) or (B, L)
-        with V.validation(False):
-            rows = [kernel.sample(x0[b:b + 1], t_tok[b:b + 1], generator=gens[b]) for b in range(B)]
-        x_t = torch.where(completion, torch.cat(rows), x0)
-        t_in = times[j][:, 0].float() if block is None else times[j].float()
-        with V.validation(False):
-            D = model(x_t, t_in, x0=x0, kernel=kernel, objective="gidd", position_weight=weight,
-                      attention_mask=attention_mask, **extra)
+        x_t = x0_a.clone()
+        with V.unchecked():
+            for b, (s, e) in enumerate(zip(starts, ends)):
+                t_span = times[b][j, :1][None] if block is None else \
+                    expand_block_times(times[b][j][None], e - s, block)  # (1, 1) or (1, e − s)
+                o = s + moves[b]
+                span = kernel.sample(x0[b:b + 1, s:e], t_span, generator=gens[b])[0]
+                x_t[b, o:o + e - s] = torch.where(completion[b, s:e], span, x0[b, s:e])
+        t_in = torch.stack([t[j, 0] for t in times]).float() if block is None else t_blocks[j].float()
+        with V.unchecked():
+            D = model(x_t, t_in, x0=x0_a, kernel=kernel, objective="gidd", position_weight=weight,
+                      attention_mask=mask_a, **extra)
         total = total - D
-    with V.validation(False):
+    with V.unchecked():
         c = prior_kl(kernel, x0)  # (B, L) float64, 0 for α_1 = 0
-    per_token = total - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
+    per_token = _unaligned(total, shifts, L) - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=K)

@@ -25,16 +25,35 @@ def _check_same(name: str, value: torch.Tensor | None, shape: tuple[int, ...]) -
         raise ValueError(f"{name}: expected shape {shape}, got {got}")
 
 
+def _check_detached(name: str, value: torch.Tensor | None) -> None:
+    """A fixed policy's estimates must not carry a gradient: the ratio's or the KL's gradient would flow into them
+    (and, for ``old_logp = logp``, cancel: the ratio would be 1 with gradient 0)."""
+    if value is not None and value.requires_grad:
+        raise ValueError(f"{name}: carries a gradient (requires_grad=True); compute it under torch.no_grad() or pass "
+                         f"{name}.detach() (the policy it scores is held fixed)")
+
+
+def _check_coefficient(name: str, value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN fails >= 0
+        raise ValueError(f"{name}: expected {what} >= 0, got {value!r}")
+    return float(value)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-4
                      ) -> torch.Tensor:
     """GRPO's group-relative advantages ``(B,)`` of rewards ``(B,)`` in consecutive groups of ``group_size``
     completions of one prompt: ``A_i = (r_i − mean_g r) / (std_g r + eps)`` with ``scale=True`` (GRPO, the unbiased
-    std), ``A_i = r_i − mean_g r`` with ``scale=False`` (Dr.GRPO, GDPO)."""
+    std), ``A_i = r_i − mean_g r`` with ``scale=False`` (Dr.GRPO, GDPO). A NaN or infinite reward is a
+    ``ValueError`` (one host read)."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.shape[0] % group_size:
         got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
         raise ValueError(f"rewards: expected a (B,) tensor with B a multiple of group_size={group_size}, got {got}")
+    if not bool(torch.isfinite(rewards).all()):  # one host read
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:8]
+        raise ValueError(f"rewards: expected finite values, got NaN or inf at rows {bad} (a NaN would make its whole "
+                         "group's advantages NaN); give such completions a finite reward")
     r = _f32(rewards).view(-1, group_size)
     A = r - r.mean(-1, keepdim=True)
     if scale:
@@ -59,21 +78,23 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     ``level="sequence"``: one ratio per completion, ``ρ_i = exp((Σ_t x_{i,t} − Σ_t x^{old}_{i,t}) / |o_i|)`` (GSPO's
     length-normalised ratio, GDPO), shared by its tokens. Normalisation of ``Σ ℓ``:
     ``"grpo"``: ``(1/G) Σ_i (1/|o_i|) Σ_t`` (G = ``num_sequences``, default B); ``"dapo"``: ``(1/Σ_i |o_i|) Σ_{i,t}``
-    (``num_tokens`` for a global count); ``"dr_grpo"``: ``(1/(G · max_length)) Σ_{i,t}`` (``max_length`` default L).
+    (``num_tokens`` for a global count); ``"dr_grpo"``: ``(1/(G · max_length)) Σ_{i,t}`` (``max_length`` required).
     The clip is PPO's: the gradient of ℓ is 0 where ρ left ``[1 − ε, 1 + ε_high]`` on the advantage's side.
 
     Args:
         logp: ``(B, L)`` per-token estimates of the current policy (with grad).
-        old_logp: ``(B, L)`` of the policy that sampled (detached; ``logp.detach()`` on policy).
+        old_logp: ``(B, L)`` of the policy that sampled, without a gradient (computed under ``torch.no_grad()``;
+            ``logp.detach()`` on policy): one that requires grad is a ``ValueError``.
         advantages: ``(B,)``.
         completion_mask: ``(B, L)`` bool, the completion tokens.
-        ref_logp: ``(B, L)`` of the reference policy, for ``beta > 0``.
-        beta: the k3 KL coefficient β.
-        epsilon: the clip range's lower side ε.
-        epsilon_high: its upper side (defaults to ``epsilon``; DAPO raises it).
+        ref_logp: ``(B, L)`` of the reference policy, for ``beta > 0`` (without a gradient, like ``old_logp``).
+        beta: the k3 KL coefficient β ≥ 0.
+        epsilon: the clip range's lower side ε ≥ 0.
+        epsilon_high: its upper side ≥ 0 (defaults to ``epsilon``; DAPO raises it).
         level: ``"token"`` or ``"sequence"`` ratios (above).
         normalization: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"`` (above).
-        max_length: Dr.GRPO's constant length (default L).
+        max_length: Dr.GRPO's constant length, the completion budget (``max_new_tokens``): required with
+            ``normalization="dr_grpo"`` (L, the width of prompt plus completion, is not it).
         num_tokens: DAPO's token count (default this batch's; pass the global one under data parallelism).
         num_sequences: G, GRPO's and Dr.GRPO's sequence count (default B).
 
@@ -92,11 +113,19 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         raise ValueError(f"level: expected 'token' or 'sequence', got {level!r}")
     if normalization not in ("grpo", "dr_grpo", "dapo"):
         raise ValueError(f"normalization: expected 'grpo', 'dr_grpo' or 'dapo', got {normalization!r}")
+    _check_detached("old_logp", old_logp)
+    _check_detached("ref_logp", ref_logp)
+    beta = _check_coefficient("beta", beta, "the KL coefficient, a float")
     if beta and ref_logp is None:
         raise ValueError(f"ref_logp: needed for the KL term (beta={beta})")
-    if not epsilon >= 0:
-        raise ValueError(f"epsilon: expected a float >= 0, got {epsilon!r}")
-    eps_hi = epsilon if epsilon_high is None else epsilon_high
+    epsilon = _check_coefficient("epsilon", epsilon, "a float")
+    eps_hi = epsilon if epsilon_high is None else _check_coefficient("epsilon_high", epsilon_high, "a float")
+    if normalization == "dr_grpo":
+        if max_length is None:
+            raise ValueError("max_length: normalization='dr_grpo' divides by the completion budget (max_new_tokens); "
+                             "pass max_length, got None")
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
     m = completion_mask.to(torch.bool)
     x, x_old = _f32(logp), _f32(old_logp)
     A = _f32(advantages)[:, None]  # (B, 1)
@@ -120,7 +149,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     if normalization == "dapo":
         total = m.sum().clamp_min(1).to(x.dtype) if num_tokens is None else num_tokens
         return loss / total
-    return loss / (G * (L if max_length is None else max_length))
+    assert max_length is not None
+    return loss / (G * max_length)
 
 
 def wd1_loss(logp: torch.Tensor, advantages: torch.Tensor, *, group_size: int | None = None) -> torch.Tensor:
@@ -172,5 +202,6 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
     times: the differences ``x − r`` then carry no mask noise) and several samples (``num_samples``)."""
     for name, v in (("rejected", rejected), ("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
         _check_same(name, v, tuple(chosen.shape))
+    beta = _check_coefficient("beta", beta, "DPO's β, a float")
     margin = (_f32(chosen) - _f32(ref_chosen)) - (_f32(rejected) - _f32(ref_rejected))
     return -F.logsigmoid(beta * margin)

@@ -137,7 +137,7 @@ class BayesianSampler:
                 t, s = ts[n], ts[n + 1]
                 if head is None or x_seen is None or not self.cache_unchanged or bool(x.ne(x_seen).any()):
                     head = None  # let the last step's logits go before the model allocates the next ones
-                    with V.validation(False):  # the sampler's own tokens and times: valid by construction
+                    with V.unchecked():  # the sampler's own tokens and times: valid by construction
                         head = self.model(x, t.expand(B))
                     x_seen = x
                 if n == 0:  # first step: check the model's output once (the run's last host sync)

@@ -362,7 +362,7 @@ class EulerSampler:
         with torch.no_grad():
             for n in run.steps:
                 t = ts[n]
-                with V.validation(False):  # the sampler's own tokens and times: valid by construction
+                with V.unchecked():  # the sampler's own tokens and times: valid by construction
                     head = self.model(x, t.expand(B))
                 head = self._check_head(head, B, L)
                 if n == 0:  # the run's one value check of the model output (both parts of a CTMC head at once)
@@ -374,13 +374,13 @@ class EulerSampler:
                         workspace = torch.empty((B, L, S), dtype=dtype, device=dev)
                     head = self._x0_logits(head, workspace)
                 if n < N - 1:
-                    with V.validation(False):  # no per-step host syncs (the head was checked at the first step)
+                    with V.unchecked():  # no per-step host syncs (the head was checked at the first step)
                         rate = reverse_rate_from_head(self.parameterization, head, kernel, x, t)
                     probs = euler_step_probs(rate.rates.to(dtype), x, t - ts[n + 1])
                     u = uniforms((B, L, 2), generator, dev, dtype)
                     x_new = sample_weights(probs, u, block_size=BLOCK_SIZE)[0]
                 else:
-                    with V.validation(False):
+                    with V.unchecked():
                         p0 = clean_distribution_from_head(self.parameterization, head, kernel, x, t, dtype)
                     x_new = final_step(p0, x, kernel, t, generator, argmax=self.final_step == "argmax")
                 x = apply_prompt(x_new, kept)

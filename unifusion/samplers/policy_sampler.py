@@ -380,7 +380,7 @@ class PolicySampler:
                                  "different lengths (attention_mask)")
             P = starts_host[0]
             prefix_mask = mask[:, :P] if mask is not None else keep.new_ones((B, P))
-            with V.validation(False):
+            with V.unchecked():
                 run.block_state = self.block_model.start_blocks(ids[:, :P], prefix_mask)
         elif self.policy.family == "uniform" and num_blocks > 1:
             self._fill_later_blocks(run)
@@ -415,7 +415,7 @@ class PolicySampler:
         :class:`BlockDenoiser` may leave the others at any finite value)."""
         S, L = self.kernel.num_states, run.grid.seq_len
         Ba, K = cols.shape
-        with V.validation(False):  # the sampler's own tokens and times: valid by construction
+        with V.unchecked():  # the sampler's own tokens and times: valid by construction
             if run.block_state is not None:
                 assert self.block_model is not None  # a block state comes from it
                 head = self.block_model.denoise_block(run.block_state, run.x[rows].gather(1, cols), t, rows,
@@ -438,7 +438,7 @@ class PolicySampler:
         cols, _ = run.grid.columns(b)
         rows, rows_host = run.running(~run.finished)
         if rows_host and self.block_model is not None:
-            with V.validation(False):
+            with V.unchecked():
                 run.block_state = self.block_model.commit_block(run.block_state, run.x[rows].gather(1, cols[rows]),
                                                                 rows)
 

@@ -55,10 +55,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 
 from ... import _validation as V
 from ..._device import rand
+from ...block_partition import expand_block_times, num_blocks
 from .adapted import AdaptedLM
 from .attention import draws_bernoulli, mask_style
 
@@ -76,11 +77,6 @@ def check_block_size(value: object, name: str = "block_size") -> int | None:
     if value < 1:
         raise ValueError(f"{name}: expected a positive int or None, got {value}")
     return value
-
-
-def num_blocks(length: int, block_size: int) -> int:
-    """``nb = ⌈L / K⌉`` (the last block is shorter when K does not divide L)."""
-    return -(-length // block_size)
 
 
 @dataclass(frozen=True)
@@ -138,11 +134,6 @@ def block_times(t: object, batch_size: int, nb: int, device: torch.device) -> to
             t_.reshape(1, 1).expand(batch_size, nb)
     raise ValueError(f"t: a block model takes one time per sequence (a float, ({batch_size},) or ({batch_size}, 1)) "
                      f"or one per block ({batch_size}, {nb}), got shape {tuple(t_.shape)}")
-
-
-def expand_block_times(t: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Per-block times ``(B, nb)`` → per-position times ``(B, L)`` (token i gets the time of block ``i // K``)."""
-    return repeat(t, "b nb -> b (nb k)", k=block_size)[:, :length]  # each block's time on its K positions
 
 
 # ----------------------------------------------------------------------------------------------------------

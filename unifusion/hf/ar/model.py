@@ -40,6 +40,7 @@ from ...denoiser import DenoiserModule
 from ...kernels import check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
 from ...samplers import generation
+from ..backbone import BackboneMethods
 from ..checkpoint import CheckpointMixin
 from . import attention, blocks, head, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
@@ -51,7 +52,7 @@ from .time_embedding import TimeEmbedding
 __all__ = ["DiffusionLM", "unwrap_peft"]
 
 
-class DiffusionLM(CheckpointMixin, DenoiserModule):
+class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
     Build it with :func:`~unifusion.hf.adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is
@@ -140,17 +141,6 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
     def dtype(self) -> torch.dtype:
         """Floating dtype of the input embeddings (the weights' dtype)."""
         return self._hf.get_input_embeddings().weight.dtype
-
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (tied tensors counted once), or only those with ``requires_grad``; with
-        ``exclude_embeddings``, without the weights of ``nn.Embedding`` layers (the token embeddings, and an output
-        head tied to them), as Hugging Face's ``num_parameters`` counts."""
-        for name, value in (("only_trainable", only_trainable), ("exclude_embeddings", exclude_embeddings)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-        skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
-        return sum(p.numel() for p in self.parameters()
-                   if (p.requires_grad or not only_trainable) and id(p) not in skip)
 
     @property
     def num_states(self) -> int:
@@ -513,32 +503,10 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         calls with ``use_cache=False``."""
         return BlockForward(self)
 
-    # -- passthroughs -------------------------------------------------------------------------------------------
-
-    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        """Turn on the wrapped model's gradient (activation) checkpointing; it acts in ``train()`` mode. The
-        ``gradient_checkpointing_kwargs=`` that ``transformers.Trainer`` passes reach transformers 5's
-        ``activation_checkpointing_enable`` as ``activation_checkpointing_kwargs=``."""
-        enable = getattr(self._hf, "activation_checkpointing_enable", None)  # transformers >= 5 name
-        if enable is not None and "gradient_checkpointing_kwargs" in kwargs:
-            kwargs["activation_checkpointing_kwargs"] = kwargs.pop("gradient_checkpointing_kwargs")
-        (enable or self._hf.gradient_checkpointing_enable)(**kwargs)
-
-    def add_model_tags(self, tags: str | list[str]) -> None:
-        """Add tags to the wrapped model's card (transformers' ``add_model_tags``; TRL's trainers call it)."""
-        self._hf.add_model_tags(tags)
-
-    def gradient_checkpointing_disable(self) -> None:
-        """Turn the wrapped model's gradient checkpointing off."""
-        disable = getattr(self._hf, "activation_checkpointing_disable", None)
-        (disable or self._hf.gradient_checkpointing_disable)()
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        """Whether the wrapped model checkpoints activations."""
-        hf = self._hf
-        flag = getattr(type(hf), "is_activation_checkpointing", None)
-        return bool(hf.is_activation_checkpointing if flag is not None else hf.is_gradient_checkpointing)
+    def backbone(self) -> Any:
+        """The Hugging Face ``*ForCausalLM`` the trainer-facing methods of
+        :class:`~unifusion.hf.backbone.BackboneMethods` act on (:attr:`hf_model`)."""
+        return self._hf
 
     # -- save / load --------------------------------------------------------------------------------------------
 

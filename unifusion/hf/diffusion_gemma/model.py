@@ -38,6 +38,7 @@ from ... import _validation as V
 from ...denoiser import DenoiserModule, prompt_conditioning
 from ...kernels import UniformKernel, check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
+from ..backbone import BackboneMethods
 from ..checkpoint import CheckpointMixin
 from .layout import CanvasLayout, canvas_layout, decoder_masks, prompt_bounds
 
@@ -48,7 +49,7 @@ CARRY_LOGIT = -1.0e4
 known token (``e^{-10⁴}`` is 0 in float32 and float64), so the x0-head losses are exactly 0 there."""
 
 
-class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
+class DiffusionGemmaLM(CheckpointMixin, BackboneMethods, DenoiserModule):
     """``DiffusionGemmaForBlockDiffusion`` as an x0 denoiser over its ``V`` tokens (no mask token).
 
     Build it with :func:`unifusion.hf.registry.wrap_diffusion_lm`. The model is held, not copied: ``base_model`` is
@@ -130,6 +131,11 @@ class DiffusionGemmaLM(CheckpointMixin, DenoiserModule):
         """``W`` of the sliding-window layers (``None`` without any)."""
         has = "sliding_attention" in (self.text_config.layer_types or ())
         return int(self.text_config.sliding_window) if has else None
+
+    def backbone(self) -> Any:
+        """The ``DiffusionGemmaForBlockDiffusion`` the trainer-facing methods of
+        :class:`~unifusion.hf.backbone.BackboneMethods` act on (:attr:`base_model`)."""
+        return self.base_model
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Soft-capped float32 logits ``(..., V)`` of decoder hidden states ``(..., d)``, computed as the reference

@@ -1,11 +1,12 @@
-"""unifusion.rl.trl: TRL's GRPOTrainer on the diffusion likelihood, on tiny random models whose causal paths raise.
+"""unifusion.integrations.trl's GRPO: TRL's GRPOTrainer on the diffusion likelihood, on tiny random models whose
+causal paths raise.
 
 * two trainer steps pass on a model whose causal-LM forward, causal (γ = 0) forward, causal LM loss and
   transformers' ``generate`` all raise, while TRL's own log-prob method does hit that guard: no TRL code path
   computed autoregressive log-probs or generated autoregressively;
 * every method the subclass overrides exists on the pinned TRL's ``GRPOTrainer`` with the parameters TRL passes,
   and is called during a step (a TRL rename would otherwise silently bypass the override), and the installed TRL is
-  inside the ``[rl]`` extra's pin;
+  inside the ``[trl]`` extra's pin;
 * the loss of each step equals ``grpo_loss`` on ``sequence_logprob`` estimates computed by hand (old policy =
   the weights at the rollout, reference = the initial weights, current = the weights at the step) on the same batch
   and row seeds; the old log-probs equal the current ones at the first iteration (ratio 1); the advantages are
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import re
@@ -28,15 +30,15 @@ import trl
 from datasets import Dataset
 from packaging.requirements import Requirement
 from transformers import PreTrainedTokenizerFast
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 import unifusion as uf
 from unifusion.denoiser import unwrap_model
-from unifusion.rl.trl import ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
+from unifusion.integrations.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _hf_tiny import tiny_model  # noqa: E402
+from _hf_tiny import tiny_diffusion_gemma, tiny_model  # noqa: E402
 
 G = 2  # completions per prompt
 PROMPTS = [{"prompt": "the cat and the dog"}, {"prompt": "a bird"}]
@@ -140,14 +142,31 @@ def test_two_steps_pass_with_every_causal_path_raising(tmp_path, tokenizer) -> N
     assert any(log.get("reward_std", 0) > 0 for log in trainer.state.log_history)  # a real learning signal
 
 
+def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -> None:
+    """The module docstring's recipe, sized down, every other option at DiffusionGRPOConfig's and GRPOConfig's
+    defaults (gradient checkpointing on: TRL re-enables it around each rollout with a positional argument)."""
+    model = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer)
+    args = DiffusionGRPOConfig(str(tmp_path), estimator="elbo", num_samples=2, decoding_policy="low_confidence",
+                               num_generations=2, max_completion_length=8, beta=0.04,
+                               max_steps=2, per_device_train_batch_size=2, report_to=[])
+    default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
+    assert default is True and args.gradient_checkpointing is True
+    assert args.bf16 == (uf.precision.auto_dtype("cpu") == torch.bfloat16)  # no GPU here: the CPU's choice
+    trainer = DiffusionGRPOTrainer(model, reward_funcs=[mean_id], args=args,
+                                   train_dataset=Dataset.from_list(PROMPTS * 2), processing_class=tokenizer)
+    assert trainer.train().global_step == 2
+    assert model.is_gradient_checkpointing  # the trainer turned it on; TRL off for the rollouts and on again
+
+
 def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
-    line = re.search(r"^rl = \[(.*)\]$", pyproject, re.M)  # the [rl] extra
+    line = re.search(r"^trl = \[(.*)\]$", pyproject, re.M)  # the [trl] extra
     assert line is not None
     pin = next(Requirement(r) for r in re.findall(r'"([^"]+)"', line.group(1)) if Requirement(r).name == "trl")
-    assert pin.specifier.contains(trl.__version__), f"trl {trl.__version__} is outside the [rl] pin {pin}"
+    assert pin.specifier.contains(trl.__version__), f"trl {trl.__version__} is outside the [trl] pin {pin}"
     pins = {Requirement(r).specifier for r in re.findall(r'"(trl[<>=~!][^"]*)"', pyproject)}
-    assert pins == {pin.specifier}  # [trl], [rl] and [dev] pin TRL alike
+    assert pins == {pin.specifier}  # [trl] and [dev] pin TRL alike
+    assert not re.search(r"^rl = ", pyproject, re.M)  # one TRL extra
 
     own = {name for name, value in vars(DiffusionGRPOTrainer).items()
            if callable(value) and name != "__init__" and hasattr(GRPOTrainer, name)}
@@ -172,24 +191,18 @@ def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -
     assert [log["loss"] for log in trainer.state.log_history if "loss" in log] == [0.0, 0.0]  # all rows masked
 
 
-def _left_aligned(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row as prompt, completion, padding, in TRL's width: ids, completion mask, attention mask."""
+def _as_generated(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's rows as generate returned them: ``[left-padded prompt | completion]`` (cut after its EOS): ids,
+    completion mask, attention mask. Nothing is moved."""
     prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
-    B, W = prompt.shape[0], prompt.shape[1] + completion.shape[1]
-    ids = torch.zeros(B, W, dtype=torch.long)
-    scored = torch.zeros(B, W, dtype=torch.bool)
-    attention = torch.zeros(B, W, dtype=torch.long)
-    for b in range(B):
-        p = prompt[b][inputs["prompt_mask"][b].bool()]
-        c = completion[b][inputs["completion_mask"][b].bool()]
-        ids[b, :len(p) + len(c)] = torch.cat([p, c])
-        scored[b, len(p):len(p) + len(c)] = True
-        attention[b, :len(p) + len(c)] = 1
+    ids = torch.cat([prompt, completion], 1)
+    scored = torch.cat([torch.zeros_like(prompt, dtype=torch.bool), inputs["completion_mask"].bool()], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     return ids, scored, attention
 
 
 @pytest.mark.parametrize("block_size, config", [
-    (4, dict(estimator="elbo", num_mc_samples=2)),
+    (4, dict(estimator="elbo", num_samples=2)),
     (None, dict(estimator="coupled", token_logps="spread", decoding_policy=None, num_steps=4)),
 ], ids=["block-elbo-per_token", "coupled-spread"])
 def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, block_size, config) -> None:
@@ -218,14 +231,27 @@ def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, bl
     torch.testing.assert_close(out["advantages"], uf.rl.group_advantages(rewards, G))
 
     old_policy = records[0][2]  # the weights at the rollout (the first step's, before its update)
+    # the rows are what the policy's own generate returns for each row's rollout seed, in generate's layout
+    inputs = records[0][0]
+    P = inputs["prompt_ids"].shape[1]
+    for b in range(len(inputs[ROW_SEED])):
+        gen = torch.Generator().manual_seed(int(inputs[ROW_SEED][b]) ^ ROLLOUT_SALT)
+        with torch.no_grad():
+            again = old_policy.generate(
+                inputs["prompt_ids"][b:b + 1], attention_mask=inputs["prompt_mask"][b:b + 1],
+                max_new_tokens=args.max_completion_length, policy=trainer._policy, num_steps=args.num_steps,
+                generator=[gen], eos_token_id=list(trainer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
+        n = int(inputs["completion_mask"][b].sum())
+        assert torch.equal(again[0, P:P + n], inputs["completion_ids"][b, :n])
+    assert any(int(m.sum()) % 4 for m in inputs["prompt_mask"])  # prompts whose length is not a multiple of K
     for step, (inputs, loss, policy) in enumerate(records):
-        ids, scored, attention = _left_aligned(inputs)
+        ids, scored, attention = _as_generated(inputs)
 
         def score(model, inputs=inputs, ids=ids, scored=scored, attention=attention):
             gens = [torch.Generator().manual_seed(int(s)) for s in inputs[ROW_SEED]]
             with torch.no_grad():
                 est = uf.rl.sequence_logprob(model, ids, scored, estimator=args.estimator,
-                                             num_samples=args.num_mc_samples, generator=gens,
+                                             num_samples=args.num_samples, generator=gens,
                                              attention_mask=attention)
             if args.token_logps == "spread":
                 return torch.where(scored, (est.sequence / scored.sum(-1))[:, None], torch.zeros(()))
@@ -251,12 +277,53 @@ def test_bad_options_are_refused_before_any_rollout(tmp_path, tokenizer) -> None
         return DiffusionGRPOConfig(str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to=[],
                                    use_cpu=True, **options)
 
-    for option, value in [("estimator", "exact"), ("num_mc_samples", 0), ("token_logps", "mean"),
-                          ("decoding_policy", "beam"), ("use_vllm", True), ("entropy_coef", 0.01),
-                          ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
+    for option, value in [("estimator", "exact"), ("estimator", "trace"), ("num_samples", 0),
+                          ("token_logps", "mean"), ("decoding_policy", "beam"), ("use_vllm", True),
+                          ("entropy_coef", 0.01), ("top_entropy_quantile", 0.2), ("repetition_penalty", 1.3)]:
         with pytest.raises(ValueError, match=option):
             config(**{option: value})
-    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+    with pytest.raises(TypeError, match="model: expected a unifusion model"):
         DiffusionGRPOTrainer(tiny_model("llama"), reward_funcs=mean_id, args=config(), processing_class=tokenizer)
-    with pytest.raises(TypeError, match="model: expected a unifusion DiffusionLM"):
+    with pytest.raises(TypeError, match="model: expected a unifusion model"):
         DiffusionGRPOTrainer("HuggingFaceTB/SmolLM2-135M", reward_funcs=mean_id, args=config())
+    with pytest.raises(TypeError, match="model: DiffusionGemmaLM.generate does not take the rollout options"):
+        DiffusionGRPOTrainer(uf.hf.wrap_diffusion_lm(tiny_diffusion_gemma()), reward_funcs=mean_id, args=config(),
+                             processing_class=tokenizer)
+
+    # the model and the TRL features: refused when the trainer is built, before TRL's constructor runs
+    block = uf.adapt_ar_model(tiny_model("llama"), add_mask_token=True, block_size=4, tokenizer=tokenizer)
+    data = Dataset.from_list(PROMPTS)
+    built: list = []
+    original = GRPOTrainer.__init__
+    try:
+        GRPOTrainer.__init__ = lambda *a, **k: built.append(1)  # would be the first thing to run after the checks
+        with pytest.raises(ValueError, match="estimator: DiffusionLM with blocks supports estimator='elbo'"):
+            DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(estimator="coupled"), train_dataset=data)
+        for option in ("tools", "rollout_func", "environment_factory", "peft_config", "quantization_config"):
+            with pytest.raises(ValueError, match=f"{option}: not supported by DiffusionGRPOTrainer"):
+                DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(), train_dataset=data,
+                                     **{option: [mean_id] if option == "tools" else object()})
+        with pytest.raises(ValueError, match="train_dataset: expected a 'prompt' column"):
+            DiffusionGRPOTrainer(block, reward_funcs=mean_id, args=config(),
+                                 train_dataset=Dataset.from_list([{"question": "a bird"}]))
+    finally:
+        GRPOTrainer.__init__ = original
+    assert not built
+
+
+def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() -> None:
+    import ast
+
+    imported = set()
+    for path in (ROOT.parent / "unifusion" / "rl").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(("." * node.level) + (node.module or ""))
+    assert not {m for m in imported if m.split(".")[0] in ("trl", "transformers", "accelerate", "datasets")
+                or "integrations" in m}, imported
+    import unifusion.integrations.trl as module
+
+    assert {"DiffusionSFTTrainer", "DiffusionGRPOTrainer", "DiffusionGRPOConfig"} <= set(module.__all__)
+    assert not hasattr(uf.rl, "trl")

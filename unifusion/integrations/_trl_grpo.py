@@ -1,9 +1,9 @@
 """TRL's ``GRPOTrainer`` on the diffusion likelihood: rollouts from unifusion's sampler, every log-prob from
-:func:`~unifusion.rl.sequence_logprob`.
+:func:`~unifusion.rl.sequence_logprob` (public in :mod:`unifusion.integrations.trl`).
 
 A diffusion LM has no causal ``log p(y_t | y_<t)``, and TRL's ``GRPOTrainer`` computes its log-probs with the causal
 forward (a fused causal LM head it patches onto the model) and generates with transformers' or vLLM's causal
-``generate``. :class:`DiffusionGRPOTrainer` (tested with TRL 1.16; the ``[rl]`` extra pins ``trl>=1.16,<1.17``)
+``generate``. :class:`DiffusionGRPOTrainer` (tested with TRL 1.16; the ``[trl]`` extra pins ``trl>=1.16,<1.17``)
 replaces both and keeps the rest of TRL's trainer — datasets, reward functions, group advantages, the loss types
 (``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ...), the clip, the k3 KL, ``num_iterations``, logging, data parallelism:
 
@@ -12,33 +12,40 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   model by default) and TRL's ``temperature``, ``top_p``, ``top_k``; one generator per row, so a row's rollout does
   not depend on its batch neighbours. The completion ends at its first EOS (kept), like TRL's.
 * **Log-probs** (``_get_per_token_logps_and_entropies``, TRL 1.16's one method for the old, reference and current
-  policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_mc_samples`` and
-  ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``; each is scored
-  left-aligned (prompt, completion, then padding), so a row is scored as the sampler generated it, and the
-  estimates are put back at TRL's completion positions.
+  policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_samples`` and
+  ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``, the layout the
+  rollout's ``generate`` returned (the completion cut after its EOS); each is scored as it stands.
+  ``sequence_logprob``'s draws are each row's own and a block model's blocks are cut from the row's first completion
+  column, as the decoder cut them, so a row's estimate does not depend on its padding or batch.
 * **Shared randomness** (``_generate_and_score_completions``, ``_compute_loss``): every rollout row gets a 62-bit
   seed, drawn from ``torch.Generator().manual_seed(args.seed)`` (the same draws on every rank; rank r takes the
   global rows ``[r·B, (r + 1)·B)``), carried with the row through TRL's shuffles and splits as the batch column
   :data:`ROW_SEED`. The old, reference and current estimates of row r use
   ``torch.Generator(device).manual_seed(row_seed[r])``: the same masks and times, so the ratio
   ``π_θ / π_old`` is 1 before the first update (up to float rounding when the batches are chunked differently) and
-  carries no mask noise after it. The rollout uses ``manual_seed(row_seed[r] ^ ROLLOUT_SALT)``.
+  carries no mask noise after it. The rollout uses ``manual_seed(row_seed[r] ^ ROLLOUT_SALT)``. Each checkpoint
+  saves the seed generator's state (:mod:`unifusion.integrations.checkpoints`), so a resumed run draws the row seeds
+  of the run that never stopped; ``save_model`` and ``checkpoint-N`` are the model's ``save_pretrained`` folders.
 
 **TRL's per-token interface.** ``token_logps="per_token"`` (default) hands TRL the estimator's per-token shares
-(:attr:`~unifusion.rl.SequenceLogProb.per_token`, which sum to the sequence estimate): TRL's token-level ratios are
-then d1's and coupled-GRPO's, and ``importance_sampling_level="sequence"`` gives GSPO's length-normalised sequence
-ratio ``exp((log π_θ(y) − log π_old(y)) / |y|)``. ``token_logps="spread"`` spreads the sequence estimate evenly,
-``log π(y) / |y|`` at every completion token, so that even token-level ratios are that sequence ratio. Either way
-TRL's loss is :func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``: ``normalization="grpo"``;
-``"dapo"``: ``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with ``max_completion_length``)
-with ``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 term by the importance ratio.
-``tests/rl/test_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's at
-temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
-while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus
-completion length): old, reference and current policy always see the same width, and so the same draws.
+(:attr:`~unifusion.rl.SequenceLogProb.per_token`, which sum to the sequence estimate): TRL's token-level ratios are then
+d1's and coupled-GRPO's, and ``importance_sampling_level="sequence"`` gives GSPO's length-normalised sequence ratio
+``exp((log π_θ(y) − log π_old(y)) / |y|)``. ``token_logps="spread"`` spreads the sequence estimate evenly, ``log π(y) /
+|y|`` at every completion token, so that even token-level ratios are that sequence ratio. Either way TRL's loss is
+:func:`~unifusion.rl.grpo_loss` on the same estimates (``loss_type="grpo"``: ``normalization="grpo"``; ``"dapo"``:
+``"dapo"`` with the global token count; ``"dr_grpo"``: ``"dr_grpo"`` with ``max_completion_length``) with
+``use_bias_correction_kl=False``; TRL's default ``True`` multiplies the k3 term by the importance ratio.
+``tests/test_integrations_trl_grpo.py`` checks the ``"grpo"`` case on two trained steps. The likelihood is the model's
+at temperature 1 (TRL divides its causal logits by ``temperature``; the diffusion estimators score the model as is),
+while the rollouts sample at ``temperature``. A row is scored in TRL's batch width (the padded prompt plus completion
+length): the mask estimators of a fully bidirectional model draw over the row's width, which is the same for the old,
+reference and current policy.
 
-What is refused (``ValueError`` naming the option): vLLM and transformers' continuous batching (causal
-generators), tools, environments and ``rollout_func``, the entropy mask and bonus (``top_entropy_quantile``,
+What is refused (``ValueError`` naming the option, when the config or the trainer is built: :func:`preflight`): an
+estimator the model cannot take and ``"trace"`` (the trainer keeps no commit orders), vLLM and transformers'
+continuous batching (causal generators), ``tools``, ``environment_factory``, ``rollout_func``, ``peft_config`` and
+``quantization_config`` (wrap the backbone with peft before ``adapt_ar_model``), a dataset without a ``"prompt"``
+column, the entropy mask and bonus (``top_entropy_quantile``,
 ``entropy_coef``, ``use_adaptive_entropy``: the estimators give no per-token entropy; the ``entropy`` metric is
 NaN), ``cast_lm_head_to_fp32``, ``repetition_penalty`` ≠ 1, ``min_p``, ``generation_kwargs``, a MoE router loss,
 multimodal inputs. The reference policy (``beta > 0``) is a frozen copy of the policy at the start (or
@@ -46,12 +53,12 @@ multimodal inputs. The reference policy (``beta > 0``) is a frozen copy of the p
 ``GRPOTrainer`` patches onto the model's ``forward``, is removed again: a causal-LM call on the policy fails rather
 than computing autoregressive log-probs.
 
-Recipe (``pip install "unifusion[rl]"``)::
+Recipe (``pip install "unifusion[trl]"``)::
 
-    from unifusion.rl.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
+    from unifusion.integrations.trl import DiffusionGRPOConfig, DiffusionGRPOTrainer
 
     model = uf.adapt_ar_model(AutoModelForCausalLM.from_pretrained(name), tokenizer=tok, block_size=32)
-    args = DiffusionGRPOConfig("out", estimator="elbo", num_mc_samples=2, decoding_policy="low_confidence",
+    args = DiffusionGRPOConfig("out", estimator="elbo", num_samples=2, decoding_policy="low_confidence",
                                num_generations=8, max_completion_length=64, beta=0.04)
     trainer = DiffusionGRPOTrainer(model, reward_funcs=[my_reward], args=args, train_dataset=prompts,
                                    processing_class=tok)
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,12 +79,14 @@ from trl import GRPOConfig, GRPOTrainer, SyncRefModelCallback
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from .. import _validation as V
-from ..hf import DiffusionLM
+from ..denoiser import denoiser_of
+from ..precision import auto_dtype
+from ..rl.estimators import ESTIMATORS
+from ..rl.logprob import check_estimator, sequence_logprob
 from ..samplers.policies import POLICY_NAMES, make_policy
-from .estimators import ESTIMATORS
-from .logprob import sequence_logprob
+from .checkpoints import TrainerCheckpoints
 
-__all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer"]
+__all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "DiffusionGRPOTrainer", "preflight"]
 
 ROW_SEED = "row_seed"
 """The batch column (``(B,)`` int64, on the CPU) that carries each rollout row's seed through TRL's buffers."""
@@ -97,6 +107,10 @@ _TOKEN_LOGPS = ("per_token", "spread")
 class DiffusionGRPOConfig(GRPOConfig):
     """TRL's ``GRPOConfig`` plus the diffusion likelihood and decoding options (module docstring).
 
+    ``bf16`` left unset (``None``) follows :func:`unifusion.precision.auto_dtype` of the training device: bf16 mixed
+    precision where the device computes bf16 natively, float32 elsewhere (TRL's default, ``True`` unless ``fp16``,
+    makes a step several times slower on a CPU without native bf16, and on a GPU-less machine needs ``use_cpu``).
+
     TRL's ``temperature``, ``top_p``, ``top_k`` and ``max_completion_length`` apply to the rollouts; ``beta``,
     ``epsilon``, ``loss_type``, ``importance_sampling_level``, ``num_iterations``, ... to the loss as in TRL.
 
@@ -105,7 +119,7 @@ class DiffusionGRPOConfig(GRPOConfig):
     Args:
         estimator: the :func:`~unifusion.rl.sequence_logprob` estimator (``"elbo"``, ``"elbo_discrete"``,
             ``"coupled"``, ``"quadrature"``, ``"mean_field"``, ``"eubo"``; a block model takes ``"elbo"``).
-        num_mc_samples: its ``num_samples`` K (passes per estimate).
+        num_samples: its ``num_samples`` K (passes per estimate; the same name as in ``sequence_logprob``).
         estimator_options: its estimator options (``{"t_range": [0.2, 0.8], "fully_masked": True}``, ...).
         token_logps: ``"per_token"`` or ``"spread"`` (module docstring).
         decoding_policy: a policy name of :data:`~unifusion.samplers.policies.POLICY_NAMES` (``"low_confidence"``,
@@ -119,7 +133,7 @@ class DiffusionGRPOConfig(GRPOConfig):
     """
 
     estimator: str = field(default="elbo", metadata={"help": f"sequence_logprob estimator, one of {ESTIMATORS}."})
-    num_mc_samples: int = field(default=1, metadata={"help": "Monte-Carlo passes K per log-prob estimate."})
+    num_samples: int = field(default=1, metadata={"help": "Monte-Carlo passes K per log-prob estimate."})
     estimator_options: dict[str, Any] | None = field(
         default=None, metadata={"help": "Options of the estimator (sequence_logprob's **options)."})
     token_logps: str = field(default="per_token", metadata={
@@ -136,10 +150,15 @@ class DiffusionGRPOConfig(GRPOConfig):
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["estimator_options"]
 
     def __post_init__(self) -> None:
+        if self.bf16 is None:  # TRL's default is True; bf16 only where the device computes it natively
+            cuda = torch.cuda.is_available() and not self.use_cpu
+            self.bf16 = not self.fp16 and auto_dtype("cuda" if cuda else "cpu") == torch.bfloat16
         super().__post_init__()
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {self.estimator!r}")
-        V.check_positive_int("num_mc_samples", self.num_mc_samples)
+        if self.estimator not in ESTIMATORS or self.estimator == "trace":
+            raise ValueError(f"estimator: expected one of {tuple(e for e in ESTIMATORS if e != 'trace')} ('trace' "
+                             f"needs each rollout's commit order, which the trainer does not keep), got "
+                             f"{self.estimator!r}")
+        V.check_positive_int("num_samples", self.num_samples)
         if self.estimator_options is not None and not isinstance(self.estimator_options, dict):
             raise TypeError(f"estimator_options: expected a dict or None, got {type(self.estimator_options).__name__}")
         if self.token_logps not in _TOKEN_LOGPS:
@@ -167,14 +186,59 @@ class DiffusionGRPOConfig(GRPOConfig):
                                  "at its default")
 
 
-class DiffusionGRPOTrainer(GRPOTrainer):
+_ROLLOUT_OPTIONS = ("attention_mask", "max_new_tokens", "policy", "num_steps", "block_size", "use_cache",
+                    "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id", "generator")
+
+
+def preflight(model: torch.nn.Module | str, args: DiffusionGRPOConfig, *, train_dataset: Any = None,
+              ref_model: torch.nn.Module | None = None, **trl_features: Any) -> None:
+    """Everything :class:`DiffusionGRPOTrainer` refuses, checked before it builds anything (no rollout has run):
+
+    * ``model``: a unifusion model (a :class:`~unifusion.denoiser.Denoiser` of any kind, inside its wrappers) whose
+      ``generate`` takes the rollout options the trainer passes (``TypeError`` naming ``model``); ``ref_model``
+      likewise;
+    * ``args.estimator`` for this model (:func:`~unifusion.rl.check_estimator`, without traces: the trainer keeps
+      none);
+    * TRL's features the trainer does not support (``tools``, ``rollout_func``, ``environment_factory``,
+      ``peft_config``, ``quantization_config``): a ``ValueError`` naming the option when given;
+    * a ``train_dataset`` with column names and no ``"prompt"`` column.
+
+    ``examples/grpo.py`` runs :func:`~unifusion.rl.check_estimator` the same way.
+    """
+    inner = denoiser_of(model) if not isinstance(model, str) else None
+    if inner is None:
+        got = repr(model) if isinstance(model, str) else type(model).__name__
+        raise TypeError(f"model: expected a unifusion model (adapt_ar_model(...), DiffusionLM.from_pretrained(...), "
+                        f"any Denoiser), got {got}")
+    accepted = inspect.signature(type(inner).generate).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    missing = [o for o in _ROLLOUT_OPTIONS if o not in accepted and not takes_any]
+    if missing:
+        raise TypeError(f"model: {type(inner).__name__}.generate does not take the rollout options {missing} "
+                        "DiffusionGRPOTrainer passes (unifusion.samplers.generate's)")
+    if ref_model is not None and denoiser_of(ref_model) is None:
+        raise TypeError(f"ref_model: expected a unifusion model or None, got {type(ref_model).__name__}")
+    check_estimator(inner, args.estimator, traces=False)
+    for name, value in trl_features.items():
+        if value is not None:
+            raise ValueError(f"{name}: not supported by DiffusionGRPOTrainer (rollouts come from the model's own "
+                             f"generate, one turn, full weights; wrap the backbone with peft before adapt_ar_model "
+                             f"for adapters), got {value!r}")
+    columns = getattr(train_dataset, "column_names", None)
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"train_dataset: expected a 'prompt' column (TRL's prompt format), got columns {columns}")
+
+
+class DiffusionGRPOTrainer(TrainerCheckpoints, GRPOTrainer):
     """TRL's ``GRPOTrainer`` with unifusion rollouts and :func:`~unifusion.rl.sequence_logprob` log-probs (module
     docstring).
 
     Args:
-        model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model; or a DDP / compile wrapper
-            around one, which :func:`~unifusion.denoiser.unwrap_model` looks through); a model name, a causal LM
-            or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is a ``TypeError``.
+        model: a unifusion model: a :class:`~unifusion.DiffusionLM` (fully bidirectional or a block model) or any
+            :class:`~unifusion.denoiser.Denoiser` whose ``generate`` takes :func:`unifusion.samplers.generate`'s
+            options (or a DDP / compile wrapper around one, which :func:`~unifusion.denoiser.unwrap_model` looks
+            through); a model name, a causal LM or ``DiffusionGemmaLM`` (whose ``generate`` takes other options) is
+            a ``TypeError`` (:func:`preflight`).
         reward_funcs: TRL's reward functions (callables or reward models).
         args: a :class:`DiffusionGRPOConfig` (``None``: its defaults with ``output_dir="unifusion-grpo"``).
         train_dataset: TRL's dataset with a ``"prompt"`` column (other columns reach the reward functions).
@@ -184,22 +248,26 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         callbacks: as in ``GRPOTrainer``.
         optimizers: as in ``GRPOTrainer``.
         ref_model: the reference policy for ``beta > 0`` (default a frozen copy of ``model`` as passed).
+        tools: TRL's, refused (``ValueError`` naming the option when given, :func:`preflight`).
+        rollout_func: TRL's, refused.
+        environment_factory: TRL's, refused.
+        peft_config: TRL's, refused (wrap the backbone with peft before ``adapt_ar_model``).
+        quantization_config: TRL's, refused.
     """
 
     def __init__(self, model: torch.nn.Module, reward_funcs: Any = None, args: DiffusionGRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: Any = None,
-                 optimizers: tuple[Any, Any] = (None, None), ref_model: torch.nn.Module | None = None) -> None:
-        if not isinstance(V.unwrap_model(model), DiffusionLM):
-            got = repr(model) if isinstance(model, str) else type(model).__name__
-            raise TypeError(f"model: expected a unifusion DiffusionLM (adapt_ar_model(...), "
-                            f"DiffusionLM.from_pretrained(...)), got {got}")
+                 optimizers: tuple[Any, Any] = (None, None), ref_model: torch.nn.Module | None = None,
+                 *, tools: Any = None, rollout_func: Any = None, environment_factory: Any = None,
+                 peft_config: Any = None, quantization_config: Any = None) -> None:
         if args is None:
             args = DiffusionGRPOConfig("unifusion-grpo")
         if not isinstance(args, DiffusionGRPOConfig):
             raise TypeError(f"args: expected a DiffusionGRPOConfig, got {type(args).__name__}")
-        if ref_model is not None and not isinstance(V.unwrap_model(ref_model), DiffusionLM):
-            raise TypeError(f"ref_model: expected a unifusion DiffusionLM or None, got {type(ref_model).__name__}")
+        preflight(model, args, train_dataset=train_dataset, ref_model=ref_model, tools=tools,
+                  rollout_func=rollout_func, environment_factory=environment_factory, peft_config=peft_config,
+                  quantization_config=quantization_config)
         if processing_class is None:
             processing_class = getattr(model, "tokenizer", None)
             if processing_class is None:
@@ -246,6 +314,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             args.decoding_policy, threshold=args.policy_threshold, bound=args.policy_bound, arg="decoding_policy")
 
     # -- shared randomness ------------------------------------------------------------------------------------------
+
+    def extra_checkpoint_state(self) -> dict[str, Any]:
+        """The row-seed generator's state, saved with each checkpoint: a resumed run draws the same row seeds (and so
+        the same rollouts and masks) as the run that never stopped."""
+        return {"row_seed_generator": self._seed_generator.get_state()}
+
+    def load_extra_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore the row-seed generator (:meth:`extra_checkpoint_state`)."""
+        self._seed_generator.set_state(state["row_seed_generator"])
 
     def _draw_row_seeds(self, num_rows: int) -> torch.Tensor:
         """``(num_rows,)`` int64 seeds of this rank's rows: one draw of the global batch's seeds (every rank draws
@@ -344,38 +421,31 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         B, W = input_ids.shape
         seeds = self._seeds_for(B, "the log-prob estimate")
         real = attention_mask.bool()
-        # left-align every row (prompt, completion, padding): a stable sort puts the real tokens first, in order
-        order = torch.argsort((~real).to(torch.uint8), dim=1, stable=True)
-        packed = input_ids.gather(1, order)
-        packed_real = real.gather(1, order)
         scored = real.clone()
         scored[:, :W - logits_to_keep] = False
-        packed_scored = scored.gather(1, order)
         # a row without completion tokens (TRL's mask_truncated_completions) is scored on a stand-in (its last real
         # token) and weighted 0: every row still runs through the model, so the loss stays connected to every
         # parameter (the backward of an all-masked batch, DDP's reducer); rows do not affect each other's numbers
-        empty = ~packed_scored.any(-1)
+        empty = ~scored.any(-1)
         if bool(empty.any()):
-            last = (packed_real.sum(-1) - 1).clamp_min(0)
-            stand_in = torch.zeros_like(packed_scored).scatter(1, last[:, None], True) & empty[:, None]
-            packed_scored, packed_real = packed_scored | stand_in, packed_real | stand_in
+            last = W - 1 - torch.argmax(real.flip(-1).to(torch.uint8), dim=-1)  # (B,) each row's last real column
+            scored = scored | (torch.zeros_like(scored).scatter(1, last[:, None], True) & empty[:, None])
         chunk = batch_size or B
         options = dict(args.estimator_options or {})
         pieces = []
         for start in range(0, B, chunk):
             rows = slice(start, min(start + chunk, B))
             gens = [torch.Generator(device=input_ids.device).manual_seed(s) for s in seeds[rows]]
-            est = sequence_logprob(model, packed[rows], packed_scored[rows], estimator=args.estimator,
-                                   num_samples=args.num_mc_samples, generator=gens,
-                                   attention_mask=packed_real[rows].long(), **options)
+            est = sequence_logprob(model, input_ids[rows], scored[rows], estimator=args.estimator,
+                                   num_samples=args.num_samples, generator=gens,
+                                   attention_mask=real[rows].long(), **options)
             values = est.per_token
             if args.token_logps == "spread":
-                mask = packed_scored[rows]
+                mask = scored[rows]
                 values = torch.where(mask, (est.sequence / mask.sum(-1))[:, None], values.new_zeros(()))
             pieces.append(values)
-        packed_values = torch.cat(pieces)
-        packed_values = torch.where(empty[:, None], packed_values * 0.0, packed_values)
-        per_token = torch.zeros_like(packed_values).scatter(1, order, packed_values)  # back to TRL's positions
+        per_token = torch.cat(pieces)
+        per_token = torch.where(empty[:, None], per_token * 0.0, per_token)
         logps = per_token[:, W - logits_to_keep:]
         entropies = torch.full_like(logps.detach(), float("nan")) if compute_entropy else None
         return logps, entropies, None
