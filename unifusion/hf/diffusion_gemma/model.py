@@ -279,7 +279,8 @@ class DiffusionGemmaLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         commit(self, state, block)
         return state
 
-    def can_generate(self) -> bool:
+    @classmethod
+    def can_generate(cls) -> bool:
         """Refuses, with a ``TypeError`` naming :meth:`generate`, what transformers' pipelines ask first: a
         ``text-generation`` pipeline passes sampling options (``temperature``, ``do_sample``) that DiffusionGemma's
         decoding does not take (its ``DiffusionGemmaGenerationConfig`` has ``t_min``/``t_max`` instead), so it fails
