@@ -21,8 +21,10 @@ complementary pair: every active position is scored in exactly one of the two vi
 * :func:`mask_ratio_curriculum`, :func:`block_size_curriculum` — d3LLM's curricula as plain schedules of the
   training step.
 
-**Positions after EOS** (``commit_step == -1``, the fill the decoder wrote when the row stopped) count as committed
-at the row's last step: masked in every view of their block, scored like the tokens (the student learns to end).
+**Positions after EOS** (``commit_step == -1``): the decoder keeps a row running until every position before its
+EOS is decided, and only then writes the fill; until then a position after the EOS is masked or holds a token the
+decoder committed and later replaced, which the trace does not keep. They count as committed at the row's last step
+(:func:`fill_steps`): masked in every view, and scored like the tokens (the student learns to end).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from .. import _validation as V
 from .._device import rand
 
-__all__ = ["DistillMask", "pseudo_trajectory_mask", "draw_trajectory_steps", "random_block_mask",
+__all__ = ["DistillMask", "fill_steps", "pseudo_trajectory_mask", "draw_trajectory_steps", "random_block_mask",
            "view_times", "mask_ratio_curriculum", "block_size_curriculum"]
 
 
@@ -67,10 +69,12 @@ def _check_steps(commit_step: object, block_size: object) -> tuple[torch.Tensor,
     return commit_step.long(), V.check_positive_int("block_size", block_size)
 
 
-def _effective(step: torch.Tensor) -> torch.Tensor:
-    """Commit steps with the fill after EOS (``-1``) at the row's last step."""
-    last = step.amax(-1, keepdim=True)
-    return torch.where(step >= 0, step, last)
+def fill_steps(step: torch.Tensor) -> torch.Tensor:
+    """Commit steps ``(B, C)`` with the fill after EOS (``-1``) at the row's last step (module docstring)."""
+    return torch.where(step >= 0, step, step.amax(-1, keepdim=True))
+
+
+_effective = fill_steps
 
 
 def _blocks(C: int, K: int, device: torch.device) -> torch.Tensor:

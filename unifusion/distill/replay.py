@@ -1,6 +1,8 @@
 """Replaying a recorded trajectory: the tokens a model predicts when its decoder's order is followed step by step.
 
-Pass k of the replay (:func:`unifusion.rl.plan_trace`) shows the model every position committed before the k-th
+The fill after a row's EOS stays masked (:func:`~unifusion.distill.fill_steps`): the trace does not keep a token
+the decoder committed there and replaced when the row stopped, so a replay is exact for rows where it committed none
+(every row without EOS, ``eos_token_id=None``; a left-to-right order). Pass k of the replay (:func:`unifusion.rl.plan_trace`) shows the model every position committed before the k-th
 step of its block as the recorded token and the rest as the mask token, and reads the argmax (mask token excluded)
 at the positions committed at that step. On a block model every block is at its own k-th state in one forward (a
 block sees only the clean blocks before it: the recorded tokens), so a replay takes as many forwards as the most
@@ -16,7 +18,7 @@ import torch
 from .. import _validation as V
 from ..denoiser import DenoiserModule
 from ..rl.estimators import plan_trace
-from .masks import view_times
+from .masks import fill_steps, view_times
 from .trajectories import Trajectories
 
 __all__ = ["replay"]
@@ -50,8 +52,10 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
         x0 = part.sequences
         am = part.attention_mask
         B, L = x0.shape
-        step = torch.cat([torch.full((B, P), -1, dtype=torch.long, device=device), part.commit_step], 1)
-        plan = plan_trace(step, step >= 0, block_size=K)
+        prompt = torch.full((B, P), -1, dtype=torch.long, device=device)
+        step = torch.cat([prompt, fill_steps(part.commit_step)], 1)
+        scored = torch.cat([prompt >= 0, part.commit_step >= 0], 1)
+        plan = plan_trace(step, scored, block_size=K)
         pred = x0.clone()
         for k in range(plan.num_passes):
             x_t = torch.where(plan.noised[k], mask_id, x0)
