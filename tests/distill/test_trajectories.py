@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import unifusion as uf
 from unifusion.distill import (
     DistillMask,
     Trajectories,
@@ -20,8 +21,6 @@ from unifusion.distill import (
     replay,
 )
 from unifusion.hf import DiffusionLM
-
-import unifusion as uf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hf_tiny import tiny_model  # noqa: E402

@@ -1,14 +1,16 @@
 """Replaying a recorded trajectory: the tokens a model predicts when its decoder's order is followed step by step.
 
-The fill after a row's EOS stays masked (:func:`~unifusion.distill.fill_steps`): the trace does not keep a token
-the decoder committed there and replaced when the row stopped, so a replay is exact for rows where it committed none
-(every row without EOS, ``eos_token_id=None``; a left-to-right order). Pass k of the replay (:func:`unifusion.rl.plan_trace`) shows the model every position committed before the k-th
+Pass k of the replay (:func:`unifusion.rl.plan_trace`) shows the model every position committed before the k-th
 step of its block as the recorded token and the rest as the mask token, and reads the argmax (mask token excluded)
 at the positions committed at that step. On a block model every block is at its own k-th state in one forward (a
 block sees only the clean blocks before it: the recorded tokens), so a replay takes as many forwards as the most
 steps one block took. For a greedy recording on the same model the replay is the recording, token for token:
 decoding with the KV cache is exact (what ``tests/distill/test_trajectories.py`` checks), and a replay that differs
 names a trajectory the model did not produce (another model, other weights, a sampled recording).
+
+The fill after a row's EOS stays masked (:func:`~unifusion.distill.fill_steps`): the trace does not keep a token the
+decoder committed there and replaced when the row stopped, so the replay is exact for rows where it committed none
+(every row without EOS, ``eos_token_id=None``; a left-to-right order).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,7 +263,7 @@ def record_trajectories(model: DecodableModel, prompts: torch.Tensor | Sequence[
     pad = model_pad_token_id(model)
     pad = 0 if pad is None else pad
     greedy = temperature == 0
-    starts = range(0, len(rows), batch_size)
+    starts: Iterable[int] = range(0, len(rows), batch_size)
     if progress:
         from tqdm.auto import tqdm
 
