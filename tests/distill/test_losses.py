@@ -239,4 +239,4 @@ def test_fused_float32_matches_and_frozen_head():
     (gh,) = torch.autograd.grad(fused, h)
     (rh,) = torch.autograd.grad(ref, h)
     torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
-    assert uf.distill.default_rows_per_block(262144) == 128
+    assert uf.distill.default_rows_per_block(262144) == 32
