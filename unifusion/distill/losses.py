@@ -21,7 +21,9 @@ scalar dParallel trains on). ``mask_id`` (optional) removes the mask token's col
 
 **KL to a teacher** (CDLM's distillation term): on the positions a teacher committed, the student matches the
 teacher's distribution, KL(softmax(z^T / T) ‖ softmax(z^S / T)) (``direction="forward"``; ``"reverse"`` swaps the
-arguments, SDTT's choice), averaged over the positions.
+arguments, SDTT's choice), averaged over the positions. CDLM's consistency term is the same call with the logits of
+the completed block's view as the teacher (detached): the student's prediction at an intermediate state matches its
+prediction once the block is complete.
 """
 
 from __future__ import annotations

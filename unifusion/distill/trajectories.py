@@ -227,8 +227,10 @@ def record_trajectories(model: DecodableModel, prompts: torch.Tensor | Sequence[
     """Decode ``prompts`` with ``model`` in batches and record each row's trajectory (module docstring).
 
     Args:
-        model: any model :func:`unifusion.samplers.generate` decodes with a policy and a trace (a block
-            :class:`~unifusion.hf.DiffusionLM`; a plain one with ``block_size``; a mask kernel).
+        model: any model :func:`unifusion.samplers.generate` decodes with a mask policy and a trace (a block
+            :class:`~unifusion.hf.DiffusionLM`; a plain one with ``block_size``). DiffusionGemma decodes with
+            uniform noise (``EntropyBound``, renoising at every step): no commit order exists, and ``generate``
+            refuses ``return_trace`` for it (``ValueError``).
         prompts: a ``(N, P)`` int64 tensor (left padding marked by ``prompt_mask``) or ``N`` sequences of ids.
         max_new_tokens: completion length ``C``.
         policy: the decoding policy (``None``: ``generate``'s default, one token per step).
