@@ -24,7 +24,8 @@ with SmolLM2-135M's shapes and ``--layers`` layers, float32, V = 49,152, ``B × 
 * model: :func:`unifusion.distill.view_loss` on the block model, one view with every block active, through the fused
   head (``fused=True``) against materialised logits (``fused=False``: ``model.logits_from_hidden`` on all
   ``B × L`` positions), parameter gradients included (the ``(V, d)`` gradients of the tied embedding, which both
-  paths hold, dominate at small ``B × L``).
+  paths hold, dominate at small ``B × L``); "frozen": the same with the tied embedding and head frozen, as in LoRA
+  distillation (:func:`unifusion.distill.add_lora`).
 
 Validation off.
 """
@@ -146,17 +147,19 @@ def memory(args: argparse.Namespace) -> None:
           f"{args.hidden}) and W (V, {args.hidden}) as leaves, half the rows masked; model: view_loss on the block "
           f"model ({args.layers} layers), every block active, B x L = {args.mem_batch} x {args.length}")
     print(f"{'V':>8} {'head fused':>11} {'head mat.':>10} {'ratio':>6} {'model fused':>12} {'model mat.':>11} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'frozen fused':>13} {'frozen mat.':>12} {'ratio':>6}")
+    mib = 2 ** 20
     for V in args.mem_vocab:
         hf, hm = head_peaks(args.mem_rows, args.hidden, V)
         model = block_model(args.layers, V, args.block)
         x0 = tokens(args.mem_batch, args.length, V)
         _, every = views(args.mem_batch, args.length, args.block)
         mf, mm = (_peak(model, x0, every.masked, fused) for fused in (True, False))
+        model.lm_head_weight.requires_grad_(False)  # the tied embedding and head frozen (LoRA-style distillation)
+        ff, fm = (_peak(model, x0, every.masked, fused) for fused in (True, False))
         del model
-        mib = 2 ** 20
         print(f"{V:>8} {hf / mib:>11.1f} {hm / mib:>10.1f} {hf / hm:>6.2f} {mf / mib:>12.1f} {mm / mib:>11.1f} "
-              f"{mf / mm:>6.2f}")
+              f"{mf / mm:>6.2f} {ff / mib:>13.1f} {fm / mib:>12.1f} {ff / fm:>6.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
