@@ -19,6 +19,7 @@ from unifusion.distill import (
     random_block_mask,
     record_trajectories,
     replay,
+    view_times,
 )
 from unifusion.hf import DiffusionLM
 
@@ -237,3 +238,21 @@ def test_random_block_mask_and_curricula():
     assert [block_size_curriculum(s, 100) for s in (0, 30, 60, 99, 200)] == [4, 8, 16, 32, 32]
     with pytest.raises(ValueError, match="start"):
         mask_ratio_curriculum(0, 10, start=2.0)
+
+
+def test_view_times_are_the_masked_fraction_per_block():
+    masked = torch.tensor([[True, False, False, False, True, True, False, True, True, True]])
+    torch.testing.assert_close(view_times(masked, block_size=4), torch.tensor([[0.25, 0.75, 0.999]]))
+    torch.testing.assert_close(view_times(masked, block_size=None), torch.tensor([0.6]))
+
+
+def test_sampled_recordings_follow_the_generator(model):
+    def rec(seed):
+        return record_trajectories(model, PROMPTS[:2], max_new_tokens=8, temperature=0.8, progress=False,
+                                   eos_token_id=None, generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = rec(0), rec(0), rec(1)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.commit_step, b.commit_step)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    with pytest.raises(ValueError, match="temperature"):
+        record_trajectories(model, PROMPTS[:1], max_new_tokens=4, temperature=-1.0, progress=False)
