@@ -136,7 +136,9 @@ def fused_certainty_forcing_loss(hidden: torch.Tensor, lm_head_weight: torch.Ten
     Args:
         hidden: ``(..., d)`` final hidden states.  lm_head_weight: ``(V, d)``.
         targets: ``(...)`` the teacher's tokens.  masked: ``(...)`` bool, the view's masked positions.
-        temperature, entropy_weight, mask_id: as in :func:`~unifusion.distill.certainty_forcing_loss`.
+        temperature: T > 0 of the entropy.  entropy_weight: λ >= 0.
+        mask_id: the mask token's column, left out of the distribution (or ``None``); as in
+            :func:`~unifusion.distill.certainty_forcing_loss`.
         lm_head_bias: ``(V,)`` or ``None``.  logit_scale: κ.  final_logit_softcap: c or ``None``.
         chunk_size: rows per block (default :func:`default_rows_per_block`).
 

@@ -147,7 +147,7 @@ def teacher_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     the teacher committed), the teacher's logits detached.
 
     Args:
-        student_logits, teacher_logits: ``(..., V)``.  positions: ``(...)`` bool.
+        student_logits: ``(..., V)``.  teacher_logits: ``(..., V)``.  positions: ``(...)`` bool.
         temperature: T > 0.  direction: ``"forward"`` KL(teacher ‖ student) or ``"reverse"`` KL(student ‖ teacher).
         reduction: ``"mean"`` over ``positions`` (0 when none) or ``"none"`` (per position, 0 elsewhere).
         mask_id: a column left out of both distributions, or ``None``.

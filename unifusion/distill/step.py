@@ -71,7 +71,7 @@ def view_loss(model: DiffusionLM, x0: torch.Tensor, masked: torch.Tensor, *,
         x0: ``(B, L)`` clean sequences (the teacher's tokens are the targets).
         masked: ``(B, L)`` bool, the view's masked positions.
         attention_mask: ``(B, L)``, 1 at real tokens (left padding of the prompts).
-        temperature, entropy_weight: as in :func:`~unifusion.distill.certainty_forcing_loss`.
+        temperature: T > 0 of the entropy.  entropy_weight: λ >= 0 (:func:`~unifusion.distill.certainty_forcing_loss`).
         fused: through the output head in blocks (default) or on materialised logits.
     """
     model = _check_model(model)
@@ -100,7 +100,7 @@ def complementary_pair_loss(model: DiffusionLM, x0: torch.Tensor, view: DistillM
     Args:
         x0: ``(B, L)`` clean sequences; ``view``'s masks cover their last ``C`` columns (the completion).
         view: a :class:`~unifusion.distill.DistillMask` ``(B, C)``.
-        attention_mask, temperature, entropy_weight, fused: as in :func:`view_loss`.
+        attention_mask: as in :func:`view_loss`.  temperature: T.  entropy_weight: λ.  fused: as in :func:`view_loss`.
     """
     model = _check_model(model)
     if not isinstance(view, DistillMask):
