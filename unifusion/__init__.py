@@ -19,7 +19,7 @@ subpackages (:mod:`unifusion.losses`, :mod:`unifusion.samplers`, :mod:`unifusion
 
 from importlib import metadata as _metadata
 
-from . import backend, cpu_linears, eval, hf, losses, precision, rl, samplers, schedules, validation
+from . import backend, cpu_linears, distill, eval, hf, losses, precision, rl, samplers, schedules, validation
 from .conversions import convert_x0_to
 from .hf import DiffusionLM, adapt_ar_model, wrap_diffusion_lm
 from .kernels import GeneratorKernel, HybridKernel, Kernel, MaskKernel, UniformKernel
@@ -51,6 +51,7 @@ __all__ = [
     "convert_x0_to",
     "cpu_linears",
     "diffusion_loss",
+    "distill",
     "eval",
     "hf",
     "losses",
