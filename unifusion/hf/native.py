@@ -42,6 +42,7 @@ from .. import _validation as V
 from ..denoiser import DenoiserModule
 from ..kernels import MaskKernel, check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
+from ..samplers import generation
 from .ar.attention import AttentionPattern, select_strategy
 from .ar.families import family_for
 from .checkpoint import CheckpointMixin
@@ -285,9 +286,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
         arguments as there). LLaDA's ``generate.py`` (greedy, low-confidence remasking, ``block_length`` blocks of
         ``steps / num_blocks`` steps) is ``policy=LowConfidence(), block_size=block_length, num_steps=steps //
         num_blocks, do_sample=False, eos_token_id=None``."""
-        from ..samplers.generation import generate
-
-        return generate(self, prompt_ids, *args, **kwargs)
+        return generation.generate(self, prompt_ids, *args, **kwargs)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 

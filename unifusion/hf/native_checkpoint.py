@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "build_backbone", "load_weights", "read_source_config", "resolve_dtype", "save_weights"]
+__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "build_backbone", "load_weights", "read_source_config", "resolve_dtype",
+           "save_weights"]
 
 WEIGHTS_FILE = "model.safetensors"
 """The single-file weights of a checkpoint folder."""
@@ -110,7 +111,7 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str
     """
     want = resolve_dtype(dtype)
     with torch.device("meta"):
-        backbone = backbone_class(config)
+        backbone: Any = backbone_class(config)
     params = dict(backbone.named_parameters())
     seen: set[str] = set()
     unexpected: list[str] = []

@@ -39,8 +39,8 @@ import torch
 
 from ..denoiser import Denoiser
 
-__all__ = ["load_diffusion_lm", "load_registered", "registered_model_type", "register_diffusion_lm", "supported_diffusion_lms",
-           "wrap_diffusion_lm"]
+__all__ = ["load_diffusion_lm", "load_registered", "registered_model_type", "register_diffusion_lm",
+           "supported_diffusion_lms", "wrap_diffusion_lm"]
 
 Wrapper = Callable[..., Denoiser]
 Loader = Callable[..., Denoiser]
@@ -99,7 +99,7 @@ def load_registered(directory: str | os.PathLike[str], **kwargs: Any) -> Denoise
 
 def load_diffusion_lm(directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
                       device: torch.device | str | None = None, **kwargs: Any) -> Denoiser:
-    """Load a released diffusion LM's checkpoint folder (LLaDA, Dream, DiffusionGemma, ...; its own ``config.json``
+    """Load a released diffusion LM's checkpoint folder (its own ``config.json``
     and safetensors shards, no ``trust_remote_code``) as the unifusion model of its kind, chosen by the
     ``config.json``'s ``model_type``.
 

@@ -66,6 +66,25 @@ def test_policies_generate_from_left_padded_prompts(model, ref):
         assert torch.equal(alone[0], out[1, 2:])  # the padded row equals the row alone (positions count real tokens)
 
 
+@pytest.mark.parametrize("run", ["maskgit_plus", "maskgit_plus_4_steps", "entropy", "topk_margin"])
+def test_greedy_diffusion_generate_equals_theirs_token_for_token(model, ref, run):
+    new, steps, alg = json.loads((FIXTURES / "generate_runs.json").read_text())[run]
+    out = model.diffusion_generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"],
+                                   max_new_tokens=new, steps=steps, alg=alg, temperature=0.0)
+    assert torch.equal(out, ref[f"generate_{run}"])
+
+
+def test_diffusion_generate_samples_with_a_generator(model, ref):
+    kwargs = {"attention_mask": ref["prompt_attention_mask"], "max_new_tokens": 8, "steps": 4, "temperature": 1.0,
+              "top_p": 0.9}
+    for alg in ("origin", "maskgit_plus"):
+        a = model.diffusion_generate(ref["prompt_ids"], alg=alg, generator=torch.Generator().manual_seed(0), **kwargs)
+        b = model.diffusion_generate(ref["prompt_ids"], alg=alg, generator=torch.Generator().manual_seed(0), **kwargs)
+        assert torch.equal(a, b) and not bool((a[:, 5:] == MASK).any()) and torch.equal(a[:, :5], ref["prompt_ids"])
+    with pytest.raises(ValueError, match="alg"):
+        model.diffusion_generate(ref["prompt_ids"], alg="nope", **kwargs)
+
+
 def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
     expected, defined = their_x0_logits(ref)
     checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, expected, defined)

@@ -2,7 +2,8 @@
 one model kind.
 
 * :mod:`~unifusion.hf.dream.model`: :class:`DreamLM` (its conventions and its weight names, Qwen2's own) and
-  :func:`~unifusion.hf.dream.model.wrap`, what the registry calls.
+  :func:`~unifusion.hf.dream.model.wrap`, what the registry calls;
+* :mod:`~unifusion.hf.dream.generation`: Dream's own sampler (:meth:`DreamLM.diffusion_generate`).
 
 Importing it registers ``model_type="Dream"`` with :mod:`unifusion.hf.registry`, so :func:`unifusion.load_diffusion_lm`
 reads Dream's checkpoint folders (no ``trust_remote_code``) and :func:`unifusion.hf.wrap_diffusion_lm` converts its

@@ -14,8 +14,9 @@ CART, which unifusion does not reproduce): ``uf.diffusion_loss(model, x0, model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from ..native import NativeDiffusionLM
@@ -49,7 +50,7 @@ class DreamLM(NativeDiffusionLM):
         if source.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act = {source['hidden_act']!r}; Dream's MLP is SwiGLU ('silu')")
         heads = int(source["num_attention_heads"])
-        return Qwen2Config(
+        settings: dict[str, Any] = dict(  # **: rope_theta and attn_implementation are keywords transformers reads
             vocab_size=int(source["vocab_size"]), hidden_size=int(source["hidden_size"]),
             intermediate_size=int(source["intermediate_size"]), num_hidden_layers=int(source["num_hidden_layers"]),
             num_attention_heads=heads, num_key_value_heads=int(source.get("num_key_value_heads") or heads),
@@ -58,6 +59,7 @@ class DreamLM(NativeDiffusionLM):
             use_sliding_window=False, sliding_window=None, tie_word_embeddings=bool(source.get("tie_word_embeddings")),
             eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id"),
             bos_token_id=source.get("bos_token_id"), use_cache=False, attn_implementation="sdpa")
+        return Qwen2Config(**settings)
 
     @classmethod
     def backbone_class(cls) -> type[nn.Module]:
@@ -78,6 +80,18 @@ class DreamLM(NativeDiffusionLM):
         if not source.get("tie_word_embeddings"):
             names["lm_head.weight"] = "lm_head.weight"
         return names
+
+    def diffusion_generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, steps: int = 512,
+                           alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = "origin",
+                           **kwargs: Any) -> torch.Tensor:
+        """Dream's own sampler (its ``diffusion_generate``: ``alg`` ``"origin"``, ``"maskgit_plus"``,
+        ``"topk_margin"``, ``"entropy"`` on its time grid), which :meth:`generate`'s policies do not reproduce;
+        ``(B, P + max_new_tokens)`` token ids. Keyword arguments as
+        :func:`unifusion.hf.dream.generation.diffusion_generate` (``attention_mask``, ``eps``, ``temperature``,
+        ``top_p``, ``top_k``, ``alg_temp``, ``generator``)."""
+        from .generation import diffusion_generate
+
+        return diffusion_generate(self, prompt_ids, max_new_tokens=max_new_tokens, steps=steps, alg=alg, **kwargs)
 
 
 def wrap(model: nn.Module, **kwargs: Any) -> NativeDiffusionLM:

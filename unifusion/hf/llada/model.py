@@ -7,17 +7,18 @@ masked. Its head is **unshifted** (column ``i`` predicts token ``i``), position 
 included), and the mask token is ``mask_token_id`` of its ``config.json`` (126336 for the released models, whose
 vocabulary has 126464 entries; EOS and pad 126081). Its weights map one to one onto ``LlamaForCausalLM``'s:
 
-=====================================================  ================================================
-LLaDA (``model.transformer.``…)                         Llama
-=====================================================  ================================================
-``wte.weight``                                          ``model.embed_tokens.weight``
-``blocks.{i}.attn_norm`` / ``ff_norm``                  ``model.layers.{i}.input_layernorm`` / ``post_attention_layernorm``
-``blocks.{i}.q_proj`` / ``k_proj`` / ``v_proj``         ``model.layers.{i}.self_attn.q_proj`` / ``k_proj`` / ``v_proj``
-``blocks.{i}.attn_out``                                 ``model.layers.{i}.self_attn.o_proj``
-``blocks.{i}.ff_proj`` / ``up_proj`` / ``ff_out``       ``model.layers.{i}.mlp.gate_proj`` / ``up_proj`` / ``down_proj``
-``ln_f.weight``                                         ``model.norm.weight``
-``ff_out.weight`` (absent with ``weight_tying``)        ``lm_head.weight``
-=====================================================  ================================================
+==========================================  =========================================================
+LLaDA (``model.transformer.``…)              Llama (``model.layers.{i}.`` for the blocks)
+==========================================  =========================================================
+``wte.weight``                              ``model.embed_tokens.weight``
+``blocks.{i}.attn_norm`` / ``ff_norm``      ``input_layernorm`` / ``post_attention_layernorm``
+``blocks.{i}.q_proj`` / ``k_proj`` / ...    ``self_attn.q_proj`` / ``k_proj`` / ``v_proj``
+``blocks.{i}.attn_out``                     ``self_attn.o_proj``
+``blocks.{i}.ff_proj`` / ``up_proj``        ``mlp.gate_proj`` / ``mlp.up_proj``
+``blocks.{i}.ff_out``                       ``mlp.down_proj``
+``ln_f.weight``                             ``model.norm.weight``
+``ff_out.weight`` (none with weight_tying)  ``lm_head.weight``
+==========================================  =========================================================
 
 Its training loss is the MDLM ELBO: ``t ~ U(ε, 1)``, each token masked with probability ``t``, cross-entropy on the
 masked tokens weighted ``1/t`` — ``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm")`` (its SFT keeps
@@ -73,7 +74,7 @@ class LLaDALM(NativeDiffusionLM):
         d, heads = int(source["d_model"]), int(source["n_heads"])
         kv = 1 if source.get("multi_query_attention") else int(source.get("n_kv_heads") or heads)
         hidden = source.get("mlp_hidden_size") or int(source.get("mlp_ratio", 4)) * d
-        return LlamaConfig(
+        settings: dict[str, Any] = dict(  # **: rope_theta and attn_implementation are keywords transformers reads
             vocab_size=int(source.get("embedding_size") or source["vocab_size"]), hidden_size=d,
             intermediate_size=int(hidden), num_hidden_layers=int(source["n_layers"]), num_attention_heads=heads,
             num_key_value_heads=kv, hidden_act="silu", max_position_embeddings=int(source["max_sequence_length"]),
@@ -81,6 +82,7 @@ class LLaDALM(NativeDiffusionLM):
             attention_bias=False, mlp_bias=False, tie_word_embeddings=bool(source.get("weight_tying", False)),
             eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id"), bos_token_id=None,
             use_cache=False, attn_implementation="sdpa")
+        return LlamaConfig(**settings)
 
     @classmethod
     def backbone_class(cls) -> type[nn.Module]:
