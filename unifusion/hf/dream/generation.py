@@ -18,12 +18,13 @@ never is.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from ... import _validation as V
+from ...denoiser import Denoiser
 
 __all__ = ["ALGORITHMS", "diffusion_generate"]
 
@@ -65,7 +66,7 @@ def _candidates(logits: torch.Tensor, alg: str, temperature: float, top_p: float
     return confidence, token
 
 
-def diffusion_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int, steps: int = 512,
+def diffusion_generate(model: Denoiser, prompt_ids: torch.Tensor, *, max_new_tokens: int, steps: int = 512,
                        alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = "origin",
                        attention_mask: torch.Tensor | None = None, eps: float = 1e-3, temperature: float = 0.0,
                        top_p: float | None = None, top_k: int | None = None, alg_temp: float | None = None,
@@ -94,6 +95,8 @@ def diffusion_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: 
     steps = V.check_positive_int("steps", steps)
     generator = V.check_generator(generator)
     mask_id = model.mask_token_id
+    if mask_id is None:
+        raise ValueError(f"model: Dream's sampler reveals masked positions; {type(model).__name__} has no mask token")
     B, P = prompt_ids.shape
     x = F.pad(prompt_ids, (0, new), value=mask_id)
     if attention_mask is not None:
