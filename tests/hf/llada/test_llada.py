@@ -47,12 +47,25 @@ def test_logits_equal_their_modeling_code_on_a_padded_batch(model, ref):
     torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=1e-5)
 
 
+RUNS = json.loads((FIXTURES / "generate_runs.json").read_text())
+
+
 @pytest.mark.parametrize("run", ["semi_ar", "one_block"])
 def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, run):
-    gen, block, steps = json.loads((FIXTURES / "generate_runs.json").read_text())[run]
+    gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
     out = model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
                          policy=LowConfidence(), block_size=block, num_steps=steps // (gen // block),
                          do_sample=False, eos_token_id=None)
+    assert torch.equal(out, ref[f"generate_{run}"])
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_generate_reference_equals_their_generate_py_token_for_token(model, ref, run):
+    """Greedy, Gumbel-max sampled (their global seed = our generator's seed), guided, random remasking."""
+    kwargs = dict(RUNS[run])
+    generator = torch.Generator().manual_seed(kwargs.pop("seed", 0))
+    out = model.generate_reference(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"],
+                                   generator=generator, **kwargs)
     assert torch.equal(out, ref[f"generate_{run}"])
 
 

@@ -27,8 +27,9 @@ the prompt clean: ``prompt_mask=``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from ..native import NativeDiffusionLM
@@ -104,6 +105,21 @@ class LLaDALM(NativeDiffusionLM):
         if not source.get("weight_tying", False):
             names["model.transformer.ff_out.weight"] = "lm_head.weight"
         return names
+
+    def generate_reference(self, prompt_ids: torch.Tensor, *, steps: int = 128, gen_length: int = 128,
+                           block_length: int = 128, temperature: float = 0.0, cfg_scale: float = 0.0,
+                           remasking: Literal["low_confidence", "random"] = "low_confidence",
+                           attention_mask: torch.Tensor | None = None,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+        """LLaDA's own sampler (its ``generate.py``, :func:`unifusion.hf.llada.generation.llada_generate`): Gumbel-max
+        sampling with the confidence at temperature 1, classifier-free guidance (``cfg_scale``), ``remasking``
+        ``"low_confidence"`` or ``"random"``; ``(B, P + gen_length)`` token ids, LLaDA's tokens for the same
+        random stream. Greedy low-confidence decoding is also :meth:`generate` with ``LowConfidence()``."""
+        from .generation import llada_generate
+
+        return llada_generate(self, prompt_ids, attention_mask=attention_mask, steps=steps, gen_length=gen_length,
+                              block_length=block_length, temperature=temperature, cfg_scale=cfg_scale,
+                              remasking=remasking, generator=generator)
 
 
 def wrap(model: nn.Module, **kwargs: Any) -> NativeDiffusionLM:
