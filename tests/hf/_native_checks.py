@@ -165,3 +165,29 @@ def check_bad_checkpoints(cls: type, fixtures: Path, tmp_path: Path, mask_id: in
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "no_such_dllm"}))
     with pytest.raises(ValueError, match="known model types: .*'Dream'.*'llada'"):
         uf.load_diffusion_lm(folder)
+
+
+def check_prefix_cache(model: Any, ref: dict[str, torch.Tensor]) -> None:
+    """``cache_refresh=1`` gives the uncached tokens; a cached step on an unchanged sequence gives the full forward's
+    logits (positions, padding and shift of the window right); ``cache_refresh=2`` saves forwards."""
+    from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    kw = {"attention_mask": attn, "max_new_tokens": 8, "block_size": 4, "do_sample": False, "eos_token_id": None}
+    for policy in (LowConfidence(), ConfidenceThreshold(0.5)):
+        assert torch.equal(model.generate(prompt, policy=policy, cache_refresh=1, **kw),
+                           model.generate(prompt, policy=policy, **kw))
+    out = model.generate(prompt, policy=LowConfidence(), num_steps=4, cache_refresh=2, return_dict=True, **kw)
+    assert out.sequences.shape == (2, 13) and not bool((out.sequences[:, 5:] == model.mask_token_id).any())
+    decoder = model.prefix_decoder(13, 2)
+    state = decoder.start_blocks(prompt, attn.bool())
+    block = torch.tensor([[model.mask_token_id, 7, model.mask_token_id, 9]] * 2)
+    rows, t = torch.arange(2), torch.full((2,), 0.5)
+    full = decoder.denoise_block(state, block, t, rows, None)  # the refresh: a full forward
+    cached = decoder.denoise_block(state, block, t, rows, None)  # the window against the cache
+    x = torch.full((2, 13), model.mask_token_id)
+    x[:, :5], x[:, 5:9] = prompt, block
+    with torch.no_grad():
+        direct = model(x, attention_mask=torch.cat([attn, torch.ones(2, 8, dtype=attn.dtype)], 1))[:, 5:9]
+    torch.testing.assert_close(full, direct, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, direct, rtol=1e-5, atol=1e-4)

@@ -47,6 +47,7 @@ from .ar.attention import AttentionPattern, select_strategy
 from .ar.families import family_for
 from .checkpoint import CheckpointMixin
 from .native_checkpoint import build_backbone, load_weights, read_source_config, save_weights
+from .native_decoding import NativePrefixCache
 
 __all__ = ["GENERATION_CONFIG_NAME", "KeyPaddingPattern", "NativeDiffusionLM"]
 
@@ -195,26 +196,48 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
 
     # -- the forward pass ------------------------------------------------------------------------------------------
 
+    def position_ids(self, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """The backbone's position ids ``(B, L)`` for the real-token mask ``valid`` ``(B, L)`` (``None``: the column
+        index, transformers' default): the count of real tokens before each column for a kind that says so (Dream's
+        ``tok_idx``; pads at 1), else ``None``."""
+        if valid is None or not self.positions_count_real_tokens:
+            return None
+        return (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+
+    def x0_sources(self, valid: torch.Tensor | None, batch_size: int, length: int,
+                   device: torch.device) -> torch.Tensor | None:
+        """The column whose hidden state predicts each column ``(B, L)`` int64: ``max(i − 1, first real column)`` for
+        a shifted kind, ``None`` (column i itself) for an unshifted one."""
+        if not self.shifted:
+            return None
+        source = (torch.arange(length, device=device) - 1).expand(batch_size, length)
+        first = torch.zeros(batch_size, 1, dtype=torch.long, device=device) if valid is None else \
+            valid.long().argmax(-1, keepdim=True)
+        return torch.maximum(source, first)
+
+    def backbone_hidden(self, x_t: torch.Tensor, valid: torch.Tensor | None, *, use_cache: bool = False) -> Any:
+        """The backbone's output on ``x_t`` ``(B, L)`` with full attention over the real tokens ``valid`` ``(B, L)``
+        (``None``: all real) and the kind's position ids: ``last_hidden_state`` ``(B, L, d)`` and, with
+        ``use_cache``, ``cache`` (a transformers ``DynamicCache``)."""
+        B, L = x_t.shape
+        pattern = KeyPaddingPattern(B, L, valid, device=x_t.device)
+        strategy = select_strategy(family_for(self.backbone_family), self.config, pattern, dtype=self.dtype)
+        return self.backbone.model(input_ids=x_t, position_ids=self.position_ids(valid), use_cache=use_cache,
+                                   **strategy.kwargs(pattern))
+
     def hidden_states(self, x_t: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states read by each column's x0 prediction ``(B, L, d)``: the backbone's, shifted one
         column right for a shifted kind (module docstring)."""
         B, L = x_t.shape
         valid = None if attention_mask is None else attention_mask.to(x_t.device, torch.bool)
-        pattern = KeyPaddingPattern(B, L, valid, device=x_t.device)
-        strategy = select_strategy(family_for(self.backbone_family), self.config, pattern, dtype=self.dtype)
-        position_ids = None
-        if valid is not None and self.positions_count_real_tokens:
-            position_ids = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)  # Dream's tok_idx
-        out = self.backbone.model(input_ids=x_t, position_ids=position_ids, use_cache=False,
-                                  **strategy.kwargs(pattern))
-        h = out.last_hidden_state
-        if not self.shifted:
-            return h
-        source = (torch.arange(L, device=x_t.device) - 1).expand(B, L)
-        first = torch.zeros(B, 1, dtype=torch.long, device=x_t.device) if valid is None else \
-            valid.long().argmax(-1, keepdim=True)
-        source = torch.maximum(source, first)
-        return h.gather(1, source.unsqueeze(-1).expand(B, L, h.shape[-1]))
+        h = self.backbone_hidden(x_t, valid).last_hidden_state
+        source = self.x0_sources(valid, B, L, x_t.device)
+        return h if source is None else h.gather(1, source.unsqueeze(-1).expand(B, L, h.shape[-1]))
+
+    def prefix_decoder(self, seq_len: int, refresh: int) -> NativePrefixCache:
+        """Fast-dLLM's approximate dual cache (:class:`~unifusion.hf.native_decoding.NativePrefixCache`):
+        ``generate(..., policy=..., cache_refresh=refresh)``; ``refresh=1`` gives the uncached tokens."""
+        return NativePrefixCache(self, seq_len, refresh)
 
     def forward(self, x_t: torch.Tensor, t: Any = None, *, attention_mask: torch.Tensor | None = None,
                 bidirectional_prob: float = 1.0, generator: torch.Generator | None = None,

@@ -85,6 +85,10 @@ def test_diffusion_generate_samples_with_a_generator(model, ref):
         model.diffusion_generate(ref["prompt_ids"], alg="nope", **kwargs)
 
 
+def test_prefix_cache_is_exact_at_refresh_1_and_its_cached_step_equals_the_forward(model, ref):
+    checks.check_prefix_cache(model, ref)
+
+
 def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
     expected, defined = their_x0_logits(ref)
     checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, expected, defined)

@@ -77,6 +77,10 @@ def test_other_policies_generate_and_keep_the_prompt(model, ref):
         assert out.shape == (2, 13) and torch.equal(out[:, :5], prompt) and not bool((out[:, 5:] == MASK).any())
 
 
+def test_prefix_cache_is_exact_at_refresh_1_and_its_cached_step_equals_the_forward(model, ref):
+    checks.check_prefix_cache(model, ref)
+
+
 def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
     checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, ref["logits"],
                                                     torch.ones_like(ref["input_ids"], dtype=torch.bool))
