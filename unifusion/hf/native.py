@@ -376,7 +376,10 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
         source = config.to_dict()
         source["model_type"] = cls.model_type
         state = model.state_dict()
-        backbone = build_backbone(cls.backbone_class(), cls.backbone_config(source), cls.weight_names(source),
-                                  ((k, functools.partial(state.__getitem__, k)) for k in state), None,
-                                  type(model).__name__)
+        names = cls.weight_names(source)
+        mapped = {state[k].data_ptr() for k in state if k in names}
+        aliases = {k for k in state if k not in names and state[k].data_ptr() in mapped}  # tied weights' second name
+        backbone = build_backbone(cls.backbone_class(), cls.backbone_config(source), names,
+                                  ((k, functools.partial(state.__getitem__, k)) for k in state if k not in aliases),
+                                  None, type(model).__name__)
         return cls(backbone, source, **kwargs)

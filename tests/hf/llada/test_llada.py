@@ -107,14 +107,16 @@ def test_bad_checkpoints_are_value_errors_naming_the_problem(tmp_path):
 
 def test_wrap_diffusion_lm_moves_their_models_tensors_onto_llama(ref):
     class Theirs(torch.nn.Module):  # stands in for their LLaDAModelLM: its config and its state dict's names
-        def __init__(self) -> None:
+        def __init__(self, tied: bool = False) -> None:
             super().__init__()
             from transformers import PretrainedConfig
 
             config = json.loads((FIXTURES / "checkpoint" / "config.json").read_text())
-            self.config = PretrainedConfig(**{k: v for k, v in config.items() if k != "model_type"})
+            self.config = PretrainedConfig(**{**config, "weight_tying": tied, "model_type": None})
             self.config.model_type = "llada"
             self.weights = load_file(str(FIXTURES / "checkpoint" / "model.safetensors"))
+            if tied:  # their tie_weights makes ff_out the embedding: one tensor under two names
+                self.weights["model.transformer.ff_out.weight"] = self.weights["model.transformer.wte.weight"]
 
         def state_dict(self, *args, **kwargs):  # type: ignore[override]
             return self.weights
@@ -127,3 +129,9 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_llama(ref):
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
                                    rtol=0, atol=1e-5)
+    tied = wrap_diffusion_lm(Theirs(tied=True))
+    assert tied.backbone.lm_head.weight is tied.backbone.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="unexpected weights \\['extra'\\]"):
+        extra = Theirs()
+        extra.weights["extra"] = torch.zeros(1)
+        wrap_diffusion_lm(extra)
