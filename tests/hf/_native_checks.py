@@ -191,3 +191,21 @@ def check_prefix_cache(model: Any, ref: dict[str, torch.Tensor]) -> None:
         direct = model(x, attention_mask=torch.cat([attn, torch.ones(2, 8, dtype=attn.dtype)], 1))[:, 5:9]
     torch.testing.assert_close(full, direct, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, direct, rtol=1e-5, atol=1e-4)
+
+
+def check_trace_replay(model: Any, ref: dict[str, torch.Tensor]) -> None:
+    """``uf.rl.sequence_logprob(estimator="trace")`` replays the log-probabilities a sampled ``generate`` committed
+    with (left-padded prompts, two blocks; uncached and with the prefix cache at refresh 1)."""
+    from unifusion.samplers.policies import LowConfidence
+
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    for extra in ({}, {"cache_refresh": 1}):
+        out = model.generate(prompt, attention_mask=attn, max_new_tokens=8, block_size=4, num_steps=2,
+                             policy=LowConfidence(), eos_token_id=None, temperature=0.8, return_trace=True,
+                             generator=[torch.Generator().manual_seed(i) for i in range(2)], **extra)
+        completion = out.commit_step >= 0
+        valid = torch.cat([attn, torch.ones(2, 8, dtype=attn.dtype)], 1)
+        with torch.no_grad():
+            r = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step,
+                                       temperature=0.8, attention_mask=valid)
+        torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-4, rtol=0)

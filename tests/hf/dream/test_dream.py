@@ -89,6 +89,10 @@ def test_prefix_cache_is_exact_at_refresh_1_and_its_cached_step_equals_the_forwa
     checks.check_prefix_cache(model, ref)
 
 
+def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
+    checks.check_trace_replay(model, ref)
+
+
 def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
     expected, defined = their_x0_logits(ref)
     checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, expected, defined)

@@ -81,6 +81,10 @@ def test_prefix_cache_is_exact_at_refresh_1_and_its_cached_step_equals_the_forwa
     checks.check_prefix_cache(model, ref)
 
 
+def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
+    checks.check_trace_replay(model, ref)
+
+
 def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
     checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, ref["logits"],
                                                     torch.ones_like(ref["input_ids"], dtype=torch.bool))
