@@ -22,9 +22,9 @@ positions) and its mapping onto the transformers architecture (:meth:`NativeDiff
 written back in the kind's own layout (:mod:`unifusion.hf.native_checkpoint`).
 
 **Training objective.** Under :class:`~unifusion.MaskKernel` with the linear schedule (α_t = 1 − t, the default
-kernel), the ELBO is ``E_t E_{x_t} [(1/t) Σ_{i masked} −log x_θ(x0_i | x_t)_i]`` — the MDLM loss, which is LLaDA's
-and Dream's pre-training loss (``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm")``; ``"gidd"`` with ELBO
-weights gives the same value, Corollary 3.4).
+kernel), the ELBO is ``E_t E_{x_t} [(1/t) Σ_{i masked} −log x_θ(x0_i | x_t)_i]`` — the MDLM loss, LLaDA's
+pre-training and SFT loss (``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm")``; ``"gidd"`` with ELBO
+weights gives the same value, Corollary 3.4; Dream's own fine-tuning reweights it, :mod:`unifusion.hf.dream.model`).
 """
 
 from __future__ import annotations

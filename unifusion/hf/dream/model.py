@@ -8,8 +8,11 @@ generate passes position ids that count the real tokens (``cumsum(mask) − 1``)
 models; pad 151643, EOS 151643). Its weight names are Qwen2's own (``model.layers.{i}.self_attn.q_proj.weight``,
 ...), so the mapping is the identity.
 
-Its training loss is the MDLM ELBO with ``1/t`` weights (Dream adds a context-adaptive reweighting in pre-training,
-CART, which unifusion does not reproduce): ``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm")``.
+Its training loss here is the MDLM ELBO with ``1/t`` weights, ``uf.diffusion_loss(model, x0, model.kernel,
+objective="mdlm")``. Dream's own fine-tuning (dllm's Dream trainer) weights the masked tokens by CART instead (a
+geometric kernel over the masked neighbours, ``p = 0.3``), which is not an ELBO weighting and which unifusion does not
+reproduce; it also prepends BOS to every row so that the first token has a predecessor column (here the first token
+reads its own column: keep it in the prompt, or start rows with BOS).
 """
 
 from __future__ import annotations
