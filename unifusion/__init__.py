@@ -21,7 +21,7 @@ from importlib import metadata as _metadata
 
 from . import backend, cpu_linears, distill, eval, hf, losses, precision, rl, samplers, schedules, validation
 from .conversions import convert_x0_to
-from .hf import DiffusionLM, adapt_ar_model, wrap_diffusion_lm
+from .hf import DiffusionLM, adapt_ar_model, load_diffusion_lm, wrap_diffusion_lm
 from .kernels import GeneratorKernel, HybridKernel, Kernel, MaskKernel, UniformKernel
 from .losses import bregman_rate_loss
 from .rates import ReverseRate
@@ -54,6 +54,7 @@ __all__ = [
     "distill",
     "eval",
     "hf",
+    "load_diffusion_lm",
     "losses",
     "precision",
     "sample_times",

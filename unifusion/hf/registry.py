@@ -39,8 +39,8 @@ import torch
 
 from ..denoiser import Denoiser
 
-__all__ = ["load_registered", "registered_model_type", "register_diffusion_lm", "supported_diffusion_lms",
-           "wrap_diffusion_lm"]
+__all__ = ["load_diffusion_lm", "load_registered", "registered_model_type", "register_diffusion_lm",
+           "supported_diffusion_lms", "wrap_diffusion_lm"]
 
 Wrapper = Callable[..., Denoiser]
 Loader = Callable[..., Denoiser]
@@ -95,6 +95,42 @@ def load_registered(directory: str | os.PathLike[str], **kwargs: Any) -> Denoise
         raise ValueError(f"directory: {str(directory)!r} is not a checkpoint folder of a registered diffusion LM "
                          f"(config.json with model_type in {sorted(_LOADERS)})")
     return _LOADERS[model_type](directory, **kwargs)
+
+
+def load_diffusion_lm(directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
+                      device: torch.device | str | None = None, **kwargs: Any) -> Denoiser:
+    """Load a released diffusion LM's checkpoint folder (its own ``config.json``
+    and safetensors shards, no ``trust_remote_code``) as the unifusion model of its kind, chosen by the
+    ``config.json``'s ``model_type``.
+
+    Args:
+        directory: the checkpoint folder (theirs, or one the model's ``save_pretrained`` wrote).
+        dtype: floating dtype of the weights (``torch.bfloat16`` or ``"bfloat16"``); default the saved one.
+        device: where to put the model; default the CPU.
+        **kwargs: passed to the kind's loader (``load_tokenizer=False``, ...).
+
+    Returns:
+        The kind's model (a :class:`~unifusion.denoiser.Denoiser`) in eval mode, with its kernel.
+
+    Raises:
+        ValueError: the folder is missing or holds no ``config.json``, or its ``model_type`` is not a registered kind
+            (the message lists the known ones); what the kind's loader raises (weights that do not match the config,
+            a mask id that contradicts it).
+    """
+    path = Path(directory)
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"directory: {str(directory)!r} is not a checkpoint folder (no config.json); known diffusion "
+                         f"LM model types: {sorted(_LOADERS)}")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"directory: {str(config)!r} is not a readable config ({err})") from None
+    if model_type not in _LOADERS:
+        raise ValueError(f"directory: {str(directory)!r} has model_type {model_type!r}, not a known diffusion LM; "
+                         f"known model types: {sorted(_LOADERS)} (adapt an autoregressive model with "
+                         "unifusion.adapt_ar_model)")
+    return _LOADERS[model_type](path, dtype=dtype, device=device, **kwargs)
 
 
 def wrap_diffusion_lm(model: torch.nn.Module, **kwargs: Any) -> Denoiser:

@@ -1,0 +1,117 @@
+"""Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
+
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--json out.json]
+
+For each kind (LLaDA, Dream) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536,
+9 heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
+``config.json`` and weight names, what ``save_pretrained`` writes) and as the backbone's transformers folder
+(``LlamaForCausalLM`` / ``Qwen2ForCausalLM``). Each load then runs in a fresh process (so the page cache is warm but
+nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder,
+dtype=...)``, timing the call; then every weight is read once (memory-mapped weights become resident) and the growth
+of the process's resident memory over its size before the call is divided by the weights' size (the resident memory
+after loading, not the peak during it). Targets (issue 41):
+time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SOURCES = {
+    "llada": {"model_type": "llada", "d_model": 576, "n_heads": 9, "n_kv_heads": 3, "n_layers": 30,
+              "mlp_hidden_size": 1536, "embedding_size": 49152, "vocab_size": 49152, "max_sequence_length": 2048,
+              "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "weight_tying": False, "mask_token_id": 49151,
+              "eos_token_id": 0, "pad_token_id": 0, "block_type": "llama", "layer_norm_type": "rms",
+              "activation_type": "silu", "rope": True, "alibi": False, "include_bias": False},
+    "Dream": {"model_type": "Dream", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
+              "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
+}
+
+CHILD = r"""
+import json, resource, sys, time
+import torch
+import unifusion as uf
+which, folder, dtype, backbone = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3]), sys.argv[4]
+import transformers
+cls = getattr(transformers, backbone)
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+base = resident()
+t0 = time.perf_counter()
+model = uf.load_diffusion_lm(folder, dtype=dtype) if which == "unifusion" else cls.from_pretrained(folder, dtype=dtype)
+seconds = time.perf_counter() - t0
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+touched = [p.detach().sum() for p in model.parameters()]  # memory-mapped weights become resident
+grown = resident() - base
+print(json.dumps({"seconds": seconds, "weights_bytes": weights, "resident_growth_bytes": grown}))
+"""
+
+
+def write_folders(root: Path, dtype: str) -> dict[str, tuple[Path, Path, str]]:
+    import torch
+
+    import unifusion as uf
+
+    folders = {}
+    for kind, source in SOURCES.items():
+        cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
+        torch.manual_seed(0)
+        model = cls.from_source(source)
+        model.backbone.to(getattr(torch, dtype))
+        theirs, native = root / f"{kind}_layout", root / f"{kind}_native"
+        theirs.mkdir(parents=True)
+        model.save_checkpoint_files(theirs)
+        model.backbone.save_pretrained(native)
+        folders[kind] = (theirs, native, type(model.backbone).__name__)
+    return folders
+
+
+def measure(which: str, folder: Path, dtype: str, backbone: str) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, which, str(folder), dtype, backbone],
+                         capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    report = {}
+    with tempfile.TemporaryDirectory(prefix="unifusion-load-") as tmp:
+        for kind, (theirs, native, backbone) in write_folders(Path(tmp), args.dtype).items():
+            runs = {which: [measure(which, folder, args.dtype, backbone) for _ in range(args.repeats)]
+                    for which, folder in (("unifusion", theirs), ("transformers", native))}
+            row = {which: {"seconds_median": statistics.median(r["seconds"] for r in rs),
+                           "resident_over_weights": max(r["resident_growth_bytes"] for r in rs)
+                           / rs[0]["weights_bytes"]}
+                   for which, rs in runs.items()}
+            row["time_ratio"] = row["unifusion"]["seconds_median"] / row["transformers"]["seconds_median"]
+            row["weights_mib"] = runs["unifusion"][0]["weights_bytes"] / 2**20
+            report[kind] = row
+            print(f"{kind}: {row['weights_mib']:.0f} MiB of weights; unifusion "
+                  f"{row['unifusion']['seconds_median']:.3f} s, transformers "
+                  f"{row['transformers']['seconds_median']:.3f} s (ratio {row['time_ratio']:.2f}); "
+                  f"resident / weights: unifusion "
+                  f"{row['unifusion']['resident_over_weights']:.2f}, transformers "
+                  f"{row['transformers']['resident_over_weights']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

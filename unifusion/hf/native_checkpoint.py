@@ -1,0 +1,197 @@
+"""The checkpoint folders of the released diffusion LMs, read lazily and written back in their own layout.
+
+A released checkpoint folder holds the kind's ``config.json`` (its own keys and ``model_type``) and its weights as
+safetensors — one ``model.safetensors``, or shards listed by ``model.safetensors.index.json`` — under its own names.
+:func:`load_weights` builds the transformers backbone on the ``meta`` device (no memory), then reads the shards one
+tensor at a time, renames each (the kind's ``weight_names``), casts it to the dtype asked and puts it in place: the
+peak is the weights in that dtype plus one tensor. A weight the mapping does not know, or one it expects and no
+shard holds, is a ``ValueError`` naming them. :func:`save_weights` writes the kind's ``config.json`` and the
+weights under its names (sharded past ``max_shard_bytes``, with the index), which the kind's own modeling code
+(``trust_remote_code``) loads with identical weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "build_backbone", "load_weights", "read_source_config", "resolve_dtype",
+           "save_weights"]
+
+WEIGHTS_FILE = "model.safetensors"
+"""The single-file weights of a checkpoint folder."""
+
+INDEX_NAME = "model.safetensors.index.json"
+"""The index of a sharded checkpoint (``weight_map``: weight name → shard file)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a floating ``torch.dtype`` (``"bfloat16"`` or ``torch.bfloat16``), or ``None`` (the saved one)."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype: expected a floating torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def read_source_config(path: Path, model_type: str) -> dict[str, Any]:
+    """The folder's ``config.json`` as a dict; ``ValueError`` when there is none or it names another model type."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"directory: {str(path)!r} holds no config.json (a {model_type!r} checkpoint folder has one)")
+    source = json.loads(config.read_text(encoding="utf-8"))
+    if not isinstance(source, dict) or source.get("model_type") != model_type:
+        found = source.get("model_type") if isinstance(source, dict) else type(source).__name__
+        raise ValueError(f"directory: {str(path)!r} is not a {model_type!r} checkpoint (config.json model_type = "
+                         f"{found!r})")
+    return source
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (path / f).is_file()]
+        if absent:
+            raise ValueError(f"directory: {INDEX_NAME} lists shards that are not in {str(path)!r}: {absent[:4]}")
+        return [path / f for f in files]
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    raise ValueError(f"directory: {str(path)!r} holds neither {WEIGHTS_FILE} nor {INDEX_NAME} (safetensors weights; "
+                     "convert a pytorch_model.bin checkpoint with transformers' save_pretrained first)")
+
+
+def _rebuild_meta_buffers(module: nn.Module, config: Any) -> None:
+    """Recompute the non-persistent buffers left on ``meta`` (the rotary embeddings' ``inv_freq``) on the CPU by
+    building their modules again from ``config``; ``ValueError`` if some other tensor is still on ``meta``."""
+    for name, sub in list(module.named_modules()):
+        if any(b.is_meta for b in sub.buffers(recurse=False)) and hasattr(sub, "inv_freq"):
+            module.set_submodule(name, type(sub)(config=config))
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"checkpoint: no weights for {left[:8]}")
+
+
+def _shard_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """``(name, read)`` for every tensor of the shards, each read only when asked for (one shard open at a time)."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, functools.partial(f.get_tensor, key)
+
+
+def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str, str],
+                   tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], dtype: torch.dtype | str | None,
+                   where: str) -> Any:
+    """``backbone_class(config)`` built on the ``meta`` device, its parameters the ``tensors`` renamed by ``names``.
+
+    Args:
+        backbone_class: a transformers ``*ForCausalLM`` class.
+        config: its config.
+        names: ``{name in the checkpoint: parameter name in the backbone}``, every weight the checkpoint must hold.
+        tensors: ``(name in the checkpoint, read)`` pairs; ``read()`` gives the tensor (called once, for known
+            names only).
+        dtype: the floating dtype of the weights, or ``None`` (each tensor's own).
+        where: what the tensors are, for the messages (a folder, a model).
+
+    Raises:
+        ValueError: a tensor the mapping does not know (unexpected), a weight it expects that is not among the
+            tensors (missing), or a tensor of the wrong shape.
+    """
+    want = resolve_dtype(dtype)
+    with torch.device("meta"):
+        backbone: Any = backbone_class(config)
+    params = dict(backbone.named_parameters())
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for key, read in tensors:
+        if key not in names:
+            unexpected.append(key)
+            continue
+        target = names[key]
+        if target not in params:
+            raise ValueError(f"checkpoint: {key!r} maps to {target!r}, which the backbone does not have")
+        tensor = read()
+        if tuple(tensor.shape) != tuple(params[target].shape):
+            raise ValueError(f"checkpoint: {key!r} has shape {tuple(tensor.shape)} in {where}, its config says "
+                             f"{tuple(params[target].shape)}")
+        if want is not None and tensor.dtype != want:
+            tensor = tensor.to(want)
+        owner, _, leaf = target.rpartition(".")
+        backbone.get_submodule(owner)._parameters[leaf] = nn.Parameter(tensor)
+        seen.add(key)
+    missing = sorted(set(names) - seen)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint: {where} does not match its config: missing weights "
+                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected weights "
+                         f"{sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if getattr(config, "tie_word_embeddings", False):
+        backbone.tie_weights()
+    _rebuild_meta_buffers(backbone, config)
+    backbone.config.dtype = backbone.lm_head.weight.dtype
+    return backbone
+
+
+def load_weights(backbone_class: type[nn.Module], config: Any, names: dict[str, str], path: Path,
+                 dtype: torch.dtype | str | None) -> Any:
+    """The backbone ``backbone_class(config)`` with the folder's weights (module docstring), in ``dtype`` (default
+    the saved one), on the CPU: :func:`build_backbone` over the folder's shards, read one tensor at a time.
+
+    Raises:
+        ValueError: no safetensors weights, or what :func:`build_backbone` raises.
+    """
+    files = _weight_files(path)
+    return build_backbone(backbone_class, config, names, _shard_tensors(files), dtype, repr(str(path)))
+
+
+def save_weights(backbone: nn.Module, source: dict[str, Any], names: dict[str, str], path: Path, *,
+                 max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``source`` (the kind's ``config.json``, its dtype entry set to the weights') and the backbone's weights
+    under the kind's names ``names`` (``{their name: parameter name}``) into the folder ``path``: one
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``. Weight
+    files of an earlier save in the folder are replaced."""
+    from safetensors.torch import save_file
+
+    params = dict(backbone.named_parameters(remove_duplicate=False))
+    absent = sorted(ours for ours in names.values() if ours not in params)
+    if absent:
+        raise ValueError(f"model: the backbone lacks the weights {absent[:8]} its checkpoint layout names")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for theirs, ours in names.items():
+        tensor = params[ours].detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][theirs] = tensor
+        size += nbytes
+    for old in [*path.glob("model*.safetensors"), path / INDEX_NAME]:
+        if old.is_file():
+            old.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    else:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    config = dict(source)
+    dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
