@@ -69,12 +69,12 @@ def write_folders(root: Path, dtype: str) -> dict[str, tuple[Path, Path, str]]:
         cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
         torch.manual_seed(0)
         model = cls.from_source(source)
-        model.backbone.to(getattr(torch, dtype))
+        model.hf_model.to(getattr(torch, dtype))
         theirs, native = root / f"{kind}_layout", root / f"{kind}_native"
         theirs.mkdir(parents=True)
         model.save_checkpoint_files(theirs)
-        model.backbone.save_pretrained(native)
-        folders[kind] = (theirs, native, type(model.backbone).__name__)
+        model.hf_model.save_pretrained(native)
+        folders[kind] = (theirs, native, type(model.hf_model).__name__)
     return folders
 
 

@@ -53,6 +53,11 @@ MODEL_ANY_ALLOWED: dict[str, str] = {
         "reached through nn.Module.__getattr__, which types them Tensor | Module"),
     "unifusion.hf.diffusion_gemma.wrapped:WrappedDiffusionGemma.base_model": (
         "the same model as DiffusionGemmaLM.base_model, as the protocol its helper modules read declares it"),
+    "unifusion.hf.native:NativeDiffusionLM.hf_model": (
+        "transformers' *ForCausalLM (Llama, Qwen2): its submodules (model, lm_head) are reached through "
+        "nn.Module.__getattr__, which types them Tensor | Module"),
+    "unifusion.hf.native_decoding:PrefixCachedLM.hf_model": (
+        "the same model as NativeDiffusionLM.hf_model, as the protocol the cache reads declares it"),
 }
 
 

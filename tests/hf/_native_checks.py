@@ -128,7 +128,7 @@ def check_sharded_lazy_load_in_the_dtype_asked(cls: type, fixtures: Path, tmp_pa
     model = cls.from_pretrained(fixtures / "checkpoint")
     folder = tmp_path / "sharded"
     folder.mkdir()
-    save_weights(model.backbone, model.source_config, cls.weight_names(model.source_config), folder,
+    save_weights(model.hf_model, model.source_config, cls.weight_names(model.source_config), folder,
                  max_shard_bytes=20_000)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2

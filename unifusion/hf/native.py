@@ -6,7 +6,7 @@ A released diffusion LM is a decoder-only transformer trained as an x0 predictor
 transformers already has (LLaDA's is Llama's, Dream's is Qwen2's) with two changes: attention is bidirectional, and
 the logits may be **shifted** (Dream keeps the AR head: the logits at column ``i − 1`` predict token ``i``) or not
 (LLaDA: column ``i`` predicts token ``i``). :class:`NativeDiffusionLM` is that model as a unifusion
-:class:`~unifusion.denoiser.Denoiser`: it holds the transformers ``*ForCausalLM`` (``backbone``) and reads
+:class:`~unifusion.denoiser.Denoiser`: it holds the transformers ``*ForCausalLM`` (``hf_model``) and reads
 
     x_θ(· | x_t)_i = softmax(W h_{s(i)}),   s(i) = i (unshifted),   s(i) = max(i − 1, first_i) (shifted),
 
@@ -45,6 +45,7 @@ from ..losses.fused_linear import fused_linear_diffusion_loss
 from ..samplers import generation
 from .ar.attention import AttentionPattern, select_strategy
 from .ar.families import family_for
+from .backbone import BackboneMethods
 from .checkpoint import CheckpointMixin
 from .native_checkpoint import build_backbone, load_weights, read_source_config, save_weights
 from .native_decoding import NativePrefixCache
@@ -89,7 +90,7 @@ def _row_times(t: Any, x_t: torch.Tensor) -> torch.Tensor:
     return t_.reshape(-1).expand(B) if t_.numel() == 1 else t_.reshape(B)
 
 
-class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
+class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstract=True):
     """A released diffusion LM on a transformers backbone, as an x0 denoiser over its ``V`` tokens (module docstring).
 
     A kind subclasses it with its class attributes and the two mapping hooks; build one with the kind's
@@ -97,7 +98,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
     ``from_source(config, backbone)``.
 
     Attributes:
-        backbone: the transformers ``*ForCausalLM`` (``.model`` the decoder, ``.lm_head`` the head).
+        hf_model: the transformers ``*ForCausalLM`` (``.model`` the decoder, ``.lm_head`` the head).
         source_config: the kind's own ``config.json`` as a dict (what :meth:`save_pretrained` writes back).
         mask_token_id: the mask token ``m`` (the config's ``mask_token_id``).
         kernel: :class:`~unifusion.MaskKernel` ``(V, m)`` with the linear schedule unless set.
@@ -115,13 +116,13 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
     backbone_family: ClassVar[str] = "llama"
     """The transformers family of the backbone (:func:`unifusion.hf.family_for`: how it takes attention masks)."""
 
-    backbone: Any  # a transformers *ForCausalLM (its methods are not typed through nn.Module)
+    hf_model: Any  # a transformers *ForCausalLM (its methods are not typed through nn.Module)
     config: Any  # the backbone's PretrainedConfig
 
     def __init__(self, backbone: nn.Module, source_config: dict[str, Any], *, tokenizer: Any = None,
                  kernel: Any = None) -> None:
         super().__init__()
-        self.backbone = backbone
+        self.hf_model = backbone
         self.config = backbone.config
         self.source_config = dict(source_config)
         self.generation_source: dict[str, Any] | None = None  # the folder's generation_config.json, written back
@@ -135,6 +136,11 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
         self.kernel: Any = kernel if kernel is not None else MaskKernel(self.vocab_size, self.mask_token_id)
 
     # -- the kind's hooks -------------------------------------------------------------------------------------------
+
+    def backbone(self) -> Any:
+        """The transformers ``*ForCausalLM`` (:attr:`hf_model`) that the trainer-facing methods of
+        :class:`~unifusion.hf.backbone.BackboneMethods` (gradient checkpointing, input embeddings, ...) act on."""
+        return self.hf_model
 
     @classmethod
     def backbone_config(cls, source: dict[str, Any]) -> Any:
@@ -167,7 +173,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
     @property
     def vocab_size(self) -> int:
         """Token ids the model reads and logit columns it writes (``V = S``)."""
-        return int(self.backbone.lm_head.out_features)
+        return int(self.hf_model.lm_head.out_features)
 
     @property
     def num_states(self) -> int:
@@ -187,7 +193,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding ``W`` ``(V, d)``."""
-        return self.backbone.lm_head.weight
+        return self.hf_model.lm_head.weight
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """``W h``: logits ``(..., V)`` of final hidden states ``(..., d)`` (in the weights' dtype, as the reference
@@ -222,7 +228,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
         B, L = x_t.shape
         pattern = KeyPaddingPattern(B, L, valid, device=x_t.device)
         strategy = select_strategy(family_for(self.backbone_family), self.config, pattern, dtype=self.dtype)
-        return self.backbone.model(input_ids=x_t, position_ids=self.position_ids(valid), use_cache=use_cache,
+        return self.hf_model.model(input_ids=x_t, position_ids=self.position_ids(valid), use_cache=use_cache,
                                    **strategy.kwargs(pattern))
 
     def hidden_states(self, x_t: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,7 +328,7 @@ class NativeDiffusionLM(CheckpointMixin, DenoiserModule, abstract=True):
         """Write the kind's own folder: its ``config.json`` (:attr:`source_config`, ``torch_dtype`` the weights'
         dtype), the weights under its names, and ``generation_config.json`` (the folder's own when loaded from one, else
         its special token ids), so that its own modeling code loads them."""
-        save_weights(self.backbone, self.source_config, self.weight_names(self.source_config), path)
+        save_weights(self.hf_model, self.source_config, self.weight_names(self.source_config), path)
         generation = self.generation_source or {
             "_from_model_config": True,
             **{k: self.source_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -24,7 +24,7 @@ class PrefixCachedLM(Protocol):
     """What the cache reads of :class:`~unifusion.hf.native.NativeDiffusionLM` (which imports this module)."""
 
     mask_token_id: int | None
-    backbone: Any
+    hf_model: Any
 
     @property
     def shifted(self) -> bool: ...
@@ -120,7 +120,7 @@ class NativePrefixCache:
                    else positions_full[:, lo:hi])
             allowed = torch.cat([state.key_valid[:, None, :].expand(Ba, hi - lo, n),
                                  state.key_valid.new_ones((Ba, hi - lo, hi - lo))], -1)[:, None]
-            out = model.backbone.model(input_ids=x[:, lo:hi], position_ids=pos, cache=state.cache,
+            out = model.hf_model.model(input_ids=x[:, lo:hi], position_ids=pos, cache=state.cache,
                                        attention_mask=_mask_for(model, allowed), use_cache=True)
             state.cache.crop(-(hi - lo))  # the cached columns stay as the last refresh wrote them
             h, offset = out.last_hidden_state, lo
@@ -150,7 +150,7 @@ def _select_columns(cache: Any, keep: torch.Tensor) -> Any:
 
 def _mask_for(model: PrefixCachedLM, allowed: torch.Tensor) -> torch.Tensor:
     """``allowed`` ``(B, 1, q, k)`` as the backbone's attention takes it: boolean for SDPA, additive for eager."""
-    if str(getattr(model.backbone.config, "_attn_implementation", "sdpa")) == "eager":
+    if str(getattr(model.hf_model.config, "_attn_implementation", "sdpa")) == "eager":
         blocked = torch.finfo(model.dtype).min
         return torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device).masked_fill_(~allowed, blocked)
     return allowed

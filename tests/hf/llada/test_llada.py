@@ -129,12 +129,12 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_llama(ref):
     wrapped = wrap_diffusion_lm(theirs)
     assert type(wrapped) is LLaDALM
     embed = theirs.weights["model.transformer.wte.weight"]
-    assert wrapped.backbone.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
+    assert wrapped.hf_model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
                                    rtol=0, atol=1e-5)
     tied = wrap_diffusion_lm(Theirs(tied=True))
-    assert tied.backbone.lm_head.weight is tied.backbone.model.embed_tokens.weight
+    assert tied.hf_model.lm_head.weight is tied.hf_model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="unexpected weights \\['extra'\\]"):
         extra = Theirs()
         extra.weights["extra"] = torch.zeros(1)
