@@ -327,3 +327,37 @@ def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() ->
 
     assert {"DiffusionSFTTrainer", "DiffusionGRPOTrainer", "DiffusionGRPOConfig"} <= set(module.__all__)
     assert not hasattr(uf.rl, "trl")
+
+
+@pytest.mark.parametrize("kind", ["llada", "dream"])
+def test_two_steps_on_a_released_diffusion_lm_kind(tmp_path, tokenizer, kind) -> None:
+    """The trainer on LLaDA / Dream (unifusion.hf.native kinds, bidirectional, no blocks): two steps with the mean-field
+    ELBO estimator, transformers' generate on the backbone raising (no autoregressive rollout), the policy trained."""
+    import json
+
+    source = json.loads((ROOT / "tests" / "hf" / kind / "fixtures" / "checkpoint" / "config.json").read_text())
+    V = len(tokenizer) + 1
+    source.update(vocab_size=V, mask_token_id=V - 1, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if kind == "llada":
+        source["embedding_size"] = V
+    cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
+    torch.manual_seed(0)
+    model = cls.from_source(source, tokenizer=tokenizer)
+    hf_cls = type(model.hf_model)
+
+    def hf_generate(self, *args, **kwargs):
+        raise AssertionError("transformers' causal generate was called")
+
+    model.hf_model.__class__ = type(f"NoCausal{hf_cls.__name__}", (hf_cls,), {"generate": hf_generate})
+    args = DiffusionGRPOConfig(str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=G,
+                               max_completion_length=8, report_to=[], use_cpu=True, save_strategy="no",
+                               logging_steps=1, learning_rate=1e-2, beta=0.1, seed=3, num_steps=4,
+                               decoding_policy="low_confidence", estimator="elbo", num_samples=2)
+    trainer = DiffusionGRPOTrainer(model, reward_funcs=mean_id, args=args,
+                                   train_dataset=Dataset.from_list(PROMPTS * 4), processing_class=tokenizer)
+    before = model.hf_model.lm_head.weight.detach().clone()
+    assert trainer.train().global_step == 2
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert not torch.equal(before, model.hf_model.lm_head.weight)

@@ -137,6 +137,12 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
 
     # -- the kind's hooks -------------------------------------------------------------------------------------------
 
+    @property
+    def generation_config(self) -> Any:
+        """The backbone's ``transformers.GenerationConfig`` (what TRL's trainers read of a model, and
+        ``generate(..., generation_config=model.generation_config)`` takes)."""
+        return getattr(self.hf_model, "generation_config", None)
+
     def backbone(self) -> Any:
         """The transformers ``*ForCausalLM`` (:attr:`hf_model`) that the trainer-facing methods of
         :class:`~unifusion.hf.backbone.BackboneMethods` (gradient checkpointing, input embeddings, ...) act on."""
