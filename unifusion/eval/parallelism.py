@@ -127,8 +127,8 @@ def plot_parallelism(curves: Mapping[str, Sequence[tuple[float, float]]], out_pn
         curves: ``{method: [(tokens per forward, accuracy %), ...]}``; a method with one point is a single marker.
         out_png: the image to write (its folder is created).
         max_accuracy: AUP's y_max; default the best accuracy over all curves (d3LLM's choice per task).
-        alpha, max_drop: AUP's α and Δ (:func:`accuracy_under_parallelism`). A curve that falls more than Δ has no
-            AUP; its legend entry says so.
+        alpha: AUP's α (:func:`accuracy_under_parallelism`).
+        max_drop: AUP's Δ; a curve that falls more than Δ has no AUP, and its legend entry says so.
         title: the axes title (``None`` for none).
 
     Returns:
