@@ -169,6 +169,19 @@ def test_cached_decoding_with_the_learned_rule_equals_uncached(model, P):
     assert torch.equal(one.num_forwards, torch.full((B,), nb))
 
 
+def test_prefix_cache_refreshed_every_step_equals_uncached_with_the_learned_rule(model):
+    """A fully bidirectional model: the approximate dual cache at refresh 1 is the uncached computation, so it
+    commits what the uncached path commits (PrefixCacheDecoder.denoise_block_hidden)."""
+    head, _, _ = _trained_head(model)
+    plain = uf.adapt_ar_model(tiny_model("llama", seed=0), mask_token_id=MASK_ID).eval()
+    kw = dict(max_new_tokens=8, policy=LearnedCommit(head, 0.6), block_size=K, do_sample=False, eos_token_id=None,
+              return_dict=True)
+    cached = plain.generate(_prompts(2, 3), cache_refresh=1, **kw)
+    uncached = plain.generate(_prompts(2, 3), use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert torch.equal(cached.num_forwards, uncached.num_forwards)
+
+
 def test_save_and_load(tmp_path, model):
     head, data, _ = _trained_head(model)
     path = head.save(tmp_path / "sub" / "commit_head.safetensors")
