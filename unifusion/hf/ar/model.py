@@ -422,8 +422,6 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
             if tuple(clean.shape) != (B, L):
                 raise ValueError(f"clean: expected shape {(B, L)} like x_t, got {tuple(clean.shape)}")
             t_blocks = None if t is None else blocks.block_times(t, B, nb, x_t.device)
-        if t_blocks is None and self.time_conditioning:
-            raise ValueError("t: needed with time conditioning and for the fused loss, got None")
         return x_t, t_blocks, gamma, attention_mask, clean
 
     def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
