@@ -230,22 +230,20 @@ def _label(steps: list[dict[str, torch.Tensor]]) -> CommitRuleData:
     block: dict[int, int] = {}  # row -> index of its current block
     open_after: dict[int, bool] = {}  # row -> whether its block still had masked positions after its last step
     final: dict[tuple[int, int, int], int] = {}  # (row, block, position) -> committed token
-    where: list[tuple[int, int, int]] = []  # per step and row: (step index, row, block)
-    for i, s in enumerate(steps):
+    where: list[list[tuple[int, int]]] = []  # per step, per running row: (row, block)
+    for s in steps:
         left = (s["undecided"] & ~s["commit"]).any(-1).tolist()
+        where.append([])
         for a, r in enumerate(s["rows"].tolist()):
             if not open_after.get(r, False):
                 block[r] = block.get(r, -1) + 1
             open_after[r] = left[a]
-            where.append((i, r, block[r]))
+            where[-1].append((r, block[r]))
             for j in s["commit"][a].nonzero().flatten().tolist():
                 final[(r, block[r], j)] = int(s["tokens"][a, j])
     hidden, conf, label = [], [], []
-    k = 0
-    for s in steps:
-        for a in range(s["rows"].shape[0]):
-            _, r, b = where[k]
-            k += 1
+    for s, rows in zip(steps, where):
+        for a, (r, b) in enumerate(rows):
             for j in s["undecided"][a].nonzero().flatten().tolist():
                 token = final.get((r, b, j))
                 if token is None:  # never committed: the fill after EOS
