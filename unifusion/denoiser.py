@@ -114,10 +114,11 @@ class HiddenStateBlockDenoiser(BlockDenoiser, Protocol):
 
 class HiddenStateModel(Protocol):
     """An x0 model that also gives its final hidden states and its output head apart (``DiffusionLM``, a block
-    model's ``block_forward()``): ``logits_from_hidden(hidden_states(x_t, t, **options))`` is the model's logits —
-    what a policy that reads hidden states needs on the uncached path."""
+    model's ``block_forward()``): ``logits_from_hidden(hidden_states(x_t, t, attention_mask=m))`` is the model's
+    logits — what a policy that reads hidden states needs on the uncached path."""
 
-    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor, **options: Any) -> torch.Tensor:
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """The final hidden states ``(B, L, d)``, row i predicting ``x^i`` as the logits' row i."""
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
