@@ -214,6 +214,9 @@ def test_bad_input_names_the_argument(model):
         collect_commit_data(model, torch.zeros(4, dtype=torch.long), max_new_tokens=4)
     with pytest.raises(ValueError, match="data"):
         train_commit_head(head, CommitRuleData(torch.zeros(0, 32), torch.zeros(0), torch.zeros(0, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="weight_decay"):
+        train_commit_head(head, CommitRuleData(torch.zeros(1, 32), torch.zeros(1), torch.ones(1, dtype=torch.bool)),
+                          weight_decay=-1.0)
     with pytest.raises(ValueError, match="steps"):
         train_commit_head(head, CommitRuleData(torch.zeros(1, 32), torch.zeros(1), torch.ones(1, dtype=torch.bool)),
                           steps=0)

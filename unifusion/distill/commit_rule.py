@@ -304,9 +304,10 @@ def collect_commit_data(model: DecodableModel, prompt_ids: torch.Tensor, *, max_
 
 
 def train_commit_head(head: CommitHead, data: CommitRuleData, *, steps: int = 300, lr: float = 1e-3,
-                      batch_size: int = 512, generator: torch.Generator | None = None) -> list[float]:
-    """Fit ``head`` to ``data`` by binary cross-entropy (Adam; minibatches drawn with ``generator``); only the head's
-    parameters are optimised. Returns the loss of every step."""
+                      batch_size: int = 512, weight_decay: float = 0.0,
+                      generator: torch.Generator | None = None) -> list[float]:
+    """Fit ``head`` to ``data`` by binary cross-entropy (AdamW with ``weight_decay``; minibatches drawn with
+    ``generator``); only the head's parameters are optimised. Returns the loss of every step."""
     if not isinstance(head, CommitHead):
         raise TypeError(f"head: expected a CommitHead, got {type(head).__name__}")
     if not isinstance(data, CommitRuleData) or len(data) == 0:
@@ -316,10 +317,13 @@ def train_commit_head(head: CommitHead, data: CommitRuleData, *, steps: int = 30
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr: expected a positive float, got {lr!r}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
+            math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay: expected a float >= 0, got {weight_decay!r}")
     device = head.inner.weight.device
     hidden, conf = data.hidden.to(device), data.confidence.to(device)
     target = data.label.to(device=device, dtype=torch.float32)
-    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     head.train()
     for _ in range(steps):
