@@ -21,7 +21,7 @@ Recipe (``pip install "unifusion[trl]"``)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from trl import SFTTrainer
@@ -42,4 +42,4 @@ class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.set_diffusion_options(kernel, loss_kwargs)
         # TRL types model as str | PreTrainedModel | PeftModel; a DiffusionLM is an nn.Module it trains the same way
-        super().__init__(model=model, args=args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(model=cast(Any, model), args=args, **kwargs)
