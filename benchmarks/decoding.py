@@ -7,7 +7,10 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
   every forward over all P + N + 1 positions;
 * ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
-  each step runs the block's K + 1 positions, one more forward appends each finished block;
+  each step runs the block's K + 1 positions, one more forward appends each finished block. ``generate``'s default
+  path: on the CPU its linears run through oneDNN with prepacked weights (:mod:`unifusion.cpu_linears`), and every
+  timed call packs them afresh (the packed copies are dropped before each call), so the one-time packing is counted
+  in each row; ``..., unpacked`` is the same decoder with ``packed_linears=False`` (torch's default matmuls);
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
 * ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block
   enters the cache within the next block's first step (no forward of its own; the same tokens);
@@ -165,8 +168,21 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
                            do_sample=False, use_cache=True, pad_token_id=0)
 
+    def fresh(fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` after dropping the block model's kept packed weights: the call packs them again (counted)."""
+        def call() -> Any:
+            uf.cpu_linears.release_packed(block)
+            return fn()
+        return call
+
     t_ar, _ = _best(ar, args.repeats)
     rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
+    if block.device.type == "cpu" and uf.cpu_linears.packing_available():
+        start = time.perf_counter()
+        with uf.cpu_linears.packed_linears(block, batch_hint=K):
+            pack = time.perf_counter() - start
+        print(f"N = {N}: packing the block model's linears for oneDNN takes {pack:.3f} s (counted in each "
+              "generate row below)", flush=True)
     steps = max(N // 4, 1)
     t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
                                              generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
@@ -174,20 +190,29 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
     rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
     model, tag = block, f"block {K} + cache"
     for r in args.rates:
-        def fixed(r: int = r) -> Any:
+        def fixed(r: int = r, packed: bool | None = None) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
-                                  eos_token_id=None, return_dict=True,
+                                  eos_token_id=None, return_dict=True, packed_linears=packed,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
-        t, out = _best(fixed, args.repeats)
+        t, out = _best(fresh(fixed), args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, {r}/fwd", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))
+        if r == 4:
+            t, plain_out = _best(lambda: fixed(4, False), args.repeats)
+            same = "same tokens" if torch.equal(plain_out.sequences, out.sequences) else "OTHER TOKENS"
+            rows.append((N, f"{tag}, {r}/fwd, unpacked ({same})", t, str(f), float(out.tokens_per_forward[0]),
+                         per_forward * f))
     sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
                             block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
     full = torch.cat([prompt, torch.full((1, N), -1, device=prompt.device)], 1)
-    t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
-                                          generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
+    def merged() -> Any:
+        with uf.cpu_linears.packed_linears(block, batch_hint=K):  # what generate does on the CPU, packing counted
+            return sampler.sample(1, P + N, prompt=full, return_dict=True,
+                                  generator=torch.Generator(prompt.device).manual_seed(0))
+
+    t, out = _best(merged, args.repeats)
     f = int(out.num_forwards[0])
     rows.append((N, f"{tag}, merged commits, 4/fwd", t, str(f), float(out.tokens_per_forward[0]),
                  per_forward * f))
@@ -197,7 +222,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
                                   return_dict=True,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
-        t, out = _best(thr, args.repeats)
+        t, out = _best(fresh(thr), args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, thr {tau}", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))
@@ -222,6 +247,10 @@ def _print(rows: list[Row]) -> None:
     for N, name, t, forwards, rate, full in rows:
         vs_full = f"{full / t:7.2f}x" if full is not None and name.startswith(("block", "dual", "no block")) else ""
         print(f"{N:>5}  {name:<48} {t:8.3f} {forwards:>12} {rate:8.2f} {t / ar_time[N]:6.2f}x {vs_full:>8}")
+    for N, name, t, *_ in rows:
+        if name.endswith("+ cache, 4/fwd"):
+            print(f"N = {N}: generate of the block model at 4 tokens per forward (the default path, packing counted) "
+                  f"takes {t / ar_time[N]:.2f}x the AR time")
     print("vs AR: wall time / AR's (lower is faster); vs full: full-sequence time at the same number of forwards / "
           "this row's (higher is faster). Forwards count every backbone call: prefill and commit passes included.")
 

@@ -125,6 +125,7 @@ def test_sft_tiny_trains_saves_reloads_and_samples(tiny_run):
 
 @NEEDS_BLOCKS
 @pytest.mark.distributed
+@pytest.mark.ci_only  # the training loop's DDP/FSDP2 equivalence is tests/test_examples.py's; this is the SFT script's
 @pytest.mark.parametrize("dist", ["ddp", "fsdp2"])
 def test_sft_tiny_distributed_matches_one_process(tiny_run, tmp_path, dist):
     expected = _losses(tiny_run[0])
@@ -138,6 +139,7 @@ def test_sft_tiny_distributed_matches_one_process(tiny_run, tmp_path, dist):
 
 @NEEDS_BLOCKS
 @pytest.mark.slow
+@pytest.mark.ci_only  # the script on the real model; the tiny run above covers its code
 def test_sft_smollm2_instruct_smoke_run(tmp_path):
     stdout = _run(["--max-steps", "2", "--seq-len", "64", "--micro-batch", "1", "--sample-steps", "2",
                    "--max-new-tokens", "32", "--dtype", "float32", "--out", str(tmp_path)])

@@ -26,6 +26,7 @@ forward. ``enabled=None`` decides from the machine: oneDNN present with these tw
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,7 +36,7 @@ from torch import nn
 
 from .precision import native_bf16
 
-__all__ = ["packed_linears", "packing_available"]
+__all__ = ["packed_linears", "packing_available", "release_packed"]
 
 
 def packing_available() -> bool:
@@ -45,23 +46,39 @@ def packing_available() -> bool:
         hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
+class _Pack:
+    """One layer's weight in oneDNN's packed layout and the weight state it was packed from (:func:`_weight_key`)."""
+
+    __slots__ = ("packed", "key", "batch_hint")
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
+        self.batch_hint = batch_hint
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.key = _weight_key(weight)
+
+    def current(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed weight, packed again first when ``weight`` was updated in place or replaced since."""
+        key = _weight_key(weight)
+        if key != self.key:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+            self.key = key
+        return self.packed
+
+
+_KEPT: weakref.WeakKeyDictionary[nn.Linear, _Pack] = weakref.WeakKeyDictionary()
+"""The packs that ``packed_linears(..., keep=True)`` keeps between blocks, per layer (weakly: they go with the
+layer; :func:`release_packed` drops them)."""
+
+
 class _PackedForward:
     """The replacement ``forward`` of one ``nn.Linear``: ``y = x Wᵀ + b`` with ``W`` in oneDNN's packed layout.
 
     ``x`` ``(..., in)`` → ``(..., out)``; rows are flattened to ``(M, in)`` for the call.
     """
 
-    def __init__(self, layer: nn.Linear, batch_hint: int) -> None:
+    def __init__(self, layer: nn.Linear, pack: _Pack) -> None:
         self.layer = layer
-        self.batch_hint = batch_hint
-        self.packed: torch.Tensor | None = None
-        self.key: tuple[int, int] = (-1, -1)
-        self.repack()
-
-    def repack(self) -> None:
-        weight = self.layer.weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
-        self.key = _weight_key(weight)
+        self.pack = pack
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -69,11 +86,9 @@ class _PackedForward:
         if (x.dtype != weight.dtype or x.device != weight.device or x.numel() == 0
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return nn.Linear.forward(layer, x)
-        if _weight_key(weight) != self.key:
-            self.repack()
         bias = None if layer.bias is None else layer.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, bias,
-                                               "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), self.pack.current(weight),
+                                               bias, "none", [], "")
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -87,13 +102,14 @@ def _eligible(layer: nn.Module) -> bool:
     if type(layer) is not nn.Linear or "forward" in layer.__dict__:
         return False
     weight = layer.weight
-    if weight.device.type != "cpu":
-        return False
+    if type(weight) not in (nn.Parameter, torch.Tensor) or weight.device.type != "cpu":
+        return False  # a tensor subclass (FSDP2's DTensor, a quantised weight) keeps its own matmul
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16("cpu"))
 
 
 @contextmanager
-def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint: int = 16) -> Iterator[int]:
+def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint: int = 16,
+                   keep: bool = False) -> Iterator[int]:
     """Run the CPU ``nn.Linear`` layers of ``module`` through oneDNN with prepacked weights inside the block (module
     docstring); yields how many layers it routes (0 when disabled or none qualifies).
 
@@ -109,6 +125,12 @@ def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint
             operators is a ``RuntimeError``; ``False`` — a no-op.
         batch_hint: the row count oneDNN tunes the packed layout for (any count works; 16 covers a merged block step
             of blocks of 8).
+        keep: keep each layer's packed weight after the block, for the next block to reuse while the weight is
+            unchanged (its ``_version`` and storage; a weight updated or replaced since is packed again at its first
+            call): the reorder is paid once, the packed copy stays in memory until :func:`release_packed` or the
+            layer goes. What :meth:`unifusion.hf.DiffusionLM.generate` does on the CPU by default. Weights that are
+            inference tensors (made under ``torch.inference_mode``, whose in-place updates there move no version
+            counter) are packed again at every block instead.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -116,6 +138,8 @@ def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint
         raise TypeError(f"enabled: expected None or a bool, got {type(enabled).__name__}")
     if isinstance(batch_hint, bool) or not isinstance(batch_hint, int) or batch_hint < 1:
         raise ValueError(f"batch_hint: expected a positive int, got {batch_hint!r}")
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep: expected a bool, got {type(keep).__name__}")
     available = packing_available()
     if enabled and not available:
         raise RuntimeError("packed_linears(enabled=True): this torch build has no oneDNN linear operators "
@@ -126,11 +150,37 @@ def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint
             for layer in module.modules():
                 if _eligible(layer):
                     assert isinstance(layer, nn.Linear)
-                    layer.forward = _PackedForward(layer, batch_hint)  # type: ignore[method-assign,assignment]
+                    forward = _PackedForward(layer, _pack(layer, batch_hint, keep))
+                    layer.forward = forward  # type: ignore[method-assign,assignment]
                     routed.append(layer)
         yield len(routed)
     finally:
         for layer in routed:
-            forward: Any = layer.__dict__.get("forward")
-            if isinstance(forward, _PackedForward):
+            installed: Any = layer.__dict__.get("forward")
+            if isinstance(installed, _PackedForward):
                 del layer.forward
+
+
+def _pack(layer: nn.Linear, batch_hint: int, keep: bool) -> _Pack:
+    """``layer``'s pack: the kept one when ``keep`` and it was made for ``batch_hint`` (packed again at its first call
+    if the weight changed since), else a new one, kept when ``keep`` and the weight is not an inference tensor."""
+    kept = _KEPT.get(layer) if keep else None
+    if kept is not None and kept.batch_hint == batch_hint:
+        return kept
+    pack = _Pack(layer.weight, batch_hint)
+    if keep and not layer.weight.is_inference():
+        _KEPT[layer] = pack
+    return pack
+
+
+def release_packed(module: nn.Module) -> int:
+    """Drop the packed weights that ``packed_linears(module, keep=True)`` (and so ``DiffusionLM.generate`` on the CPU)
+    kept for the layers of ``module``; returns how many it dropped. Called by ``DiffusionLM.train()``: a model being
+    trained changes its weights, and its next generate packs them again."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    dropped = 0
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and _KEPT.pop(layer, None) is not None:
+            dropped += 1
+    return dropped
