@@ -8,9 +8,9 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
 * ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
   each step runs the block's K + 1 positions, one more forward appends each finished block. ``generate``'s default
-  path: on the CPU its linears run through oneDNN with prepacked weights (:mod:`unifusion.cpu_linears`), and every
-  timed call packs them afresh (the packed copies are dropped before each call), so the one-time packing is counted
-  in each row; ``..., unpacked`` is the same decoder with ``packed_linears=False`` (torch's default matmuls);
+  path: on the CPU its linears run through oneDNN with weights packed at the start of each call
+  (:mod:`unifusion.cpu_linears`), so the packing is counted in each row; ``..., unpacked`` is the same decoder with
+  ``packed_linears=False`` (torch's default matmuls);
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
 * ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block
   enters the cache within the next block's first step (no forward of its own; the same tokens);
@@ -168,13 +168,6 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N,
                            do_sample=False, use_cache=True, pad_token_id=0)
 
-    def fresh(fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn`` after dropping the block model's kept packed weights: the call packs them again (counted)."""
-        def call() -> Any:
-            uf.cpu_linears.release_packed(block)
-            return fn()
-        return call
-
     t_ar, _ = _best(ar, args.repeats)
     rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
     if block.device.type == "cpu" and uf.cpu_linears.packing_available():
@@ -195,7 +188,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
                                   eos_token_id=None, return_dict=True, packed_linears=packed,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
-        t, out = _best(fresh(fixed), args.repeats)
+        t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, {r}/fwd", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))
@@ -222,7 +215,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
                                   return_dict=True,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
-        t, out = _best(fresh(thr), args.repeats)
+        t, out = _best(thr, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, thr {tau}", t, str(f), float(out.tokens_per_forward[0]),
                      per_forward * f))

@@ -169,26 +169,27 @@ def _spy_calls(monkeypatch) -> list[int]:
 
 
 def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -> None:
-    """``generate`` of a block model on the CPU in eval mode runs the packed linears without being asked, decodes
-    the same tokens as ``packed_linears=False``, and keeps the packs for the next call (packed once); training mode,
-    a model without blocks and ``packed_linears=False`` run the layers' own forward."""
+    """``generate`` of a block model on the CPU in eval mode runs the packed linears without being asked and decodes
+    the same tokens as ``packed_linears=False``; each call packs every layer once (tuned to the block size) and
+    leaves the layers plain. Training mode, a model without blocks and ``packed_linears=False`` run the layers' own
+    forward."""
     calls = _spy_calls(monkeypatch)
     model = _block_model()
     ref = _decode(model, packed_linears=False)
     assert not calls
     reorders = []
-    real_pack = cpu_linears._Pack.__init__
+    real_repack = cpu_linears._PackedForward.repack
 
-    def count_pack(self, weight, batch_hint):
-        reorders.append(batch_hint)
-        real_pack(self, weight, batch_hint)
+    def count_repack(self):
+        reorders.append(self.batch_hint)
+        real_repack(self)
 
-    monkeypatch.setattr(cpu_linears._Pack, "__init__", count_pack)
+    monkeypatch.setattr(cpu_linears._PackedForward, "repack", count_repack)
     assert torch.equal(_decode(model), ref) and calls
-    assert reorders == [4] * LAYERS  # each layer packed once, tuned to the block size
+    assert reorders == [4] * LAYERS
     assert torch.equal(_decode(model), ref)
-    assert len(reorders) == LAYERS  # the second call reuses the kept packs
-    assert not any("forward" in m.__dict__ for m in model.modules())  # the layers are plain again after generate
+    assert reorders == [4] * (2 * LAYERS)  # packed again by the second call: nothing is kept between calls
+    assert not any("forward" in m.__dict__ for m in model.modules())
     calls.clear()
     model.train()
     _decode(model)
@@ -200,9 +201,9 @@ def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -
 
 
 def test_training_after_generate_is_unchanged_and_the_next_generate_sees_the_new_weights() -> None:
-    """Generate (packs kept), then train: the training step's loss and gradients are those of a twin model that
-    never generated; the next generate decodes with the updated weights (packed again), equal to the unpacked
-    path. Also without ``train()`` (an in-place update in eval mode): the version counter moved, so it repacks."""
+    """Generate, then train: the training step's gradients are those of a twin model that never generated; the next
+    generate decodes with the updated weights, equal to the unpacked path — also after an update through ``.data``,
+    which moves no version counter (peft's merge, an EMA swap)."""
     model, twin = _block_model(), _block_model()
     kernel = uf.MaskKernel(VOCAB, 3)
     _decode(model)
@@ -219,18 +220,8 @@ def test_training_after_generate_is_unchanged_and_the_next_generate_sees_the_new
         assert torch.equal(a, b)
     assert torch.equal(_decode(model), _decode(model, packed_linears=False))
     assert not torch.equal(_decode(model), _decode(_block_model(), packed_linears=False))  # the weights moved
-    with torch.no_grad():  # eval mode, no train(): the kept packs are stale and must be refreshed
-        for p in model.parameters():
-            p.mul_(-1.0)
-    assert torch.equal(_decode(model), _decode(model, packed_linears=False))
-
-
-def test_kept_packs_are_released() -> None:
-    model = _block_model()
-    _decode(model)
-    assert cpu_linears.release_packed(model) == LAYERS and cpu_linears.release_packed(model) == 0
-    _decode(model)
-    model.train()  # training mode drops them
-    assert cpu_linears.release_packed(model) == 0
-    with pytest.raises(TypeError, match="module: expected a torch.nn.Module, got str"):
-        cpu_linears.release_packed("model")  # type: ignore[arg-type]
+    before = _decode(model)
+    for p in model.parameters():
+        p.data.mul_(-1.0)
+    after = _decode(model)
+    assert not torch.equal(after, before) and torch.equal(after, _decode(model, packed_linears=False))

@@ -8,8 +8,10 @@ those are on the branch they are skipped (``NEEDS_BLOCKS``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
 import math
 import os
 import re
@@ -101,16 +103,22 @@ def test_sft_rows_and_the_sampling_prompt_match_training(smol_tokenizer):
     assert question in smol_tokenizer.decode(prompt_ids[0]) and reference == conversation[-1]["content"]
 
 
-def test_sft_prints_help():
-    out = _run(["--help"])
+def test_sft_prints_help(capsys):
+    with pytest.raises(SystemExit) as exited:
+        _sft().main(["--help"])
+    assert exited.value.code in (0, None)
+    out = capsys.readouterr().out
     assert "--block-size" in out and "--packing" in out and "--max-steps" in out
 
 
 # ------------------------------------------------------------------------------------------------ runs (merge)
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """The tiny recipe's one-process run, its ``main`` called in this process: (what it printed, its folder)."""
     out = tmp_path_factory.mktemp("sft")
-    return _run([*TINY, "--out", str(out)]), out
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert _sft().main([*TINY, "--out", str(out)]) == 0
+    return printed.getvalue(), out
 
 
 @NEEDS_BLOCKS

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -50,9 +50,6 @@ from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
 
 __all__ = ["DiffusionLM", "unwrap_peft"]
-
-_Model = TypeVar("_Model", bound="DiffusionLM")
-
 
 class DiffusionLM(CheckpointMixin, DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
@@ -471,21 +468,21 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
 
         **On the CPU** a block model decodes with its linear layers through oneDNN with prepacked weights
-        (:func:`unifusion.cpu_linears.packed_linears` with ``keep=True``): a cached block step multiplies ``K + 1`` to
+        (:func:`unifusion.cpu_linears.packed_linears` around the call): a cached block step multiplies ``K + 1`` to
         ``2K + 1`` rows by each weight, where the packed layout is several times faster than the default matmul, and
-        the tokens are the same (the sums differ at float32 rounding). The packing is paid at the first call (about
-        0.3 s for SmolLM2-135M) and kept with the layers for the next calls while the weights are unchanged (an
-        updated weight is packed again at its next use; :meth:`train` drops the packed copies, which double the
-        linear weights' memory). ``packed_linears``: ``None`` (default) — so for a block model on the CPU in eval
-        mode (``not model.training``) where this torch build has the operators; ``False`` — never; ``True`` — also
-        in training mode (a ``RuntimeError`` where the operators are missing).
+        the tokens are the same (the sums differ at float32 rounding). Each call pays the packing (about 0.3 s for
+        SmolLM2-135M; a second copy of the linear weights while it runs) and leaves nothing on the model, so
+        training after it, or weights changed in any way between calls, need no care. ``packed_linears``: ``None``
+        (default) — so for a block model on the CPU in eval mode (``not model.training``) where this torch build has
+        the operators; ``False`` — never (e.g. many short calls, where the packing costs more than it saves);
+        ``True`` — also in training mode (a ``RuntimeError`` where the operators are missing).
         """
         if packed_linears is not None and not isinstance(packed_linears, bool):
             raise TypeError(f"packed_linears: expected None or a bool, got {type(packed_linears).__name__}")
         if packed_linears is None:
             packed_linears = (self.block_size is not None and self.device.type == "cpu" and not self.training
                               and cpu_linears.packing_available())
-        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16, keep=True):
+        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16):
             return generation.generate(
                 self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
                 block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
@@ -517,14 +514,6 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         current tokens as the clean stream (:class:`~unifusion.hf.ar.decoding.BlockForward`), what :meth:`generate`
         calls with ``use_cache=False``."""
         return BlockForward(self)
-
-    def train(self: _Model, mode: bool = True) -> _Model:
-        """``nn.Module.train``; training mode also drops the packed CPU weights :meth:`generate` kept
-        (:func:`unifusion.cpu_linears.release_packed`): the weights are about to change, and the next generate in
-        eval mode packs them again."""
-        if mode:
-            cpu_linears.release_packed(self)
-        return super().train(mode)
 
     # -- passthroughs -------------------------------------------------------------------------------------------
 
