@@ -42,6 +42,7 @@ def test_help():
     assert "DiffusionGemma" in _run("--help")
 
 
+@pytest.mark.filterwarnings("ignore:save_pretrained. no tokenizer given")  # the tiny model has none
 @pytest.mark.parametrize("flags", [
     [],
     ["--fused", "--self-conditioning", "0.5", "--ar-weight", "0.5", "--freeze-router", "--weighting", "clip"],
