@@ -9,7 +9,9 @@ optimizer state), and the ``save_pretrained`` exports of DDP and FSDP2 reload wi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 import os
 import re
@@ -230,9 +232,15 @@ def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ paper §4.1 / §4.2
+def _main_output(name: str, argv: list[str]) -> str:
+    """What ``examples/<name>.py``'s ``main(argv)`` prints, run in this process (no new interpreter)."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert _load_example(name).main(argv) == 0
+    return printed.getvalue()
+
+
 def test_conversion_paths_runs_all_four_paths():
-    stdout = _run([str(EXAMPLES / "conversion_paths.py"), "--tiny", "--phase-steps", "2", "--eval-blocks", "16",
-                   *FLOAT32])
+    stdout = _main_output("conversion_paths", ["--tiny", "--phase-steps", "2", "--eval-blocks", "16", *FLOAT32])
     for path, kernels in [("AR→mask", ("mask", "mask")), ("AR→uniform", ("uniform", "uniform")),
                           ("AR→mask→uniform", ("mask", "uniform")), ("AR→uniform→mask", ("uniform", "mask"))]:
         for phase, kernel in enumerate(kernels, start=1):
@@ -248,7 +256,7 @@ def test_conversion_paths_runs_all_four_paths():
 
 
 def test_objectives_rate_equivalent_losses_train_identically():
-    stdout = _run([str(EXAMPLES / "objectives.py"), "--tiny", "--steps", "3", "--eval-blocks", "16", *FLOAT32])
+    stdout = _main_output("objectives", ["--tiny", "--steps", "3", "--eval-blocks", "16", *FLOAT32])
     rows = {}
     for line in stdout.split("eval ELBO@0.5")[1].splitlines():
         cells = re.split(r"\s{2,}", line.strip())
@@ -273,8 +281,6 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
     """examples/paper_claims.py at tiny size: each experiment writes its JSON with finite, well-formed results, on
     the library's default backend ("auto") whatever UNIFUSION_BACKEND says; a second process with the same arguments
     reproduces the adaptation's losses bit for bit; ``report`` renders every experiment."""
-    import contextlib
-    import io
     import json
 
     script = str(EXAMPLES / "paper_claims.py")

@@ -51,6 +51,7 @@ from .time_embedding import TimeEmbedding
 
 __all__ = ["DiffusionLM", "unwrap_peft"]
 
+
 class DiffusionLM(CheckpointMixin, DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
