@@ -8,8 +8,8 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
 * ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
   each step runs the block's K + 1 positions, one more forward appends each finished block. ``generate``'s default
-  path: on the CPU, for K <= 16, its linears run through oneDNN with weights packed at the start of each call
-  (:mod:`unifusion.cpu_linears`; the packing counted in each row), for larger K torch's default matmuls; the row
+  path: on the CPU its linears run through oneDNN with weights packed at the start of each call
+  (:mod:`unifusion.cpu_linears`; the packing counted in each row); the row
   ``..., packed`` / ``..., unpacked`` is the same decoder with the other choice of ``packed_linears``;
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
 * ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block
@@ -211,7 +211,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         rows.append((N, f"{tag}, {r}/fwd", t, str(f), float(out.tokens_per_forward[0]),
                      full_at(f)))
         if r == 4:  # the other choice of generate's packed_linears than its default for this block size
-            other = not (K <= 16 and block.device.type == "cpu" and uf.cpu_linears.packing_available())
+            other = not (block.device.type == "cpu" and uf.cpu_linears.packing_available())
             t, other_out = _best(lambda other=other: fixed(4, other), args.repeats)
             same = "same tokens" if torch.equal(other_out.sequences, out.sequences) else "OTHER TOKENS"
             rows.append((N, f"{tag}, {r}/fwd, {'packed' if other else 'unpacked'} ({same})", t, str(f),

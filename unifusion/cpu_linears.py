@@ -10,10 +10,9 @@ went from 2.85 s to about 2.3 s with its layers packed, the block decoder (block
 through ``torch.ops.mkldnn._linear_pointwise`` with its weight packed at entry
 (``torch.ops.mkldnn._reorder_linear_weight``); on exit the layers are as before.
 
-:meth:`unifusion.hf.DiffusionLM.generate` does this by default for a block model with blocks of at most 16 on the CPU
-in eval mode, around each call (``packed_linears=False`` turns it off; at blocks of 32 the 33–65-row steps run as
-fast through torch's matmul on the project's AVX2 CPU, and packing there is a net loss): the reorder is paid by
-every call, and nothing stays on the model after it. Packed copies kept between calls would go stale without
+:meth:`unifusion.hf.DiffusionLM.generate` does this by default for a block model on the CPU in eval mode, around
+each call (``packed_linears=False`` turns it off): the reorder is paid by every call, and nothing stays on the model
+after it. Packed copies kept between calls would go stale without
 notice when a weight is changed through ``.data`` (peft's ``merge_adapter``, an EMA swap with ``p.data.copy_``),
 which moves neither its version counter nor its storage, and a check of the contents costs about as much as the
 reorder (hashing a 1536 × 576 weight took 73 ms against 62 ms to reorder it on the project machine, loaded).

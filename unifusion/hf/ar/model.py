@@ -468,23 +468,23 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
         :class:`~unifusion.samplers.PolicyOutput`. Defaults come from the model: :attr:`kernel` (else
         :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
 
-        **On the CPU** a block model with blocks of at most 16 decodes with its linear layers through oneDNN with
-        prepacked weights (:func:`unifusion.cpu_linears.packed_linears` around the call): a cached block step
-        multiplies ``K + 1`` to ``2K + 1`` rows by each weight, and at 9–17 rows the packed layout is 1.2–1.5× faster
-        than torch's default matmul on the project's AVX2 CPU; at 33–65 rows (blocks of 32) both take the same time
-        and the packing is a net loss, so larger blocks keep the default matmul. The tokens are the same (the sums
-        differ at float32 rounding). Each call pays the packing (about 0.3 s for SmolLM2-135M; a second copy of the
+        **On the CPU** a block model decodes with its linear layers through oneDNN with prepacked weights
+        (:func:`unifusion.cpu_linears.packed_linears` around the call): a cached block step multiplies ``K + 1`` to
+        ``2K + 1`` rows by each weight, and on the project's 2-core AVX2 CPU the packed layout is 1.2–1.5× faster than
+        torch's default matmul at 9–17 rows; at blocks of 32 the whole decode took 4.57 s against 5.13 s with two
+        threads, the packing counted (with one thread the two are even). The tokens are the same (the sums differ at
+        float32 rounding). Each call pays the packing (about 0.3 s for SmolLM2-135M; a second copy of the
         linear weights while it runs) and leaves nothing on the model, so training after it, or weights changed in
-        any way between calls, need no care. ``packed_linears``: ``None`` (default) — so for a block model with
-        ``block_size <= 16`` on the CPU in eval mode (``not model.training``) where this torch build has the
-        operators; ``False`` — never (e.g. many short calls, where the packing costs more than it saves); ``True`` —
-        also for larger blocks and in training mode (a ``RuntimeError`` where the operators are missing).
+        any way between calls, need no care. ``packed_linears``: ``None`` (default) — so for a block model on the CPU in
+        eval mode (``not model.training``) where this torch build has the operators; ``False`` — never (e.g. many
+        short calls, where the packing costs more than it saves); ``True`` — also in training mode (a
+        ``RuntimeError`` where the operators are missing).
         """
         if packed_linears is not None and not isinstance(packed_linears, bool):
             raise TypeError(f"packed_linears: expected None or a bool, got {type(packed_linears).__name__}")
         if packed_linears is None:
-            packed_linears = (self.block_size is not None and self.block_size <= 16 and self.device.type == "cpu"
-                              and not self.training and cpu_linears.packing_available())
+            packed_linears = (self.block_size is not None and self.device.type == "cpu" and not self.training
+                              and cpu_linears.packing_available())
         with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16):
             return generation.generate(
                 self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
