@@ -7,7 +7,10 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
   every forward over all P + N + 1 positions;
 * ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
-  each step runs the block's K + 1 positions, one more forward appends each finished block;
+  each step runs the block's K + 1 positions, one more forward appends each finished block. ``generate``'s default
+  path: on the CPU its linears run through oneDNN with weights packed at the start of each call
+  (:mod:`unifusion.cpu_linears`; the packing counted in each row); the row
+  ``..., packed`` / ``..., unpacked`` is the same decoder with the other choice of ``packed_linears``;
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
 * ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block
   enters the cache within the next block's first step (no forward of its own; the same tokens);
@@ -59,17 +62,22 @@ def _smollm2(dtype: torch.dtype) -> tuple[Any, int]:
     return hf.eval(), int(hf.config.bos_token_id)
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+"""What the rows time: the wall clock, or with ``--clock process`` this process's CPU seconds (``time.process_time``;
+on a machine shared with other work, with one thread, it leaves out the time spent waiting for a core)."""
+
+
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """Best wall time of ``repeats`` calls (CUDA synchronised before and after each) and the last output."""
+    """Best time of ``repeats`` calls (:data:`CLOCK`; CUDA synchronised before and after each) and the last output."""
     best, out = float("inf"), None
     for _ in range(repeats):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = CLOCK()
         out = fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK() - start)
     return best, out
 
 
@@ -87,10 +95,16 @@ def main() -> None:
     parser.add_argument("--approx", action="store_true",
                         help="also the approximate dual cache of a bidirectional model")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, N = 32, P = 8, K = 8, one repeat")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="process: time each row in this process's CPU seconds (a loaded machine; run it with "
+                             "OMP_NUM_THREADS=1)")
+    parser.add_argument("--no-full", action="store_true", help="leave out the full-sequence sampler's row")
     parser.add_argument("--step-costs", action="store_true",
                         help="instead: the median time of one AR step and of one cached block step (K + 1 positions, "
                              "the head on all K or on K/2) for K = 4, 8, 16, 32, against a 48-token prefix")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "process" else time.perf_counter
     if args.quick:
         args.new_tokens, args.prompt_len, args.block_size, args.repeats = [32], 8, 8, 1
         args.rates = [r for r in args.rates if r <= 8]
@@ -167,30 +181,53 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
 
     t_ar, _ = _best(ar, args.repeats)
     rows.append((N, "AR + cache (HF generate)", t_ar, str(N), 1.0, None))
+    if block.device.type == "cpu" and uf.cpu_linears.packing_available():
+        start = CLOCK()
+        with uf.cpu_linears.packed_linears(block, batch_hint=K):
+            pack = CLOCK() - start
+        print(f"N = {N}: packing the block model's linears for oneDNN takes {pack:.3f} s (counted in each "
+              "generate row below)", flush=True)
     steps = max(N // 4, 1)
-    t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
-                                             generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
-    per_forward = t_full / steps
-    rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
+    per_forward: float | None = None
+    if not args.no_full:
+        t_full, _ = _best(lambda: plain.generate(prompt, max_new_tokens=N, num_steps=steps,
+                                                 generator=torch.Generator(prompt.device).manual_seed(0)),
+                          args.repeats)
+        per_forward = t_full / steps
+        rows.append((N, "full-seq Bayesian, 4/fwd", t_full, str(steps), N / steps, t_full))
+
+    def full_at(forwards: int) -> float | None:
+        return None if per_forward is None else per_forward * forwards
+
     model, tag = block, f"block {K} + cache"
     for r in args.rates:
-        def fixed(r: int = r) -> Any:
+        def fixed(r: int = r, packed: bool | None = None) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // r, 1),
-                                  eos_token_id=None, return_dict=True,
+                                  eos_token_id=None, return_dict=True, packed_linears=packed,
                                   generator=torch.Generator(prompt.device).manual_seed(0))
 
         t, out = _best(fixed, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, {r}/fwd", t, str(f), float(out.tokens_per_forward[0]),
-                     per_forward * f))
+                     full_at(f)))
+        if r == 4:  # the other choice of generate's packed_linears than its default for this block size
+            other = not (block.device.type == "cpu" and uf.cpu_linears.packing_available())
+            t, other_out = _best(lambda other=other: fixed(4, other), args.repeats)
+            same = "same tokens" if torch.equal(other_out.sequences, out.sequences) else "OTHER TOKENS"
+            rows.append((N, f"{tag}, {r}/fwd, {'packed' if other else 'unpacked'} ({same})", t, str(f),
+                         float(out.tokens_per_forward[0]), full_at(f)))
     sampler = PolicySampler(BlockCacheDecoder(block, merge_commits=True), uf.MaskKernel(block.num_states,
                             block.mask_token_id), LowConfidence(), num_steps=max(K // 4, 1), block_size=K)
     full = torch.cat([prompt, torch.full((1, N), -1, device=prompt.device)], 1)
-    t, out = _best(lambda: sampler.sample(1, P + N, prompt=full, return_dict=True,
-                                          generator=torch.Generator(prompt.device).manual_seed(0)), args.repeats)
+    def merged() -> Any:
+        with uf.cpu_linears.packed_linears(block, batch_hint=K):  # what generate does on the CPU, packing counted
+            return sampler.sample(1, P + N, prompt=full, return_dict=True,
+                                  generator=torch.Generator(prompt.device).manual_seed(0))
+
+    t, out = _best(merged, args.repeats)
     f = int(out.num_forwards[0])
     rows.append((N, f"{tag}, merged commits, 4/fwd", t, str(f), float(out.tokens_per_forward[0]),
-                 per_forward * f))
+                 full_at(f)))
     for tau in args.thresholds:
         def thr(tau: float = tau) -> Any:
             return model.generate(prompt, max_new_tokens=N, policy=ConfidenceThreshold(tau), eos_token_id=None,
@@ -200,7 +237,7 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         t, out = _best(thr, args.repeats)
         f = int(out.num_forwards[0])
         rows.append((N, f"{tag}, thr {tau}", t, str(f), float(out.tokens_per_forward[0]),
-                     per_forward * f))
+                     full_at(f)))
     if args.approx:
         def approx(refresh: int | None) -> Any:
             return plain.generate(prompt, max_new_tokens=N, policy=LowConfidence(), num_steps=max(K // 4, 1),
@@ -212,17 +249,22 @@ def _measure(N: int, args: Any, hf: Any, plain: Any, block: Any, prompt: torch.T
         agree = float((out.sequences[:, P:] == exact[:, P:]).float().mean())
         f = int(out.num_forwards[0])
         rows.append((N, f"dual cache (approx), 4/fwd, {agree:.0%} = uncached", t, str(f),
-                     float(out.tokens_per_forward[0]), per_forward * f))
+                     float(out.tokens_per_forward[0]), full_at(f)))
     return rows
 
 
 def _print(rows: list[Row]) -> None:
     ar_time = {N: t for N, name, t, *_ in rows if name.startswith("AR")}
-    print(f"{'N':>5}  {'decoder':<48} {'wall s':>8} {'forwards':>12} {'tok/fwd':>8} {'vs AR':>7} {'vs full':>8}")
+    clock = "cpu s" if CLOCK is time.process_time else "wall s"
+    print(f"{'N':>5}  {'decoder':<48} {clock:>8} {'forwards':>12} {'tok/fwd':>8} {'vs AR':>7} {'vs full':>8}")
     for N, name, t, forwards, rate, full in rows:
         vs_full = f"{full / t:7.2f}x" if full is not None and name.startswith(("block", "dual", "no block")) else ""
         print(f"{N:>5}  {name:<48} {t:8.3f} {forwards:>12} {rate:8.2f} {t / ar_time[N]:6.2f}x {vs_full:>8}")
-    print("vs AR: wall time / AR's (lower is faster); vs full: full-sequence time at the same number of forwards / "
+    for N, name, t, *_ in rows:
+        if name.endswith("+ cache, 4/fwd"):
+            print(f"N = {N}: generate of the block model at 4 tokens per forward (the default path, packing counted) "
+                  f"takes {t / ar_time[N]:.2f}x the AR time")
+    print("vs AR: time / AR's (lower is faster); vs full: full-sequence time at the same number of forwards / "
           "this row's (higher is faster). Forwards count every backbone call: prefill and commit passes included.")
 
 

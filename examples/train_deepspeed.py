@@ -110,9 +110,9 @@ def resolve_config(args: argparse.Namespace, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # before importing DeepSpeed (seconds): --help and argument errors answer at once
     import deepspeed
 
-    args = parse_args(argv)
     deepspeed.init_distributed()  # NCCL on GPUs, gloo on CPU (DeepSpeed's accelerator decides)
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0

@@ -2,7 +2,8 @@
 
 Computes the gradient of one global batch's token-mean diffusion loss (a) on one process without any wrapper and
 (b) split across ranks under DDP or FSDP2, normalising by the all-reduced global token count exactly as the docs
-show, and prints the largest gradient difference on rank 0.
+show, and prints the largest gradient difference on rank 0 — for each case named on the command line (``ddp``,
+``fsdp2``; ``ddp:4`` for a block-diffusion model with blocks of 4), all in one launch: ``MAXDIFF <case> <value>``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ def local_loss(model, x0, mask, times, kernel, indices):
     return total, count
 
 
-def main() -> None:
-    mode = sys.argv[1]
-    block_size = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a block-diffusion model (unifusion.hf.ar.blocks)
-    dist.init_process_group("gloo")
+def max_gradient_difference(mode: str, block_size: int | None) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=block_size).train()
@@ -77,8 +75,16 @@ def main() -> None:
     if mode == "fsdp2":  # and one optimizer step trains
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt.step()
-    if rank == 0:
-        print(f"MAXDIFF {worst:.3e}", flush=True)
+    return worst
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    for case in sys.argv[1:]:
+        mode, _, block = case.partition(":")  # ":4": a block-diffusion model (unifusion.hf.ar.blocks)
+        worst = max_gradient_difference(mode, int(block) if block else None)
+        if dist.get_rank() == 0:
+            print(f"MAXDIFF {case} {worst:.3e}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -130,20 +130,101 @@ def test_enabled_true_without_the_operators_raises(monkeypatch) -> None:
         assert n == 0
 
 
+def _block_model() -> uf.DiffusionLM:
+    return uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=4).eval()
+
+
+PROMPT = torch.randint(4, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+LAYERS = 2 * 7 + 1  # 2 layers × (q, k, v, o, gate, up, down) + the head
+
+
+def _decode(model: uf.DiffusionLM, policy=None, **kwargs) -> torch.Tensor:
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(2)]
+    return model.generate(PROMPT, max_new_tokens=12, policy=policy or LowConfidence(), num_steps=2,
+                          eos_token_id=None, generator=gens, **kwargs)
+
+
 @pytest.mark.parametrize("policy", [LowConfidence(), ConfidenceThreshold(0.5)])
 def test_cached_block_decoding_gives_the_same_tokens(policy) -> None:
     """A tiny block model decoded with the KV cache (merged commits, as the demo runs it), fp32: the same tokens
     with and without packed linears under the same generators."""
-    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=4).eval()
-    prompt = torch.randint(4, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
-
-    def run():
-        gens = [torch.Generator().manual_seed(10 + r) for r in range(2)]
-        return model.generate(prompt, max_new_tokens=12, policy=policy, num_steps=2, merge_commits=True,
-                              eos_token_id=None, generator=gens)
-
-    ref = run()
+    model = _block_model()
+    ref = _decode(model, policy, merge_commits=True, packed_linears=False)
     with packed_linears(model) as n:
-        out = run()
-    assert n == 2 * 7 + 1  # 2 layers × (q, k, v, o, gate, up, down) + the head
+        out = _decode(model, policy, merge_commits=True, packed_linears=False)
+    assert n == LAYERS
     assert torch.equal(out, ref)
+
+
+def _spy_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = cpu_linears._PackedForward.__call__
+
+    def spy(self, x):
+        calls.append(x.shape[-2] if x.dim() > 1 else 1)
+        return real(self, x)
+
+    monkeypatch.setattr(cpu_linears._PackedForward, "__call__", spy)
+    return calls
+
+
+def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -> None:
+    """``generate`` of a block model on the CPU in eval mode runs the packed linears without being asked and decodes
+    the same tokens as ``packed_linears=False``; each call packs every layer once (tuned to the block size) and
+    leaves the layers plain. Training mode, a model without blocks and ``packed_linears=False`` run the layers' own
+    forward (``True`` packs in training mode too)."""
+    calls = _spy_calls(monkeypatch)
+    model = _block_model()
+    ref = _decode(model, packed_linears=False)
+    assert not calls
+    reorders = []
+    real_repack = cpu_linears._PackedForward.repack
+
+    def count_repack(self):
+        reorders.append(self.batch_hint)
+        real_repack(self)
+
+    monkeypatch.setattr(cpu_linears._PackedForward, "repack", count_repack)
+    assert torch.equal(_decode(model), ref) and calls
+    assert reorders == [4] * LAYERS
+    assert torch.equal(_decode(model), ref)
+    assert reorders == [4] * (2 * LAYERS)  # packed again by the second call: nothing is kept between calls
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    calls.clear()
+    model.train()
+    _decode(model)
+    bidirectional = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3).eval()
+    _decode(bidirectional)
+    assert not calls
+    model.train()
+    _decode(model, packed_linears=True)  # True: also in training mode
+    assert calls
+    with pytest.raises(TypeError, match="packed_linears: expected None or a bool, got int"):
+        _decode(model, packed_linears=1)
+
+
+def test_training_after_generate_is_unchanged_and_the_next_generate_sees_the_new_weights() -> None:
+    """Generate, then train: the training step's gradients are those of a twin model that never generated; the next
+    generate decodes with the updated weights, equal to the unpacked path — also after an update through ``.data``,
+    which moves no version counter (peft's merge, an EMA swap)."""
+    model, twin = _block_model(), _block_model()
+    kernel = uf.MaskKernel(VOCAB, 3)
+    _decode(model)
+    x0 = torch.randint(4, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for m in (model, twin):
+        m.train()
+        uf.diffusion_loss(m, x0, kernel, generator=torch.Generator().manual_seed(2)).loss.mean().backward()
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+        torch.optim.SGD(m.parameters(), lr=5.0).step()
+        m.eval()
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert torch.equal(_decode(model), _decode(model, packed_linears=False))
+    assert not torch.equal(_decode(model), _decode(_block_model(), packed_linears=False))  # the weights moved
+    before = _decode(model)
+    for p in model.parameters():
+        p.data.mul_(-1.0)
+    after = _decode(model)
+    assert not torch.equal(after, before) and torch.equal(after, _decode(model, packed_linears=False))

@@ -22,6 +22,7 @@ ROW_FIELDS = {"name", "policy", "steps_per_block", "forwards", "tokens_per_forwa
 
 
 @pytest.mark.slow
+@pytest.mark.ci_only  # the command line on the real model; the tiny-model demo tests below cover its code
 def test_demo_runs_end_to_end_and_writes_its_files(tmp_path):
     pytest.importorskip("gguf")
     import importlib.util

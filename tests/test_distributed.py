@@ -14,33 +14,39 @@ pytestmark = pytest.mark.distributed
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
 
-def _run(mode: str, *extra: str) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, mode, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    match = re.search(r"MAXDIFF (\S+)", proc.stdout)
-    assert match, proc.stdout[-2000:]
-    return float(match.group(1))
-
-
-def test_ddp_gradients_equal_single_process():
-    assert _run("ddp") <= 1e-6
-
-
-def test_fsdp2_gradients_equal_single_process_and_step_runs():
+def _has_fsdp2() -> bool:
     import torch.distributed.fsdp as fsdp
 
-    if not hasattr(fsdp, "fully_shard"):  # documented: FSDP2 needs torch >= 2.6
+    return hasattr(fsdp, "fully_shard")  # documented: FSDP2 needs torch >= 2.6
+
+
+@pytest.fixture(scope="module")
+def max_differences() -> dict[str, float]:
+    """One ``torchrun`` launch computes every case (DDP and FSDP2, plain and blocks of 4): ``{case: max |Δ grad|}``
+    (a launch costs two interpreters importing torch and the process group; the cases share them)."""
+    cases = ["ddp", "ddp:4"] + (["fsdp2", "fsdp2:4"] if _has_fsdp2() else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, *cases]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = {case: float(value) for case, value in re.findall(r"^MAXDIFF (\S+) (\S+)$", proc.stdout, re.M)}
+    assert sorted(found) == sorted(cases), proc.stdout[-2000:]
+    return found
+
+
+def test_ddp_gradients_equal_single_process(max_differences):
+    assert max_differences["ddp"] <= 1e-6
+
+
+def test_fsdp2_gradients_equal_single_process_and_step_runs(max_differences):
+    if not _has_fsdp2():
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
-    assert _run("fsdp2") <= 1e-5
+    assert max_differences["fsdp2"] <= 1e-5
 
 
 @pytest.mark.parametrize("mode, tol", [("ddp", 1e-6), ("fsdp2", 1e-5)])
-def test_block_diffusion_gradients_equal_single_process(mode: str, tol: float):
+def test_block_diffusion_gradients_equal_single_process(max_differences, mode: str, tol: float):
     """Block size 4 on L = 12 (three blocks, padded rows): the block-causal loss under DDP / FSDP2."""
-    import torch.distributed.fsdp as fsdp
-
-    if mode == "fsdp2" and not hasattr(fsdp, "fully_shard"):
+    if mode == "fsdp2" and not _has_fsdp2():
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
-    assert _run(mode, "4") <= tol
+    assert max_differences[f"{mode}:4"] <= tol

@@ -9,7 +9,9 @@ optimizer state), and the ``save_pretrained`` exports of DDP and FSDP2 reload wi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 import os
 import re
@@ -180,6 +182,7 @@ def test_train_torchrun_ddp_matches_single_process(single_process_run, tmp_path)
 
 
 @pytest.mark.distributed
+@pytest.mark.ci_only  # FSDP2's gradients: tests/test_distributed.py; here its checkpoint and a resume (2 launches)
 def test_train_torchrun_fsdp2_matches_single_process_and_resumes(single_process_run, tmp_path):
     import torch.distributed.fsdp as fsdp
 
@@ -203,6 +206,7 @@ def test_train_torchrun_fsdp2_matches_single_process_and_resumes(single_process_
 
 # ------------------------------------------------------------------------------------------------ deepspeed, accelerate
 @pytest.mark.distributed
+@pytest.mark.ci_only  # DeepSpeed's import and engine set-up are the costliest launches of the suite
 @pytest.mark.parametrize("config", ["ds_zero2.json", "ds_zero3.json"])
 def test_train_deepspeed_matches_single_process(single_process_run, tmp_path, config):
     pytest.importorskip("deepspeed")
@@ -216,6 +220,7 @@ def test_train_deepspeed_matches_single_process(single_process_run, tmp_path, co
 
 
 @pytest.mark.distributed
+@pytest.mark.ci_only  # the same training as the DDP run above, launched through Accelerate
 def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
     pytest.importorskip("accelerate")
     reference, ref_dir = single_process_run
@@ -227,9 +232,15 @@ def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ paper §4.1 / §4.2
+def _main_output(name: str, argv: list[str]) -> str:
+    """What ``examples/<name>.py``'s ``main(argv)`` prints, run in this process (no new interpreter)."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert _load_example(name).main(argv) == 0
+    return printed.getvalue()
+
+
 def test_conversion_paths_runs_all_four_paths():
-    stdout = _run([str(EXAMPLES / "conversion_paths.py"), "--tiny", "--phase-steps", "2", "--eval-blocks", "16",
-                   *FLOAT32])
+    stdout = _main_output("conversion_paths", ["--tiny", "--phase-steps", "2", "--eval-blocks", "16", *FLOAT32])
     for path, kernels in [("AR→mask", ("mask", "mask")), ("AR→uniform", ("uniform", "uniform")),
                           ("AR→mask→uniform", ("mask", "uniform")), ("AR→uniform→mask", ("uniform", "mask"))]:
         for phase, kernel in enumerate(kernels, start=1):
@@ -245,7 +256,7 @@ def test_conversion_paths_runs_all_four_paths():
 
 
 def test_objectives_rate_equivalent_losses_train_identically():
-    stdout = _run([str(EXAMPLES / "objectives.py"), "--tiny", "--steps", "3", "--eval-blocks", "16", *FLOAT32])
+    stdout = _main_output("objectives", ["--tiny", "--steps", "3", "--eval-blocks", "16", *FLOAT32])
     rows = {}
     for line in stdout.split("eval ELBO@0.5")[1].splitlines():
         cells = re.split(r"\s{2,}", line.strip())
@@ -275,11 +286,17 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
     script = str(EXAMPLES / "paper_claims.py")
     common = ["--tiny", "--out", str(tmp_path), "--num-samples", "2", "--threads", "1"]
     env = dict(ENV, UNIFUSION_BACKEND="eager")
-    for argv in (["fig2"], ["adapt"], ["frontier", "--frontier-steps", "2", "4", "--seeds", "1", "2"],
-                 ["zeroshot", "--max-examples", "3", "--num-times", "2", "--pmi-times", "3", "--tasks",
-                  str(Path(__file__).parent / "data" / "tiny_task.json")],
-                 ["paths", "--eval-blocks", "2", "--sample-steps", "2", "--probe-every", "2"]):
-        _run([script, *argv, *common], env=env)
+    module = _paper_claims_module()  # the experiments run in this process (one interpreter instead of six)
+    threads = torch.get_num_threads()
+    try:
+        for argv in (["fig2"], ["adapt"], ["frontier", "--frontier-steps", "2", "4", "--seeds", "1", "2"],
+                     ["zeroshot", "--max-examples", "3", "--num-times", "2", "--pmi-times", "3", "--tasks",
+                      str(Path(__file__).parent / "data" / "tiny_task.json")],
+                     ["paths", "--eval-blocks", "2", "--sample-steps", "2", "--probe-every", "2"]):
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert module.main([*argv, *common]) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads 1 set it for the process
     result = {name: json.loads((tmp_path / f"{name}.json").read_text())
               for name in ("fig2", "adapt", "frontier", "zeroshot", "paths")}
     assert {r["backend"] for r in result.values()} == {"auto"} and {r["threads"] for r in result.values()} == {1}
@@ -314,13 +331,16 @@ def test_paper_claims_runs_every_experiment_tiny(tmp_path):
     assert [p["kernel"] for p in two_stage["probes"]] == ["mask"] * 3 + ["uniform"] * 2
     assert paths["AR→uniform (seed 1)"]["loss"] != paths["AR→uniform"]["loss"]
 
-    # determinism: a second process, same arguments, bit-identical losses and bound
+    # determinism: a second process (fresh interpreter, UNIFUSION_BACKEND=eager in its environment), same arguments,
+    # bit-identical losses and bound
     again = tmp_path / "again"
     _run([script, "adapt", *common[:2], str(again), *common[3:]], env=env)
     rerun = json.loads((again / "adapt.json").read_text())
     assert rerun["loss"] == adapt["loss"] and rerun["heldout_elbo"] == adapt["heldout_elbo"]
 
-    out = _run([script, "report", "--out", str(tmp_path)])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert module.main(["report", "--out", str(tmp_path)]) == 0
+    out = printed.getvalue()
     for marker in ("<!-- runs -->", "<!-- fig2 -->", "<!-- adapt -->", "<!-- paths -->", "<!-- frontier -->",
                    "<!-- zeroshot -->", "Seed noise (AR→uniform, seed 0 vs 1"):
         assert marker in out

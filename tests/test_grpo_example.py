@@ -1,5 +1,6 @@
 """``examples/grpo.py``: its checks (each a ``ValueError`` before any rollout), and CPU smoke runs on a tiny random
-model — one process, two processes under ``torchrun`` (DDP, gloo) with the same numbers, and ``--report``.
+model — one process (its ``main`` called in this process), two processes under ``torchrun`` (DDP, gloo) with the same
+numbers, and ``--report``.
 
 A random model never answers an arithmetic problem, so the runs that compare numbers use a reward with signal on
 random text (``len(text) % 3``), passed through ``main(reward_fn=)`` by a small launcher script.
@@ -7,7 +8,9 @@ random text (``len(text) % 3``), passed through ``main(reward_fn=)`` by a small 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -62,6 +65,19 @@ def _run(script: Path, args: list[str], *, torchrun: bool = False, timeout: int 
     return proc.stdout
 
 
+def length_reward(completions, problems):
+    """The launcher's reward (``LAUNCHER``), for the runs in this process."""
+    return [float(len(c) % 3) for c in completions]
+
+
+def _main(grpo, args: list[str], reward_fn=length_reward) -> str:
+    """``grpo.main(args)`` in this process (one process, no launcher): what it prints. The runs that need a fresh
+    interpreter or ``torchrun`` go through :func:`_run`."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert grpo.main(args, reward_fn=reward_fn) == 0
+    return printed.getvalue()
+
+
 def _steps(stdout: str) -> dict[int, tuple[float, ...]]:
     steps = {int(k): tuple(float(x) for x in rest) for k, *rest in STEP_LINE.findall(stdout)}
     assert steps, stdout[-2000:]
@@ -84,9 +100,9 @@ def launcher(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(launcher, tmp_path_factory):
+def one_process(grpo, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo_one")
-    return _run(launcher, [*TINY, "--out", str(out)]), out
+    return _main(grpo, [*TINY, "--out", str(out)]), out
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -205,10 +221,10 @@ def test_tiny_run_trains_and_writes_metrics(one_process):
 
 
 @pytest.mark.parametrize("extra", [["--objective", "grpo", "--inner-updates", "2", "--beta", "0.05"]])
-def test_tiny_run_other_objectives_and_options(launcher, tmp_path, extra):
+def test_tiny_run_other_objectives_and_options(grpo, tmp_path, extra):
     """Old and reference policies (μ = 2, β > 0); wd1 and spg run in the report test below."""
-    steps = _steps(_run(launcher, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1", *extra,
-                                   "--out", str(tmp_path)]))
+    steps = _steps(_main(grpo, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1", *extra,
+                                "--out", str(tmp_path)]))
     assert sorted(steps) == [1]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["objective"] == extra[1] and metrics["args"]["inner_updates"] == (2 if "2" in extra else 1)
@@ -216,6 +232,7 @@ def test_tiny_run_other_objectives_and_options(launcher, tmp_path, extra):
 
 
 @pytest.mark.distributed
+@pytest.mark.ci_only  # a torchrun launch of the script (DDP: tests/test_examples.py, tests/test_distributed.py)
 def test_tiny_torchrun_matches_one_process(one_process, launcher, tmp_path):
     stdout = _run(launcher, [*TINY, "--out", str(tmp_path)], torchrun=True)
     assert "world_size 2" in stdout
@@ -230,9 +247,9 @@ def test_tiny_torchrun_matches_one_process(one_process, launcher, tmp_path):
         assert float(loss) == pytest.approx(float(sft_one[step]), rel=1e-5), (sft_one, sft_two)
 
 
-def test_tiny_report_writes_a_table(launcher, tmp_path):
-    stdout = _run(launcher, [*TINY, "--report", "--seeds", "0,1", "--steps", "1", "--sft-steps", "1",
-                             "--out", str(tmp_path)])
+def test_tiny_report_writes_a_table(grpo, tmp_path):
+    stdout = _main(grpo, [*TINY, "--report", "--seeds", "0,1", "--steps", "1", "--sft-steps", "1",
+                          "--out", str(tmp_path)])
     table = (tmp_path / "report.md").read_text()
     assert table.strip() in stdout
     for objective in ("| grpo |", "| wd1 |", "| spg (ω = 0"):
@@ -244,10 +261,10 @@ def test_tiny_report_writes_a_table(launcher, tmp_path):
         assert (r.get("spg_upper") or "").startswith("elbo") == (r["objective"] == "spg")
 
 
-def test_tiny_run_skips_the_update_when_every_group_ties(tmp_path):
+def test_tiny_run_skips_the_update_when_every_group_ties(grpo, tmp_path):
     # the exact reward on a random model: every completion scores 0, every advantage is 0, nothing to learn from
-    stdout = _run(EXAMPLES / "grpo.py", [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1",
-                                         "--out", str(tmp_path)])
+    stdout = _main(grpo, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1", "--out", str(tmp_path)],
+                   reward_fn=None)
     assert "all groups tied: no update" in stdout
     record = json.loads((tmp_path / "metrics.json").read_text())["records"][0]
     assert record["reward"] == 0.0 and record["updated"] is False and record["grad_norm"] == 0.0

@@ -8,8 +8,10 @@ those are on the branch they are skipped (``NEEDS_BLOCKS``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
 import math
 import os
 import re
@@ -101,16 +103,22 @@ def test_sft_rows_and_the_sampling_prompt_match_training(smol_tokenizer):
     assert question in smol_tokenizer.decode(prompt_ids[0]) and reference == conversation[-1]["content"]
 
 
-def test_sft_prints_help():
-    out = _run(["--help"])
+def test_sft_prints_help(capsys):
+    with pytest.raises(SystemExit) as exited:
+        _sft().main(["--help"])
+    assert exited.value.code in (0, None)
+    out = capsys.readouterr().out
     assert "--block-size" in out and "--packing" in out and "--max-steps" in out
 
 
 # ------------------------------------------------------------------------------------------------ runs (merge)
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """The tiny recipe's one-process run, its ``main`` called in this process: (what it printed, its folder)."""
     out = tmp_path_factory.mktemp("sft")
-    return _run([*TINY, "--out", str(out)]), out
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert _sft().main([*TINY, "--out", str(out)]) == 0
+    return printed.getvalue(), out
 
 
 @NEEDS_BLOCKS
@@ -125,6 +133,7 @@ def test_sft_tiny_trains_saves_reloads_and_samples(tiny_run):
 
 @NEEDS_BLOCKS
 @pytest.mark.distributed
+@pytest.mark.ci_only  # the training loop's DDP/FSDP2 equivalence is tests/test_examples.py's; this is the SFT script's
 @pytest.mark.parametrize("dist", ["ddp", "fsdp2"])
 def test_sft_tiny_distributed_matches_one_process(tiny_run, tmp_path, dist):
     expected = _losses(tiny_run[0])
@@ -138,6 +147,7 @@ def test_sft_tiny_distributed_matches_one_process(tiny_run, tmp_path, dist):
 
 @NEEDS_BLOCKS
 @pytest.mark.slow
+@pytest.mark.ci_only  # the script on the real model; the tiny run above covers its code
 def test_sft_smollm2_instruct_smoke_run(tmp_path):
     stdout = _run(["--max-steps", "2", "--seq-len", "64", "--micro-batch", "1", "--sample-steps", "2",
                    "--max-new-tokens", "32", "--dtype", "float32", "--out", str(tmp_path)])

@@ -23,6 +23,18 @@ def test_mypy_config_has_no_blanket_ignores():
         assert not any(m.startswith("unifusion") for m in modules), "unifusion's own modules must be checked"
 
 
+def test_dev_extra_pins_the_checkers():
+    """The ``dev`` extra installs exactly the mypy and ruff releases the project is checked with: with
+    ``warn_unused_ignores`` on, another mypy release may find an ignore unused (or an error new) and fail a fresh
+    install's check."""
+    tomllib = pytest.importorskip("tomllib")
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    pins = {req.split("==")[0]: req.split("==")[1] for req in dev if "==" in req}
+    assert {"mypy", "ruff"} <= pins.keys(), dev
+    assert all(v.count(".") == 2 and v.replace(".", "").isdigit() for v in (pins["mypy"], pins["ruff"])), pins
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["warn_unused_ignores"] is True
+
+
 def test_mypy_is_clean(tmp_path):
     """mypy agrees with the package and with tests/_protocol_checks.py (each wrapper satisfies the protocol its helper
     modules read it through); a control file in the same run, a wrapper given where the other kind's protocol is

@@ -10,6 +10,13 @@ went from 2.85 s to about 2.3 s with its layers packed, the block decoder (block
 through ``torch.ops.mkldnn._linear_pointwise`` with its weight packed at entry
 (``torch.ops.mkldnn._reorder_linear_weight``); on exit the layers are as before.
 
+:meth:`unifusion.hf.DiffusionLM.generate` does this by default for a block model on the CPU in eval mode, around
+each call (``packed_linears=False`` turns it off): the reorder is paid by every call, and nothing stays on the model
+after it. Packed copies kept between calls would go stale without
+notice when a weight is changed through ``.data`` (peft's ``merge_adapter``, an EMA swap with ``p.data.copy_``),
+which moves neither its version counter nor its storage, and a check of the contents costs about as much as the
+reorder (hashing a 1536 × 576 weight took 73 ms against 62 ms to reorder it on the project machine, loaded).
+
 What stays the same: the result up to float32 rounding (oneDNN sums in another order; a test pins ~1e-5 relative
 and the same sampled tokens on a tiny model), autograd (a call that needs a gradient runs the layer's own forward),
 and training inside the block (a weight updated in place since it was packed — its ``_version`` moved, or its
@@ -17,7 +24,8 @@ storage changed — is packed again at its next call, deterministically). What i
 routed weight while the block is open (the linear weights twice in memory) and the reorder itself at entry (0.26 s
 for SmolLM2-135M on the project machine) — open it around a decoding loop, not around each call.
 
-Which layers: modules whose type is exactly ``torch.nn.Linear`` (subclasses such as LoRA or quantised layers keep
+Which layers: modules whose type is exactly ``torch.nn.Linear`` with a plain tensor as weight (not a tensor subclass
+such as FSDP2's ``DTensor``) (subclasses such as LoRA or quantised layers keep
 their own forward; so does a layer whose ``forward`` was already replaced on the instance, e.g. by accelerate's
 offloading hooks), on the CPU, with a float32 weight — or bfloat16 where the CPU computes it natively
 (:func:`unifusion.precision.native_bf16`). Calls whose input has another dtype or device run the layer's own
@@ -87,8 +95,8 @@ def _eligible(layer: nn.Module) -> bool:
     if type(layer) is not nn.Linear or "forward" in layer.__dict__:
         return False
     weight = layer.weight
-    if weight.device.type != "cpu":
-        return False
+    if type(weight) not in (nn.Parameter, torch.Tensor) or weight.device.type != "cpu":
+        return False  # a tensor subclass (FSDP2's DTensor, a quantised weight) keeps its own matmul
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16("cpu"))
 
 
@@ -99,8 +107,8 @@ def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint
 
     Example::
 
-        with uf.cpu_linears.packed_linears(model) as n:          # once around the decoding loop
-            for prompt in prompts:
+        with uf.cpu_linears.packed_linears(model) as n:          # once around a loop of calls: generate
+            for prompt in prompts:                                 # then packs nothing itself
                 out = model.generate(prompt, max_new_tokens=64)
 
     Args:

@@ -577,6 +577,7 @@ def test_unifusion_harness_hands_its_arguments_to_cli_main(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ data parallel
 @pytest.mark.distributed
+@pytest.mark.ci_only  # two interpreters importing lm-eval; the split's rules: test_data_parallel_rejects_... below
 def test_two_processes_give_the_single_process_results(checkpoint, task_manager, tmp_path):
     """torchrun --nproc_per_node=2 (gloo, CPU): each process evaluates every other document (5 multiple-choice
     questions: one process gets 3, the other 2 and the evaluator's padding copy of its last request), rank 0

@@ -72,7 +72,7 @@ import copy
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from trl import GRPOConfig, GRPOTrainer, SyncRefModelCallback
@@ -280,7 +280,7 @@ class DiffusionGRPOTrainer(TrainerCheckpoints, GRPOTrainer):
         patched = model.__dict__.get("forward")
         args.beta, args.sync_ref_model = 0.0, False
         try:  # TRL types model as str | PreTrainedModel | PeftModel; a DiffusionLM is a module it trains the same way
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args,  # type: ignore[arg-type]
+            super().__init__(model=cast(Any, model), reward_funcs=reward_funcs, args=args,
                              train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                              reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                              optimizers=optimizers)

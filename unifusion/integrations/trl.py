@@ -35,7 +35,7 @@ Recipe (``pip install "unifusion[trl]"``)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from trl import SFTTrainer
@@ -59,7 +59,7 @@ class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):
         self.set_diffusion_options(kernel, loss_kwargs)
         block_size = packed_block_size(model, args)  # before TRL tokenises and packs the datasets
         # TRL types model as str | PreTrainedModel | PeftModel; a DiffusionLM is an nn.Module it trains the same way
-        super().__init__(model=model, args=args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(model=cast(Any, model), args=args, **kwargs)
         if block_size is not None:  # TRL built a padding-free collator for bfd packing: pad the packed rows instead
             self.padding_free = False
             self.data_collator = PackedDocumentsCollator(self._tokenizer.pad_token_id, block_size,

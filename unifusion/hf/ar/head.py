@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .adapted import AdaptedLM
 
@@ -40,7 +41,12 @@ def post_head(model: AdaptedLM, z: torch.Tensor) -> torch.Tensor:
 
 
 def logits_from_hidden(model: AdaptedLM, h: torch.Tensor) -> torch.Tensor:
-    """Logits ``(..., V)`` of final hidden states ``h (..., d)``: ``post_head(h Wᵀ + b)``."""
+    """Logits ``(..., V)`` of final hidden states ``h (..., d)``: ``post_head(h Wᵀ + b)``, through the output-embedding
+    module when it is an ``nn.Linear`` (so what wraps its calls sees this one too: hooks, and
+    :func:`unifusion.cpu_linears.packed_linears`, which ``generate`` opens on the CPU), else ``F.linear``."""
+    out = model.hf_model.get_output_embeddings()
+    if isinstance(out, nn.Linear):
+        return post_head(model, out(h))
     return post_head(model, F.linear(h, model.lm_head_weight, model.lm_head_bias))
 
 

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ... import _validation as V
+from ... import cpu_linears
 from ...denoiser import DenoiserModule
 from ...kernels import check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
@@ -461,7 +462,8 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  progress: bool = False, generation_config: Any = None, max_length: int | None = None,
                  do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None,
-                 tokenizer: Any = None, streamer: Any = None, **kwargs: Any) -> Any:
+                 tokenizer: Any = None, streamer: Any = None, packed_linears: bool | None = None,
+                 **kwargs: Any) -> Any:
         """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
         block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
         or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
@@ -479,15 +481,33 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         (``return_dict_in_generate=True``, with ``scores`` / ``logits`` when ``output_scores`` / ``output_logits``
         ask). Defaults come from the model: :attr:`kernel` (else
         :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
+
+        **On the CPU** a block model decodes with its linear layers through oneDNN with prepacked weights
+        (:func:`unifusion.cpu_linears.packed_linears` around the call): a cached block step multiplies ``K + 1`` to
+        ``2K + 1`` rows by each weight, and on the project's 2-core AVX2 CPU the packed layout is 1.2–1.5× faster than
+        torch's default matmul at 9–17 rows; at blocks of 32 the whole decode took 4.57 s against 5.13 s with two
+        threads, the packing counted (with one thread the two are even). The tokens are the same (the sums differ at
+        float32 rounding). Each call pays the packing (about 0.3 s for SmolLM2-135M; a second copy of the
+        linear weights while it runs) and leaves nothing on the model, so training after it, or weights changed in
+        any way between calls, need no care. ``packed_linears``: ``None`` (default) — so for a block model on the CPU in
+        eval mode (``not model.training``) where this torch build has the operators; ``False`` — never (e.g. many
+        short calls, where the packing costs more than it saves); ``True`` — also in training mode (a
+        ``RuntimeError`` where the operators are missing).
         """
-        return generation.generate(
-            self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
-            block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
-            attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            return_dict=return_dict, return_trace=return_trace, num_return_sequences=num_return_sequences,
-            kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
-            generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
-            do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
+        if packed_linears is not None and not isinstance(packed_linears, bool):
+            raise TypeError(f"packed_linears: expected None or a bool, got {type(packed_linears).__name__}")
+        if packed_linears is None:
+            packed_linears = (self.block_size is not None and self.device.type == "cpu" and not self.training
+                              and cpu_linears.packing_available())
+        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16):
+            return generation.generate(
+                self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
+                block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
+                attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                return_dict=return_dict, return_trace=return_trace, num_return_sequences=num_return_sequences,
+                kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
+                generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
+                do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
 
     input_modalities = ("text",)
     output_modalities = ("text",)
