@@ -6,8 +6,10 @@ imports them): the wrapper must satisfy it. A member the wrapper drops or retype
 
 from __future__ import annotations
 
+from unifusion.denoiser import HiddenStateBlockDenoiser, HiddenStateModel
 from unifusion.hf import DiffusionGemmaLM, DiffusionLM
 from unifusion.hf.ar.adapted import AdaptedLM
+from unifusion.hf.ar.decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
 from unifusion.hf.diffusion_gemma.wrapped import WrappedDiffusionGemma
 
 
@@ -17,3 +19,13 @@ def diffusion_lm_is_an_adapted_lm(model: DiffusionLM) -> AdaptedLM:
 
 def diffusion_gemma_lm_is_a_wrapped_diffusion_gemma(model: DiffusionGemmaLM) -> WrappedDiffusionGemma:
     return model
+
+
+def diffusion_lm_decoders_give_hidden_states(cached: BlockCacheDecoder, prefix: PrefixCacheDecoder
+                                             ) -> tuple[HiddenStateBlockDenoiser, HiddenStateBlockDenoiser]:
+    return cached, prefix
+
+
+def diffusion_lm_and_its_block_forward_give_hidden_states(model: DiffusionLM, forward: BlockForward
+                                                          ) -> tuple[HiddenStateModel, HiddenStateModel]:
+    return model, forward

@@ -45,8 +45,9 @@ from typing import Any, Literal, Protocol, TypeAlias, overload, runtime_checkabl
 
 import torch
 
-__all__ = ["BlockDenoiser", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule", "X0Model",
-           "denoiser_of", "prompt_conditioning", "unwrap_model"]
+__all__ = ["BlockDenoiser", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule",
+           "HiddenStateBlockDenoiser", "HiddenStateModel", "X0Model", "denoiser_of", "prompt_conditioning",
+           "unwrap_model"]
 
 X0Model: TypeAlias = Callable[..., torch.Tensor]
 """Any x0 model: a callable ``model(x_t (B, L) int64, t (B,) | None, **options) → logits (B, L, S)``. A
@@ -94,6 +95,34 @@ class BlockDenoiser(Protocol):
     def commit_block(self, state: Any, block: torch.Tensor, rows: torch.Tensor) -> Any:
         """Append the finished block ``(B_a, K)`` of ``rows`` to the prefix; return the new state."""
 
+
+
+class HiddenStateBlockDenoiser(BlockDenoiser, Protocol):
+    """A :class:`BlockDenoiser` that also gives a step's final hidden states and its output head apart — what a
+    decoding policy that reads hidden states (``DecodingPolicy.reads_hidden``, a learned commit rule) needs on the
+    cached path (:class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`, ``PrefixCacheDecoder``).
+    ``logits_from_hidden(denoise_block_hidden(...))`` is :meth:`~BlockDenoiser.denoise_block`'s output (no
+    ``positions``), with the same cache update."""
+
+    def denoise_block_hidden(self, state: Any, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                             self_condition: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states ``(B_a, K, d)`` at the block's positions (the output head's input)."""
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head ``(..., d)`` → x0 logits ``(..., S)``."""
+
+
+class HiddenStateModel(Protocol):
+    """An x0 model that also gives its final hidden states and its output head apart (``DiffusionLM``, a block
+    model's ``block_forward()``): ``logits_from_hidden(hidden_states(x_t, t, attention_mask=m))`` is the model's
+    logits — what a policy that reads hidden states needs on the uncached path."""
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The final hidden states ``(B, L, d)``, row i predicting ``x^i`` as the logits' row i."""
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head ``(..., d)`` → x0 logits ``(..., S)``."""
 
 
 class DecodableModel(Protocol):

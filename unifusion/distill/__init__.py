@@ -8,8 +8,11 @@
 * :mod:`unifusion.distill.losses` — dParallel's certainty forcing and a CDLM-style KL to a teacher, on logits.
 * :mod:`unifusion.distill.fused` — certainty forcing through the output head without ``(N, V)`` logits.
 * :mod:`unifusion.distill.step` — the loss of a view and of a complementary pair on a model, and LoRA students.
+* :mod:`unifusion.distill.commit_rule` — a learned commit rule (Learn2PD): a small head on the frozen model's hidden
+  states and the decoding policy that commits what it accepts.
 """
 
+from .commit_rule import CommitHead, CommitRuleData, LearnedCommit, collect_commit_data, train_commit_head
 from .fused import default_rows_per_block, fused_certainty_forcing_loss
 from .losses import (
     CertaintyForcingTerms,
@@ -33,6 +36,11 @@ from .step import add_lora, complementary_pair_loss, distillation_loss, view_los
 from .trajectories import RewardFn, Trajectories, record_trajectories
 
 __all__ = [
+    "CommitHead",
+    "CommitRuleData",
+    "LearnedCommit",
+    "collect_commit_data",
+    "train_commit_head",
     "CertaintyForcingTerms",
     "DistillMask",
     "RewardFn",

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -375,7 +375,8 @@ def _minor_log_label(value: float, _pos: int) -> str:
 
 def plot_frontier(results: Sequence[FrontierResult | dict[str, Any] | str | os.PathLike[str]] | FrontierResult
                   | str | os.PathLike[str], out_png: str | os.PathLike[str], *,
-                  labels: Sequence[str] | None = None, title: str | None = "GenPPL–entropy frontier") -> Path:
+                  labels: Sequence[str] | None = None, title: str | None = "auto",
+                  x: Literal["entropy", "tokens_per_forward"] = "entropy") -> Path:
     """Overlay the frontiers of several models or checkpoints in one PNG.
 
     Args:
@@ -383,11 +384,20 @@ def plot_frontier(results: Sequence[FrontierResult | dict[str, Any] | str | os.P
             :func:`frontier` writes (a single one is accepted too).
         out_png: the image to write.
         labels: curve names overriding each result's ``label``.
-        title: axes title (``None`` for none).
+        title: axes title (``None`` for none; ``"auto"``: "GenPPL–entropy frontier", or "GenPPL under
+            parallelism" for ``x="tokens_per_forward"``).
+        x: the x axis: ``"entropy"``, the mean unigram entropy (nats; error bars one std over seeds), or
+            ``"tokens_per_forward"``, the decoder's parallelism — the speed/quality frontier of results run with a
+            ``policy`` (every summary row then needs ``tokens_per_forward``); accuracy against tokens per forward is
+            :func:`~unifusion.eval.plot_parallelism`.
 
-    Axes: x = mean unigram entropy (nats), y = GenPPL on an inverted log scale; points labelled by steps; error bars
-    one std over seeds; an arrow marks *better* (top right).
+    Axes: x as chosen, y = GenPPL on an inverted log scale; points labelled by steps; error bars one std over seeds;
+    an arrow marks *better* (top right: low GenPPL, high entropy or more tokens per forward).
     """
+    if x not in ("entropy", "tokens_per_forward"):
+        raise ValueError(f"x: expected 'entropy' or 'tokens_per_forward', got {x!r}")
+    if title == "auto":
+        title = "GenPPL under parallelism" if x == "tokens_per_forward" else "GenPPL–entropy frontier"
     if isinstance(results, (FrontierResult, str, os.PathLike, dict)):
         results = [results]
     items = [_as_result(r) for r in results]
@@ -405,15 +415,19 @@ def plot_frontier(results: Sequence[FrontierResult | dict[str, Any] | str | os.P
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for k, res in enumerate(items):
-        rows = sorted(res.summary, key=lambda r: r["steps"])
-        x = [r["entropy_mean"] for r in rows]
+        if x == "tokens_per_forward" and any(r.get("tokens_per_forward") is None for r in res.summary):
+            raise ValueError(f"results: x='tokens_per_forward' needs every summary row's tokens_per_forward (a "
+                             f"frontier run with a policy); {res.label!r} lacks it")
+        rows = sorted(res.summary, key=lambda r: r["tokens_per_forward"] if x == "tokens_per_forward" else r["steps"])
+        xs = [r["tokens_per_forward"] if x == "tokens_per_forward" else r["entropy_mean"] for r in rows]
         y = [r["genppl_mean"] for r in rows]
-        bars = ax.errorbar(x, y, xerr=[r["entropy_std"] for r in rows], yerr=[r["genppl_std"] for r in rows],
+        xerr = None if x == "tokens_per_forward" else [r["entropy_std"] for r in rows]
+        bars = ax.errorbar(xs, y, xerr=xerr, yerr=[r["genppl_std"] for r in rows],
                            marker="o", markersize=4, linewidth=1.4, capsize=2.5,
                            label=labels[k] if labels is not None else res.label)
         color = bars.lines[0].get_color()
-        for r in rows:
-            ax.annotate(str(r["steps"]), (r["entropy_mean"], r["genppl_mean"]), textcoords="offset points",
+        for r, x_r in zip(rows, xs):
+            ax.annotate(str(r["steps"]), (x_r, r["genppl_mean"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7, color=color)
     ax.set_yscale("log")
     ax.invert_yaxis()
@@ -430,7 +444,8 @@ def plot_frontier(results: Sequence[FrontierResult | dict[str, Any] | str | os.P
         ax.yaxis.set_major_locator(FixedLocator(ticks))
         ax.yaxis.set_minor_locator(NullLocator())
         ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("mean unigram entropy (nats, GPT-2 tokens)")
+    ax.set_xlabel("parallelism (tokens per forward)" if x == "tokens_per_forward"
+                  else "mean unigram entropy (nats, GPT-2 tokens)")
     ax.set_ylabel("generative perplexity (log scale, inverted)")
     if title:
         ax.set_title(title, loc="left")

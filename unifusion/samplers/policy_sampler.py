@@ -42,7 +42,7 @@ import torch
 
 from .. import _validation as V
 from .._device import host_to_device
-from ..denoiser import BlockDenoiser, X0Model
+from ..denoiser import BlockDenoiser, HiddenStateBlockDenoiser, HiddenStateModel, X0Model
 from ..kernels import Kernel, check_kernel
 from . import _policy_run as R
 from ._setup import (
@@ -208,6 +208,14 @@ class PolicySampler:
             raise TypeError("model: expected an x0 callable (x_t (B, L), t (B,)) -> logits or a BlockDenoiser, got "
                             f"{type(model).__name__}")
         V.check_model_kernel(model, self.kernel, who="PolicySampler")
+        if policy.reads_hidden:
+            needs = ("denoise_block_hidden", "logits_from_hidden") if self.blockwise else ("hidden_states",
+                                                                                            "logits_from_hidden")
+            missing = [name for name in needs if not callable(getattr(model, name, None))]
+            if missing:
+                raise ValueError(f"policy: {type(policy).__name__} reads the model's hidden states, and this "
+                                 f"{'block decoder' if self.blockwise else 'model'} ({type(model).__name__}) has no "
+                                 f"{' or '.join(missing)} to give them")
         self.model = model
 
     def __repr__(self) -> str:
@@ -406,6 +414,30 @@ class PolicySampler:
             head = head.gather(1, cols.clamp_max(L - 1).unsqueeze(-1).expand(-1, -1, S))
         return head
 
+    def _logits_and_hidden(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
+                           self_condition: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x0 logits ``(B_a, K, S)`` and the final hidden states ``(B_a, K, d)`` they come from, at the block columns
+        ``cols`` of ``rows``, for a policy that reads hidden states (checked in ``__init__``: the model offers
+        them)."""
+        S, L = self.kernel.num_states, run.grid.seq_len
+        with V.validation(False):
+            if run.block_state is not None:
+                decoder = cast(HiddenStateBlockDenoiser, self.model)
+                h = decoder.denoise_block_hidden(run.block_state, run.x[rows].gather(1, cols), t, rows,
+                                                 self_condition)
+                head = decoder.logits_from_hidden(h)  # (B_a, K, S)
+            else:
+                x0_model = cast(HiddenStateModel, self.model)
+                kwargs = {} if run.attention_mask is None else {"attention_mask": run.attention_mask[rows]}
+                h_all = x0_model.hidden_states(run.x[rows, :L], t, **kwargs)  # (B_a, L, d)
+                h = h_all.gather(1, cols.clamp_max(L - 1).unsqueeze(-1).expand(-1, -1, h_all.shape[-1]))
+                head = x0_model.logits_from_hidden(h)  # (B_a, K, S)
+        if not run.checked:
+            head = check_head_shape("model", head, cols.shape[0], cols.shape[1], S)
+            V.check_finite("model output", head)
+            run.checked = True
+        return head, h
+
     def _commit(self, run: _Run, b: int) -> None:
         cols, _ = run.grid.columns(b)
         rows, rows_host = run.running(~run.finished)
@@ -465,17 +497,23 @@ class PolicySampler:
             if not rows_host:
                 return
             cols_r, und_r = cols[rows], block_und[rows]
-            positions = None  # a block denoiser needs logits at the masked positions only
-            if run.block_state is not None and most < K_b:
-                positions = und_r.int().sort(dim=-1, descending=True, stable=True).indices[:, :most]
-            logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host), positions)
+            hidden = None
+            if policy.reads_hidden:
+                logits, hidden = self._logits_and_hidden(run, rows, cols_r, self._times(run, rows),
+                                                         _carry(previous, rows_host))
+            else:
+                positions = None  # a block denoiser needs logits at the masked positions only
+                if run.block_state is not None and most < K_b:
+                    positions = und_r.int().sort(dim=-1, descending=True, stable=True).indices[:, :most]
+                logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host),
+                                      positions)
             run.forwards[rows] += 1
             left = und_r.sum(-1)
             num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
             tokens, commit, p = mask_step_with_probs(policy, logits, und_r, num_commit,
                                                      run.randomness(rows, rows_host), mask_id=self.kernel.mask_id,
                                                      temperature=self.temperature, top_k=self.top_k,
-                                                     top_p=self.top_p, do_sample=self.do_sample)
+                                                     top_p=self.top_p, do_sample=self.do_sample, hidden=hidden)
             x_r, u_r = run.x[rows], run.undecided[rows]
             x_r.scatter_(1, cols_r, torch.where(commit, tokens, x_r.gather(1, cols_r)))
             u_r.scatter_(1, cols_r, und_r & ~commit)

@@ -64,6 +64,11 @@ class AdaptedLM(Protocol):
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor: ...
 
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
+                      bidirectional_prob: float | torch.Tensor = 1.0, attention_mask: torch.Tensor | None = None,
+                      generator: torch.Generator | None = None, clean: torch.Tensor | None = None
+                      ) -> torch.Tensor: ...
+
     def network_inputs(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
                        bidirectional_prob: float | torch.Tensor = 1.0, attention_mask: torch.Tensor | None = None,
                        generator: torch.Generator | None = None) -> dict[str, Any]: ...

@@ -147,6 +147,24 @@ class _Decoder:
     def mask_token_id(self) -> int | None:
         return self.model.mask_token_id
 
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's output head on :meth:`denoise_block_hidden`'s hidden states ``(..., d)`` → ``(..., V)``."""
+        return self.model.logits_from_hidden(h)
+
+    @torch.no_grad()
+    def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x0 logits ``(B_a, K, V)`` of the block (:class:`~unifusion.samplers.BlockDenoiser`): the output head on
+        :meth:`denoise_block_hidden`, only at ``positions`` when given (0 elsewhere)."""
+        return head_at(self.model, self.denoise_block_hidden(state, block, t, rows, self_condition), positions)
+
+    def denoise_block_hidden(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                             self_condition: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states ``(B_a, K, d)`` at the block's positions — the output head's input — of the step
+        :meth:`denoise_block` runs (the same call, the same cache update): what a policy that reads hidden states
+        (``MaskPolicy.reads_hidden``) gets."""
+        raise NotImplementedError  # abstractmethod
+
 
 class BlockCacheDecoder(_Decoder):
     """The exact KV-cache path of a block :class:`~unifusion.hf.DiffusionLM` (module docstring), as a
@@ -190,8 +208,8 @@ class BlockCacheDecoder(_Decoder):
         return state
 
     @torch.no_grad()
-    def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def denoise_block_hidden(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                             self_condition: torch.Tensor | None) -> torch.Tensor:
         assert state.anchor is not None and state.next_pos is not None
         if state.pending is not None and rows.shape[0] != state.rows.shape[0]:
             self._append(state)  # rows stopped since the commit: the block goes in by itself
@@ -219,7 +237,7 @@ class BlockCacheDecoder(_Decoder):
             h = _forward(self.model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
             if cache is state.cache:
                 cache.crop(-(K + 1))  # the step's entries: the cache holds the clean stream only
-        return head_at(self.model, h[:, :K], positions)
+        return h[:, :K]
 
     def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
         """Record the finished block of ``rows``; its clean positions enter the cache with the next step."""
@@ -300,8 +318,8 @@ class PrefixCacheDecoder(_Decoder):
                           tokens=tokens, attention_mask=mask, length=P)
 
     @torch.no_grad()
-    def denoise_block(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
-                      self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def denoise_block_hidden(self, state: CacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                             self_condition: torch.Tensor | None) -> torch.Tensor:
         assert state.tokens is not None
         model, s = self.model, state.length
         Ba, K = block.shape
@@ -323,7 +341,7 @@ class PrefixCacheDecoder(_Decoder):
             state.cache = _cache_rows(out.cache, torch.arange(Ba, device=x.device), keep)
             state.rows, state.key_pos = rows, pos[:, keep]
             state.key_valid = valid[:, keep] if valid is not None else torch.ones_like(state.key_pos, dtype=torch.bool)
-            return head_at(model, h[:, s:s + K], positions)
+            return h[:, s:s + K]
         layout = shifted_layout(x, model.bos_token_id, 1.0, attention_mask=mask)
         ids = layout.input_ids[:, s:s + K + 1]
         n = x.shape[1] + 1
@@ -334,7 +352,7 @@ class PrefixCacheDecoder(_Decoder):
         h = _forward(model, ids, pos, allowed, torch.cat([kpos, pos], 1), cache, t)
         if cache is state.cache:
             cache.crop(-(K + 1))  # the kept entries stay as the last refresh wrote them
-        return head_at(model, h[:, :K], positions)
+        return h[:, :K]
 
     def commit_block(self, state: CacheState, block: torch.Tensor, rows: torch.Tensor) -> CacheState:
         assert state.tokens is not None
@@ -366,3 +384,13 @@ class BlockForward:
     def __call__(self, x_t: torch.Tensor, t: torch.Tensor, attention_mask: torch.Tensor | None = None
                  ) -> torch.Tensor:
         return self.model(x_t, t, clean=x_t, attention_mask=attention_mask)
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor, attention_mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The final hidden states ``(B, L, d)`` of the same forward; ``logits_from_hidden`` of them is the call's
+        logits (what a policy that reads hidden states gets on the uncached path)."""
+        return self.model.hidden_states(x_t, t, clean=x_t, attention_mask=attention_mask)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's output head ``(..., d)`` → ``(..., V)``."""
+        return self.model.logits_from_hidden(h)

@@ -378,23 +378,13 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
                        document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
         call is the plain one (one block)."""
-        if self.block_size is None:
-            raise ValueError("clean: only a block model (adapt_ar_model(..., block_size=K)) takes clean tokens")
-        if t is None and self.time_conditioning:
-            raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
-        # t is checked by blocks.block_times below (it may be one time per block): _check gets a placeholder
-        x_t, _, gamma, attention_mask = self._check(x_t, None if t is None else 0.5, bidirectional_prob,
-                                                    attention_mask)
-        B, L = x_t.shape
-        if self.block_size >= L:
+        inputs = self._block_inputs(x_t, t, bidirectional_prob, attention_mask, clean)
+        if inputs is None:
             return None
-        nb = blocks.num_blocks(L, self.block_size)
-        with V.batched_checks():
-            clean = V.check_token_ids("clean", clean, self.vocab_size)
-            if tuple(clean.shape) != (B, L):
-                raise ValueError(f"clean: expected shape {(B, L)} like x_t, got {tuple(clean.shape)}")
-            t_blocks = None if t is None else blocks.block_times(t, B, nb, x_t.device)
-        if t_blocks is None and (self.time_conditioning or x0 is not None or kernel is not None):
+        x_t, t_blocks, gamma, attention_mask, clean = inputs
+        L = x_t.shape[1]
+        assert self.block_size is not None  # _block_inputs checked it
+        if t_blocks is None and (x0 is not None or kernel is not None):
             raise ValueError("t: needed with time conditioning and for the fused loss, got None")
         if x0 is None and kernel is None:
             return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
@@ -411,15 +401,45 @@ class DiffusionLM(CheckpointMixin, DenoiserModule):
             logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
             position_weight=position_weight)
 
+    def _block_inputs(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any, clean: Any
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None,
+                                 torch.Tensor] | None:
+        """The checked inputs of the block-causal forward ``(x_t, t_blocks (B, nb) or None, γ, attention_mask,
+        clean)``; ``None`` when the call is the plain one (one block)."""
+        if self.block_size is None:
+            raise ValueError("clean: only a block model (adapt_ar_model(..., block_size=K)) takes clean tokens")
+        if t is None and self.time_conditioning:
+            raise ValueError("t: this model was adapted with time_conditioning=True and needs t, got None")
+        # t is checked by blocks.block_times below (it may be one time per block): _check gets a placeholder
+        x_t, _, gamma, attention_mask = self._check(x_t, None if t is None else 0.5, bidirectional_prob,
+                                                    attention_mask)
+        B, L = x_t.shape
+        if self.block_size >= L:
+            return None
+        nb = blocks.num_blocks(L, self.block_size)
+        with V.batched_checks():
+            clean = V.check_token_ids("clean", clean, self.vocab_size)
+            if tuple(clean.shape) != (B, L):
+                raise ValueError(f"clean: expected shape {(B, L)} like x_t, got {tuple(clean.shape)}")
+            t_blocks = None if t is None else blocks.block_times(t, B, nb, x_t.device)
+        return x_t, t_blocks, gamma, attention_mask, clean
+
     def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor | None = None, *,
                       bidirectional_prob: float | torch.Tensor = 1.0,
-                      attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
-                      ) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                      clean: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states ``(B, L, d)``, shifted like :meth:`forward`, before the output head.
 
-        ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state).
+        ``logits_from_hidden(hidden_states(...))`` equals ``forward(...)`` (same arguments and generator state);
+        ``clean`` (block models) is :meth:`forward`'s: the block-causal forward's hidden states
+        (:func:`unifusion.hf.ar.blocks.block_hidden_states`).
         """
         generator = V.check_generator(generator)
+        if clean is not None:
+            inputs = self._block_inputs(x_t, t, bidirectional_prob, attention_mask, clean)
+            if inputs is not None:
+                x_b, t_blocks, gamma, mask, clean_b = inputs
+                return blocks.block_hidden_states(self, self.hf_model, x_b, t_blocks, clean_b, gamma, mask, generator)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
         return self._hidden(x_t, t, gamma, attention_mask, generator)
 

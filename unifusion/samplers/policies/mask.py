@@ -126,7 +126,8 @@ class ConfidenceThreshold(MaskPolicy):
 
 def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
               randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0, top_k: int | None = None,
-              top_p: float | None = None, do_sample: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              top_p: float | None = None, do_sample: bool = True, hidden: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of a mask policy on a block: x_θ = softmax(logits / T) with the mask state at 0, then top-k and
     top-p; one candidate per position (drawn from x_θ, or its argmax with ``do_sample=False``: greedy decoding,
     the policy still ranks positions by x_θ); the policy's commit set.
@@ -137,19 +138,22 @@ def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor,
         num_commit: ``(B,)`` int64, the step's count (:class:`PolicyStep`).
         randomness: consumes one ``(B, K, 2)`` uniform draw for the candidates (two-level inverse CDF,
             :func:`unifusion.samplers._draws.sample_weights`), then whatever the policy draws.
+        hidden: ``(B, K, d)`` the hidden states the logits came from, for a policy that reads them
+            (:attr:`PolicyStep.hidden`).
 
     Returns:
         ``(tokens (B, K) int64, commit (B, K) bool)``: the candidates and the positions to set to them.
     """
     tokens, commit, _ = mask_step_with_probs(policy, logits, undecided, num_commit, randomness, mask_id=mask_id,
-                                             temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
+                                             temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+                                             hidden=hidden)
     return tokens, commit
 
 
 def mask_step_with_probs(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
                          randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0,
-                         top_k: int | None = None, top_p: float | None = None, do_sample: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
+                         hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`mask_step` (the same draws, the same tokens) that also returns each candidate's probability
     x_θ,j(z_j) ``(B, K)`` float32 under the distribution it was drawn from (after temperature, top-k and top-p; for
     ``do_sample=False`` the argmax's probability): what a rollout trace records for the committed positions."""
@@ -161,6 +165,9 @@ def mask_step_with_probs(policy: MaskPolicy, logits: torch.Tensor, undecided: to
     if not do_sample:
         tokens = weights.argmax(-1)
     probs = weights.div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
-    step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit, randomness=randomness)
+    if policy.reads_hidden and hidden is None:
+        raise ValueError(f"hidden: {type(policy).__name__} reads the model's hidden states; pass them (B, K, d)")
+    step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit, randomness=randomness,
+                      hidden=hidden)
     commit = policy.select(step) & undecided
     return tokens, commit, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -86,6 +86,9 @@ class PolicyStep:
         num_commit: ``(B,)`` int64, how many positions a fixed-count policy commits this step (the sampler's
             schedule, ≥ 1 while a row has undecided positions); adaptive policies treat it as a minimum.
         randomness: the rows' randomness (:class:`RowRandomness`).
+        hidden: ``(B, K, d)``, the model's final hidden states at the block's positions (the output head's input,
+            of the call ``probs`` come from), for a policy that reads them (:attr:`DecodingPolicy.reads_hidden`);
+            ``None`` for the others.
     """
 
     probs: torch.Tensor
@@ -93,6 +96,7 @@ class PolicyStep:
     undecided: torch.Tensor
     num_commit: torch.Tensor
     randomness: RowRandomness
+    hidden: torch.Tensor | None = None
 
 
 def select_top(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -124,10 +128,16 @@ class DecodingPolicy:
         family: ``"mask"`` or ``"uniform"``: the noise the policy decodes.
         fixed_count: whether the policy commits exactly the sampler's per-step count (then ``num_steps`` may not
             exceed the block size); adaptive policies may finish a block in fewer steps.
+        reads_hidden: whether the policy reads the model's hidden states (:attr:`PolicyStep.hidden`, e.g. a learned
+            commit rule): the sampler then asks the model for them — a block decoder's ``denoise_block_hidden`` and
+            ``logits_from_hidden``, an x0 model's ``hidden_states`` and ``logits_from_hidden`` (what
+            :class:`~unifusion.hf.DiffusionLM` and its decoders offer) — and runs the output head on all ``K``
+            positions.
     """
 
     family: ClassVar[str] = ""
     fixed_count: ClassVar[bool] = True
+    reads_hidden: ClassVar[bool] = False
 
     def check_kernel(self, kernel: Kernel) -> None:
         """``ValueError`` naming ``policy`` when this policy cannot decode ``kernel``'s noise."""
