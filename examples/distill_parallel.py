@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import re
 import statistics
@@ -81,7 +80,13 @@ def load(args: argparse.Namespace, seed: int) -> tuple[Any, Any]:
 def build(args: argparse.Namespace, seed: int) -> tuple[uf.DiffusionLM, Any]:
     hf_model, tokenizer = load(args, seed)
     model = uf.adapt_ar_model(hf_model, add_mask_token=True, block_size=args.block_size, tokenizer=tokenizer)
-    return model.train(), tokenizer
+    return model.to(args.device).train(), tokenizer
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (wall times of CUDA decodes end when the work does)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def encode_prompts(tokenizer: Any, texts: list[str], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +140,9 @@ def sft(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProble
         is_prompt = torch.zeros_like(ids, dtype=torch.bool)
         is_prompt[:, :prompt_ids.shape[1]] = True
         with validation(False):  # left padding on purpose
-            out = uf.diffusion_loss(model, ids, kernel, attention_mask=attention, prompt_mask=is_prompt,
-                                    bidirectional_prob=1.0, generator=stream_generator(seed, step, 2))
+            out = uf.diffusion_loss(model, ids.to(args.device), kernel, attention_mask=attention.to(args.device),
+                                    prompt_mask=is_prompt.to(args.device), bidirectional_prob=1.0,
+                                    generator=stream_generator(seed, step, 2, args.device))
         scaled = out.loss.sum() / (len(batch) * args.max_new_tokens)
         scaled.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -186,13 +192,13 @@ def distil(model: uf.DiffusionLM, traj: Trajectories | None, args: argparse.Name
         add_lora(model, r=args.lora, lora_alpha=2 * args.lora)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.distill_lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=args.device).manual_seed(seed)
     t0, loss, steps = time.perf_counter(), float("nan"), 0
     model.train()
     for step in range(args.distill_steps):
         if args.train_seconds and time.perf_counter() - t0 > args.train_seconds:
             break
-        rows = torch.randint(len(traj), (min(args.distill_batch, len(traj)),), generator=g)
+        rows = torch.randint(len(traj), (min(args.distill_batch, len(traj)),), generator=g, device=args.device).cpu()
         value = distillation_loss(model, traj.select(rows), masks="trajectory", temperature=args.entropy_temperature,
                                   entropy_weight=args.entropy_weight, generator=g)
         value.backward()
@@ -237,11 +243,14 @@ def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
     correct = tokens = forwards = 0
     seconds = 0.0
     for chunk, ids, mask in rows:
+        ids, mask = ids.to(args.device), mask.to(args.device)
+        synchronize(args.device)
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=setting.policy,
                              num_steps=setting.num_steps, use_cache=True, merge_commits=True, do_sample=False,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                              return_dict=True)
+        synchronize(args.device)
         seconds += time.perf_counter() - t0
         texts, lengths = texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])
         correct += int(sum(sorting.rewards(texts, chunk)))
@@ -253,14 +262,18 @@ def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
 
 
 @torch.no_grad()
-def evaluate_ar(ar_model: Any, tokenizer: Any, rows: list[tuple[Any, ...]], answer_tokens: int) -> dict[str, Any]:
+def evaluate_ar(ar_model: Any, tokenizer: Any, rows: list[tuple[Any, ...]], answer_tokens: int,
+                device: torch.device) -> dict[str, Any]:
     """The AR model's cached ``generate`` (greedy) on the same batches, ``answer_tokens`` new tokens per row."""
     ar_model.eval()
     correct, seconds = 0, 0.0
     for chunk, ids, mask in rows:
+        ids, mask = ids.to(device), mask.to(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = ar_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=answer_tokens,
                                 min_new_tokens=answer_tokens, pad_token_id=tokenizer.eos_token_id, use_cache=True)
+        synchronize(device)
         seconds += time.perf_counter() - t0
         texts, _ = texts_and_lengths(tokenizer, out[:, ids.shape[1]:])
         correct += int(sum(sorting.rewards(texts, chunk)))
@@ -359,6 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call")
     p.add_argument("--backend", choices=("auto", "compiled", "eager"), default="auto",
                    help="unifusion's loss/sampler backend (uf.backend.set_backend)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="--report: the seeds")
     p.add_argument("--report", action="store_true", help="run every seed of --seeds")
@@ -379,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--forced: expected divisors of --block-size {args.block_size} above 1, got {bad}")
     if any(not 0 < t < 1 for t in args.thresholds):
         p.error(f"--thresholds: expected values in (0, 1), got {args.thresholds}")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     answer = sorting.answer_length(args.count, args.digits) + 1  # characters = tokens (one per digit and comma)
     if args.max_new_tokens is None:
         args.max_new_tokens = -(-answer // args.block_size) * args.block_size
@@ -411,9 +426,9 @@ def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) ->
         log(f"after  | {r['setting']:<28} | acc {r['accuracy']:5.1f} % | {r['tokens_per_forward']:.2f} tok/fwd | "
             f"{r['seconds']:.2f} s")
     del model
-    ar_model, _ = load(args, seed)
-    evaluate_ar(ar_model, tokenizer, warm, 2)
-    ar = evaluate_ar(ar_model, tokenizer, rows, sorting.answer_length(args.count, args.digits) + 1)
+    ar_model = load(args, seed)[0].to(args.device)
+    evaluate_ar(ar_model, tokenizer, warm, 2, args.device)
+    ar = evaluate_ar(ar_model, tokenizer, rows, sorting.answer_length(args.count, args.digits) + 1, args.device)
     log(f"AR     | acc {ar['accuracy']:5.1f} % | {ar['seconds']:.2f} s")
     return {"seed": seed, "sft": sft_info, "record": record_info, "distill": distill_info, "before": before,
             "after": after, "ar": ar}
@@ -430,7 +445,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = args.seeds if args.report else [args.seed]
     log(f"model {args.model}, K = {args.block_size}, sort {args.count}×{args.digits} digits, "
         f"{'LoRA r = ' + str(args.lora) if args.lora else 'full'} distillation, seeds {seeds}, "
-        f"{torch.get_num_threads()} threads, float32")
+        f"{args.device}, {torch.get_num_threads()} threads, float32")
     t0 = time.perf_counter()
     runs = [run_seed(args, seed, log) for seed in seeds]
     summary = summarise(runs)
@@ -443,18 +458,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    title=f"sort, {args.model}, K = {args.block_size}")
     report = {"args": vars(args), "seeds": seeds, "runs": runs, "summary": summary, "table": text,
               "frontier_png": str(png), "seconds": time.perf_counter() - t0,
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "machine": {"device": str(args.device), "cpu": platform.processor() or platform.machine(),
+                          "threads": torch.get_num_threads(),
                           "dtype": "float32", "torch": torch.__version__}}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(text + "\n")
     log(f"wrote {out / 'report.json'}, {out / 'report.md'}, {png}")
     return report
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)
 
 
 if __name__ == "__main__":
