@@ -34,10 +34,15 @@ CPU smoke run (tiny random model)::
     python examples/distill_parallel.py --model tiny --sft-steps 2 --distill-steps 2 --record-problems 8 \\
         --eval-problems 8 --keep all --out /tmp/uf-distill
 
-SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.md::
+SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.md (one seed, 1-digit numbers: what
+a loaded 2-core CPU teaches in 8 minutes of SFT)::
 
-    python examples/distill_parallel.py --report --seeds 0 --sft-seconds 600 --train-seconds 420 \\
-        --eval-problems 64 --out runs/distill-report
+    python examples/distill_parallel.py --report --seeds 0 --digits 1 --sft-batch 8 --sft-steps 1000 \\
+        --sft-seconds 480 --record-problems 64 --distill-batch 4 --distill-steps 1000 --train-seconds 420 \\
+        --distill-lr 5e-5 --thresholds 0.9,0.5 --eval-problems 64 --eval-batch 32 --out runs/distill-report
+
+The issue's measurement (3 seeds, the 2-digit default, longer budgets): ``--report`` with larger ``--sft-steps``,
+``--record-problems`` and ``--distill-steps`` (docs/gpu.md).
 """
 
 from __future__ import annotations
