@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -172,9 +173,24 @@ def test_annealing_share_and_complementary_masks_reach_the_loss(tmp_path, monkey
     assert seen == [True] * 4 and metrics["complementary"] is True and metrics["anneal_fraction"] == 0.25
 
 
+def test_distillation_stage_records_the_models_decodes_and_trains_on_them(tmp_path, monkeypatch):
+    """--distill-seconds: the trained model's one-token-per-forward decodes of --distill-prompts training prompts are
+    recorded (8 tokens per row over the prefill and 2 blocks × 4 steps: 8/9 tokens per forward), then at least one
+    distillation update runs; the decoders after it still decode in blocks."""
+    metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _Clock(), budget="2",
+                                extra=("--train-steps", "2", "--distill-seconds", "0.01", "--distill-prompts", "3"))
+    d = metrics["distillation"]
+    assert d["recorded"] == 3 and d["recorded_tokens_per_forward"] == pytest.approx(8 / 9)
+    assert d["steps"] >= 1 and math.isfinite(d["final_loss"]) and d["final_loss"] > 0
+    assert d["seconds"] >= d["record_seconds"] > 0
+    assert metrics["decoding"][1]["tokens_per_forward"] == 8 / 5
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--anneal-fraction", "1.5"), "--anneal-fraction: expected a number in \\[0, 1\\], got 1.5"),
     (("--complementary", "--kernel", "uniform"), "--complementary: complementary masks need --kernel mask"),
+    (("--distill-seconds", "1", "--kernel", "uniform"), "--distill-seconds: distillation masks tokens"),
+    (("--distill-seconds", "-1"), "--distill-seconds / --distill-prompts"),
 ])
 def test_bad_training_options_are_refused(tmp_path, monkeypatch, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -45,9 +45,10 @@ Block diffusion from a real pretrained model, on a laptop-class CPU:
      block decoding with the KV cache (each step runs one block against the cached prefix; a finished block enters
      the cache within the next block's first step) at --steps denoising steps per block (a fixed count per step,
      --policy) and with Fast-dLLM's confidence threshold (--threshold), and the AR model's own cached `generate` at
-     the same temperature, both in --dtype. For each: samples, tokens per forward,
-     wall time, GenPPL of the continuations (judge: the original AR model) and unigram entropy (GPT-2 tokens),
-     and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
+     the same temperature, both in --dtype (with --distill-seconds N, first N seconds of distillation on the
+     model's own decodes: dParallel's certainty forcing on d3LLM's pseudo-trajectory masks). For each: samples,
+     tokens per forward, wall time, GenPPL of the continuations (judge: the original AR model) and unigram
+     entropy (GPT-2 tokens), and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
 
 How long: about 1 min of loading and perplexity, the training budget (default 300 s), then 1-2 min of decoding and
 scoring at the defaults on a 2-core CPU; less on a GPU. For a quick look: --train-seconds 30 --num-samples 2.
@@ -93,6 +94,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--complementary", action="store_true",
                         help="complementary masking: each sequence trained with a mask and its complement (mask "
                              "kernel; a step scores every token once and costs two forwards)")
+    parser.add_argument("--distill-seconds", type=float, default=0.0,
+                        help="mask kernel: after training, this many seconds (recording included) of distillation "
+                             "on the model's own greedy decodes of training prompts (unifusion.distill; 0: none)")
+    parser.add_argument("--distill-prompts", type=int, default=16,
+                        help="training prompts the model decodes for distillation (--distill-seconds)")
+    parser.add_argument("--distill-lr", type=float, default=2e-5, help="distillation learning rate (AdamW)")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -228,6 +235,45 @@ def _train(model: DiffusionLM, kernel: Any, train: torch.Tensor, args: argparse.
             "final_loss_ema": ema, "loss_history": history[:: max(1, len(history) // 200)]}
 
 
+def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
+             dtype: torch.dtype) -> dict[str, Any]:
+    """The distillation stage (``--distill-seconds``, recording counted in it): the trained model's greedy decodes of
+    ``prompts`` ``(n, P)``, one token per forward (``LowConfidence``, K steps per block, ``--new-tokens`` each,
+    no EOS stop), recorded with the forward each token was committed at
+    (:func:`unifusion.distill.record_trajectories`), then updates of the whole model with
+    :func:`unifusion.distill.distillation_loss` (d3LLM's pseudo-trajectory view and its complement, dParallel's
+    certainty forcing), ``--batch-size`` trajectories each, until the budget is spent (at least one)."""
+    from .distill import distillation_loss, record_trajectories
+    from .samplers.policies import LowConfidence
+
+    start = time.perf_counter()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast:
+        traj = record_trajectories(model, prompts.to(device), max_new_tokens=args.new_tokens, policy=LowConfidence(),
+                                   num_steps=model.block_size, batch_size=args.batch_size, progress=False,
+                                   eos_token_id=None, use_cache=True, merge_commits=True)
+    recorded = time.perf_counter() - start
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.distill_lr, weight_decay=0.0)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    steps, loss = 0, float("nan")
+    while steps == 0 or time.perf_counter() - start < args.distill_seconds:
+        rows = torch.randint(len(traj), (min(args.batch_size, len(traj)),), generator=g, device=device).cpu()
+        with autocast:
+            value = distillation_loss(model, traj.select(rows), generator=g)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps, loss = steps + 1, value.item()
+    model.train(was_training)
+    return {"recorded": len(traj), "record_seconds": recorded,
+            "recorded_tokens_per_forward": float(traj.tokens_per_forward.mean()), "steps": steps,
+            "final_loss": loss, "seconds": time.perf_counter() - start, "lr": args.distill_lr}
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 @dataclass
 class _Variant:
@@ -334,6 +380,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--anneal-fraction: expected a number in [0, 1], got {args.anneal_fraction}")
     if args.complementary and args.kernel != "mask":
         raise ValueError(f"--complementary: complementary masks need --kernel mask, got --kernel {args.kernel}")
+    if args.distill_seconds < 0 or args.distill_prompts < 1:
+        raise ValueError(f"--distill-seconds / --distill-prompts: expected a non-negative budget and a positive "
+                         f"count, got {args.distill_seconds} and {args.distill_prompts}")
+    if args.distill_seconds and args.kernel != "mask":
+        raise ValueError(f"--distill-seconds: distillation masks tokens and needs --kernel mask, got --kernel "
+                         f"{args.kernel}")
     if args.train_steps is not None and args.train_steps < 1:
         raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
 
@@ -368,6 +420,13 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         print(f"      note: {trained['train_steps']} updates are too few (< {MIN_MEANINGFUL_UPDATES}) for the "
               "diffusion model to have learnt much; the comparison below describes a barely trained model",
               flush=True)
+
+    distilled = None
+    if args.distill_seconds:
+        distilled = _distill(model, _chunk(train_ids, P)[:args.distill_prompts], args, device, dtype)
+        print(f"      distillation: {distilled['recorded']} recorded decodes ({distilled['record_seconds']:.0f} s), "
+              f"{distilled['steps']} updates, final loss {distilled['final_loss']:.3f}; "
+              f"{distilled['seconds']:.0f} s in all", flush=True)
 
     # 3. decode + evaluate --------------------------------------------------------------------------------
     print(f"[3/3] continuing {len(prompts_and_refs)} held-out prompts of {P} tokens by {N} tokens, one at a time, "
@@ -437,7 +496,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": P, "new_tokens": N, "num_prompts": len(prompts), "temperature": args.temperature,
         "lr": args.lr, "anneal_fraction": args.anneal_fraction, "complementary": args.complementary,
         **{k: v for k, v in trained.items() if k != "loss_history"},
-        "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows,
+        "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows, "distillation": distilled,
         "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
         "dtype": dtype_name, "dtype_option": args.dtype, "cpu_capability": cpu_capability(),
         "device_description": describe_device(device), "undertrained": undertrained,

@@ -1,0 +1,87 @@
+"""``examples/distill_parallel.py`` in-process on a tiny random model: SFT → record → LoRA distillation → evaluation,
+and the report's numbers checked against the counts they come from and against the library's AUP."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import unifusion as uf
+from unifusion.data import sorting
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2", "--sft-steps", "1",
+        "--sft-batch", "2", "--record-problems", "3", "--keep", "all", "--distill-steps", "2", "--distill-batch",
+        "2", "--lora", "2", "--thresholds", "0.6", "--forced", "2,4", "--eval-problems", "3", "--eval-batch", "2",
+        "--log-every", "1"]
+
+
+def _example():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location("_example_distill_parallel", EXAMPLES / "distill_parallel.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = _example()
+    report = example.main([*TINY, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["table"] == report["table"]
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["table"] in printed
+
+    (run,) = report["runs"]
+    n, width = 3, 8  # 3 problems; answer 8 tokens + EOS → two blocks of K = 8
+    answer = sorting.answer_length(3, 2) + 1
+    assert run["record"]["kept"] == run["record"]["problems"] == 3
+    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
+    assert 0 < run["distill"]["trainable_parameters"] < 1_000_000  # the adapters only, not the 3M-parameter model
+    names = ["1 token/forward", "threshold 0.6", "2 tokens/forward (forced)", "4 tokens/forward (forced)"]
+    for phase in ("before", "after"):
+        results = {r["setting"]: r for r in run[phase]}
+        assert list(results) == names
+        for r in results.values():
+            assert r["tokens_per_forward"] == pytest.approx(r["tokens"] / r["forwards"])
+            assert n <= r["tokens"] <= n * 2 * width  # at least the EOS of each row, at most the whole completion
+            assert r["seconds"] > 0 and 0 <= r["accuracy"] <= 100
+        # at most k tokens committed per model call (the prefill commits none)
+        assert results["1 token/forward"]["tokens"] < results["1 token/forward"]["forwards"]
+        for k in (2, 4):
+            forced = results[f"{k} tokens/forward (forced)"]
+            assert forced["tokens"] <= k * forced["forwards"]
+        # a threshold commits at least one token per step: no more calls than one token per forward
+        assert results["threshold 0.6"]["forwards"] <= results["1 token/forward"]["forwards"]
+    assert run["ar"]["tokens"] == n * answer and run["ar"]["tokens_per_forward"] == 1.0
+
+    summary = report["summary"]
+    rows = {(r["phase"], r["setting"]): r for r in summary["rows"]}
+    assert len(rows) == 2 * len(names)
+    for (phase, name), r in rows.items():
+        measured = next(x for x in run[phase] if x["setting"] == name)
+        assert r["tokens_per_forward"] == measured["tokens_per_forward"]
+        assert r["x_ar_wall_time"] == pytest.approx(measured["seconds"] / run["ar"]["seconds"])
+        assert f"| {phase} | {name} | {measured['accuracy']:.1f} | {measured['tokens_per_forward']:.2f} |" in printed
+    y_max = max(x["accuracy"] for phase in ("before", "after") for x in run[phase])
+    assert summary["aup_max_accuracy"] == y_max
+    for phase in ("before", "after"):
+        points = [(x["tokens_per_forward"], x["accuracy"]) for x in run[phase]]
+        expected = uf.eval.accuracy_under_parallelism([p[0] for p in points], [p[1] for p in points],
+                                                      max_accuracy=max(y_max, 1e-9))
+        assert summary["aup"][phase] == pytest.approx(expected)
+
+
+def test_bad_options_are_refused() -> None:
+    example = _example()
+    for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--max-new-tokens", "4"], ["--entropy-temperature", "0"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(["--model", "tiny", *argv])
