@@ -177,7 +177,9 @@ class Denoiser(ABC):
     * :attr:`block_size`: ``K`` for a block model (trained block-causally, decoded block by block), ``None`` for a
       model that sees the whole sequence at once;
     * :attr:`conditions_on_prompt`: whether calls must be told where the clean prompt is (see
-      :func:`prompt_conditioning`).
+      :func:`prompt_conditioning`);
+    * :attr:`generate_takes_sampler_options`: whether ``generate`` takes :func:`unifusion.samplers.generate`'s
+      options (what RL rollouts pass).
 
     And the optional capabilities: decoders :func:`unifusion.samplers.generate` asks the model for. Each returns
     ``None`` here (the model does not offer it; ``generate`` then raises a ``TypeError`` naming the argument that
@@ -195,6 +197,12 @@ class Denoiser(ABC):
 
     conditions_on_prompt: bool = False
     """Whether calls take ``prompt_mask=`` (``(B, L)`` bool) and the clean tokens ``x0=`` besides ``x_t``."""
+
+    generate_takes_sampler_options: bool = True
+    """Whether :meth:`generate` takes :func:`unifusion.samplers.generate`'s options (``policy``, ``num_steps``,
+    ``block_size``, ``use_cache``, ``temperature``, ...), as a trainer's rollouts pass them. ``False`` for a kind
+    whose ``generate`` reads its own generation config instead (DiffusionGemma); its ``**kwargs`` then do not say
+    otherwise."""
 
     mask_token_id: int | None
     """The absorbing (mask) state of mask and hybrid kernels, ``None`` for a model that knows only uniform noise."""

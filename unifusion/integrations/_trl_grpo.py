@@ -213,6 +213,8 @@ def preflight(model: torch.nn.Module | str, args: DiffusionGRPOConfig, *, train_
     accepted = inspect.signature(type(inner).generate).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     missing = [o for o in _ROLLOUT_OPTIONS if o not in accepted and not takes_any]
+    if not inner.generate_takes_sampler_options:
+        missing = [o for o in _ROLLOUT_OPTIONS if o not in accepted]
     if missing:
         raise TypeError(f"model: {type(inner).__name__}.generate does not take the rollout options {missing} "
                         "DiffusionGRPOTrainer passes (unifusion.samplers.generate's)")

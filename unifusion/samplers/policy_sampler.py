@@ -402,7 +402,7 @@ class PolicySampler:
         ``cols`` of ``rows``, for a policy that reads hidden states (checked in ``__init__``: the model offers
         them)."""
         S, L = self.kernel.num_states, run.grid.seq_len
-        with V.validation(False):
+        with V.unchecked():
             if run.block_state is not None:
                 decoder = cast(HiddenStateBlockDenoiser, self.model)
                 h = decoder.denoise_block_hidden(run.block_state, run.x[rows].gather(1, cols), t, rows,

@@ -68,6 +68,7 @@ class DiffusionGemmaLM(CheckpointMixin, BackboneMethods, DenoiserModule):
     config: Any  # its DiffusionGemmaConfig
 
     conditions_on_prompt = True  # diffusion_loss passes prompt_mask= and x0= (the encoder reads the prefix)
+    generate_takes_sampler_options = False  # generate reads DiffusionGemmaGenerationConfig's fields instead
 
     def __init__(self, base_model: nn.Module, *, tokenizer: Any = None, kernel: Any = None) -> None:
         super().__init__()
