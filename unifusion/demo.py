@@ -242,7 +242,8 @@ def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace
     no EOS stop), recorded with the forward each token was committed at
     (:func:`unifusion.distill.record_trajectories`), then updates of the whole model with
     :func:`unifusion.distill.distillation_loss` (d3LLM's pseudo-trajectory view and its complement, dParallel's
-    certainty forcing), ``--batch-size`` trajectories each, until the budget is spent (at least one)."""
+    certainty forcing), ``--batch-size`` trajectories each, while the mean step so far fits in the budget (at least
+    one)."""
     from .distill import distillation_loss, record_trajectories
     from .samplers.policies import LowConfidence
 
@@ -258,8 +259,10 @@ def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.distill_lr, weight_decay=0.0)
     g = torch.Generator(device=device).manual_seed(args.seed)
-    steps, loss = 0, float("nan")
-    while steps == 0 or time.perf_counter() - start < args.distill_seconds:
+    steps, loss, step_seconds = 0, float("nan"), 0.0
+    # a step that the mean step so far says would end past the budget is not started (the first always runs)
+    while steps == 0 or time.perf_counter() - start + step_seconds / steps <= args.distill_seconds:
+        step_start = time.perf_counter()
         rows = torch.randint(len(traj), (min(args.batch_size, len(traj)),), generator=g, device=device).cpu()
         with autocast:
             value = distillation_loss(model, traj.select(rows), generator=g)
@@ -268,6 +271,7 @@ def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps, loss = steps + 1, value.item()
+        step_seconds += time.perf_counter() - step_start
     model.train(was_training)
     return {"recorded": len(traj), "record_seconds": recorded,
             "recorded_tokens_per_forward": float(traj.tokens_per_forward.mean()), "steps": steps,
