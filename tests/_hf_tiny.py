@@ -92,3 +92,24 @@ def tiny_diffusion_gemma(canvas_length: int = 4, seed: int = 0, vocab_size: int 
     config = tiny_diffusion_gemma_config(canvas_length, vocab_size, **text)
     torch.manual_seed(seed)
     return transformers.DiffusionGemmaForBlockDiffusion(config).eval()
+
+
+def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
+    """A released diffusion LM kind (``"llada"`` or ``"dream"``) with its tiny fixture config
+    (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s vocabulary plus a mask token (the last id),
+    its EOS and pad ids, random weights from ``seed``."""
+    import json
+    from pathlib import Path
+
+    import unifusion as uf
+
+    folder = Path(__file__).resolve().parent / "hf" / kind / "fixtures" / "checkpoint"
+    source = json.loads((folder / "config.json").read_text())
+    V = len(tokenizer) + 1
+    source.update(vocab_size=V, mask_token_id=V - 1, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if kind == "llada":
+        source["embedding_size"] = V
+    cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
+    torch.manual_seed(seed)
+    return cls.from_source(source, tokenizer=tokenizer)

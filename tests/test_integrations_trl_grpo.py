@@ -38,7 +38,7 @@ from unifusion.integrations.trl import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, Di
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _hf_tiny import tiny_diffusion_gemma, tiny_model  # noqa: E402
+from _hf_tiny import tiny_diffusion_gemma, tiny_model, tiny_native  # noqa: E402
 
 G = 2  # completions per prompt
 PROMPTS = [{"prompt": "the cat and the dog"}, {"prompt": "a bird"}]
@@ -333,17 +333,7 @@ def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() ->
 def test_two_steps_on_a_released_diffusion_lm_kind(tmp_path, tokenizer, kind) -> None:
     """The trainer on LLaDA / Dream (unifusion.hf.native kinds, bidirectional, no blocks): two steps with the mean-field
     ELBO estimator, transformers' generate on the backbone raising (no autoregressive rollout), the policy trained."""
-    import json
-
-    source = json.loads((ROOT / "tests" / "hf" / kind / "fixtures" / "checkpoint" / "config.json").read_text())
-    V = len(tokenizer) + 1
-    source.update(vocab_size=V, mask_token_id=V - 1, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
-    if kind == "llada":
-        source["embedding_size"] = V
-    cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
-    torch.manual_seed(0)
-    model = cls.from_source(source, tokenizer=tokenizer)
+    model = tiny_native(kind, tokenizer)
     hf_cls = type(model.hf_model)
 
     def hf_generate(self, *args, **kwargs):

@@ -4,7 +4,6 @@ the folder loads through the registry and the three request types run."""
 from __future__ import annotations
 
 import atexit
-import json
 import math
 import os
 import shutil
@@ -21,9 +20,9 @@ import pytest  # noqa: E402
 
 lm_eval = pytest.importorskip("lm_eval")
 from _harness_setup import ALL_TASKS, TASKS  # noqa: E402
+from _hf_tiny import tiny_native  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import unifusion as uf  # noqa: E402
 from unifusion.eval.harness import UnifusionLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
@@ -35,17 +34,8 @@ def checkpoint(request, tokenizer, tmp_path_factory):
     """The kind's tiny fixture config at the tiny tokenizer's vocabulary (+ a mask token), random weights, saved with
     the tokenizer by the kind's save_pretrained."""
     kind = request.param
-    source = json.loads((FIXTURES / kind / "fixtures" / "checkpoint" / "config.json").read_text())
-    V = len(tokenizer) + 1
-    source.update(vocab_size=V, mask_token_id=V - 1, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
-    if kind == "llada":
-        source["embedding_size"] = V
-    cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
-    import torch
-
-    torch.manual_seed(0)
-    model = cls.from_source(source, tokenizer=tokenizer)
+    model = tiny_native(kind, tokenizer)
+    cls = type(model)
     path = tmp_path_factory.mktemp(kind) / "model"
     model.save_pretrained(path)
     return cls, path
