@@ -130,6 +130,10 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
             raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
                             f"{type(tokenizer).__name__}")
+        tokenizer_mask = getattr(tokenizer, "mask_token_id", None)
+        if tokenizer_mask is not None and tokenizer_mask != self.mask_token_id:
+            raise ValueError(f"tokenizer: its mask token is id {tokenizer_mask}, the checkpoint's config says mask "
+                             f"id {self.mask_token_id}; pass the tokenizer saved with this checkpoint")
         self.tokenizer: Any = tokenizer
         if kernel is not None:
             V.check_model_kernel(self, check_kernel(kernel))
