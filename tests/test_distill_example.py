@@ -3,17 +3,15 @@ and the report's numbers checked against the counts they come from and against t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _examples import load_example
 
 import unifusion as uf
 from unifusion.data import sorting
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2", "--sft-steps", "1",
         "--sft-batch", "2", "--record-problems", "3", "--keep", "all", "--distill-steps", "2", "--distill-batch",
         "2", "--lora", "2", "--thresholds", "0.6", "--forced", "2,4", "--eval-problems", "3", "--eval-batch", "2",
@@ -21,15 +19,7 @@ TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2"
 
 
 def _example():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("_example_distill_parallel", EXAMPLES / "distill_parallel.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load_example("distill_parallel")
 
 
 def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _examples import load_example
 
 import unifusion as uf
 
@@ -60,17 +61,6 @@ def _assert_same_losses(got: dict[int, tuple[float, float]], expected: dict[int,
         assert grad_norm == pytest.approx(expected[step][1], rel=1e-3), (step, got, expected)
 
 
-def _load_example(name: str):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLES))
-
-
 def _reload(folder: Path) -> uf.DiffusionLM:
     """The checkpoint, which records the training kernel (``--kernel uniform``, the default): the model has a mask
     token, so without the record ``generate`` and the evaluators would take the mask kernel."""
@@ -89,7 +79,7 @@ def _max_weight_diff(a: uf.DiffusionLM, b: uf.DiffusionLM) -> float:
 
 # ------------------------------------------------------------------------------------------------ pure helpers
 def test_accumulation_steps_reproduce_the_paper_batch_table():
-    module = _load_example("train_torchrun")
+    module = load_example("train_torchrun")
     # docs/guides/multi_gpu.md: (GPUs, micro-batch) → accumulation for 864 sequences per update
     for world, micro, accum in [(8, 12, 9), (16, 9, 6), (24, 12, 3), (48, 9, 2), (72, 12, 1), (96, 9, 1)]:
         assert module.accumulation_steps(864, micro, world) == accum
@@ -101,7 +91,7 @@ def test_accumulation_steps_reproduce_the_paper_batch_table():
 
 
 def test_cosine_lr_warms_up_linearly_then_decays_to_the_floor():
-    module = _load_example("train_torchrun")
+    module = load_example("train_torchrun")
     lr = [module.cosine_lr(k, peak_lr=1.0, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for k in range(25)]
     assert lr[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert lr[4] == pytest.approx(1.0)
@@ -132,7 +122,7 @@ def test_every_example_prints_help():
     ("finetune_diffusion_gemma", ["--tiny"]),
 ])
 def test_examples_take_dtype_not_bf16(name, required, capsys):
-    parse_args = _load_example(name).parse_args
+    parse_args = load_example(name).parse_args
     assert parse_args(required).dtype == "auto"
     for choice in uf.precision.DTYPE_CHOICES:
         assert parse_args([*required, "--dtype", choice]).dtype == choice
@@ -143,7 +133,7 @@ def test_examples_take_dtype_not_bf16(name, required, capsys):
 
 
 def test_training_dtype_resolves_and_describes_the_choice():
-    module = _load_example("train_torchrun")
+    module = load_example("train_torchrun")
     for option, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         got, line = module.training_dtype(option, "cpu")
         assert got == dtype and line.startswith("device cpu (") and line.count(f"--dtype {option} → {option}") == 1
@@ -235,7 +225,7 @@ def test_train_accelerate_matches_single_process(single_process_run, tmp_path):
 def _main_output(name: str, argv: list[str]) -> str:
     """What ``examples/<name>.py``'s ``main(argv)`` prints, run in this process (no new interpreter)."""
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        assert _load_example(name).main(argv) == 0
+        assert load_example(name).main(argv) == 0
     return printed.getvalue()
 
 

@@ -9,7 +9,6 @@ random text (``len(text) % 3``), passed through ``main(reward_fn=)`` by a small 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _examples import load_example
 
 import unifusion as uf
 from unifusion.data import arithmetic
@@ -45,15 +45,7 @@ raise SystemExit(grpo.main(sys.argv[1:], reward_fn=length_reward))
 
 
 def _grpo():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("_example_grpo", EXAMPLES / "grpo.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load_example("grpo")
 
 
 def _run(script: Path, args: list[str], *, torchrun: bool = False, timeout: int = 600) -> str:

@@ -9,7 +9,6 @@ those are on the branch they are skipped (``NEEDS_BLOCKS``).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import io
 import math
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _examples import load_example
 
 import unifusion as uf
 from unifusion.chat import collate_chats, load_python_docs_chats
@@ -38,14 +38,7 @@ NEEDS_BLOCKS = pytest.mark.skipif(
 
 
 def _sft():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("_example_sft", EXAMPLES / "sft.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load_example("sft")
 
 
 def _run(args: list[str], *, torchrun: bool = False, timeout: int = 600) -> str:
