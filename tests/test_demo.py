@@ -125,15 +125,16 @@ def test_tiny_demo_decodes_in_blocks_next_to_the_ar_model_and_writes_its_metrics
     assert [r["name"] for r in rows] == ["AR", "low-confidence, 2 steps/block", "threshold 0.9"]
     assert all(set(r) == ROW_FIELDS for r in rows)
     assert rows[0]["tokens_per_forward"] == 1.0 and rows[0]["wall_ratio_vs_ar"] == 1.0
-    # every backbone call counts: per prompt the prefill and 2 blocks × 2 steps (commits merged into the next step)
-    assert rows[1]["forwards"] == 2 * (1 + 2 * 2) and rows[1]["tokens_per_forward"] == 8 / 5
-    assert 8 / 9 <= rows[2]["tokens_per_forward"] <= 8 / 3  # 1 to 4 steps per block, plus the prefill
+    # every backbone call counts: per prompt 2 blocks × 2 steps (the prefill merged into the first step, each commit
+    # into the next block's)
+    assert rows[1]["forwards"] == 2 * 2 * 2 and rows[1]["tokens_per_forward"] == 8 / 4
+    assert 8 / 8 <= rows[2]["tokens_per_forward"] <= 8 / 2  # 1 to 4 steps per block
     assert all(r["genppl"] > 1.0 and r["entropy"] > 0.0 for r in rows)
     assert json.loads((out / "metrics.json").read_text())["decoding"] == rows
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert [s["decoder"] for s in samples] == ["AR"] * 2 + ["low-confidence, 2 steps/block"] * 2 + ["threshold 0.9"] * 2
     report = capsys.readouterr().out
-    assert "1.60 tokens/forward" in report and "GenPPL" in report and "× AR" in report
+    assert "2.00 tokens/forward" in report and "GenPPL" in report and "× AR" in report
 
 
 def test_packed_linears_decode_the_same_tokens_as_the_default_matmuls(tmp_path, monkeypatch, capsys):
@@ -175,15 +176,15 @@ def test_annealing_share_and_complementary_masks_reach_the_loss(tmp_path, monkey
 
 def test_distillation_stage_records_the_models_decodes_and_trains_on_them(tmp_path, monkeypatch):
     """--distill-seconds: the trained model's one-token-per-forward decodes of --distill-prompts training prompts are
-    recorded (8 tokens per row over the prefill and 2 blocks × 4 steps: 8/9 tokens per forward), then at least one
-    distillation update runs; the decoders after it still decode in blocks."""
+    recorded (8 tokens per row over 2 blocks × 4 steps, the prefill merged into the first: 1 token per forward),
+    then at least one distillation update runs; the decoders after it still decode in blocks."""
     metrics, _ = _run_tiny_demo(tmp_path, monkeypatch, _Clock(), budget="2",
                                 extra=("--train-steps", "2", "--distill-seconds", "0.01", "--distill-prompts", "3"))
     d = metrics["distillation"]
-    assert d["recorded"] == 3 and d["recorded_tokens_per_forward"] == pytest.approx(8 / 9)
+    assert d["recorded"] == 3 and d["recorded_tokens_per_forward"] == pytest.approx(1.0)
     assert d["steps"] >= 1 and math.isfinite(d["final_loss"]) and d["final_loss"] > 0
     assert d["seconds"] >= d["record_seconds"] > 0
-    assert metrics["decoding"][1]["tokens_per_forward"] == 8 / 5
+    assert metrics["decoding"][1]["tokens_per_forward"] == 8 / 4
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -160,7 +160,7 @@ def test_cached_decoding_with_the_learned_rule_equals_uncached(model, P):
         uncached = model.generate(prompt, use_cache=False, **kw)
         merged = model.generate(prompt, merge_commits=True, **kw)
         nb = -(-new // K)
-        for other, extra in ((uncached, nb - 1 + int(P > 0)), (merged, nb - 1)):
+        for other, extra in ((uncached, nb - 1 + int(P > 0)), (merged, nb - 1 + int(P > 0))):
             assert torch.equal(cached.sequences, other.sequences)
             assert torch.equal(cached.num_forwards, other.num_forwards + extra)
     # τ = 0 decodes each block in one forward

@@ -280,7 +280,8 @@ def test_block_cache_rows_stopping_at_eos_and_left_padding() -> None:
 
 def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
     """After the prefill every step runs the block's K + 1 positions and every commit its K clean ones; with
-    merge_commits the commit rides with the next block's first step (2K + 1 positions), same tokens."""
+    merge_commits the prefill rides with the first block's first step (P + K + 1 positions) and each commit with the
+    next block's first step (2K + 1 positions), same tokens."""
     from unifusion.hf.ar.decoding import BlockCacheDecoder
 
     model = _model()
@@ -299,11 +300,11 @@ def test_block_cache_runs_one_block_per_call_after_the_prefill() -> None:
         lengths.append(calls.lengths)
     nb = new // K
     assert lengths[0] == [P] + [K + 1] * 2 + [K, K + 1, K + 1] * (nb - 1)
-    assert lengths[1] == [P] + [K + 1] * 2 + [2 * K + 1, K + 1] * (nb - 1)
+    assert lengths[1] == [P + K + 1, K + 1] + [2 * K + 1, K + 1] * (nb - 1)
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     # num_forwards counts every backbone call: the prefill, the steps and the separate commits
     assert [o.num_forwards.tolist() for o in outs] == [[len(n)] * 2 for n in lengths] == [[3 * nb] * 2,
-                                                                                          [2 * nb + 1] * 2]
+                                                                                          [2 * nb] * 2]
 
 
 @pytest.mark.parametrize("time_conditioning", [False, True])
@@ -329,9 +330,9 @@ def test_merged_commits_equal_the_uncached_blocks(time_conditioning) -> None:
     assert runs[0].num_forwards.min() < runs[0].num_forwards.max()  # a row stopped at EOS before the others
     for run in runs:
         assert torch.equal(run.sequences, uncached.sequences)
-        # the same steps, plus the cache's own calls (the prefill; commits, fewer when merged)
-        assert (run.num_forwards >= uncached.num_forwards + 1).all(), (run.num_forwards, uncached.num_forwards)
-    assert (runs[0].num_forwards <= runs[1].num_forwards).all()
+    # the same steps; merged, the prefill and the commits ride with steps: no call of the cache's own
+    assert torch.equal(runs[0].num_forwards, uncached.num_forwards)
+    assert (runs[1].num_forwards >= uncached.num_forwards + 1).all(), (runs[1].num_forwards, uncached.num_forwards)
 
 
 @pytest.mark.parametrize("P", [0, 4])
@@ -386,8 +387,8 @@ def test_generate_on_a_block_model_cached_equals_uncached(policy, P) -> None:
     uncached = model.generate(prompt, generator=_gens(B), use_cache=False, **kw)
     merged = model.generate(prompt, generator=_gens(B), merge_commits=True, **kw)
     nb = -(-10 // 4)
-    # the same steps; the cache adds its prefill (P > 0) and, unmerged, one commit call per block but the last
-    for other, extra in ((uncached, nb - 1 + int(P > 0)), (merged, nb - 1)):
+    # the same steps; the cache adds its prefill (P > 0) and one commit call per block but the last, merged none
+    for other, extra in ((uncached, nb - 1 + int(P > 0)), (merged, nb - 1 + int(P > 0))):
         assert torch.equal(cached.sequences, other.sequences)
         assert torch.equal(cached.num_forwards, other.num_forwards + extra), (cached.num_forwards, other.num_forwards)
 
@@ -430,8 +431,9 @@ def test_generate_on_a_block_model_sees_one_block_per_call_after_the_prefill() -
 
 
 def test_generate_merge_commits_same_tokens_one_call_fewer_per_block() -> None:
-    """generate(..., merge_commits=True): the tokens of the default cache, the commit of each finished block inside
-    the next block's first step (2K + 1 positions), so n_b − 1 fewer calls for n_b blocks."""
+    """generate(..., merge_commits=True): the tokens of the default cache, the prefill inside the first step
+    (P + K + 1 positions) and the commit of each finished block inside the next block's first step (2K + 1
+    positions), so n_b fewer calls for n_b blocks."""
     model = _block_model(K=4)
     P, new, nb = 5, 12, 3
     outs, lengths = [], []
@@ -444,7 +446,7 @@ def test_generate_merge_commits_same_tokens_one_call_fewer_per_block() -> None:
             calls.close()
         lengths.append(calls.lengths)
     assert torch.equal(outs[0], outs[1])
-    assert lengths[1] == [P] + [5, 5] + [4 + 5, 5] * (nb - 1) and len(lengths[0]) == len(lengths[1]) + nb - 1
+    assert lengths[1] == [P + 5, 5] + [4 + 5, 5] * (nb - 1) and len(lengths[0]) == len(lengths[1]) + nb
 
 
 def test_block_model_arguments() -> None:

@@ -23,7 +23,8 @@ every P. With ``positions`` (a mask policy's still-masked positions) the output 
 
 ``merge_commits=True`` appends a committed block within the next block's first step instead (one call of ``2K + 1``
 positions: the clean ones see the cache and each other causally and stay in it, the noisy ones see everything and
-leave again), as Fast-dLLM v2 does: ``n_b − 1`` fewer calls for ``n_b`` blocks, the same tokens. Should the running
+leave again), as Fast-dLLM v2 does, and prefills the prompt within the first block's first step the same way (one
+call of ``P + K + 1`` positions): ``n_b`` fewer calls for ``n_b`` blocks, the same tokens. Should the running
 rows change between a commit and the next step, the block goes in by itself first.
 
 **Approximate: a fully bidirectional model** (no ``block_size``) — :class:`PrefixCacheDecoder`, Fast-dLLM's dual
@@ -174,7 +175,8 @@ class BlockCacheDecoder(_Decoder):
     Args:
         model: the block model.
         merge_commits: append each committed block within the next block's first step (one call of ``2K + 1``
-            positions instead of two calls of ``K`` and ``K + 1``); the same tokens either way.
+            positions instead of two calls of ``K`` and ``K + 1``) and prefill the prompt within the first step (one
+            call of ``P + K + 1`` positions instead of ``P`` and ``K + 1``); the same tokens either way.
     """
 
     def __init__(self, model: AdaptedLM, *, merge_commits: bool = False) -> None:
@@ -200,8 +202,11 @@ class BlockCacheDecoder(_Decoder):
         state = CacheState(cache=DynamicCache(), rows=torch.arange(B, device=dev), key_valid=valid, key_pos=pos,
                            anchor=torch.where(pads[:, 0] < P, prefix[:, -1], bos[:, 0]) if P else bos[:, 0],
                            next_pos=(P - pads[:, 0]), length=P,
-                           extra_forwards=torch.full((B,), int(P > 0), dtype=torch.long, device=dev))
-        if P:
+                           extra_forwards=torch.full((B,), int(P > 0 and not self.merge_commits),
+                                                     dtype=torch.long, device=dev))
+        if P and self.merge_commits:  # the prefill runs within the first denoising step
+            state.pending = (ids, pos)
+        elif P:
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
             allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
             _forward(model, ids, pos, allowed, pos, state.cache, None)
@@ -221,8 +226,7 @@ class BlockCacheDecoder(_Decoder):
             c_ids, c_pos = state.pending
             n, c = state.key_valid.shape[1], c_ids.shape[1]
             old = state.key_valid[:, :n - c]
-            clean_rows = torch.cat([old[:, None, :].expand(Ba, c, -1),
-                                    torch.ones(c, c, dtype=torch.bool, device=dev).tril()[None].expand(Ba, c, c),
+            clean_rows = torch.cat([old[:, None, :].expand(Ba, c, -1), _causal_among(state.key_valid[:, n - c:]),
                                     old.new_zeros((Ba, c, K + 1))], -1)
             noisy_rows = torch.cat([state.key_valid[:, None, :].expand(Ba, K + 1, -1),
                                     old.new_ones((Ba, K + 1, K + 1))], -1)
@@ -263,14 +267,22 @@ class BlockCacheDecoder(_Decoder):
         """Run the pending block's clean positions into the cache by themselves (causal)."""
         assert state.pending is not None
         ids, pos = state.pending
-        Ba, K = ids.shape
+        Ba, c = ids.shape
         n = state.key_valid.shape[1]
-        causal = torch.ones(K, K, dtype=torch.bool, device=ids.device).tril()[None].expand(Ba, K, K)
-        allowed = torch.cat([state.key_valid[:, None, :n - K].expand(Ba, K, -1), causal], -1)
+        allowed = torch.cat([state.key_valid[:, None, :n - c].expand(Ba, c, -1),
+                             _causal_among(state.key_valid[:, n - c:])], -1)
         _forward(self.model, ids, pos, allowed, state.key_pos, state.cache, None)
         state.pending = None
         if state.extra_forwards is not None:
             state.extra_forwards.index_add_(0, state.rows, torch.ones_like(state.rows))
+
+
+def _causal_among(valid: torch.Tensor) -> torch.Tensor:
+    """``(B, c, c)`` bool: clean position i of a pending run sees the valid ones among ``0 … i`` (``valid`` ``(B, c)``,
+    False at left padding) and always itself (a padded query attends somewhere; its output is never read)."""
+    c = valid.shape[1]
+    causal = torch.ones(c, c, dtype=torch.bool, device=valid.device).tril()
+    return (causal[None] & valid[:, None, :]) | torch.eye(c, dtype=torch.bool, device=valid.device)[None]
 
 
 def head_at(model: AdaptedLM, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -523,8 +523,8 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
     def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
         """The exact cached decoder of a block model (:class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`, a
         :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.
-        ``merge_commits``: append each committed block within the next block's first step (one call fewer per
-        block, the same tokens)."""
+        ``merge_commits``: append each committed block within the next block's first step and prefill the prompt
+        within the first one (one call fewer per block, the same tokens)."""
         if self.block_size is None:
             raise ValueError("block_decoder: needs a block model (adapt_ar_model(..., block_size=K)); a fully "
                              "bidirectional model offers prefix_decoder (approximate) instead")
