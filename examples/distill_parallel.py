@@ -66,7 +66,16 @@ from train_torchrun import load_pretrained, stream_generator, tiny_with_smollm2_
 
 import unifusion as uf  # noqa: E402
 from unifusion.data import sorting  # noqa: E402
-from unifusion.distill import Trajectories, add_lora, distillation_loss, record_trajectories  # noqa: E402
+from unifusion.distill import (  # noqa: E402
+    CommitHead,
+    LearnedCommit,
+    Trajectories,
+    add_lora,
+    collect_commit_data,
+    distillation_loss,
+    record_trajectories,
+    train_commit_head,
+)
 from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence  # noqa: E402
 from unifusion.validation import validation  # noqa: E402
 
@@ -235,6 +244,30 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     return out
 
 
+def commit_rule_settings(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProblem],
+                         args: argparse.Namespace, seed: int) -> tuple[list[Setting], dict[str, Any]]:
+    """Learn2PD's learned commit rule on the model as it is (frozen): a :class:`~unifusion.distill.CommitHead` fitted
+    to the model's own greedy one-token-per-forward decodes of ``problems`` (train problems), one
+    ``LearnedCommit(head, τ)`` setting per ``--commit-rule`` τ."""
+    if not args.commit_rule:
+        return [], {}
+    model.eval()
+    t0 = time.perf_counter()
+    ids, mask = encode_prompts(tokenizer, [p.prompt for p in problems], args.block_size)
+    data = collect_commit_data(model, ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                               num_steps=args.block_size, batch_size=args.eval_batch, use_cache=True,
+                               merge_commits=True, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.eos_token_id)
+    hidden_size = data.hidden.shape[-1]
+    head = CommitHead(hidden_size).to(args.device)
+    losses = train_commit_head(head, data, steps=args.commit_rule_steps,
+                               generator=torch.Generator().manual_seed(seed))
+    info = {"examples": len(data), "positive_rate": data.positive_rate, "final_loss": losses[-1],
+            "train_accuracy": head.accuracy(data), "seconds": time.perf_counter() - t0}
+    return [Setting(f"learned commit {tau:g}", LearnedCommit(head, tau), args.block_size)
+            for tau in args.commit_rule], info
+
+
 def batches(tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.Namespace) -> list[tuple[Any, ...]]:
     return [(chunk, *encode_prompts(tokenizer, [p.prompt for p in chunk], args.block_size))
             for chunk in (problems[s:s + args.eval_batch] for s in range(0, len(problems), args.eval_batch))]
@@ -373,6 +406,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
     p.add_argument("--thresholds", type=_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
     p.add_argument("--forced", type=_ints, default=[2, 4], help="tokens forced per forward (K/k steps per block)")
+    p.add_argument("--commit-rule", type=_floats, default=[0.9],
+                   help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
+                        "(empty: none)")
+    p.add_argument("--commit-rule-problems", type=int, default=32,
+                   help="train problems whose decodes fit the commit rule's head")
+    p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems (the same for every seed)")
     p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call")
     p.add_argument("--backend", choices=("auto", "compiled", "eager"), default="auto",
@@ -396,6 +435,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [k for k in args.forced if k < 2 or args.block_size % k]
     if bad:
         p.error(f"--forced: expected divisors of --block-size {args.block_size} above 1, got {bad}")
+    if any(not 0 < t < 1 for t in args.commit_rule):
+        p.error(f"--commit-rule: expected values in (0, 1), got {args.commit_rule}")
+    for name in ("commit_rule_problems", "commit_rule_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
     if any(not 0 < t < 1 for t in args.thresholds):
         p.error(f"--thresholds: expected values in (0, 1), got {args.thresholds}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -416,17 +460,20 @@ def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) ->
     rows = batches(tokenizer, test, args)
     log(f"--- seed {seed}: SFT")
     sft_info = sft(model, tokenizer, train, args, seed, log)
+    rule_problems = train[-args.record_problems:][:args.commit_rule_problems]
+    learned, rule_before = commit_rule_settings(model, tokenizer, rule_problems, args, seed)
     grid = settings(args)
     warm = [(c[:2], i[:2], m[:2]) for c, i, m in rows[:1]]  # first calls (allocations, kernels) are not timed
     evaluate(model, tokenizer, warm, grid[-1], args)
-    before = [evaluate(model, tokenizer, rows, s, args) for s in grid]
+    before = [evaluate(model, tokenizer, rows, s, args) for s in grid + learned]
     for r in before:
         log(f"before | {r['setting']:<28} | acc {r['accuracy']:5.1f} % | {r['tokens_per_forward']:.2f} tok/fwd | "
             f"{r['seconds']:.2f} s")
     traj, record_info = record(model, tokenizer, train[-args.record_problems:], args)
     log(f"recorded {record_info['kept']} of {record_info['problems']} trajectories ({args.keep})")
     distill_info = distil(model, traj, args, seed, log)
-    after = [evaluate(model, tokenizer, rows, s, args) for s in grid]
+    learned, rule_after = commit_rule_settings(model, tokenizer, rule_problems, args, seed)
+    after = [evaluate(model, tokenizer, rows, s, args) for s in grid + learned]
     for r in after:
         log(f"after  | {r['setting']:<28} | acc {r['accuracy']:5.1f} % | {r['tokens_per_forward']:.2f} tok/fwd | "
             f"{r['seconds']:.2f} s")
@@ -436,7 +483,7 @@ def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) ->
     ar = evaluate_ar(ar_model, tokenizer, rows, sorting.answer_length(args.count, args.digits) + 1, args.device)
     log(f"AR     | acc {ar['accuracy']:5.1f} % | {ar['seconds']:.2f} s")
     return {"seed": seed, "sft": sft_info, "record": record_info, "distill": distill_info, "before": before,
-            "after": after, "ar": ar}
+            "after": after, "ar": ar, "commit_rule": {"before": rule_before, "after": rule_after}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
