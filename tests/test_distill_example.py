@@ -15,7 +15,7 @@ from unifusion.data import sorting
 TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2", "--sft-steps", "1",
         "--sft-batch", "2", "--record-problems", "3", "--keep", "all", "--distill-steps", "2", "--distill-batch",
         "2", "--lora", "2", "--thresholds", "0.6", "--forced", "2,4", "--eval-problems", "3", "--eval-batch", "2",
-        "--log-every", "1"]
+        "--commit-rule", "0.5", "--commit-rule-problems", "2", "--commit-rule-steps", "3", "--log-every", "1"]
 
 
 def _example():
@@ -36,7 +36,8 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
     assert run["record"]["kept"] == run["record"]["problems"] == 3
     assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
     assert 0 < run["distill"]["trainable_parameters"] < 1_000_000  # the adapters only, not the 3M-parameter model
-    names = ["1 token/forward", "threshold 0.6", "2 tokens/forward (forced)", "4 tokens/forward (forced)"]
+    names = ["1 token/forward", "threshold 0.6", "2 tokens/forward (forced)", "4 tokens/forward (forced)",
+             "learned commit 0.5"]
     for phase in ("before", "after"):
         results = {r["setting"]: r for r in run[phase]}
         assert list(results) == names
@@ -44,13 +45,17 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
             assert r["tokens_per_forward"] == pytest.approx(r["tokens"] / r["forwards"])
             assert n <= r["tokens"] <= n * 2 * width  # at least the EOS of each row, at most the whole completion
             assert r["seconds"] > 0 and 0 <= r["accuracy"] <= 100
-        # at most k tokens committed per model call (the prefill commits none)
-        assert results["1 token/forward"]["tokens"] < results["1 token/forward"]["forwards"]
+        # at most k tokens committed per model call (the prefill rides with the first step)
+        assert results["1 token/forward"]["tokens"] <= results["1 token/forward"]["forwards"]
         for k in (2, 4):
             forced = results[f"{k} tokens/forward (forced)"]
             assert forced["tokens"] <= k * forced["forwards"]
-        # a threshold commits at least one token per step: no more calls than one token per forward
-        assert results["threshold 0.6"]["forwards"] <= results["1 token/forward"]["forwards"]
+        # a threshold and the learned rule commit at least one token per step: no more calls than one per forward
+        for name in ("threshold 0.6", "learned commit 0.5"):
+            assert results[name]["forwards"] <= results["1 token/forward"]["forwards"]
+        # the rule's head was fitted on that phase's model: examples from every step of 2 problems' decodes
+        rule = run["commit_rule"][phase]
+        assert rule["examples"] >= 2 * width and 0 <= rule["positive_rate"] <= 1
     assert run["ar"]["tokens"] == n * answer and run["ar"]["tokens_per_forward"] == 1.0
 
     summary = report["summary"]
