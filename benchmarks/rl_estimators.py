@@ -37,7 +37,7 @@ ESTIMATORS: list[tuple[str, str, int, dict]] = [
     ("quadrature", "n/2 nodes, Bernoulli masks", 0, {"masks": "bernoulli"}),
     ("mean_field", "d1: prompt masked w.p. 0.15", 1, {}),
     ("mean_field", "prompt kept clean", 1, {"prompt_mask_prob": 0.0}),
-    ("eubo", "SPG: K=4, beta=1.5", 4, {"beta": 1.5}),
+    ("eubo", "SPG: K=4, eubo_beta=1.5", 4, {"eubo_beta": 1.5}),
 ]
 
 

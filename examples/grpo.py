@@ -10,9 +10,9 @@ The loop, one step (``--prompts-per-step`` P prompts, ``--group-size`` G complet
 3. **advantages**: :func:`unifusion.rl.group_advantages`, ``(r − mean_g r) / (std_g r + 10⁻⁴)`` per prompt;
 4. **likelihoods**: :func:`unifusion.rl.sequence_logprob` (``--estimator``; a block model takes the block ELBO
    ``"elbo"``) of the current policy, and under ``torch.no_grad()`` of the old policy (``--inner-updates`` > 1) and
-   the reference (``--beta`` > 0), **all with the same generator seed**: the same masks and times, so the ratio
+   the reference (``--kl-coef`` > 0), **all with the same generator seed**: the same masks and times, so the ratio
    ``π/π_old`` carries no mask noise. With one inner update the old policy *is* the current one and its estimate
-   with that seed is ``logp.detach()`` (the ratio is 1, the gradient GRPO's policy gradient);
+   with that seed is ``logps.detach()`` (the ratio is 1, the gradient GRPO's policy gradient);
 5. **objective** (``--objective``): ``grpo`` (:func:`~unifusion.rl.grpo_loss`, clipped ratio + k3 KL),
    ``wd1`` (:func:`~unifusion.rl.wd1_loss`, softmax weights per group, no ratio) or ``spg``
    (:func:`~unifusion.rl.spg_loss`: an ELBO where A > 0, the EUBO where A ≤ 0; a block model has no EUBO estimator,
@@ -323,9 +323,9 @@ def objective_loss(args: argparse.Namespace, wrapped: torch.nn.Module, inner: uf
     N = args.max_new_tokens
     new = score(wrapped, batch, args, step, row_offset=row_offset)
     if args.objective == "grpo":
-        old_logp = new.per_token.detach() if old is None else old
-        per_token = uf.rl.grpo_loss(new.per_token, old_logp, advantages, batch.completion_mask, ref_logp=ref,
-                                    beta=args.beta, epsilon=args.epsilon, num_sequences=global_rows)
+        old_logps = new.per_token.detach() if old is None else old
+        per_token = uf.rl.grpo_loss(new.per_token, old_logps, advantages, batch.completion_mask, ref_logps=ref,
+                                    kl_coef=args.kl_coef, epsilon=args.epsilon, num_sequences=global_rows)
         return per_token.sum() * world, new.sequence
     if args.objective == "wd1":
         per_sample = uf.rl.wd1_loss(new.sequence, advantages, group_size=args.group_size)
@@ -345,7 +345,7 @@ def grpo(args: argparse.Namespace, wrapped: torch.nn.Module, inner: uf.Diffusion
     P, G = args.prompts_per_step, args.group_size
     rows_local = check_batch(P * G, G, world)
     reference = None
-    if args.beta > 0 and args.objective == "grpo":
+    if args.kl_coef > 0 and args.objective == "grpo":
         reference = copy.deepcopy(inner).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=args.lr, weight_decay=0.0)
     records: list[dict[str, float]] = []
@@ -440,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sequence_logprob's estimator (a block model takes 'elbo', the block ELBO)")
     parser.add_argument("--num-samples", type=int, default=1, help="the estimator's passes per likelihood")
     parser.add_argument("--objective", choices=OBJECTIVES, default="grpo")
-    parser.add_argument("--beta", type=float, default=0.0, help="grpo's k3 KL coefficient to the SFT policy")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="grpo's k3 KL coefficient to the SFT policy")
     parser.add_argument("--epsilon", type=float, default=0.2, help="grpo's clip range")
     parser.add_argument("--spg-mix", type=float, default=None,
                         help="SPG's ω: ω·EUBO + (1−ω)·ELBO for negative advantages (default: the EUBO)")
@@ -474,11 +474,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "max_new_tokens", "sft_batch", "sft_micro_batch", "eval_batch", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "eval_problems", "beta", "train_seconds"):
+    for name in ("sft_steps", "eval_problems", "kl_coef", "train_seconds"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
-    if args.beta and args.objective != "grpo" and not args.report:
-        parser.error(f"--beta: the KL term is grpo's; --objective {args.objective} takes none")
+    if args.kl_coef and args.objective != "grpo" and not args.report:
+        parser.error(f"--kl-coef: the KL term is grpo's; --objective {args.objective} takes none")
     if not args.temperature > 0:
         parser.error(f"--temperature: expected a positive float, got {args.temperature}")
     return args
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None, *, reward_fn: RewardFn | None = None) ->
         before: float | None = None  # greedy decoding of the same weights: measured once per seed
         for objective in OBJECTIVES:
             run = argparse.Namespace(**{**vars(base), "objective": objective,
-                                        "beta": args.beta if objective == "grpo" else 0.0})
+                                        "kl_coef": args.kl_coef if objective == "grpo" else 0.0})
             model.load_state_dict(start)
             log(f"--- seed {seed} | {objective}")
             results.append(run_one(run, model, tokenizer, reward_fn, mode=mode, rank=0, world=1, device=device,

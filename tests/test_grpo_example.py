@@ -190,7 +190,7 @@ def test_arguments_are_checked(grpo):
     assert (args.block_size, args.max_new_tokens, args.objective, args.estimator) == (8, 8, "grpo", "elbo")
     # the CPU recipe of docs/guides/rl.md's table
     assert (args.task, args.sft_steps, args.lr) == ("max", 8, 5e-6)
-    for bad in (["--group-size", "0"], ["--beta", "-1"], ["--objective", "wd1", "--beta", "0.1"],
+    for bad in (["--group-size", "0"], ["--kl-coef", "-1"], ["--objective", "wd1", "--kl-coef", "0.1"],
                 ["--temperature", "0"], ["--objective", "ppo"]):
         with pytest.raises(SystemExit):
             grpo.parse_args(bad)
@@ -212,7 +212,7 @@ def test_tiny_run_trains_and_writes_metrics(one_process):
     assert metrics["rollout_tokens_per_s"] > 0 and len(metrics["records"]) == 2
 
 
-@pytest.mark.parametrize("extra", [["--objective", "grpo", "--inner-updates", "2", "--beta", "0.05"]])
+@pytest.mark.parametrize("extra", [["--objective", "grpo", "--inner-updates", "2", "--kl-coef", "0.05"]])
 def test_tiny_run_other_objectives_and_options(grpo, tmp_path, extra):
     """Old and reference policies (μ = 2, β > 0); wd1 and spg run in the report test below."""
     steps = _steps(_main(grpo, [*TINY, "--sft-steps", "0", "--eval-problems", "0", "--steps", "1", *extra,

@@ -258,7 +258,7 @@ def test_each_step_loss_is_grpo_loss_of_sequence_logprob(tmp_path, tokenizer, bl
             return est.per_token
 
         current, old, ref = score(policy), score(old_policy), score(reference)
-        expected = uf.rl.grpo_loss(current, old, inputs["advantages"], scored, ref_logp=ref, beta=args.beta,
+        expected = uf.rl.grpo_loss(current, old, inputs["advantages"], scored, ref_logps=ref, kl_coef=args.beta,
                                    epsilon=args.epsilon, normalization="grpo").sum()
         torch.testing.assert_close(loss, expected)
         # TRL's old log-probs (computed at the rollout) are the hand estimates at TRL's completion positions

@@ -175,7 +175,8 @@ class Denoiser(ABC):
     * :attr:`kernel`, :attr:`tokenizer`, :attr:`config`: the training kernel, the tokenizer, the backbone's
       configuration, each ``None`` when not known;
     * :attr:`block_size`: ``K`` for a block model (trained block-causally, decoded block by block), ``None`` for a
-      model that sees the whole sequence at once;
+      model that sees the whole sequence at once; a block model also implements :meth:`block_conditioning` (how its
+      block-causal forward takes the clean stream);
     * :attr:`conditions_on_prompt`: whether calls must be told where the clean prompt is (see
       :func:`prompt_conditioning`);
     * :attr:`generate_takes_sampler_options`: whether ``generate`` takes :func:`unifusion.samplers.generate`'s
@@ -193,6 +194,10 @@ class Denoiser(ABC):
     A model whose prediction needs to be told where the clean prompt ends and which clean tokens precede the noisy
     ones (an encoder-decoder such as DiffusionGemma, which encodes the clean prefix into a cache) sets
     :attr:`conditions_on_prompt`; :func:`prompt_conditioning` then gives it ``prompt_mask=`` and ``x0=``.
+
+    What the losses, estimators and trainers pass besides ``x_t`` and ``t`` comes from these declarations only
+    (:attr:`block_size`, :meth:`block_conditioning`, :attr:`conditions_on_prompt`): a kind registered from outside
+    the package trains, scores and samples as the built-in ones do.
     """
 
     conditions_on_prompt: bool = False
@@ -295,6 +300,35 @@ class Denoiser(ABC):
         each block sees only the tokens of earlier blocks as they stand (the uncached block path of
         :func:`unifusion.samplers.generate`, ``use_cache=False``). ``None`` (this default): the model offers none."""
         return None
+
+    def block_conditioning(self, x0: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments that give a block model's block-causal forward its **clean stream**, for a call
+        ``model(x_t, t, **model.block_conditioning(x0))`` over rows of several blocks (``L > block_size``).
+
+        The block forward this declares: ``t`` is one time per block ``(B, ⌈L/K⌉)`` (or per row ``(B,)``); blocks are
+        cut at column multiples of K from column 0; block ``b``'s prediction sees the clean tokens ``x0`` of the
+        blocks before it and the noisy ``x_t`` of its own block, nothing of later blocks; columns where
+        ``attention_mask`` is 0 are invisible. So a row moved right by ``(−s) mod K`` padded columns has its blocks
+        cut from its generated start s, as the decoders cut them (:mod:`unifusion.block_partition`, what
+        :func:`unifusion.rl.sequence_logprob` does). :func:`unifusion.diffusion_loss`, :func:`unifusion.eval.nll_bound`
+        and the estimators call it; a row of one block takes the plain call (no clean stream).
+
+        Args:
+            x0: the clean tokens ``(B, L)`` of the call's rows (aligned with ``x_t``).
+
+        Returns:
+            ``{}`` for a model without blocks (this default, :attr:`block_size` ``None``); a block model returns what
+            its ``forward`` takes (a :class:`~unifusion.DiffusionLM`: ``{"clean": x0}``).
+
+        Raises:
+            TypeError: a block model (:attr:`block_size` set) that does not override this method: the interface cannot
+                know how its forward takes the clean tokens.
+        """
+        if self.block_size is None:
+            return {}
+        raise TypeError(f"model: {type(self).__name__} is a block model (block_size={self.block_size}) but does not "
+                        "declare how its block-causal forward takes the clean tokens; override "
+                        "Denoiser.block_conditioning(x0) to return its forward's keyword arguments")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``forward`` (a ``torch.nn.Module`` subclass listed before :class:`Denoiser` calls it through its hooks)."""

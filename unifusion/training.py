@@ -363,7 +363,8 @@ def diffusion_loss(model: X0Model, x0: torch.Tensor, kernel: Kernel, *,
         document_ids = None if document_ids is None else document_ids.repeat(2, 1)
         t_tokens = t if block is None else blocks.expand_block_times(t, L, block)
         B = 2 * B
-    block_kwargs: dict[str, Any] = {} if block is None else {"clean": x0}
+    inner = denoiser_of(model)
+    block_kwargs: dict[str, Any] = {} if block is None or inner is None else inner.block_conditioning(x0)
     if document_ids is not None:
         block_kwargs["document_ids"] = document_ids
     conditioning = prompt_conditioning(model, x0, prompt_mask)  # the one prompt rule (e.g. DiffusionGemma's encoder)

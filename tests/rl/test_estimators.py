@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import unifusion as uf
-from unifusion.rl.estimators import combine_log_probs, gauss_legendre, plan_masks
+from unifusion.rl.estimators import combine_logps, gauss_legendre, plan_masks
 
 
 def _completion(B: int = 3, L: int = 10, starts: tuple[int, ...] = (2, 4, 6)) -> torch.Tensor:
@@ -79,9 +79,9 @@ def test_combine_is_linear_or_spg_eubo():
     lp = -torch.rand(3, 2, 6, generator=g, dtype=torch.float64)
     p = plan_masks("elbo_discrete", c, num_samples=3, generator=g)
     want = (p.coef[..., None] * torch.where(p.scored, lp, 0)).sum(0)
-    assert torch.allclose(combine_log_probs(p, lp), want)
-    e = plan_masks("eubo", c, num_samples=3, generator=g, beta=1.5)
-    got = combine_log_probs(e, lp)
+    assert torch.allclose(combine_logps(p, lp), want)
+    e = plan_masks("eubo", c, num_samples=3, generator=g, eubo_beta=1.5)
+    got = combine_logps(e, lp)
     for b in range(2):
         for i in range(6):
             hit = e.scored[:, b, i]
@@ -102,8 +102,8 @@ def test_bad_plans_name_the_argument():
         plan_masks("elbo", c)
     with pytest.raises(ValueError, match="t_range"):
         plan_masks("coupled", c, t_range=(0.8, 0.2))
-    with pytest.raises(ValueError, match="beta"):
-        plan_masks("eubo", c, beta=0.0)
+    with pytest.raises(ValueError, match="eubo_beta"):
+        plan_masks("eubo", c, eubo_beta=0.0)
     with pytest.raises(ValueError, match="generator"):
         plan_masks("eubo", c, generator=[torch.Generator()])
     assert uf.rl.ESTIMATORS[0] == "elbo"

@@ -13,7 +13,7 @@ import torch
 
 import unifusion as uf
 from unifusion.rl import sequence_logprob
-from unifusion.rl.estimators import combine_log_probs, gauss_legendre, plan_masks
+from unifusion.rl.estimators import combine_logps, gauss_legendre, plan_masks
 
 from ._exact import (
     MASK,
@@ -125,13 +125,13 @@ def _exact_eubo(lp, beta):
     return total
 
 
-@pytest.mark.parametrize("beta", [1.0, 1.5, 2.0])
-def test_the_eubo_is_above_the_exact_log_likelihood(setup, beta):
+@pytest.mark.parametrize("eubo_beta", [1.0, 1.5, 2.0])
+def test_the_eubo_is_above_the_exact_log_likelihood(setup, eubo_beta):
     model, x0, lp, comp = setup
-    assert _exact_eubo(lp, beta) >= exact_log_likelihood(lp, POS)
+    assert _exact_eubo(lp, eubo_beta) >= exact_log_likelihood(lp, POS)
     # the Monte-Carlo estimate is a log of a mean: it approaches the bound from below as K grows
-    mu, _ = mean_and_se(_run(model, x0, comp[:60], "eubo", 32, beta=beta).sequence)
-    assert abs(mu - _exact_eubo(lp, beta)) < 0.3
+    mu, _ = mean_and_se(_run(model, x0, comp[:60], "eubo", 32, eubo_beta=eubo_beta).sequence)
+    assert abs(mu - _exact_eubo(lp, eubo_beta)) < 0.3
 
 
 def test_fused_scores_equal_the_materialised_log_probs(setup):
@@ -143,7 +143,7 @@ def test_fused_scores_equal_the_materialised_log_probs(setup):
         plan = plan_masks(estimator, comp[:B], num_samples=2, generator=generators(B, 3), **opts)
         log_probs = torch.stack([torch.stack([lp[frozenset(torch.nonzero(plan.noised[k, b]).flatten().tolist())]
                                               for b in range(B)]) for k in range(plan.num_passes)])
-        assert torch.allclose(out.per_token.double(), combine_log_probs(plan, log_probs), atol=1e-4)
+        assert torch.allclose(out.per_token.double(), combine_logps(plan, log_probs), atol=1e-4)
 
 
 def test_gradients_flow_and_old_policies_score_without():
@@ -301,8 +301,8 @@ def test_bad_input_names_the_argument(setup):
             sequence_logprob(model, ids, c, estimator=estimator, kernel=uniform)
     with pytest.raises(ValueError, match="estimator"):
         sequence_logprob(model, ids, c, estimator="iwae")
-    with pytest.raises(TypeError, match="beta"):
-        sequence_logprob(model, ids, c, estimator="coupled", beta=1.0)
+    with pytest.raises(TypeError, match="eubo_beta"):
+        sequence_logprob(model, ids, c, estimator="coupled", eubo_beta=1.0)
     pad = torch.ones_like(ids)
     pad[:, -1] = 0
     with pytest.raises(ValueError, match="completion_mask"):

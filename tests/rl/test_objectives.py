@@ -17,11 +17,11 @@ B, L = 6, 7
 
 def _batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    logp = (-3 * torch.rand(B, L, generator=g, dtype=torch.float64)).requires_grad_()
+    logps = (-3 * torch.rand(B, L, generator=g, dtype=torch.float64)).requires_grad_()
     mask = torch.rand(B, L, generator=g) < 0.7
     mask[:, 0] = True
     A = torch.randn(B, generator=g, dtype=torch.float64)
-    return logp, mask, A
+    return logps, mask, A
 
 
 def test_group_advantages():
@@ -38,10 +38,10 @@ def test_group_advantages():
 @pytest.mark.parametrize("normalization", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_on_policy_grpo_is_reinforce(normalization, level):
-    logp, mask, A = _batch()
+    logps, mask, A = _batch()
     budget = {"dr_grpo": 9}.get(normalization)  # Dr.GRPO's completion budget (max_new_tokens)
-    loss = grpo_loss(logp, logp.detach(), A, mask, level=level, normalization=normalization, max_length=budget).sum()
-    (grad,) = torch.autograd.grad(loss, logp)
+    loss = grpo_loss(logps, logps.detach(), A, mask, level=level, normalization=normalization, max_length=budget).sum()
+    (grad,) = torch.autograd.grad(loss, logps)
     n = mask.sum(-1).double()
     norm = {"grpo": n * B, "dr_grpo": torch.full((B,), float(B * 9), dtype=torch.float64),
             "dapo": torch.full((B,), float(mask.sum()), dtype=torch.float64)}[normalization]
@@ -53,43 +53,43 @@ def test_on_policy_grpo_is_reinforce(normalization, level):
 def test_the_objectives_refuse_what_would_fail_silently():
     """A grad-carrying old or reference estimate (the ratio's gradient would vanish into it), NaN rewards (a whole
     group of NaN advantages), a negative clip side or coefficient, Dr.GRPO without its length budget."""
-    logp, mask, A = _batch()
-    with pytest.raises(ValueError, match="old_logp: carries a gradient"):
-        grpo_loss(logp, logp, A, mask)
-    with pytest.raises(ValueError, match="ref_logp: carries a gradient"):
-        grpo_loss(logp, logp.detach(), A, mask, ref_logp=logp * 1.0, beta=0.1)
+    logps, mask, A = _batch()
+    with pytest.raises(ValueError, match="old_logps: carries a gradient"):
+        grpo_loss(logps, logps, A, mask)
+    with pytest.raises(ValueError, match="ref_logps: carries a gradient"):
+        grpo_loss(logps, logps.detach(), A, mask, ref_logps=logps * 1.0, kl_coef=0.1)
     with pytest.raises(ValueError, match="rewards: expected finite values, got NaN or inf at rows \\[1\\]"):
         group_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 2)
     for name, kwargs in (("epsilon_high", {"epsilon_high": -0.1}), ("epsilon", {"epsilon": -0.2}),
-                         ("beta", {"beta": -0.04, "ref_logp": logp.detach()})):
+                         ("kl_coef", {"kl_coef": -0.04, "ref_logps": logps.detach()})):
         with pytest.raises(ValueError, match=f"{name}: expected"):
-            grpo_loss(logp, logp.detach(), A, mask, **kwargs)
+            grpo_loss(logps, logps.detach(), A, mask, **kwargs)
     with pytest.raises(ValueError, match="max_length: normalization='dr_grpo'"):
-        grpo_loss(logp, logp.detach(), A, mask, normalization="dr_grpo")
-    with pytest.raises(ValueError, match="beta: expected DPO's"):
-        dpo_loss(logp[:, 0], logp[:, 1], logp[:, 2], logp[:, 3], beta=-0.1)
-    # the gradient that a grad-carrying old_logp would have hidden: on policy, the ratio's gradient is REINFORCE's
-    (grad,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, mask).sum(), logp)
+        grpo_loss(logps, logps.detach(), A, mask, normalization="dr_grpo")
+    with pytest.raises(ValueError, match="dpo_beta: expected DPO's"):
+        dpo_loss(logps[:, 0], logps[:, 1], logps[:, 2], logps[:, 3], dpo_beta=-0.1)
+    # the gradient that a grad-carrying old_logps would have hidden: on policy, the ratio's gradient is REINFORCE's
+    (grad,) = torch.autograd.grad(grpo_loss(logps, logps.detach(), A, mask).sum(), logps)
     assert grad.norm() > 0
 
 
 def test_zero_advantages_give_zero_gradient():
-    logp, mask, _ = _batch()
+    logps, mask, _ = _batch()
     zero = torch.zeros(B, dtype=torch.float64)
-    for loss in (grpo_loss(logp, logp.detach() - 0.1, zero, mask).sum(),
-                 wd1_loss(logp.sum(-1), zero).sum() + spg_loss(logp.sum(-1), logp.sum(-1), zero).sum()):
-        (grad,) = torch.autograd.grad(loss, logp)
+    for loss in (grpo_loss(logps, logps.detach() - 0.1, zero, mask).sum(),
+                 wd1_loss(logps.sum(-1), zero).sum() + spg_loss(logps.sum(-1), logps.sum(-1), zero).sum()):
+        (grad,) = torch.autograd.grad(loss, logps)
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
 def test_clipping_stops_the_gradient_on_the_advantages_side():
-    logp, mask, A = _batch(1)
+    logps, mask, A = _batch(1)
     g = torch.Generator().manual_seed(3)
-    old = (logp.detach() - 0.5 * torch.randn(B, L, generator=g, dtype=torch.float64))
+    old = (logps.detach() - 0.5 * torch.randn(B, L, generator=g, dtype=torch.float64))
     eps = 0.2
-    loss = grpo_loss(logp, old, A, mask, epsilon=eps).sum()
-    (grad,) = torch.autograd.grad(loss, logp)
-    rho = torch.exp(logp.detach() - old)
+    loss = grpo_loss(logps, old, A, mask, epsilon=eps).sum()
+    (grad,) = torch.autograd.grad(loss, logps)
+    rho = torch.exp(logps.detach() - old)
     clipped = ((A[:, None] > 0) & (rho > 1 + eps)) | ((A[:, None] < 0) & (rho < 1 - eps))
     assert (clipped & mask).any() and (~clipped & mask).any()
     assert torch.equal(grad[clipped], torch.zeros_like(grad[clipped]))
@@ -99,19 +99,19 @@ def test_clipping_stops_the_gradient_on_the_advantages_side():
 
 
 def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere():
-    logp, mask, _ = _batch()
+    logps, mask, _ = _batch()
     zero = torch.zeros(B, dtype=torch.float64)
-    at_ref = grpo_loss(logp, logp.detach(), zero, mask, ref_logp=logp.detach(), beta=0.1)
+    at_ref = grpo_loss(logps, logps.detach(), zero, mask, ref_logps=logps.detach(), kl_coef=0.1)
     assert torch.allclose(at_ref, torch.zeros_like(at_ref))
-    away = grpo_loss(logp, logp.detach(), zero, mask, ref_logp=logp.detach() - 0.3, beta=0.1)
+    away = grpo_loss(logps, logps.detach(), zero, mask, ref_logps=logps.detach() - 0.3, kl_coef=0.1)
     assert (away[mask] > 0).all() and (away[~mask] == 0).all()
-    with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, logp.detach(), zero, mask, beta=0.1)
+    with pytest.raises(ValueError, match="ref_logps"):
+        grpo_loss(logps, logps.detach(), zero, mask, kl_coef=0.1)
 
 
 def test_wd1_weights_are_softmaxes_of_the_advantage():
-    logp, _, A = _batch()
-    seq = logp.sum(-1)
+    logps, _, A = _batch()
+    seq = logps.sum(-1)
     got = wd1_loss(seq, A)
     want = (torch.softmax(-A, 0) - torch.softmax(A, 0)) * seq
     assert torch.allclose(got, want)
@@ -130,22 +130,22 @@ def test_spg_with_the_elbo_for_both_signs_is_on_policy_grpo_for_equal_lengths():
     """docs/guides/rl.md's identity: a block model has no EUBO, so SPG's ω = 0 (the ELBO for both signs); with one
     inner update and completions of one length N, SPG's ``Σ_i −A_i ELBO_i / (B N)`` and on-policy GRPO (ratio 1,
     ``"grpo"`` normalisation) have the same gradient; with ragged lengths GRPO's ``1/|o_i|`` makes them differ."""
-    logp, _, A = _batch()
+    logps, _, A = _batch()
     full = torch.ones(B, L, dtype=torch.bool)
-    (g_grpo,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, full).sum(), logp)
-    elbo = logp.sum(-1)
-    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logp)
+    (g_grpo,) = torch.autograd.grad(grpo_loss(logps, logps.detach(), A, full).sum(), logps)
+    elbo = logps.sum(-1)
+    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logps)
     assert torch.allclose(g_grpo, g_spg, rtol=0, atol=1e-15)
     _, ragged, _ = _batch(1)
-    (g_grpo,) = torch.autograd.grad(grpo_loss(logp, logp.detach(), A, ragged).sum(), logp)
-    elbo = (logp * ragged).sum(-1)
-    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logp)
+    (g_grpo,) = torch.autograd.grad(grpo_loss(logps, logps.detach(), A, ragged).sum(), logps)
+    elbo = (logps * ragged).sum(-1)
+    (g_spg,) = torch.autograd.grad(spg_loss(elbo, elbo, A).sum() / (B * L), logps)
     assert not torch.allclose(g_grpo, g_spg)
 
 
 def test_dpo_prefers_the_chosen_completion():
     c, r = torch.tensor([-3.0], requires_grad=True), torch.tensor([-3.0], requires_grad=True)
-    loss = dpo_loss(c, r, torch.tensor([-3.0]), torch.tensor([-3.0]), beta=0.5)
+    loss = dpo_loss(c, r, torch.tensor([-3.0]), torch.tensor([-3.0]), dpo_beta=0.5)
     assert torch.allclose(loss, torch.log(torch.tensor([2.0])))
     loss.sum().backward()
     assert c.grad is not None and r.grad is not None and c.grad < 0 < r.grad

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unifusion.rl import grpo_loss, spg_loss, wd1_loss
-from unifusion.rl.estimators import combine_log_probs, plan_from_masks
+from unifusion.rl.estimators import combine_logps, plan_from_masks
 
 DATA = json.loads((Path(__file__).resolve().parents[1] / "data" / "rl_peers" / "reference_values.json").read_text())
 INP = DATA["inputs"]
@@ -45,11 +45,11 @@ def test_d1_mean_field_log_probs_and_grpo_loss():
     # every completion token scored once with weight 1 (their mean field), their corruption kept as it is
     assert torch.equal(plan.scored[0], COMPLETION) and torch.equal(plan.coef, torch.ones(1, B, dtype=torch.float64))
     assert torch.equal(plan.noised[0], torch.tensor(case["noised"]) | COMPLETION)
-    per_token = combine_log_probs(plan, _log_probs(case["logits"])[None])
+    per_token = combine_logps(plan, _log_probs(case["logits"])[None])
     theirs = _pad(case["per_token_logps"])
     assert torch.allclose(_on_completion(per_token), _on_completion(theirs), atol=1e-5)
     loss = grpo_loss(theirs, _pad(case["old_per_token_logps"]), torch.tensor(case["advantages"]), COMPLETION,
-                     ref_logp=_pad(case["ref_per_token_logps"]), beta=case["beta"], epsilon=case["epsilon"],
+                     ref_logps=_pad(case["ref_per_token_logps"]), kl_coef=case["beta"], epsilon=case["epsilon"],
                      normalization="dapo").sum()
     assert abs(float(loss) - case["loss"]) < 1e-6
 
@@ -63,7 +63,7 @@ def test_diffucoder_coupled_log_probs():
     assert torch.equal(plan.noised[1], second & COMPLETION) and torch.equal(plan.noised[2], full & COMPLETION)
     z = torch.tensor(case["logits"]).view(3, B, L, -1).tolist()  # their rows: [fully masked | M | Mᶜ]
     lp = _log_probs(z)
-    per_token = combine_log_probs(plan, torch.stack([lp[1], lp[2], lp[0]]))
+    per_token = combine_logps(plan, torch.stack([lp[1], lp[2], lp[0]]))
     assert torch.allclose(_on_completion(per_token), _on_completion(torch.tensor(case["per_token_logps"],
                                                                                  dtype=torch.float64)), atol=1e-5)
 
@@ -71,7 +71,7 @@ def test_diffucoder_coupled_log_probs():
 def test_wd1_loss():
     case = DATA["wd1"]
     plan = plan_from_masks("mean_field", COMPLETION, torch.tensor(case["noised"])[None])
-    per_token = combine_log_probs(plan, _log_probs(case["logits"])[None])
+    per_token = combine_logps(plan, _log_probs(case["logits"])[None])
     assert torch.allclose(_on_completion(per_token), _on_completion(_pad(case["per_token_logps"])), atol=1e-5)
     loss = wd1_loss(per_token.sum(-1), torch.tensor(case["advantages"], dtype=torch.float64)).sum()
     assert abs(float(loss) - case["loss"]) < 1e-5
@@ -84,10 +84,10 @@ def test_spg_elbo_eubo_and_loss(estimate):
     lp = _log_probs(torch.tensor(case["logits"]).transpose(0, 1).tolist())  # their (B, num_t, L) → (num_t, B, L)
     n = COMPLETION.sum(-1).double()
     lower_plan = plan_from_masks("elbo_discrete", COMPLETION, masks)
-    upper_plan = plan_from_masks("eubo", COMPLETION, masks, beta=case["eubo_beta"])
-    lower = combine_log_probs(lower_plan, lp).sum(-1) / n  # SPG normalises by the completion length
+    upper_plan = plan_from_masks("eubo", COMPLETION, masks, eubo_beta=case["eubo_beta"])
+    lower = combine_logps(lower_plan, lp).sum(-1) / n  # SPG normalises by the completion length
     hit = upper_plan.scored.any(0).sum(-1)
-    upper = combine_log_probs(upper_plan, lp).sum(-1) / hit  # ... and the EUBO by the tokens any pass masked
+    upper = combine_logps(upper_plan, lp).sum(-1) / hit  # ... and the EUBO by the tokens any pass masked
     A = torch.tensor(case["advantages"], dtype=torch.float64)
     mix = case["mix_weight"] if estimate == "mix" else None
     neg = {"elbo": lower, "eubo": upper, "mix": 0.5 * upper + 0.5 * lower}[estimate]
@@ -105,5 +105,5 @@ def test_gdpo_quadrature():
     masks = torch.tensor(case["masked"])  # (nodes · draws, B, L)
     plan = plan_from_masks("quadrature", completion, masks, num_nodes=2, draws=case["mc_samples"])
     assert torch.allclose(plan.coef[:, 0], torch.tensor(case["coefficients"], dtype=torch.float64), atol=1e-12)
-    per_token = combine_log_probs(plan, _log_probs(case["logits"]))
+    per_token = combine_logps(plan, _log_probs(case["logits"]))
     assert torch.allclose(per_token, torch.tensor(case["elbo_per_position"], dtype=torch.float64), atol=1e-5)

@@ -65,7 +65,7 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
             if K is None or K >= L:
                 logits = model(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]), attention_mask=am)
             else:
-                logits = model(x_t, t, clean=x0, attention_mask=am)
+                logits = model(x_t, t, attention_mask=am, **model.block_conditioning(x0))
             logits[..., mask_id] = -torch.inf
             pred = torch.where(plan.scored[k], logits.argmax(-1), pred)
         outputs.append(pred[:, P:].cpu())

@@ -35,7 +35,7 @@ import torch
 from .. import _validation as V
 from .._device import host_to_device
 from .._validation import check_token_ids
-from ..denoiser import X0Model, denoiser_of, prompt_conditioning
+from ..denoiser import Denoiser, X0Model, denoiser_of, prompt_conditioning
 from ..kernels import MAX_TIME, InterpolatingKernel, Kernel, check_kernel
 from ..losses.fast import x0_head_loss
 from ..losses.native import reference_gidd_loss
@@ -47,11 +47,11 @@ LOGITS_PER_CALL = 1 << 26
 """Default budget of one model call of :func:`nll_bound`: logits (rows × L × S) it may produce (256 MiB in float32)."""
 
 
-def _is_block_model(model: X0Model, length: int) -> bool:
-    """Whether ``model`` is a block DiffusionLM that splits ``length`` tokens into several blocks."""
+def _block_model(model: X0Model, length: int) -> Denoiser | None:
+    """The block model inside ``model`` when it splits ``length`` tokens into several blocks, else ``None``."""
     inner = denoiser_of(model)
     K = None if inner is None else inner.block_size
-    return K is not None and K < length
+    return inner if K is not None and K < length else None
 
 
 def prior_kl(kernel: Kernel, x0: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
         valid = V.check_prompt_mask(prompt_mask, valid)  # the conditional bound: prompt clean, unscored
         prompt = host_to_device(prompt_mask, x_0.device).to(torch.bool)
     prompt_conditioning(model, x_0, prompt)  # a model that needs a prompt and has none: refused before any call
-    clean = _is_block_model(model, L)
+    block_model = _block_model(model, L)
 
     k = torch.arange(1, num_times + 1, dtype=torch.float64, device=x_0.device)  # (K,)
     u = torch.rand(B, generator=generator, dtype=torch.float64, device=x_0.device)  # (B,)
@@ -157,8 +157,8 @@ def nll_bound(model: X0Model, x0: torch.Tensor, kernel: Kernel, *, num_times: in
         n = t.shape[0] // B
         x_0n, valid_n = x_0.repeat(n, 1), valid.repeat(n, 1)  # (n B, L)
         extra: dict[str, Any] = {} if attention_mask is None else {"attention_mask": attention_mask.repeat(n, 1)}
-        if clean:
-            extra["clean"] = x_0n
+        if block_model is not None:
+            extra.update(block_model.block_conditioning(x_0n))
         extra.update(prompt_conditioning(model, x_0n, None if prompt is None else prompt.repeat(n, 1)))
         with V.unchecked():
             x_t = kernel.sample(x_0n, t[:, None], generator=generator)  # (n B, L)

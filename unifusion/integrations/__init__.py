@@ -139,7 +139,8 @@ class DiffusionTrainer(DiffusionLossMixin, Trainer):
     """A ``transformers.Trainer`` whose ``compute_loss`` is :func:`~unifusion.diffusion_loss` (module docstring).
 
     Args:
-        model: a :class:`~unifusion.DiffusionLM`.
+        model: a unifusion model: a :class:`~unifusion.denoiser.DenoiserModule` of any kind (a
+            :class:`~unifusion.DiffusionLM`, ...).
         args: ``transformers.TrainingArguments``; the other ``Trainer`` arguments by keyword.
         kernel: the forward kernel (default: the model's recorded one, else the mask kernel on its mask token, else
             uniform — :func:`~unifusion.hf.default_kernel`).

@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 from trl import SFTTrainer
 
+from ..denoiser import denoiser_of
 from ..kernels import Kernel
 from . import BATCH_KEYS, DiffusionLossMixin
 from ._trl_grpo import ROLLOUT_SALT, ROW_SEED, TRL_OVERRIDES, DiffusionGRPOConfig, DiffusionGRPOTrainer, preflight
@@ -51,8 +52,10 @@ __all__ = ["ROLLOUT_SALT", "ROW_SEED", "TRL_OVERRIDES", "DiffusionGRPOConfig", "
 class DiffusionSFTTrainer(DiffusionLossMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` whose ``compute_loss`` is :func:`~unifusion.diffusion_loss` (TRL's ``labels == -100``
     positions are the prompt). ``kernel`` and ``loss_kwargs`` as in :class:`~unifusion.integrations.DiffusionTrainer`;
-    every other argument is ``SFTTrainer``'s; ``model`` is a :class:`~unifusion.DiffusionLM` (a module TRL runs as it
-    runs a ``PreTrainedModel``)."""
+    every other argument is ``SFTTrainer``'s; ``model`` is a :class:`~unifusion.denoiser.DenoiserModule` of any kind (a
+    :class:`~unifusion.DiffusionLM`, a kind registered from outside the package) that TRL can run as it runs a
+    ``PreTrainedModel``: a transformers ``config`` and ``generation_config``, and the trainer-facing methods of
+    :class:`~unifusion.hf.backbone.BackboneMethods`."""
 
     def __init__(self, model: torch.nn.Module, args: Any = None, *, kernel: Kernel | None = None,
                  loss_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
@@ -91,7 +94,8 @@ def packed_block_size(model: torch.nn.Module, args: Any) -> int | None:
     if strategy not in ("bfd", "bfd_split"):
         raise ValueError(f"packing_strategy: expected 'bfd' or 'bfd_split' (kept apart with document_ids), got "
                          f"{strategy!r}")
-    block_size = getattr(model, "block_size", None)
+    inner = denoiser_of(model)
+    block_size = None if inner is None else inner.block_size
     max_length = getattr(args, "max_length", None)
     if block_size is None:
         raise ValueError("packing: packed documents are kept apart with document_ids, which needs a block model "

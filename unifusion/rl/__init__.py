@@ -4,7 +4,7 @@
   ELBO, DiffuCoder's coupled pairs, GDPO's quadrature, d1's mean field, SPG's EUBO, TraceRL's replay of a rollout's
   commit order) through the fused output head.
 * :mod:`unifusion.rl.estimators` — their masks, times and weights (``plan_masks``, ``plan_trace``,
-  ``plan_from_masks``), how log-probs combine (``combine_log_probs``), the quadrature nodes and the per-row
+  ``plan_from_masks``), how log-probs combine (``combine_logps``), the quadrature nodes and the per-row
   generators: the plumbing, public in that module only.
 * :mod:`unifusion.rl.objectives` — :func:`grpo_loss`, :func:`wd1_loss`, :func:`spg_loss`, :func:`dpo_loss` and
   :func:`group_advantages`, per sample or per token (the caller reduces).

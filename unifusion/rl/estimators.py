@@ -6,7 +6,8 @@ plan of K corrupted copies (passes) with weights, and a way to combine their per
 
 * linear estimators (all but ``"eubo"``): ``per_token_i = Σ_k coef_k · 1[i ∈ S_k] · log p_θ(y_i | x^{(k)})``, with
   ``S_k`` the scored positions of pass k (:class:`MaskPlan`);
-* ``"eubo"`` (SPG's upper bound): ``per_token_i = (1/β) log((1/K) Σ_k coef_k 1[i ∈ S_k] p_θ(y_i | x^{(k)})^β)``,
+* ``"eubo"`` (SPG's upper bound, β = ``eubo_beta``): ``per_token_i = (1/β) log((1/K) Σ_k coef_k 1[i ∈ S_k]
+  p_θ(y_i | x^{(k)})^β)``,
   0 for a token no pass masked.
 
 The mask kernel's ELBO (MDLM, LLaDA; the paper's Proposition 3.2 for the absorbing kernel with α_t = 1 − t) is
@@ -37,7 +38,7 @@ import torch
 
 from .. import _validation as V
 
-__all__ = ["ESTIMATORS", "MaskPlan", "TracePlan", "plan_masks", "plan_from_masks", "plan_trace", "combine_log_probs",
+__all__ = ["ESTIMATORS", "MaskPlan", "TracePlan", "plan_masks", "plan_from_masks", "plan_trace", "combine_logps",
            "row_generators", "gauss_legendre"]
 
 ESTIMATORS = ("elbo", "elbo_discrete", "coupled", "quadrature", "mean_field", "eubo", "trace")
@@ -64,8 +65,8 @@ class MaskPlan:
             (a subset of ``noised``).
         coef: ``(K, B)`` float64, the weight ``coef_k`` of pass k's log-probs (module docstring).
         t: ``(K, B)`` float64, the time of pass k (the model's time input; the masked fraction for exact counts).
-        estimator: the estimator that made the plan (decides how :func:`combine_log_probs` combines).
-        beta: β of ``"eubo"`` (1 otherwise).
+        estimator: the estimator that made the plan (decides how :func:`combine_logps` combines).
+        eubo_beta: β of ``"eubo"`` (1 otherwise).
     """
 
     noised: torch.Tensor
@@ -73,7 +74,7 @@ class MaskPlan:
     coef: torch.Tensor
     t: torch.Tensor
     estimator: str
-    beta: float = 1.0
+    eubo_beta: float = 1.0
 
     @property
     def num_passes(self) -> int:
@@ -129,7 +130,7 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
                prompt_mask: torch.Tensor | None = None, prompt_mask_prob: float = 0.15,
                t_range: tuple[float, float] = (0.0, 1.0), fully_masked: bool = False,
                masks: Literal["exact_count", "bernoulli"] = "exact_count", draws: int = 1,
-               beta: float = 1.5) -> MaskPlan:
+               eubo_beta: float = 1.5) -> MaskPlan:
     """The passes of a mask-kernel estimator for a batch (no model involved: every policy gets the same plan from
     the same generator seed).
 
@@ -156,7 +157,8 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
       ``prompt_mask_prob`` (fresh per pass), ``coef = 1/K``: ``Σ_i log p(y_i | c̃, all masked)`` — no bound, the
       one-step factorised likelihood. K forwards.
     * ``"eubo"`` (SPG): ``"elbo_discrete"``'s masks with ``coef_k = n / l_k``, combined as
-      ``(1/β) log((1/K) Σ_k coef_k 1[i ∈ M_k] p_i^β)`` per token (:func:`combine_log_probs`). K forwards.
+      ``(1/β) log((1/K) Σ_k coef_k 1[i ∈ M_k] p_i^β)`` per token, β = ``eubo_beta`` (:func:`combine_logps`).
+      K forwards.
 
     Args:
         estimator: one of the five above (``"elbo"`` draws from the kernel inside
@@ -171,7 +173,7 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
         fully_masked: ``"coupled"``: add DiffuCoder's fully masked pass.
         masks: ``"quadrature"``'s masks, ``"exact_count"`` or ``"bernoulli"``.
         draws: ``"quadrature"``'s masks per node.
-        beta: ``"eubo"``'s β.
+        eubo_beta: ``"eubo"``'s β (SPG's; the bound needs β ≥ 1).
 
     Returns:
         :class:`MaskPlan` with K passes (``2K`` or ``2K + 1`` for ``"coupled"``, ``K·draws`` for ``"quadrature"``).
@@ -191,7 +193,7 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
     if estimator in ("elbo_discrete", "eubo"):
         r = _uniforms(gens, (K, L), device).transpose(0, 1)  # (K, B, L)
         count = torch.minimum(torch.floor(n * frac) + 1, n)  # (K, B) in 1..n, stratified
-        return plan_from_masks(estimator, completion, _exact_count(r, completion, count.long()), beta=beta)
+        return plan_from_masks(estimator, completion, _exact_count(r, completion, count.long()), eubo_beta=eubo_beta)
 
     if estimator == "coupled":
         a, b = _check_t_range(t_range)
@@ -224,7 +226,7 @@ def plan_masks(estimator: str, completion_mask: torch.Tensor, *, num_samples: in
 
 def plan_from_masks(estimator: str, completion_mask: torch.Tensor, masks: torch.Tensor, *,
                     t: torch.Tensor | None = None, fully_masked: bool = False, num_nodes: int | None = None,
-                    draws: int = 1, beta: float = 1.5) -> MaskPlan:
+                    draws: int = 1, eubo_beta: float = 1.5) -> MaskPlan:
     """The plan of given masks ``(K, B, L)`` bool with the estimator's weights (:func:`plan_masks` draws the masks
     and calls this; given masks reproduce another code's draws exactly).
 
@@ -252,7 +254,7 @@ def plan_from_masks(estimator: str, completion_mask: torch.Tensor, masks: torch.
         V.fail_if((count == 0).any(), lambda: "masks: a pass masks no completion token (l = 0)")
         coef = n / count if estimator == "eubo" else n / (K * count)
         return MaskPlan(scored, scored, coef, count / n, estimator,
-                        beta=_check_beta(beta) if estimator == "eubo" else 1.0)
+                        eubo_beta=_check_eubo_beta(eubo_beta) if estimator == "eubo" else 1.0)
     if estimator == "coupled":
         if not isinstance(fully_masked, bool):
             raise TypeError(f"fully_masked: expected a bool, got {type(fully_masked).__name__}")
@@ -373,21 +375,21 @@ def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size
     return TracePlan(noised=noised, scored=scored, t=t)
 
 
-def combine_log_probs(plan: MaskPlan, log_probs: torch.Tensor) -> torch.Tensor:
-    """Per-token estimates ``(B, L)`` from the passes' log-probs ``log_probs (K, B, L)`` = ``log p_θ(y_i | x^{(k)})``
+def combine_logps(plan: MaskPlan, logps: torch.Tensor) -> torch.Tensor:
+    """Per-token estimates ``(B, L)`` from the passes' log-probs ``logps (K, B, L)`` = ``log p_θ(y_i | x^{(k)})``
     (any value where not scored): the linear sum ``Σ_k coef_k 1[i ∈ S_k] log p`` or, for ``"eubo"``,
     ``(1/β) log((1/K) Σ_k coef_k 1[i ∈ S_k] exp(β log p))`` in log space (0 where no pass scored token i).
     Float32 at least (float64 for float64 input); 0 outside the completion."""
-    dtype = torch.promote_types(log_probs.dtype, torch.float32)
-    lp = log_probs.to(dtype)
+    dtype = torch.promote_types(logps.dtype, torch.float32)
+    lp = logps.to(dtype)
     S = plan.scored
     if tuple(lp.shape) != tuple(S.shape):
-        raise ValueError(f"log_probs: expected shape {tuple(S.shape)} (passes, B, L) like the plan, got "
+        raise ValueError(f"logps: expected shape {tuple(S.shape)} (passes, B, L) like the plan, got "
                          f"{tuple(lp.shape)}")
     coef = plan.coef.to(dtype)[..., None]  # (K, B, 1)
     if plan.estimator != "eubo":
         return torch.where(S, coef * lp, torch.zeros((), dtype=dtype, device=lp.device)).sum(0)
-    beta, K = plan.beta, S.shape[0]
+    beta, K = plan.eubo_beta, S.shape[0]
     a = torch.where(S, torch.log(coef) + beta * lp, torch.full((), -math.inf, dtype=dtype, device=lp.device))
     lse = torch.logsumexp(a, 0) - math.log(K)  # (B, L)
     hit = S.any(0)
@@ -417,7 +419,7 @@ def _check_t_range(t_range: object) -> tuple[float, float]:
     return float(t_range[0]), float(t_range[1])
 
 
-def _check_beta(beta: object) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-        raise ValueError(f"beta: expected a float > 0 (SPG's β; the bound needs β >= 1), got {beta!r}")
-    return float(beta)
+def _check_eubo_beta(eubo_beta: object) -> float:
+    if isinstance(eubo_beta, bool) or not isinstance(eubo_beta, (int, float)) or not eubo_beta > 0:
+        raise ValueError(f"eubo_beta: expected a float > 0 (SPG's β; the bound needs β >= 1), got {eubo_beta!r}")
+    return float(eubo_beta)

@@ -19,23 +19,27 @@ import torch
 
 from .. import _validation as V
 from ..block_partition import aligning_shifts, expand_block_times, generated_start, num_blocks, shift_right
-from ..denoiser import Denoiser, X0Model, denoiser_of
+from ..denoiser import Denoiser, X0Model, denoiser_of, prompt_conditioning
 from ..eval.likelihood import prior_kl
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
 from ..schedules import LinearSchedule
-from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_log_probs, plan_masks, plan_trace, row_generators
+from .estimators import ESTIMATORS, MaskPlan, TracePlan, combine_logps, plan_masks, plan_trace, row_generators
 
 __all__ = ["SequenceLogProb", "check_estimator", "sequence_logprob"]
 
-_OPTIONS = {
-    "elbo": {"t_min"},
-    "elbo_discrete": set(),
-    "coupled": {"t_range", "fully_masked"},
-    "quadrature": {"masks", "draws"},
-    "mean_field": {"prompt_mask_prob"},
-    "eubo": {"beta"},
-    "trace": {"trace", "temperature"},
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "elbo": {"t_min": 0.0},
+    "elbo_discrete": {},
+    "coupled": {"t_range": (0.0, 1.0), "fully_masked": False},
+    "quadrature": {"masks": "exact_count", "draws": 1},
+    "mean_field": {"prompt_mask_prob": 0.15},
+    "eubo": {"eubo_beta": 1.5},
+    "trace": {"temperature": 1.0},
 }
+"""Each estimator's options (``sequence_logprob``'s ``**options``) and their defaults; ``"trace"`` also takes
+``trace`` (required)."""
+
+_OPTIONS = {name: set(defaults) | ({"trace"} if name == "trace" else set()) for name, defaults in _DEFAULTS.items()}
 
 
 @dataclass
@@ -54,22 +58,32 @@ class SequenceLogProb:
     num_forwards: int
 
 
-def _denoiser(model: X0Model) -> Denoiser:
-    """The :class:`~unifusion.denoiser.Denoiser` inside ``model``'s wrappers (:func:`sequence_logprob` checked that
-    there is one)."""
+def _resolve(model: X0Model) -> Denoiser:
+    """The :class:`~unifusion.denoiser.Denoiser` inside ``model``'s wrappers (any kind): what the checks, the
+    defaults and the estimators read of the model (its states, mask token, kernel, block size, clean stream and prompt
+    rule). A ``TypeError`` naming ``model`` for anything else."""
     inner = denoiser_of(model)
-    assert inner is not None
+    if inner is None:
+        raise TypeError(f"model: expected a unifusion model (a Denoiser: DiffusionLM, DiffusionGemmaLM, ...) whose "
+                        f"forward computes the fused loss, got {type(V.unwrap_model(model)).__name__}")
     return inner
 
 
-def _conditions_on_prompt(model: X0Model) -> bool:
-    return bool(_denoiser(model).conditions_on_prompt)
-
-
-def _block_size(model: X0Model, length: int) -> int | None:
+def _multi_block(inner: Denoiser, length: int) -> int | None:
     """The model's block size when a row of ``length`` columns spans more than one block, else ``None``."""
-    K = _denoiser(model).block_size
+    K = inner.block_size
     return None if K is None or K >= length else int(K)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A checked batch (:func:`_check_batch`): clean tokens, scored tokens, real tokens and the attention mask as
+    given (on the tokens' device)."""
+
+    x0: torch.Tensor
+    completion: torch.Tensor
+    valid: torch.Tensor
+    attention_mask: torch.Tensor | None
 
 
 def check_estimator(model: X0Model, estimator: str, *, kernel: Kernel | None = None, traces: bool = True) -> Kernel:
@@ -92,12 +106,13 @@ def check_estimator(model: X0Model, estimator: str, *, kernel: Kernel | None = N
         TypeError: ``model`` is not a unifusion model.
         ValueError: naming ``estimator`` (or ``kernel``) when the model or kernel cannot take it.
     """
+    return _check_estimator(_resolve(model), estimator, kernel, traces)
+
+
+def _check_estimator(inner: Denoiser, estimator: str, kernel: Kernel | None, traces: bool) -> Kernel:
+    """:func:`check_estimator` on the resolved model."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
-    inner = denoiser_of(model)
-    if inner is None:
-        raise TypeError(f"model: expected a unifusion model (a Denoiser: DiffusionLM, DiffusionGemmaLM, ...) whose "
-                        f"forward computes the fused loss, got {type(V.unwrap_model(model)).__name__}")
     if kernel is None:
         kernel = inner.kernel
     if kernel is None:
@@ -117,7 +132,7 @@ def check_estimator(model: X0Model, estimator: str, *, kernel: Kernel | None = N
                              f"kernel={kernel!r}")
         if prompted:
             raise ValueError(f"estimator: {type(inner).__name__} encodes the prompt; 'trace' replays the "
-                             "mask-kernel decoders of DiffusionLM (use estimator='elbo')")
+                             "mask-kernel decoders of models that read the prompt from x_t (use estimator='elbo')")
     elif estimator != "elbo":
         if not isinstance(kernel, MaskKernel):
             raise ValueError(f"estimator: {estimator!r} masks tokens and needs a MaskKernel, got kernel={kernel!r}; "
@@ -145,12 +160,12 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
     | ``"coupled"`` | DiffuCoder: pairs (M, Mᶜ), weights 1/t and 1/(1 − t) | unbiased (ELBO) | 2K (+1) |
     | ``"quadrature"`` | GDPO: Gauss–Legendre nodes in t, exact-count masks | quadrature error | K·draws |
     | ``"mean_field"`` | d1: completion fully masked, prompt masked w.p. 0.15 | not a bound | K |
-    | ``"eubo"`` | SPG: ``(1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]`` | upper bound | K |
+    | ``"eubo"`` | SPG: ``(1/β) Σ_i log E[n/l · 1[i∈M] p_i^β]``, β = ``eubo_beta`` | upper bound | K |
     | ``"trace"`` | TraceRL: ``Σ_s Σ_{i∈G_s} log x_θ,i(y_i | c, y_{G_<s})`` in its order | exact (order) | steps |
 
     Options (``**options``): ``"elbo"``: ``t_min`` (0); ``"coupled"``: ``t_range`` ((0, 1); DiffuCoder (0.2, 0.8)),
     ``fully_masked`` (False; DiffuCoder True); ``"quadrature"``: ``masks`` ("exact_count" | "bernoulli"), ``draws``
-    (1); ``"mean_field"``: ``prompt_mask_prob`` (0.15); ``"eubo"``: ``beta`` (1.5). See
+    (1); ``"mean_field"``: ``prompt_mask_prob`` (0.15); ``"eubo"``: ``eubo_beta`` (1.5, SPG's β). See
     :func:`~unifusion.rl.estimators.plan_masks` for each formula.
 
     ``"trace"`` (TraceRL) replays the order a decoder committed the completion in: ``trace=`` (required) is its
@@ -170,10 +185,15 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
     had committed a position after the EOS before the row stopped (that token was replaced by the fill; the replay
     sees a mask there). Temperatures other than 1 hold the ``(B, L, V)`` logits of a pass.
 
-    Models: a :class:`~unifusion.DiffusionLM` (``"elbo"`` under any kernel, the others under a mask kernel); a block
-    model (``adapt_ar_model(..., block_size=K)``): the block ELBO ``Σ_b ELBO(block b | clean prefix)``, every block
-    at its own stratified time in one block-causal forward (``"elbo"`` only); ``DiffusionGemmaLM``: the prompt goes
-    through its encoder, ``"elbo"`` under its uniform kernel (every row needs a prompt token).
+    Models: any :class:`~unifusion.denoiser.Denoiser` (of any kind, a kind registered from outside the package
+    included), read through its declarations only. Without blocks: ``"elbo"`` under any kernel, the others under a
+    mask kernel. A block model (:attr:`~unifusion.denoiser.Denoiser.block_size` K, e.g. ``adapt_ar_model(...,
+    block_size=K)``): the block ELBO ``Σ_b ELBO(block b | clean prefix)``, every block at its own stratified time in
+    one block-causal forward given the clean stream the model declares
+    (:meth:`~unifusion.denoiser.Denoiser.block_conditioning`) (``"elbo"`` and ``"trace"``). A model that encodes
+    its prompt (:attr:`~unifusion.denoiser.Denoiser.conditions_on_prompt`, ``DiffusionGemmaLM``): the prompt goes
+    to it by :func:`~unifusion.denoiser.prompt_conditioning`, ``"elbo"`` under its kernel (every row needs a prompt
+    token).
 
     Randomness: per row (:mod:`unifusion.rl.estimators`): the same ``generator`` seed gives every policy the same
     masks and times for the same batch, and a row's draws do not depend on its neighbours; ``row_offset`` is the
@@ -201,17 +221,47 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
             covers padding, an estimator that needs the mask kernel under another kernel, a prompt-less row for a
             prompt-conditioned model (DiffusionGemma).
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
+    inner = _resolve(model)
+    kernel = _check_estimator(inner, estimator, kernel, traces=True)
+    K = V.check_positive_int("num_samples", num_samples)
+    settings = _estimator_options(estimator, K, options)
+    batch = _check_batch(model, inner, kernel, input_ids, completion_mask, attention_mask)
+    return _estimate(model, inner, batch, kernel, estimator, K, generator, row_offset, settings)
+
+
+def _estimator_options(estimator: str, num_samples: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The estimator's options with its defaults (:data:`_DEFAULTS`) filled in; an unknown option is a
+    ``TypeError``, a bad ``"elbo"`` / ``"trace"`` value a ``ValueError`` (the mask estimators' options are checked by
+    :func:`~unifusion.rl.estimators.plan_masks`)."""
     unknown = set(options) - _OPTIONS[estimator]
     if unknown:
         raise TypeError(f"{sorted(unknown)[0]}: not an option of estimator={estimator!r}; its options are "
                         f"{sorted(_OPTIONS[estimator]) or 'none'}")
-    K = V.check_positive_int("num_samples", num_samples)
-    kernel = check_estimator(model, estimator, kernel=kernel, traces=True)
-    inner = _denoiser(model)
-    if estimator == "trace" and K != 1:
-        raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got {K}")
+    settings = {**_DEFAULTS[estimator], **options}
+    if estimator == "elbo":
+        t_min = settings["t_min"]
+        if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
+            raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
+        settings["t_min"] = float(t_min)
+    if estimator == "trace":
+        if num_samples != 1:
+            raise ValueError(f"num_samples: the 'trace' estimator is deterministic (one replay), expected 1, got "
+                             f"{num_samples}")
+        if "trace" not in settings:
+            raise ValueError("trace: estimator='trace' needs trace= (B, L) commit steps (PolicyOutput.commit_step, "
+                             "from generate(..., return_trace=True))")
+        temperature = settings["temperature"]
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
+        settings["temperature"] = float(temperature)
+    return settings
+
+
+def _check_batch(model: X0Model, inner: Denoiser, kernel: Kernel, input_ids: torch.Tensor,
+                 completion_mask: torch.Tensor, attention_mask: torch.Tensor | None) -> _Batch:
+    """The batch checks (shapes, dtypes, ids, one run of real tokens per row, no mask token in the data, a prompt
+    token for a model that encodes its prompt, the model's device): batched, one host read."""
     x0 = V.check_token_batch("input_ids", input_ids)
     B, L = x0.shape
     if not isinstance(completion_mask, torch.Tensor) or tuple(completion_mask.shape) != (B, L):
@@ -229,8 +279,6 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
         valid = attention_mask.to(torch.bool)
     else:
         valid = torch.ones_like(completion)
-    prompted = _conditions_on_prompt(model)
-    block = inner.block_size
     with V.batched_checks():
         x0 = V.check_token_ids("input_ids", x0, kernel.num_states)
         empty = ~completion.any(-1)
@@ -251,43 +299,36 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
                 f"input_ids: the mask token (id {kernel.mask_id}) at real positions of rows "
                 f"{masked.any(-1).nonzero().flatten().tolist()[:8]}; the estimators score clean tokens (a mask token "
                 "in the data would be scored as the mask state)"))
-        if prompted:
+        if inner.conditions_on_prompt:
             bare = ~(valid & ~completion).any(-1)
             V.fail_if(bare.any(), lambda: (
                 f"completion_mask: rows {bare.nonzero().flatten().tolist()[:8]} have no prompt token; "
                 f"{type(inner).__name__} encodes the prompt and needs at least one (e.g. BOS)"))
     V.check_model_device(model, "input_ids", x0)
+    return _Batch(x0, completion, valid, attention_mask)
 
+
+def _estimate(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, estimator: str, num_samples: int,
+              generator: torch.Generator | Sequence[torch.Generator] | None, row_offset: int,
+              settings: dict[str, Any]) -> SequenceLogProb:
+    """The estimator's passes through ``model`` (called as given, so its wrappers' hooks fire) on a checked batch."""
     if estimator == "elbo":
-        t_min = options.get("t_min", 0.0)
-        if isinstance(t_min, bool) or not isinstance(t_min, (int, float)) or not 0.0 <= t_min < 1.0:
-            raise ValueError(f"t_min: expected a float in [0, 1), got {t_min!r}")
-        gens = row_generators(generator, B, x0.device, row_offset=row_offset)
-        return _elbo(model, x0, completion, valid, kernel, K, gens, attention_mask, block, prompted, float(t_min))
-
+        gens = row_generators(generator, batch.x0.shape[0], batch.x0.device, row_offset=row_offset)
+        return _elbo(model, inner, batch, kernel, num_samples, gens, settings["t_min"])
+    assert isinstance(kernel, MaskKernel)  # _check_estimator: the other estimators need one
     if estimator == "trace":
-        if "trace" not in options:
-            raise ValueError("trace: estimator='trace' needs trace= (B, L) commit steps (PolicyOutput.commit_step, "
-                             "from generate(..., return_trace=True))")
-        temperature = options.get("temperature", 1.0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-                or not math.isfinite(temperature):
-            raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
-        assert isinstance(kernel, MaskKernel)
-        return _replay(model, x0, completion, options["trace"], kernel.mask_id, attention_mask, float(temperature))
-
-    plan = plan_masks(estimator, completion, num_samples=K, generator=generator, row_offset=row_offset,
-                      prompt_mask=valid & ~completion, **options)
-    assert isinstance(kernel, MaskKernel)
-    return _score_plan(model, x0, plan, kernel.mask_id, attention_mask)
+        return _replay(model, inner, batch, settings["trace"], kernel.mask_id, settings["temperature"])
+    plan = plan_masks(estimator, batch.completion, num_samples=num_samples, generator=generator,
+                      row_offset=row_offset, prompt_mask=batch.valid & ~batch.completion, **settings)
+    return _score_plan(model, inner, batch, plan, kernel.mask_id)
 
 
-def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
-                attention_mask: torch.Tensor | None) -> SequenceLogProb:
+def _score_plan(model: X0Model, inner: Denoiser, batch: _Batch, plan: MaskPlan, mask_id: int) -> SequenceLogProb:
     """Run the plan's passes through the fused MDLM loss: at a masked position it is ``−(1/t) log p_θ(y_i | x_t)``
     under a linear-schedule mask kernel, so position weights ``t · coef`` give ``−coef · log p`` (linear estimators:
     the weights are folded in, so a plain ``.sum().backward()`` is the fused loss's fast backward)."""
-    scorer = MaskKernel(_denoiser(model).num_states, mask_id, LinearSchedule())
+    x0, attention_mask = batch.x0, batch.attention_mask
+    scorer = MaskKernel(inner.num_states, mask_id, LinearSchedule())
     linear = plan.estimator != "eubo"
     per_pass = []
     for k in range(plan.num_passes):
@@ -303,7 +344,7 @@ def _score_plan(model: X0Model, x0: torch.Tensor, plan: MaskPlan, mask_id: int,
     if linear:
         per_token = stacked.sum(0)  # coef already applied
     else:
-        per_token = combine_log_probs(plan, stacked)
+        per_token = combine_logps(plan, stacked)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
@@ -325,13 +366,13 @@ def _first_real(x0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return x0.gather(1, generated_start(valid).clamp_max(x0.shape[1] - 1)[:, None])
 
 
-def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: object, mask_id: int,
-            attention_mask: torch.Tensor | None, temperature: float) -> SequenceLogProb:
+def _replay(model: X0Model, inner: Denoiser, batch: _Batch, trace: object, mask_id: int,
+            temperature: float) -> SequenceLogProb:
     """The ``"trace"`` estimator: the passes of :func:`~unifusion.rl.estimators.plan_trace`, each through the model's
     forward; a block model runs each row behind ``−start mod K`` invisible left pads so that its blocks are cut where
     the decoder's were (at the row's first generated column), as ``generate(..., use_cache=False)`` does."""
+    x0, completion, attention_mask = batch.x0, batch.completion, batch.attention_mask
     B, L = x0.shape
-    inner = _denoiser(model)
     K = inner.block_size
     plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
     valid = torch.ones((B, L), dtype=torch.bool, device=x0.device) if attention_mask is None else \
@@ -350,10 +391,10 @@ def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: o
             return _aligned(x, shifts, Lp, fill)
         plan = TracePlan(noised=torch.stack([move(n, False) for n in plan.noised]),
                          scored=torch.stack([move(c, False) for c in plan.scored]), t=move(plan.t, 0.5))
-    block = _block_size(model, Lp)
+    block = _multi_block(inner, Lp)
     nb = 1 if block is None else num_blocks(Lp, block)
     width = Lp if block is None else block
-    extra: dict[str, Any] = {} if block is None else {"clean": x0}
+    extra: dict[str, Any] = {} if block is None else inner.block_conditioning(x0)
     scorer = MaskKernel(inner.num_states, mask_id, LinearSchedule())
     per_pass = []
     for k in range(plan.num_passes):
@@ -380,9 +421,8 @@ def _replay(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, trace: o
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
-def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: torch.Tensor, kernel: Kernel, K: int,
-          gens: tuple[torch.Generator, ...], attention_mask: torch.Tensor | None, block: int | None,
-          prompted: bool, t_min: float) -> SequenceLogProb:
+def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int, gens: tuple[torch.Generator, ...],
+          t_min: float) -> SequenceLogProb:
     """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K and x_t ~ q_{t|0}.
 
     Every draw is the row's own, from its generator, over its completion span ``[s, e)`` (first to last completion
@@ -390,6 +430,8 @@ def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: tor
     then per pass the corruption of the span. So a row's estimate depends on its tokens and seed only, not on its
     alignment, padding or batch. A block model runs each row behind ``(−s) mod K`` invisible left pads, which put
     the forward's block boundaries at s, s + K, … (:mod:`unifusion.block_partition`)."""
+    x0, completion, valid, attention_mask = batch.x0, batch.completion, batch.valid, batch.attention_mask
+    block = inner.block_size
     B, L = x0.shape
     device = x0.device
     span_start = generated_start(completion)
@@ -414,14 +456,13 @@ def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: tor
     mask_a = attention_mask if width == L else _aligned(valid, shifts, width, False).long()
     extra: dict[str, Any] = {}
     if block is not None:
-        extra["clean"] = x0_a
+        extra.update(inner.block_conditioning(x0_a))
         nb = num_blocks(width, block)
         t_blocks = torch.full((K, B, nb), 0.5, dtype=torch.float64, device=device)  # prompt blocks: unscored
         for b, (s, n) in enumerate(zip(starts, sizes)):
             first = (s + (-s) % block) // block
             t_blocks[:, b, first:first + n] = times[b]
-    if prompted:
-        extra["prompt_mask"] = valid & ~completion
+    extra.update(prompt_conditioning(model, x0_a, _aligned(valid & ~completion, shifts, width, False)))
     weight = completion_a.float() * ((1.0 - t_min) / K)
     total = torch.zeros(B, width, device=device)
     for j in range(K):
@@ -435,8 +476,8 @@ def _elbo(model: X0Model, x0: torch.Tensor, completion: torch.Tensor, valid: tor
                 x_t[b, o:o + e - s] = torch.where(completion[b, s:e], span, x0[b, s:e])
         t_in = torch.stack([t[j, 0] for t in times]).float() if block is None else t_blocks[j].float()
         with V.unchecked():
-            D = model(x_t, t_in, x0=x0_a, kernel=kernel, objective="gidd", position_weight=weight,
-                      attention_mask=mask_a, **extra)
+            D = model(x_t, t_in, kernel=kernel, objective="gidd", position_weight=weight, attention_mask=mask_a,
+                      **{**extra, "x0": x0_a})
         total = total - D
     with V.unchecked():
         c = prior_kl(kernel, x0)  # (B, L) float64, 0 for α_1 = 0

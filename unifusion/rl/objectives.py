@@ -27,7 +27,7 @@ def _check_same(name: str, value: torch.Tensor | None, shape: tuple[int, ...]) -
 
 def _check_detached(name: str, value: torch.Tensor | None) -> None:
     """A fixed policy's estimates must not carry a gradient: the ratio's or the KL's gradient would flow into them
-    (and, for ``old_logp = logp``, cancel: the ratio would be 1 with gradient 0)."""
+    (and, for ``old_logps = logps``, cancel: the ratio would be 1 with gradient 0)."""
     if value is not None and value.requires_grad:
         raise ValueError(f"{name}: carries a gradient (requires_grad=True); compute it under torch.no_grad() or pass "
                          f"{name}.detach() (the policy it scores is held fixed)")
@@ -62,8 +62,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     return A.reshape(-1)
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
-              *, ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon: float = 0.2,
+def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
+              *, ref_logps: torch.Tensor | None = None, kl_coef: float = 0.0, epsilon: float = 0.2,
               epsilon_high: float | None = None, level: Literal["token", "sequence"] = "token",
               normalization: Literal["grpo", "dr_grpo", "dapo"] = "grpo", max_length: int | None = None,
               num_tokens: float | torch.Tensor | None = None, num_sequences: int | None = None) -> torch.Tensor:
@@ -71,8 +71,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
     With ``ρ`` the importance ratio and ``A_i`` the advantage of completion i (``|o_i|`` tokens):
 
-        ℓ_{i,t} = −min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1 − ε, 1 + ε_high) A_i) + β k3_{i,t},
-        k3_{i,t} = exp(r_{i,t} − x_{i,t}) − (r_{i,t} − x_{i,t}) − 1   (x = ``logp``, r = ``ref_logp``),
+        ℓ_{i,t} = −min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1 − ε, 1 + ε_high) A_i) + β k3_{i,t}   (β = ``kl_coef``),
+        k3_{i,t} = exp(r_{i,t} − x_{i,t}) − (r_{i,t} − x_{i,t}) − 1   (x = ``logps``, r = ``ref_logps``),
 
     ``level="token"``: ``ρ_{i,t} = exp(x_{i,t} − x^{old}_{i,t})`` on the per-token estimates (d1, coupled-GRPO);
     ``level="sequence"``: one ratio per completion, ``ρ_i = exp((Σ_t x_{i,t} − Σ_t x^{old}_{i,t}) / |o_i|)`` (GSPO's
@@ -82,13 +82,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     The clip is PPO's: the gradient of ℓ is 0 where ρ left ``[1 − ε, 1 + ε_high]`` on the advantage's side.
 
     Args:
-        logp: ``(B, L)`` per-token estimates of the current policy (with grad).
-        old_logp: ``(B, L)`` of the policy that sampled, without a gradient (computed under ``torch.no_grad()``;
-            ``logp.detach()`` on policy): one that requires grad is a ``ValueError``.
+        logps: ``(B, L)`` per-token estimates of the current policy (with grad).
+        old_logps: ``(B, L)`` of the policy that sampled, without a gradient (computed under ``torch.no_grad()``;
+            ``logps.detach()`` on policy): one that requires grad is a ``ValueError``.
         advantages: ``(B,)``.
         completion_mask: ``(B, L)`` bool, the completion tokens.
-        ref_logp: ``(B, L)`` of the reference policy, for ``beta > 0`` (without a gradient, like ``old_logp``).
-        beta: the k3 KL coefficient β ≥ 0.
+        ref_logps: ``(B, L)`` of the reference policy, for ``kl_coef > 0`` (without a gradient, like ``old_logps``).
+        kl_coef: the k3 KL coefficient β ≥ 0 (TRL's ``GRPOConfig.beta``).
         epsilon: the clip range's lower side ε ≥ 0.
         epsilon_high: its upper side ≥ 0 (defaults to ``epsilon``; DAPO raises it).
         level: ``"token"`` or ``"sequence"`` ratios (above).
@@ -101,23 +101,23 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     Returns:
         ``(B, L)`` float32 (float64 for float64 inputs), 0 outside the completion.
     """
-    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
-        raise ValueError(f"logp: expected per-token estimates (B, L), got "
-                         f"{tuple(logp.shape) if isinstance(logp, torch.Tensor) else type(logp).__name__}")
-    B, L = logp.shape
-    _check_same("old_logp", old_logp, (B, L))
+    if not isinstance(logps, torch.Tensor) or logps.dim() != 2:
+        raise ValueError(f"logps: expected per-token estimates (B, L), got "
+                         f"{tuple(logps.shape) if isinstance(logps, torch.Tensor) else type(logps).__name__}")
+    B, L = logps.shape
+    _check_same("old_logps", old_logps, (B, L))
     _check_same("advantages", advantages, (B,))
     _check_same("completion_mask", completion_mask, (B, L))
-    _check_same("ref_logp", ref_logp, (B, L))
+    _check_same("ref_logps", ref_logps, (B, L))
     if level not in ("token", "sequence"):
         raise ValueError(f"level: expected 'token' or 'sequence', got {level!r}")
     if normalization not in ("grpo", "dr_grpo", "dapo"):
         raise ValueError(f"normalization: expected 'grpo', 'dr_grpo' or 'dapo', got {normalization!r}")
-    _check_detached("old_logp", old_logp)
-    _check_detached("ref_logp", ref_logp)
-    beta = _check_coefficient("beta", beta, "the KL coefficient, a float")
-    if beta and ref_logp is None:
-        raise ValueError(f"ref_logp: needed for the KL term (beta={beta})")
+    _check_detached("old_logps", old_logps)
+    _check_detached("ref_logps", ref_logps)
+    kl_coef = _check_coefficient("kl_coef", kl_coef, "the KL coefficient, a float")
+    if kl_coef and ref_logps is None:
+        raise ValueError(f"ref_logps: needed for the KL term (kl_coef={kl_coef})")
     epsilon = _check_coefficient("epsilon", epsilon, "a float")
     eps_hi = epsilon if epsilon_high is None else _check_coefficient("epsilon_high", epsilon_high, "a float")
     if normalization == "dr_grpo":
@@ -127,7 +127,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
     m = completion_mask.to(torch.bool)
-    x, x_old = _f32(logp), _f32(old_logp)
+    x, x_old = _f32(logps), _f32(old_logps)
     A = _f32(advantages)[:, None]  # (B, 1)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     n = m.sum(-1).clamp_min(1).to(x.dtype)  # |o_i|
@@ -138,10 +138,10 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     rho = torch.exp(log_rho)
     surrogate = torch.minimum(rho * A, torch.clamp(rho, 1.0 - epsilon, 1.0 + eps_hi) * A)
     loss = -surrogate
-    if beta:
-        assert ref_logp is not None
-        d = _f32(ref_logp) - x
-        loss = loss + beta * (torch.exp(d) - d - 1.0)
+    if kl_coef:
+        assert ref_logps is not None
+        d = _f32(ref_logps) - x
+        loss = loss + kl_coef * (torch.exp(d) - d - 1.0)
     loss = torch.where(m, loss, zero)
     G = B if num_sequences is None else num_sequences
     if normalization == "grpo":
@@ -153,23 +153,23 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss / (G * max_length)
 
 
-def wd1_loss(logp: torch.Tensor, advantages: torch.Tensor, *, group_size: int | None = None) -> torch.Tensor:
+def wd1_loss(logps: torch.Tensor, advantages: torch.Tensor, *, group_size: int | None = None) -> torch.Tensor:
     """wd1's ratio-free weighted likelihood, per sample ``(B,)`` (its ``.sum()`` is wd1's loss):
 
         ℓ_i = −w⁺_i log p_i + w⁻_i log p_i,   w⁺ = softmax(A),  w⁻ = softmax(−A),
 
     the softmaxes over the whole batch (wd1) or, with ``group_size``, over each group of one prompt's completions.
-    ``logp (B,)``: sequence estimates of the current policy only (wd1 uses d1's mean field)."""
-    _check_same("advantages", advantages, tuple(logp.shape))
-    if logp.dim() != 1:
-        raise ValueError(f"logp: expected sequence estimates (B,), got {tuple(logp.shape)}")
+    ``logps (B,)``: sequence estimates of the current policy only (wd1 uses d1's mean field)."""
+    _check_same("advantages", advantages, tuple(logps.shape))
+    if logps.dim() != 1:
+        raise ValueError(f"logps: expected sequence estimates (B,), got {tuple(logps.shape)}")
     A = _f32(advantages)
     if group_size is not None:
-        if logp.shape[0] % group_size:
-            raise ValueError(f"group_size: B = {logp.shape[0]} is not a multiple of {group_size}")
+        if logps.shape[0] % group_size:
+            raise ValueError(f"group_size: B = {logps.shape[0]} is not a multiple of {group_size}")
         A = A.view(-1, group_size)
     w_pos, w_neg = torch.softmax(A, -1).reshape(-1), torch.softmax(-A, -1).reshape(-1)
-    return (w_neg - w_pos) * _f32(logp)
+    return (w_neg - w_pos) * _f32(logps)
 
 
 def spg_loss(lower: torch.Tensor, upper: torch.Tensor, advantages: torch.Tensor, *,
@@ -195,13 +195,14 @@ def spg_loss(lower: torch.Tensor, upper: torch.Tensor, advantages: torch.Tensor,
 
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             *, beta: float = 0.1) -> torch.Tensor:
-    """DPO on sequence estimates, per pair ``(B,)``: ``−log σ(β[(x_w − r_w) − (x_l − r_l)])``.
+             *, dpo_beta: float = 0.1) -> torch.Tensor:
+    """DPO on sequence estimates, per pair ``(B,)``: ``−log σ(β[(x_w − r_w) − (x_l − r_l)])``, β = ``dpo_beta``
+    (TRL's ``DPOConfig.beta``).
 
     VRPO (LLaDA 1.5): estimate all four with the **same generator seed** for policy and reference (the same masks and
     times: the differences ``x − r`` then carry no mask noise) and several samples (``num_samples``)."""
     for name, v in (("rejected", rejected), ("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
         _check_same(name, v, tuple(chosen.shape))
-    beta = _check_coefficient("beta", beta, "DPO's β, a float")
+    beta = _check_coefficient("dpo_beta", dpo_beta, "DPO's β, a float")
     margin = (_f32(chosen) - _f32(ref_chosen)) - (_f32(rejected) - _f32(ref_rejected))
     return -F.logsigmoid(beta * margin)

@@ -311,11 +311,11 @@ class RowPool:
         # built on the host (the corruption's generator is a CPU one); sent without making the host wait
         x_t = host_to_device(torch.cat([b.x_t[s: s + n] for b, s, n in taken]), device)
         t = host_to_device(torch.cat([b.t[s: s + n] for b, s, n in taken]).to(torch.float32), device)
-        extra = {}
-        if (self.model.block_size or L) < L:  # a block model: the clean rows [context, answer]
+        extra: dict[str, Any] = {}
+        if (self.model.block_size or L) < L:  # a block model: answer block b sees the clean blocks before it
             clean = torch.cat([torch.cat([b.x_t[s: s + n, :L - b.answer_ids.numel()],
                                           b.answer_ids.expand(n, -1)], 1) for b, s, n in taken])
-            extra["clean"] = host_to_device(clean, device)  # answer block b sees the clean blocks before it
+            extra = self.model.block_conditioning(host_to_device(clean, device))
         logits = logits_of(self.model(x_t, t, **extra))  # (rows, L, S)
         row = 0
         for block, _start, n in taken:

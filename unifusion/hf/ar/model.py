@@ -543,6 +543,12 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         calls with ``use_cache=False``."""
         return BlockForward(self)
 
+    def block_conditioning(self, x0: torch.Tensor) -> dict[str, Any]:
+        """``{"clean": x0}`` for a block model (:meth:`forward`'s ``clean``: the ``[clean | noisy]`` block-causal
+        forward of :mod:`unifusion.hf.ar.blocks`), ``{}`` without blocks
+        (:meth:`Denoiser.block_conditioning <unifusion.denoiser.Denoiser.block_conditioning>`)."""
+        return {} if self.block_size is None else {"clean": x0}
+
     def backbone(self) -> Any:
         """The Hugging Face ``*ForCausalLM`` the trainer-facing methods of
         :class:`~unifusion.hf.backbone.BackboneMethods` act on (:attr:`hf_model`)."""
