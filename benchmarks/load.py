@@ -2,14 +2,14 @@
 
     python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar] [--json out.json]
 
-For each kind (LLaDA, Dream, SDAR) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536,
-9 heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
+For each kind (LLaDA, Dream, SDAR) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP
+1536, 9 heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
 ``config.json`` and weight names, what ``save_pretrained`` writes) and as the backbone's transformers folder
-(``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``). Each load then runs in a fresh process (so the page cache is warm but
-nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder,
-dtype=...)``, timing the call; then every weight is read once (memory-mapped weights become resident) and the growth
-of the process's resident memory over its size before the call is divided by the weights' size (the resident memory
-after loading, not the peak during it). Targets (issue 41):
+(``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``). Each load then runs in a fresh process (so the
+page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against
+``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read once (memory-mapped
+weights become resident) and the growth of the process's resident memory over its size before the call is divided by
+the weights' size (the resident memory after loading, not the peak during it). Targets (issue 41):
 time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
 """
 

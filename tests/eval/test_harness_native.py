@@ -1,5 +1,5 @@
-"""``unifusion harness --model_args pretrained=DIR`` on saved tiny LLaDA, Dream and SDAR checkpoints (their layout), offline:
-the folder loads through the registry and the three request types run."""
+"""``unifusion harness --model_args pretrained=DIR`` on saved tiny LLaDA, Dream and SDAR checkpoints (their layout),
+offline: the folder loads through the registry and the three request types run."""
 
 from __future__ import annotations
 
