@@ -30,7 +30,8 @@ LLaDA-MoE (``model.layers.{i}.``…)             Qwen3-MoE (``model.layers.{i}.`
 =============================================  ==========================================================
 
 Its training loss is LLaDA's MDLM ELBO (``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm")``, SFT with
-``prompt_mask=``); dllm trains it with the same objective and no router auxiliary loss in the diffusion loss.
+``prompt_mask=``). dllm trains it with that objective on the logits alone (no router auxiliary loss), so the
+backbone's ``router_aux_loss_coef`` is 0 (TRL's trainers then add none; ``config.json``'s value is saved back as is).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class LLaDAMoELM(NativeDiffusionLM):
             intermediate_size=dense if dense > 0 else d, moe_intermediate_size=int(source["expert_intermediate_size"]),
             num_experts=int(source["num_experts"]), num_experts_per_tok=int(source["num_experts_per_tok"]),
             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(sparse) if not s],
-            router_aux_loss_coef=float(source.get("router_aux_loss_coef", 0.01)),
+            router_aux_loss_coef=0.0,  # no router loss: dllm's MDLM training reads the logits only (the config's
+            # coefficient, which their forward adds only with output_router_logits, stays in source_config)
             max_position_embeddings=int(source.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(source.get("rms_norm_eps", 1e-5)), rope_theta=float(source["rope_theta"]),
             attention_bias=False, use_sliding_window=False, sliding_window=None,
