@@ -1,11 +1,13 @@
 """Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
 
-    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--json out.json]
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream lladamoe] [--json out.json]
 
-For each kind (LLaDA, Dream) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536,
-9 heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
-``config.json`` and weight names, what ``save_pretrained`` writes) and as the backbone's transformers folder
-(``LlamaForCausalLM`` / ``Qwen2ForCausalLM``). Each load then runs in a fresh process (so the page cache is warm but
+For each kind (LLaDA, Dream, LLaDA-MoE) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers,
+MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152; LLaDA-MoE's MLP is 8 experts of width 192, top 2, the same
+parameter count) is saved twice into a temporary folder: in the kind's own layout (its ``config.json`` and weight
+names, what ``save_pretrained`` writes) and as the backbone's transformers folder (``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` / ``Qwen3MoeForCausalLM``, whose fused experts transformers converts at load as unifusion does).
+Each load then runs in a fresh process (so the page cache is warm but
 nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder,
 dtype=...)``, timing the call; then every weight is read once (memory-mapped weights become resident) and the growth
 of the process's resident memory over its size before the call is divided by the weights' size (the resident memory
@@ -36,7 +38,14 @@ SOURCES = {
               "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
               "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
+    "lladamoe": {"model_type": "lladamoe", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                 "num_hidden_layers": 30, "dense_intermediate_size": 1536, "expert_intermediate_size": 192,
+                 "num_experts": 8, "num_experts_per_tok": 2, "moe_layer_freq": [1] * 30, "qk_layernorm": True,
+                 "shared_expert_intermediate_size": None, "partial_rotary_factor": 1.0, "vocab_size": 49152,
+                 "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                 "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
 }
+KINDS = {"llada": "LLaDALM", "Dream": "DreamLM", "lladamoe": "LLaDAMoELM"}
 
 CHILD = r"""
 import json, resource, sys, time
@@ -59,14 +68,15 @@ print(json.dumps({"seconds": seconds, "weights_bytes": weights, "resident_growth
 """
 
 
-def write_folders(root: Path, dtype: str) -> dict[str, tuple[Path, Path, str]]:
+def write_folders(root: Path, dtype: str, kinds: list[str]) -> dict[str, tuple[Path, Path, str]]:
     import torch
 
     import unifusion as uf
 
     folders = {}
-    for kind, source in SOURCES.items():
-        cls = uf.hf.LLaDALM if kind == "llada" else uf.hf.DreamLM
+    for kind in kinds:
+        source = SOURCES[kind]
+        cls = getattr(uf.hf, KINDS[kind])
         torch.manual_seed(0)
         model = cls.from_source(source)
         model.hf_model.to(getattr(torch, dtype))
@@ -89,11 +99,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kinds", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report = {}
     with tempfile.TemporaryDirectory(prefix="unifusion-load-") as tmp:
-        for kind, (theirs, native, backbone) in write_folders(Path(tmp), args.dtype).items():
+        for kind, (theirs, native, backbone) in write_folders(Path(tmp), args.dtype, args.kinds).items():
             runs = {which: [measure(which, folder, args.dtype, backbone) for _ in range(args.repeats)]
                     for which, folder in (("unifusion", theirs), ("transformers", native))}
             row = {which: {"seconds_median": statistics.median(r["seconds"] for r in rs),

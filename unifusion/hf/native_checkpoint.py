@@ -7,9 +7,9 @@ tensor at a time, renames each (the kind's ``weight_names``), casts it to the dt
 peak is the weights in that dtype plus one tensor. A weight the mapping does not know, or one it expects and no
 shard holds, is a ``ValueError`` naming them. A checkpoint tensor may also be one part of a backbone parameter (a
 :class:`ParameterPart`: one expert's projection inside transformers' fused ``(E, ·, ·)`` expert tensors); the
-parameter is then allocated once, in the dtype asked, and each part copied into its place. :func:`save_weights` writes the kind's ``config.json`` and the
-weights under its names (sharded past ``max_shard_bytes``, with the index), which the kind's own modeling code
-(``trust_remote_code``) loads with identical weights.
+parameter is then allocated once, in the dtype asked, and each part copied into its place. :func:`save_weights`
+writes the kind's ``config.json`` and the weights under its names (sharded past ``max_shard_bytes``, with the index),
+which the kind's own modeling code (``trust_remote_code``) loads with identical weights.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "ParameterPart", "WeightTarget", "build_backbone", "load_weights", "read_source_config", "resolve_dtype",
-           "save_weights"]
+__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "ParameterPart", "WeightTarget", "build_backbone", "load_weights",
+           "read_source_config", "resolve_dtype", "save_weights"]
 
 WEIGHTS_FILE = "model.safetensors"
 """The single-file weights of a checkpoint folder."""
