@@ -66,15 +66,17 @@ def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, ru
 @pytest.mark.parametrize("run", ["mdlm_semi_ar", "mdlm_one_block"])
 def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
     """dllm's MDLMSampler takes the prompts unpadded and right-pads with EOS; unifusion's generate left-pads them
-    (RoPE is relative, padded keys are masked): the same tokens after each prompt."""
+    (RoPE is relative, padded keys are masked): the same tokens after each prompt, committed at the same steps."""
     gen, block, steps = RUNS[run]["max_new_tokens"], RUNS[run]["block_size"], RUNS[run]["steps"]
     attn = ref["prompt_attention_mask"]
     out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=LowConfidence(),
-                         block_size=block, num_steps=steps // (gen // block), do_sample=False, eos_token_id=None)
-    theirs = ref[f"generate_{run}"]
+                         block_size=block, num_steps=steps // (gen // block), do_sample=False, eos_token_id=None,
+                         return_trace=True)
+    theirs, their_steps = ref[f"generate_{run}"], ref[f"commit_step_{run}"]
     for j, n in enumerate(attn.sum(-1).tolist()):
         pad = attn.shape[1] - n
-        assert torch.equal(out[j, pad:], theirs[j, :n + gen])
+        assert torch.equal(out.sequences[j, pad:], theirs[j, :n + gen])
+        assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
         assert bool((theirs[j, n + gen:] == EOS).all())
 
 
