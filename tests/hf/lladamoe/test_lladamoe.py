@@ -123,6 +123,13 @@ def test_bad_checkpoints_are_value_errors_naming_the_problem(tmp_path):
         LLaDAMoELM.backbone_config({**CONFIG, "moe_layer_freq": [1]})
 
 
+def test_a_released_folder_still_saying_llada_is_told_to_say_lladamoe(tmp_path):
+    folder = checks.copy_checkpoint(FIXTURES, tmp_path)
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "model_type": "llada"}))
+    with pytest.raises(ValueError, match="set its model_type to 'lladamoe'"):
+        uf.load_diffusion_lm(folder)
+
+
 def test_an_experts_tensor_of_the_wrong_shape_names_it(tmp_path):
     from safetensors.torch import save_file
 
