@@ -54,6 +54,18 @@ def test_logits_equal_their_modeling_code_on_a_padded_batch(model, ref):
     torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=1e-5)
 
 
+def test_bf16_logits_equal_their_bf16_logits(ref):
+    """Loaded with dtype=bfloat16, the logits equal their model's loaded in bf16 to within one bf16 step at the logits'
+    scale (|z| < 32: 1/8; measured difference 0 — both RoPE in the weights' dtype, RMSNorm and softmaxes in float32),
+    far below their own bf16-versus-float32 difference."""
+    bf16 = uf.load_diffusion_lm(FIXTURES / "checkpoint", dtype="bfloat16")
+    with torch.no_grad():
+        logits = bf16(ref["input_ids"], attention_mask=ref["attention_mask"]).float()
+    assert float(ref["logits"].abs().max()) < 32
+    torch.testing.assert_close(logits, ref["logits_bf16"], rtol=0, atol=0.125)
+    assert float((ref["logits_bf16"] - ref["logits"]).abs().max()) > 0.25
+
+
 @pytest.mark.parametrize("run", ["semi_ar", "one_block"])
 def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, run):
     gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
