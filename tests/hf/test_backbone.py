@@ -71,7 +71,8 @@ def _accepts(ours: inspect.Signature, theirs: inspect.Signature) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("cls", [uf.DiffusionLM, uf.hf.DiffusionGemmaLM, uf.hf.LLaDALM, uf.hf.DreamLM, uf.hf.SDARLM],
+@pytest.mark.parametrize("cls", [uf.DiffusionLM, uf.hf.DiffusionGemmaLM, uf.hf.LLaDALM, uf.hf.DreamLM, uf.hf.SDARLM,
+                                 uf.hf.LLaDAMoELM],
                          ids=lambda c: c.__name__)
 def test_the_methods_trainers_call_take_transformers_signatures(cls) -> None:
     called = _called_on_models()
@@ -93,10 +94,11 @@ def test_the_methods_trainers_call_take_transformers_signatures(cls) -> None:
 def _models() -> list:
     return [uf.adapt_ar_model(tiny_model("llama"), mask_token_id=MASK_ID, block_size=4),
             uf.hf.wrap_diffusion_lm(tiny_diffusion_gemma()),
-            uf.load_diffusion_lm(Path(__file__).parent / "llada" / "fixtures" / "checkpoint")]
+            uf.load_diffusion_lm(Path(__file__).parent / "llada" / "fixtures" / "checkpoint"),
+            uf.load_diffusion_lm(Path(__file__).parent / "lladamoe" / "fixtures" / "checkpoint")]
 
 
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["DiffusionLM-blocks", "DiffusionGemmaLM", "LLaDALM"])
+@pytest.mark.parametrize("which", [0, 1, 2, 3], ids=["DiffusionLM-blocks", "DiffusionGemmaLM", "LLaDALM", "LLaDAMoELM"])
 def test_checkpointing_keeps_fewer_tensors_for_the_same_loss_and_gradients(which: int) -> None:
     """Bytes the autograd graph keeps (saved tensors) through one diffusion_loss: fewer with checkpointing (only
     the checkpointed layers' inputs are kept), the same loss and gradients; TRL's positional call and disable work."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -50,7 +51,7 @@ from .ar.families import family_for
 from .backbone import BackboneMethods
 from .checkpoint import CheckpointMixin
 from .native_block import BlockCausalPattern, DoubledStreamPattern, NativeBlockCache
-from .native_checkpoint import build_backbone, load_weights, read_source_config, save_weights
+from .native_checkpoint import WeightTarget, build_backbone, load_weights, read_source_config, save_weights
 from .native_decoding import NativePrefixCache
 
 __all__ = ["GENERATION_CONFIG_NAME", "KeyPaddingPattern", "NativeDiffusionLM"]
@@ -170,8 +171,9 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         raise NotImplementedError(f"{cls.__name__} does not name its backbone class")
 
     @classmethod
-    def weight_names(cls, source: dict[str, Any]) -> dict[str, str]:
-        """Every weight of a checkpoint of config ``source``: ``{their name: the backbone's parameter name}``."""
+    def weight_names(cls, source: dict[str, Any]) -> Mapping[str, WeightTarget]:
+        """Every weight of a checkpoint of config ``source``: ``{their name: the backbone's parameter name}`` (or a
+        :class:`~unifusion.hf.native_checkpoint.ParameterPart` of one, for fused expert tensors)."""
         raise NotImplementedError(f"{cls.__name__} does not map its weight names")
 
     @classmethod

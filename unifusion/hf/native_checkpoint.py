@@ -5,30 +5,59 @@ safetensors — one ``model.safetensors``, or shards listed by ``model.safetenso
 :func:`load_weights` builds the transformers backbone on the ``meta`` device (no memory), then reads the shards one
 tensor at a time, renames each (the kind's ``weight_names``), casts it to the dtype asked and puts it in place: the
 peak is the weights in that dtype plus one tensor. A weight the mapping does not know, or one it expects and no
-shard holds, is a ``ValueError`` naming them. :func:`save_weights` writes the kind's ``config.json`` and the
-weights under its names (sharded past ``max_shard_bytes``, with the index), which the kind's own modeling code
-(``trust_remote_code``) loads with identical weights.
+shard holds, is a ``ValueError`` naming them. A checkpoint tensor may also be one part of a backbone parameter (a
+:class:`ParameterPart`: one expert's projection inside transformers' fused ``(E, ·, ·)`` expert tensors); the
+parameter is then allocated once, in the dtype asked, and each part copied into its place. :func:`save_weights`
+writes the kind's ``config.json`` and the weights under its names (sharded past ``max_shard_bytes``, with the index),
+which the kind's own modeling code (``trust_remote_code``) loads with identical weights.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "build_backbone", "load_weights", "read_source_config", "resolve_dtype",
-           "save_weights"]
+__all__ = ["INDEX_NAME", "WEIGHTS_FILE", "ParameterPart", "WeightTarget", "build_backbone", "load_weights",
+           "read_source_config", "resolve_dtype", "save_weights"]
 
 WEIGHTS_FILE = "model.safetensors"
 """The single-file weights of a checkpoint folder."""
 
 INDEX_NAME = "model.safetensors.index.json"
 """The index of a sharded checkpoint (``weight_map``: weight name → shard file)."""
+
+
+
+@dataclass(frozen=True)
+class ParameterPart:
+    """A checkpoint tensor that is one part of the backbone parameter ``name``: ``parameter[index, start:stop]``
+    (``start``/``stop`` ``None``: all of ``parameter[index]``) — e.g. expert ``e``'s ``gate_proj`` ``(I, d)`` is
+    ``ParameterPart("…experts.gate_up_proj", e, 0, I)`` of the fused ``(E, 2I, d)`` tensor."""
+
+    name: str
+    index: int
+    start: int | None = None
+    stop: int | None = None
+
+    def of(self, parameter: torch.Tensor) -> torch.Tensor:
+        """The part's view of ``parameter``."""
+        return parameter[self.index, self.start:self.stop]
+
+
+WeightTarget = str | ParameterPart
+"""Where a checkpoint tensor goes in the backbone: a parameter name, or a :class:`ParameterPart` of one."""
+
+
+def _parameter_name(target: WeightTarget) -> str:
+    return target.name if isinstance(target, ParameterPart) else target
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -91,7 +120,7 @@ def _shard_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.
                 yield key, functools.partial(f.get_tensor, key)
 
 
-def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str, str],
+def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[str, WeightTarget],
                    tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]], dtype: torch.dtype | str | None,
                    where: str) -> Any:
     """``backbone_class(config)`` built on the ``meta`` device, its parameters the ``tensors`` renamed by ``names``.
@@ -99,7 +128,8 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str
     Args:
         backbone_class: a transformers ``*ForCausalLM`` class.
         config: its config.
-        names: ``{name in the checkpoint: parameter name in the backbone}``, every weight the checkpoint must hold.
+        names: ``{name in the checkpoint: parameter name in the backbone, or a ParameterPart of one}``, every
+            weight the checkpoint must hold.
         tensors: ``(name in the checkpoint, read)`` pairs; ``read()`` gives the tensor (called once, for known
             names only).
         dtype: the floating dtype of the weights, or ``None`` (each tensor's own).
@@ -120,16 +150,24 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str
             unexpected.append(key)
             continue
         target = names[key]
-        if target not in params:
-            raise ValueError(f"checkpoint: {key!r} maps to {target!r}, which the backbone does not have")
+        name = _parameter_name(target)
+        if name not in params:
+            raise ValueError(f"checkpoint: {key!r} maps to {name!r}, which the backbone does not have")
         tensor = read()
-        if tuple(tensor.shape) != tuple(params[target].shape):
+        expected = params[name] if isinstance(target, str) else target.of(params[name])
+        if tuple(tensor.shape) != tuple(expected.shape):
             raise ValueError(f"checkpoint: {key!r} has shape {tuple(tensor.shape)} in {where}, its config says "
-                             f"{tuple(params[target].shape)}")
-        if want is not None and tensor.dtype != want:
-            tensor = tensor.to(want)
-        owner, _, leaf = target.rpartition(".")
-        backbone.get_submodule(owner)._parameters[leaf] = nn.Parameter(tensor)
+                             f"{tuple(expected.shape)}")
+        owner, _, leaf = name.rpartition(".")
+        module = backbone.get_submodule(owner)
+        if isinstance(target, ParameterPart):
+            if module._parameters[leaf].is_meta:  # the fused parameter, allocated at its first part
+                module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, dtype=want or tensor.dtype))
+            target.of(module._parameters[leaf].data).copy_(tensor)
+        else:
+            if want is not None and tensor.dtype != want:
+                tensor = tensor.to(want)
+            module._parameters[leaf] = nn.Parameter(tensor)
         seen.add(key)
     missing = sorted(set(names) - seen)
     if missing or unexpected:
@@ -143,7 +181,7 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: dict[str
     return backbone
 
 
-def load_weights(backbone_class: type[nn.Module], config: Any, names: dict[str, str], path: Path,
+def load_weights(backbone_class: type[nn.Module], config: Any, names: Mapping[str, WeightTarget], path: Path,
                  dtype: torch.dtype | str | None) -> Any:
     """The backbone ``backbone_class(config)`` with the folder's weights (module docstring), in ``dtype`` (default
     the saved one), on the CPU: :func:`build_backbone` over the folder's shards, read one tensor at a time.
@@ -155,22 +193,24 @@ def load_weights(backbone_class: type[nn.Module], config: Any, names: dict[str, 
     return build_backbone(backbone_class, config, names, _shard_tensors(files), dtype, repr(str(path)))
 
 
-def save_weights(backbone: nn.Module, source: dict[str, Any], names: dict[str, str], path: Path, *,
+def save_weights(backbone: nn.Module, source: dict[str, Any], names: Mapping[str, WeightTarget], path: Path, *,
                  max_shard_bytes: int = 5 * 2**30) -> None:
     """Write ``source`` (the kind's ``config.json``, its dtype entry set to the weights') and the backbone's weights
-    under the kind's names ``names`` (``{their name: parameter name}``) into the folder ``path``: one
+    under the kind's names ``names`` (``{their name: parameter name or ParameterPart}``) into the folder ``path``: one
     ``model.safetensors``, or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``. Weight
     files of an earlier save in the folder are replaced."""
     from safetensors.torch import save_file
 
     params = dict(backbone.named_parameters(remove_duplicate=False))
-    absent = sorted(ours for ours in names.values() if ours not in params)
+    absent = sorted({_parameter_name(ours) for ours in names.values()} - set(params))
     if absent:
         raise ValueError(f"model: the backbone lacks the weights {absent[:8]} its checkpoint layout names")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for theirs, ours in names.items():
-        tensor = params[ours].detach().to("cpu").contiguous()
+        parameter = params[_parameter_name(ours)].detach()
+        tensor = parameter.to("cpu").contiguous() if isinstance(ours, str) else \
+            ours.of(parameter).to("cpu").clone()  # a part: its own storage (safetensors refuses shared tensors)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})

@@ -65,6 +65,10 @@ class LLaDALM(NativeDiffusionLM):
     def backbone_config(cls, source: dict[str, Any]) -> Any:
         from transformers import LlamaConfig
 
+        if "d_model" not in source and "num_experts" in source:
+            raise ValueError("config.json: a LLaDA-MoE config (num_experts, no d_model) under model_type 'llada', as "
+                             "the released LLaDA-MoE folders say; set its model_type to 'lladamoe' (as dllm does) to "
+                             "load it as unifusion.hf.LLaDAMoELM")
         wrong = {k: source.get(k, _DEFAULTS.get(k)) for k, v in UNSUPPORTED_SETTINGS.items()
                  if source.get(k, _DEFAULTS.get(k)) != v}
         if source.get("bias_for_layer_norm"):

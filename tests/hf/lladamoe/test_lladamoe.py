@@ -1,0 +1,184 @@
+"""LLaDA-MoE as a unifusion model kind, against its own code (dllm's modeling_lladamoe.py and MDLMSampler, ML-GSAI
+LLaDA generate.py) run unmodified outside the repository on a tiny random checkpoint (fixtures/README.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import unifusion as uf
+from unifusion.hf import LLaDAMoELM, wrap_diffusion_lm
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _native_checks as checks  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MASK, EOS = 90, 88
+RUNS = json.loads((FIXTURES / "generate_runs.json").read_text())
+CONFIG = json.loads((FIXTURES / "checkpoint" / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model() -> LLaDAMoELM:
+    return uf.load_diffusion_lm(FIXTURES / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, torch.Tensor]:
+    return checks.reference(FIXTURES)
+
+
+def test_loads_on_qwen3_moe_with_the_configs_mask_token_and_their_layers(model):
+    from transformers import Qwen3MoeForCausalLM
+
+    assert type(model) is LLaDAMoELM and type(model.hf_model) is Qwen3MoeForCausalLM
+    assert model.mask_token_id == MASK and model.num_states == 96 and model.kernel.mask_id == MASK
+    assert model.block_size is None and not model.shifted
+    layers = model.hf_model.model.layers
+    assert type(layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock" and type(layers[1].mlp).__name__ == "Qwen3MoeMLP"
+    assert not model.hf_model.config.norm_topk_prob and model.hf_model.config.num_experts_per_tok == 2
+
+
+def test_logits_equal_their_modeling_code_on_a_padded_batch(model, ref):
+    with torch.no_grad():
+        logits = model(ref["input_ids"], attention_mask=ref["attention_mask"])
+        plain = model(ref["input_ids"][:1])
+    # every position, padded ones included (their code masks padded keys only, as this kind does)
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=1e-5)
+
+
+def test_bf16_logits_equal_their_bf16_logits(ref):
+    """Loaded with dtype=bfloat16, the logits equal their model's loaded in bf16 to within one bf16 step at the logits'
+    scale (|z| < 32: 1/8; measured difference 0 — both RoPE in the weights' dtype, RMSNorm and softmaxes in float32),
+    far below their own bf16-versus-float32 difference."""
+    bf16 = uf.load_diffusion_lm(FIXTURES / "checkpoint", dtype="bfloat16")
+    with torch.no_grad():
+        logits = bf16(ref["input_ids"], attention_mask=ref["attention_mask"]).float()
+    assert float(ref["logits"].abs().max()) < 32
+    torch.testing.assert_close(logits, ref["logits_bf16"], rtol=0, atol=0.125)
+    assert float((ref["logits_bf16"] - ref["logits"]).abs().max()) > 0.25
+
+
+@pytest.mark.parametrize("run", ["semi_ar", "one_block"])
+def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, run):
+    gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
+    out = model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
+                         policy=LowConfidence(), block_size=block, num_steps=steps // (gen // block),
+                         do_sample=False, eos_token_id=None)
+    assert torch.equal(out, ref[f"generate_{run}"])
+
+
+@pytest.mark.parametrize("run", ["mdlm_semi_ar", "mdlm_one_block"])
+def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
+    """dllm's MDLMSampler takes the prompts unpadded and right-pads with EOS; unifusion's generate left-pads them
+    (RoPE is relative, padded keys are masked): the same tokens after each prompt, committed at the same steps."""
+    gen, block, steps = RUNS[run]["max_new_tokens"], RUNS[run]["block_size"], RUNS[run]["steps"]
+    attn = ref["prompt_attention_mask"]
+    out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=LowConfidence(),
+                         block_size=block, num_steps=steps // (gen // block), do_sample=False, eos_token_id=None,
+                         return_trace=True)
+    theirs, their_steps = ref[f"generate_{run}"], ref[f"commit_step_{run}"]
+    for j, n in enumerate(attn.sum(-1).tolist()):
+        pad = attn.shape[1] - n
+        assert torch.equal(out.sequences[j, pad:], theirs[j, :n + gen])
+        assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
+        assert bool((theirs[j, n + gen:] == EOS).all())
+
+
+def test_other_policies_generate_and_keep_the_prompt(model, ref):
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    g = torch.Generator().manual_seed(0)
+    for kwargs in ({"policy": ConfidenceThreshold(0.9), "block_size": 4}, {"num_steps": 4}):
+        out = model.generate(prompt, attention_mask=attn, max_new_tokens=8, generator=g, **kwargs)
+        assert out.shape == (2, 13) and torch.equal(out[:, :5], prompt) and not bool((out[:, 5:] == MASK).any())
+
+
+def test_prefix_cache_is_exact_at_refresh_1_and_its_cached_step_equals_the_forward(model, ref):
+    checks.check_prefix_cache(model, ref)
+
+
+def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
+    checks.check_trace_replay(model, ref)
+
+
+def test_fused_loss_is_their_mdlm_objective_on_their_logits(model, ref):
+    checks.check_fused_loss_is_mdlm_on_their_logits(model, ref, ref["logits"],
+                                                    torch.ones_like(ref["input_ids"], dtype=torch.bool))
+
+
+def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_elbo(model):
+    checks.check_estimators_match_the_enumerated_elbo(model)
+
+
+def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
+    checks.check_saved_folder_is_their_layout(LLaDAMoELM, FIXTURES, tmp_path)
+
+
+def test_sharded_checkpoint_loads_lazily_in_the_dtype_asked(tmp_path):
+    checks.check_sharded_lazy_load_in_the_dtype_asked(LLaDAMoELM, FIXTURES, tmp_path)
+
+
+def test_bad_checkpoints_are_value_errors_naming_the_problem(tmp_path):
+    checks.check_bad_checkpoints(LLaDAMoELM, FIXTURES, tmp_path, MASK)
+    for key, value in (("qk_layernorm", False), ("shared_expert_intermediate_size", 16),
+                       ("moe_router_enable_expert_bias", True), ("clip_qkv", 8.0), ("partial_rotary_factor", 0.5)):
+        with pytest.raises(ValueError, match=key):
+            LLaDAMoELM.backbone_config({**CONFIG, key: value})
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        LLaDAMoELM.backbone_config({**CONFIG, "moe_layer_freq": [1]})
+
+
+def test_a_released_folder_still_saying_llada_is_told_to_say_lladamoe(tmp_path):
+    folder = checks.copy_checkpoint(FIXTURES, tmp_path)
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "model_type": "llada"}))
+    with pytest.raises(ValueError, match="set its model_type to 'lladamoe'"):
+        uf.load_diffusion_lm(folder)
+
+
+def test_an_experts_tensor_of_the_wrong_shape_names_it(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = checks.copy_checkpoint(FIXTURES, tmp_path)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    weights[name] = weights[name][:-1]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{name}.*shape \\(15, 32\\).*\\(16, 32\\)"):
+        LLaDAMoELM.from_pretrained(folder)
+
+
+def test_wrap_diffusion_lm_puts_their_models_tensors_on_qwen3_moe(ref):
+    class Theirs(torch.nn.Module):  # stands in for their LLaDAMoEModelLM: its config and its state dict's names
+        def __init__(self) -> None:
+            super().__init__()
+            from transformers import PretrainedConfig
+
+            config = {k: v for k, v in CONFIG.items() if k != "rope_scaling"}  # null; transformers 5 warns on the key
+            self.config = PretrainedConfig(**{**config, "model_type": None})
+            self.config.model_type = "lladamoe"
+            self.weights = load_file(str(FIXTURES / "checkpoint" / "model.safetensors"))
+
+        def state_dict(self, *args, **kwargs):  # type: ignore[override]
+            return self.weights
+
+    theirs = Theirs()
+    wrapped = wrap_diffusion_lm(theirs)
+    assert type(wrapped) is LLaDAMoELM
+    embed = theirs.weights["model.embed_tokens.weight"]
+    assert wrapped.hf_model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
+    experts = wrapped.hf_model.model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj[2, 16:], theirs.weights["model.layers.0.mlp.experts.2.up_proj.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
+                                   rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="unexpected weights \\['extra'\\]"):
+        extra = Theirs()
+        extra.weights["extra"] = torch.zeros(1)
+        wrap_diffusion_lm(extra)
