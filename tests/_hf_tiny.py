@@ -95,9 +95,9 @@ def tiny_diffusion_gemma(canvas_length: int = 4, seed: int = 0, vocab_size: int 
 
 
 def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
-    """A released diffusion LM kind (``"llada"``, ``"dream"``, ``"sdar"`` or ``"lladamoe"``) with its tiny fixture config
-    (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s vocabulary plus a mask token (the last id),
-    its EOS and pad ids, random weights from ``seed``."""
+    """A released diffusion LM kind (``"llada"``, ``"dream"``, ``"sdar"`` or ``"lladamoe"``) with its tiny fixture
+    config (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s vocabulary plus a mask token (the
+    last id), its EOS and pad ids, random weights from ``seed``."""
     import json
     from pathlib import Path
 
