@@ -218,7 +218,7 @@ def rl(out: dict[str, torch.Tensor]) -> None:
         out[f"rl/wd1_loss/{group_size}"] = uf.rl.wd1_loss(seq, A, group_size=group_size)
     for mix in (None, 0.3):
         out[f"rl/spg_loss/{mix}"] = uf.rl.spg_loss(seq, seq + 1.5, A, mix_weight=mix)
-    out["rl/dpo_loss"] = _call(uf.rl.dpo_loss, seq, seq.flip(0), seq - 0.5, seq.flip(0) + 0.1, by_index={4: 0.7})
+    out["rl/dpo_loss"] = _call(uf.rl.dpo_loss, seq, seq.flip(0), 0.9 * seq, 1.1 * seq.flip(0), by_index={4: 0.7})
 
 
 def _numbers(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
