@@ -53,6 +53,7 @@ from .llada import LLaDALM  # registers "llada"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
 from .native import NativeDiffusionLM
 from .registry import load_diffusion_lm, register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
+from .sdar import SDARLM  # registers "sdar"
 
 __all__ = [
     "CONFIG_NAME",
@@ -66,6 +67,7 @@ __all__ = [
     "Family",
     "LLaDALM",
     "NativeDiffusionLM",
+    "SDARLM",
     "TimeEmbedding",
     "adapt_ar_model",
     "anneal_schedule",
