@@ -82,6 +82,42 @@ def check_estimators_match_the_enumerated_elbo(model: Any) -> None:
         assert abs(mean - elbo) < 4 * se + 1e-4, (name, mean, se, elbo)
 
 
+def check_block_estimators_match_the_enumerated_block_elbo(model: Any, prompt_length: int = 2) -> None:
+    """For a block kind (``model.block_size`` K, 2K columns): ``uf.diffusion_loss`` (one time per block, and with
+    complementary masks), ``uf.eval.nll_bound`` and ``uf.rl.sequence_logprob`` are unbiased for the enumerated block
+    ELBO ``Σ_b ELBO(completion of block b | the clean blocks before it)`` of a completion after a ``prompt_length``
+    prompt (every block's term enumerated over the subsets of its completion positions, the other blocks clean):
+    the mean of R independent rows lies within 4 standard errors."""
+    K = model.block_size
+    L, P, R = 2 * K, prompt_length, 256
+    x0 = torch.randint(0, 80, (L,), generator=torch.Generator().manual_seed(5))
+    elbo = 0.0
+    for b in range(2):
+        positions = [i for i in range(b * K, (b + 1) * K) if i >= P]
+        elbo += exact_elbo(subset_log_probs(model, x0, positions), positions)
+    rows = x0.repeat(R, 1)
+    completion = torch.zeros(R, L, dtype=torch.bool)
+    completion[:, P:] = True
+    kw = {"objective": "mdlm", "prompt_mask": ~completion}
+    with torch.no_grad():
+        out = uf.diffusion_loss(model, rows, model.kernel, generator=torch.Generator().manual_seed(6), **kw)
+        fused = uf.diffusion_loss(model, rows, model.kernel, generator=torch.Generator().manual_seed(6), fused=True,
+                                  **kw)
+        pair = uf.diffusion_loss(model, rows, model.kernel, generator=torch.Generator().manual_seed(7),
+                                 complementary=True, **kw)
+        bound = uf.eval.nll_bound(model, rows, model.kernel, num_times=2, per_token=False, prompt_mask=~completion,
+                                  generator=torch.Generator().manual_seed(8))
+        logp = uf.rl.sequence_logprob(model, rows, completion, estimator="elbo",
+                                      generator=[torch.Generator().manual_seed(i) for i in range(R)])
+    torch.testing.assert_close(fused.loss, out.loss.float(), rtol=1e-4, atol=1e-4)  # fused = materialised logits
+    pair_rows = -pair.loss.double().sum(-1)
+    for name, values in (("diffusion_loss", -out.loss.double().sum(-1)), ("complementary", pair_rows[:R] / 2 +
+                                                                          pair_rows[R:] / 2),
+                         ("nll_bound", -bound.double()), ("sequence_logprob", logp.sequence.double())):
+        mean, se = float(values.mean()), float(values.std() / math.sqrt(R))
+        assert abs(mean - elbo) < 4 * se + 1e-4, (name, mean, se, elbo)
+
+
 def check_fused_loss_is_mdlm_on_their_logits(model: Any, ref: dict[str, torch.Tensor], their_x0_logits: torch.Tensor,
                                             scored: torch.Tensor) -> None:
     """The fused MDLM loss at the recorded ``x_t`` equals ``(1/t) · −log softmax(their logits)[x0]`` at the masked
