@@ -190,7 +190,8 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen2(ref):
             from transformers import PretrainedConfig
 
             config = json.loads((FIXTURES / "checkpoint" / "config.json").read_text())
-            self.config = PretrainedConfig(**{k: v for k, v in config.items() if k not in ("model_type", "rope_scaling")})
+            kept = {k: v for k, v in config.items() if k not in ("model_type", "rope_scaling")}
+            self.config = PretrainedConfig(**kept)
             self.config.model_type = "Fast_dLLM_Qwen"
             self.weights = load_file(str(FIXTURES / "checkpoint" / "model.safetensors"))
 

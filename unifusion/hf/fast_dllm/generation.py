@@ -29,22 +29,22 @@ model's x0 prediction, the previous block's last column).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ... import _validation as V
+from ..native import NativeDiffusionLM
 
 __all__ = ["fast_dllm_generate"]
 
 
-def _commit_token(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+def _commit_token(model: NativeDiffusionLM, hidden: torch.Tensor | None) -> torch.Tensor:
     """The argmax token ``(R, 1)`` of final hidden states ``(R, d)`` (their decoder's AR step)."""
+    assert hidden is not None  # a block was cached before
     return model.logits_from_hidden(hidden).argmax(-1)[:, None]
 
 
 @torch.no_grad()
-def fast_dllm_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int,
+def fast_dllm_generate(model: NativeDiffusionLM, prompt_ids: torch.Tensor, *, max_new_tokens: int,
                        attention_mask: torch.Tensor | None = None, small_block_size: int = 8,
                        threshold: float = 0.9, stop_token_id: int | None = None,
                        pad_token_id: int | None = None) -> list[torch.Tensor]:
@@ -94,6 +94,7 @@ def fast_dllm_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: 
     stop = -1 if stop_token_id is None else int(stop_token_id)
     n_min, n_max = int(n.min()), int(n.max())
     decoder = model.block_decoder()
+    assert decoder is not None  # a block kind
     prefix = n_min // K * K if n_min > K else 0
     state = decoder.start_blocks(x[:, :prefix], torch.ones((B, prefix), dtype=torch.bool, device=dev))
     if prefix and n_min % K == 0:
