@@ -1,16 +1,17 @@
 """Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
 
-    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream ...] [--json out.json]
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar Fast_dLLM_Qwen]
+                              [--json out.json]
 
-For each kind (LLaDA, Dream, Fast-dLLM v2; ``--kinds`` picks some by ``model_type``) a random 135M-parameter model
-(SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152) is saved twice into
-a temporary folder: in the kind's own layout (its ``config.json`` and weight names, what ``save_pretrained``
-writes) and as the backbone's transformers folder (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``). Each load then
-runs in a fresh process (so the page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder,
-dtype=...)`` against ``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read
-once (memory-mapped weights become resident) and the growth of the process's resident memory over its size before
-the call is divided by the weights' size (the resident memory after loading, not the peak during it). Targets
-(issue 41): time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
+For each kind (LLaDA, Dream, SDAR, Fast-dLLM v2; ``--kinds`` picks some by ``model_type``) a random 135M-parameter
+model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152) is saved twice
+into a temporary folder: in the kind's own layout (its ``config.json`` and weight names, what ``save_pretrained``
+writes) and as the backbone's transformers folder (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM``). Each load then runs in a fresh process (so the page cache is warm but nothing else is
+shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder, dtype=...)``,
+timing the call; then every weight is read once (memory-mapped weights become resident) and the growth of the
+process's resident memory over its size before the call is divided by the weights' size (the resident memory after
+loading, not the peak during it). Targets (issue 41): time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
 """
 
 from __future__ import annotations
@@ -36,12 +37,18 @@ SOURCES = {
               "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
               "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
+    "sdar": {"model_type": "sdar", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "head_dim": 64, "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
+             "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "mask_token_id": 49151, "block_size": 4, "eos_token_id": 0,
+             "pad_token_id": 0},
     "Fast_dLLM_Qwen": {"model_type": "Fast_dLLM_Qwen", "hidden_size": 576, "num_attention_heads": 9,
                        "num_key_value_heads": 3, "num_hidden_layers": 30, "intermediate_size": 1536,
                        "vocab_size": 49152, "max_position_embeddings": 2048, "rope_theta": 100000.0,
                        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bd_size": 32, "mask_token_id": 49151,
                        "eos_token_id": 0, "pad_token_id": 0, "layer_types": ["full_attention"] * 30},
 }
+KIND_CLASSES = {"llada": "LLaDALM", "Dream": "DreamLM", "sdar": "SDARLM", "Fast_dLLM_Qwen": "FastDLLMv2LM"}
 
 CHILD = r"""
 import json, resource, sys, time
@@ -69,11 +76,10 @@ def write_folders(root: Path, dtype: str, kinds: list[str]) -> dict[str, tuple[P
 
     import unifusion as uf
 
-    classes = {cls.model_type: cls for cls in uf.hf.NativeDiffusionLM.__subclasses__()}
     folders = {}
     for kind in kinds:
         source = SOURCES[kind]
-        cls = classes[kind]
+        cls = getattr(uf.hf, KIND_CLASSES[kind])
         torch.manual_seed(0)
         model = cls.from_source(source)
         model.hf_model.to(getattr(torch, dtype))

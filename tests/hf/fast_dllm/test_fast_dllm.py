@@ -155,6 +155,28 @@ def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_e
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 
 
+def test_complementary_pairs_are_unbiased_for_the_enumerated_block_elbo(model):
+    """Their masking (one time per block, the complementary copy): ``diffusion_loss(..., complementary=True)`` with
+    ELBO weights, on a completion starting inside the first block (so the second block's first token is predicted
+    after a noisy first block in the stream), averages to the block ELBO enumerated on the one-stream forward (the
+    other blocks clean) within 4 standard errors."""
+    L, P, R = 2 * K, 2, 256
+    x0 = torch.randint(0, 80, (L,), generator=torch.Generator().manual_seed(5))
+    elbo = 0.0
+    for b in range(2):
+        positions = [i for i in range(b * K, (b + 1) * K) if i >= P]
+        elbo += checks.exact_elbo(checks.subset_log_probs(model, x0, positions), positions)
+    prompt = torch.zeros(R, L, dtype=torch.bool)
+    prompt[:, :P] = True
+    with torch.no_grad():
+        pair = uf.diffusion_loss(model, x0.repeat(R, 1), model.kernel, objective="mdlm", prompt_mask=prompt,
+                                 complementary=True, generator=torch.Generator().manual_seed(7))
+    rows = -pair.loss.double().sum(-1)
+    values = (rows[:R] + rows[R:]) / 2
+    mean, se = float(values.mean()), float(values.std() / R ** 0.5)
+    assert abs(mean - elbo) < 4 * se + 1e-4, (mean, se, elbo)
+
+
 def test_fused_loss_is_the_mdlm_loss_on_their_logits(model, ref):
     """At a block's columns after a clean block, the fused MDLM loss of the one-stream forward (x_t as the clean
     stream) is theirs: (1/t) · −log softmax(their shifted logits)[x0] at the masked positions."""
