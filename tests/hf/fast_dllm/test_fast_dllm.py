@@ -205,6 +205,15 @@ def test_bad_checkpoints_are_value_errors_naming_the_problem(tmp_path):
             FastDLLMv2LM.backbone_config({**config, **bad})
 
 
+def test_an_estimator_the_block_kind_cannot_take_is_a_value_error_naming_it(model):
+    x0 = torch.randint(0, 80, (2, 8), generator=torch.Generator().manual_seed(0))
+    completion = torch.zeros(2, 8, dtype=torch.bool)
+    completion[:, 3:] = True
+    for estimator in ("mean_field", "coupled"):
+        with pytest.raises(ValueError, match=f"FastDLLMv2LM with blocks supports estimator='elbo'.*'{estimator}'"):
+            uf.rl.sequence_logprob(model, x0, completion, estimator=estimator)
+
+
 def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen2(ref):
     class Theirs(torch.nn.Module):  # stands in for their Fast_dLLM_QwenForCausalLM: its config and state dict names
         def __init__(self) -> None:
