@@ -105,6 +105,30 @@ def test_generate_reference_refuses_bad_input(model, ref):
                                  attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2))
 
 
+@pytest.mark.parametrize("merge_commits", [False, True])
+def test_cached_step_logits_equal_the_shifted_one_stream_forward(model, merge_commits):
+    """Each cached step's logits equal the forward's on the sequence as it stands (behind the (−P) mod K invisible
+    pads, a left-padded row among them): a block's first column reads the previous block's last column, which the
+    cache keeps from the prefill or the commit."""
+    prompt = torch.randint(0, 80, (2, 5), generator=torch.Generator().manual_seed(2))
+    prompt_mask = torch.tensor([[False, False, True, True, True], [True] * 5])
+    decoder = model.block_decoder(merge_commits=merge_commits)
+    state = decoder.start_blocks(prompt, prompt_mask)
+    rows, t = torch.arange(2), torch.full((2,), 0.5)
+    seq, valid = prompt.clone(), prompt_mask.clone()
+    for b, block in enumerate([torch.tensor([[MASK, 7, MASK, 9], [MASK] * 4]), torch.tensor([[3, MASK, 4, MASK]] * 2)]):
+        cached = decoder.denoise_block(state, block, t, rows, None)
+        full = torch.cat([torch.full((2, 3), PAD), seq, block], 1)  # 3 invisible pads: 3 + 5 ≡ 0 (mod 4)
+        mask = torch.cat([torch.zeros(2, 3, dtype=torch.bool), valid, torch.ones(2, K, dtype=torch.bool)], 1)
+        with torch.no_grad():
+            direct = model(full, attention_mask=mask.long())[:, -K:]
+        torch.testing.assert_close(cached, direct, rtol=0, atol=5e-5)
+        committed = torch.where(block == MASK, 11 + b, block)
+        state = decoder.commit_block(state, committed, rows)
+        seq = torch.cat([seq, committed], 1)
+        valid = torch.cat([valid, torch.ones(2, K, dtype=torch.bool)], 1)
+
+
 def test_cached_generate_equals_uncached_with_every_policy(model, ref):
     prompt, g = ref["prompt_ids"][:2, :6], torch.Generator()
     attn = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
@@ -113,6 +137,7 @@ def test_cached_generate_equals_uncached_with_every_policy(model, ref):
               "do_sample": False}
         cached = model.generate(prompt, use_cache=True, **kw)
         assert torch.equal(cached, model.generate(prompt, use_cache=False, **kw))
+        assert torch.equal(cached, model.generate(prompt, use_cache=True, merge_commits=True, **kw))
         assert torch.equal(cached[:, :6], prompt) and not bool((cached[:, 6:] == MASK).any())
     sampled = {"attention_mask": attn, "max_new_tokens": 8, "policy": LowConfidence(), "eos_token_id": None,
                "temperature": 0.8}
