@@ -91,9 +91,12 @@ def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_e
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 
 
-def test_mask_estimators_are_refused_naming_the_estimator(model):
+def test_mask_estimators_and_packed_documents_are_refused_naming_them(model):
     with pytest.raises(ValueError, match="estimator: SDARLM with blocks supports estimator='elbo'"):
         uf.rl.check_estimator(model, "mean_field")
+    x0 = torch.randint(0, 80, (1, 12))
+    with pytest.raises(ValueError, match="document_ids: SDARLM does not take packed documents"):
+        uf.diffusion_loss(model, x0, model.kernel, document_ids=(torch.arange(12) >= 8).long()[None])
 
 
 def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
