@@ -61,7 +61,8 @@ def fast_dllm_generate(model: NativeDiffusionLM, prompt_ids: torch.Tensor, *, ma
         threshold: reveal every masked position of the sub-block whose probability exceeds it (and the most
             confident one).
         stop_token_id: a row is finished once it reveals this token; ``None``: never.
-        pad_token_id: what fills a finished row (default: the config's pad id).
+        pad_token_id: what fills a finished row (default: the tokenizer's pad id, as their evaluation passes it, else
+            the config's; the released config says 151645, their Qwen2.5 tokenizer 151643).
     """
     K = model.block_size
     mask = model.mask_token_id
@@ -75,6 +76,8 @@ def fast_dllm_generate(model: NativeDiffusionLM, prompt_ids: torch.Tensor, *, ma
         raise ValueError(f"small_block_size: expected a divisor of the block size {K}, got {sub}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
         raise TypeError(f"threshold: expected a float, got {type(threshold).__name__}")
+    if pad_token_id is None:
+        pad_token_id = getattr(model.tokenizer, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None)
     if pad_token_id is None:
