@@ -1,18 +1,19 @@
 """Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
 
-    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar lladamoe] [--json out.json]
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar lladamoe Fast_dLLM_Qwen]
+                              [--json out.json]
 
-For each kind (LLaDA, Dream, SDAR, LLaDA-MoE) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30
-layers, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152; LLaDA-MoE's MLP is 8 experts of width 192, top 2, the
-same parameter count) is saved twice into a temporary folder: in the kind's own layout (its ``config.json`` and
-weight names, what ``save_pretrained`` writes) and as the backbone's transformers folder (``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``, whose fused experts transformers converts at
-load as unifusion does). Each load then runs in a fresh process (so the page cache is warm but nothing else is
-shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder, dtype=...)``,
-timing the call; then every weight is read once (memory-mapped weights become resident) and the growth of the
-process's resident memory over its size before the call is divided by the weights' size (the resident memory after
-loading, not the peak during it). Targets (issue 41):
-time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
+For each kind (LLaDA, Dream, SDAR, LLaDA-MoE, Fast-dLLM v2; ``--kinds`` picks some by ``model_type``) a random
+135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152;
+LLaDA-MoE's MLP is 8 experts of width 192, top 2, the same parameter count) is saved twice into a temporary folder:
+in the kind's own layout (its ``config.json`` and weight names, what ``save_pretrained`` writes) and as the
+backbone's transformers folder (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
+``Qwen3MoeForCausalLM``, whose fused experts transformers converts at load as unifusion does). Each load then runs in
+a fresh process (so the page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)``
+against ``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read once
+(memory-mapped weights become resident) and the growth of the process's resident memory over its size before the call
+is divided by the weights' size (the resident memory after loading, not the peak during it). Targets (issue 41): time
+≤ 1.2× transformers', memory ≤ 1.2× the weights.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ SOURCES = {
                  "shared_expert_intermediate_size": None, "partial_rotary_factor": 1.0, "vocab_size": 49152,
                  "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
                  "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
+    "Fast_dLLM_Qwen": {"model_type": "Fast_dLLM_Qwen", "hidden_size": 576, "num_attention_heads": 9,
+                       "num_key_value_heads": 3, "num_hidden_layers": 30, "intermediate_size": 1536,
+                       "vocab_size": 49152, "max_position_embeddings": 2048, "rope_theta": 100000.0,
+                       "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bd_size": 32, "mask_token_id": 49151,
+                       "eos_token_id": 0, "pad_token_id": 0, "layer_types": ["full_attention"] * 30},
 }
-KIND_CLASSES = {"llada": "LLaDALM", "Dream": "DreamLM", "sdar": "SDARLM", "lladamoe": "LLaDAMoELM"}
+KIND_CLASSES = {"llada": "LLaDALM", "Dream": "DreamLM", "sdar": "SDARLM", "lladamoe": "LLaDAMoELM",
+                "Fast_dLLM_Qwen": "FastDLLMv2LM"}
 
 CHILD = r"""
 import json, resource, sys, time

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tiny_tokenizer"
 
 
-@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe"])
+@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe", "fast_dllm"])
 def test_a_tokenizer_whose_mask_token_contradicts_the_config_is_refused(kind: str) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
     model = tiny_native(kind, tokenizer)  # mask id = len(tokenizer): a token the tokenizer does not name

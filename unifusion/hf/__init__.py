@@ -51,6 +51,7 @@ from .checkpoint import CONFIG_NAME, CheckpointMixin
 from .diffusion_gemma import DiffusionGemmaLM, DiffusionGemmaOutput  # registers "diffusion_gemma"
 from .dream import DreamLM  # registers "Dream"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
+from .fast_dllm import FastDLLMv2LM  # registers "Fast_dLLM_Qwen"
 from .llada import LLaDALM  # registers "llada"
 from .lladamoe import LLaDAMoELM  # registers "lladamoe"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
@@ -68,6 +69,7 @@ __all__ = [
     "DiffusionLM",
     "DreamLM",
     "Family",
+    "FastDLLMv2LM",
     "LLaDALM",
     "LLaDAMoELM",
     "NativeDiffusionLM",

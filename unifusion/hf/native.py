@@ -257,7 +257,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         ``use_cache``, ``cache`` (a transformers ``DynamicCache``). A bidirectional kind attends fully; a block kind
         block-causally (:class:`~unifusion.hf.native_block.BlockCausalPattern`), or — given the clean tokens
         ``clean`` ``(B, L)`` — over the ``[x_t | clean]`` training stream
-        (:class:`~unifusion.hf.native_block.DoubledStreamPattern`), of which the noisy half is returned."""
+        (:class:`~unifusion.hf.native_block.DoubledStreamPattern`): ``last_hidden_state`` ``(B, 2L, d)``, the noisy
+        half then the clean one."""
         B, L = x_t.shape
         pattern: AttentionPattern
         position_ids = self.position_ids(valid)
@@ -274,22 +275,27 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             base = torch.arange(L, device=x_t.device).expand(B, L) if position_ids is None else position_ids
             position_ids = base.repeat(1, 2)
         strategy = select_strategy(family_for(self.backbone_family), self.config, pattern, dtype=self.dtype)
-        out = self.hf_model.model(input_ids=x_t, position_ids=position_ids, use_cache=use_cache,
-                                  **strategy.kwargs(pattern))
-        if clean is not None:
-            out.last_hidden_state = out.last_hidden_state[:, :L]
-        return out
+        return self.hf_model.model(input_ids=x_t, position_ids=position_ids, use_cache=use_cache,
+                                   **strategy.kwargs(pattern))
 
     def hidden_states(self, x_t: torch.Tensor, t: Any = None, *, attention_mask: torch.Tensor | None = None,
                       clean: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states read by each column's x0 prediction ``(B, L, d)``: the backbone's
         (:meth:`backbone_hidden`; ``clean``: a block kind's training stream), shifted one column right for a shifted
-        kind (module docstring). ``t`` is not read (the models take no time)."""
+        kind (module docstring). In the training stream a shifted block kind reads a block's first column at the
+        **clean** stream's previous column (the prediction then sees only the clean blocks before it, as at decoding),
+        every other column at the noisy stream's. ``t`` is not read (the models take no time)."""
         B, L = x_t.shape
         valid = None if attention_mask is None else attention_mask.to(x_t.device, torch.bool)
         h = self.backbone_hidden(x_t, valid, clean=clean).last_hidden_state
         source = self.x0_sources(valid, B, L, x_t.device)
-        return h if source is None else h.gather(1, source.unsqueeze(-1).expand(B, L, h.shape[-1]))
+        if clean is not None and source is not None and self.block_size is not None:
+            cols = torch.arange(L, device=x_t.device)
+            starts = (cols % self.block_size == 0) & (source < cols)  # a block's first column, not a row's first
+            source = torch.where(starts, source + L, source)
+        if source is None:
+            return h[:, :L]
+        return h.gather(1, source.unsqueeze(-1).expand(B, L, h.shape[-1]))
 
     def prefix_decoder(self, seq_len: int, refresh: int) -> NativePrefixCache | None:
         """Fast-dLLM's approximate dual cache (:class:`~unifusion.hf.native_decoding.NativePrefixCache`):

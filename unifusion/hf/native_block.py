@@ -131,6 +131,8 @@ class BlockCachedLM(Protocol):
     @property
     def block_size(self) -> int | None: ...
     @property
+    def shifted(self) -> bool: ...
+    @property
     def dtype(self) -> torch.dtype: ...
     def position_ids(self, valid: torch.Tensor | None) -> torch.Tensor | None: ...
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor: ...
@@ -167,6 +169,8 @@ class BlockCacheState:
         length: the columns committed so far (the current block starts there).
         pending: a committed block not in the cache yet ``(ids (R, K), position ids (R, K))`` (``merge_commits``).
         extra_forwards: ``(B,)`` int64, the prefill and commit calls each row took part in.
+        last_hidden: ``(R, d)`` the final hidden state of the last cached column, which a shifted kind's next block
+            reads for its first column; ``None`` before anything is cached.
     """
 
     cache: Any
@@ -176,6 +180,7 @@ class BlockCacheState:
     length: int
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
     extra_forwards: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None
 
     def narrow(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (a subset of :attr:`rows`)."""
@@ -186,6 +191,8 @@ class BlockCacheState:
         self.key_valid = self.key_valid[idx]
         if self.pending is not None:
             self.pending = (self.pending[0][idx], self.pending[1][idx])
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[idx]
         self.rows = rows
 
 
@@ -241,13 +248,14 @@ class NativeBlockCache:
                                 extra_forwards=torch.full((B,), int(P > 0), dtype=torch.long, device=dev))
         if P:
             allowed = block_causal_allowed(P, K, valid, offset=shift)[:, 0]
-            self._call(prefix, pos[:, :P], allowed, state.cache)
+            state.last_hidden = self._call(prefix, pos[:, :P], allowed, state.cache)[:, -1]
         return state
 
     @torch.no_grad()
     def denoise_block_hidden(self, state: BlockCacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
                              self_condition: torch.Tensor | None) -> torch.Tensor:
-        """The final hidden states ``(B_a, K, d)`` of the block's positions at this step."""
+        """The final hidden states ``(B_a, K, d)`` that predict the block's positions at this step (for a shifted kind,
+        each column's predecessor's)."""
         if state.pending is not None and rows.shape[0] != state.rows.shape[0]:
             self._append(state)  # rows stopped since the commit: the block goes in by itself
         Ba, Kb = block.shape
@@ -260,21 +268,33 @@ class NativeBlockCache:
             clean_rows = torch.cat([old[:, None, :].expand(Ba, c, -1), old.new_ones((Ba, c, c)),
                                     old.new_zeros((Ba, c, Kb))], -1)
             noisy_rows = torch.cat([state.key_valid[:, None, :].expand(Ba, Kb, -1), old.new_ones((Ba, Kb, Kb))], -1)
-            h = self._call(torch.cat([c_ids, block], 1), torch.cat([c_pos, pos], 1),
-                           torch.cat([clean_rows, noisy_rows], 1), state.cache)[:, c:]
+            both = self._call(torch.cat([c_ids, block], 1), torch.cat([c_pos, pos], 1),
+                              torch.cat([clean_rows, noisy_rows], 1), state.cache)
             state.pending = None
+            state.last_hidden = both[:, c - 1]
             state.cache.crop(-Kb)  # the committed block stays, the step's entries go
-            return h
+            return self._shift(both[:, c:], state.last_hidden)
+        last = state.last_hidden
         if rows.shape[0] == state.rows.shape[0]:
             cache, valid = state.cache, state.key_valid
         else:
             idx = torch.searchsorted(state.rows, rows)
             cache, valid = cache_rows(state.cache, idx), state.key_valid[idx]
+            last = None if last is None else last[idx]
         allowed = torch.cat([valid[:, None, :].expand(Ba, Kb, -1), valid.new_ones((Ba, Kb, Kb))], -1)
         h = self._call(block, pos, allowed, cache)
         if cache is state.cache:
             cache.crop(-Kb)
-        return h
+        return self._shift(h, last)
+
+    def _shift(self, h: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+        """The hidden states ``(B_a, K, d)`` that predict the block's columns: ``h`` itself for an unshifted kind; for a
+        shifted one each column's predecessor — the last cached column ``last`` ``(B_a, d)`` for the first (the
+        block's own first column when nothing is cached, as the first real column of a row reads itself)."""
+        if not self.model.shifted:
+            return h
+        first = h[:, :1] if last is None else last[:, None]
+        return torch.cat([first, h[:, :-1]], 1)
 
     @torch.no_grad()
     def denoise_block(self, state: BlockCacheState, block: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
@@ -307,7 +327,7 @@ class NativeBlockCache:
         n = state.key_valid.shape[1]
         allowed = torch.cat([state.key_valid[:, None, :n - c].expand(R, c, -1), state.key_valid.new_ones((R, c, c))],
                             -1)
-        self._call(ids, pos, allowed, state.cache)
+        state.last_hidden = self._call(ids, pos, allowed, state.cache)[:, -1]
         state.pending = None
         if state.extra_forwards is not None:
             state.extra_forwards.index_add_(0, state.rows, torch.ones_like(state.rows))
