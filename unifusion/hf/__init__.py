@@ -10,7 +10,8 @@ Model kinds (each a folder; a native diffusion LM registers itself by ``config.m
   (registered as ``"diffusion_gemma"``);
 * :mod:`unifusion.hf.llada` and :mod:`unifusion.hf.dream`: the released LLaDA and Dream checkpoints on transformers'
   Llama and Qwen2 (:class:`LLaDALM`, :class:`DreamLM`; registered as ``"llada"`` and ``"Dream"``), over the shared
-  base :mod:`~unifusion.hf.native` and its checkpoint I/O :mod:`~unifusion.hf.native_checkpoint`.
+  base :mod:`~unifusion.hf.native` and its checkpoint I/O :mod:`~unifusion.hf.native_checkpoint`;
+* :mod:`unifusion.hf.llada2`: LLaDA 2.x (block-causal MoE, :class:`LLaDA2LM`; registered as ``"llada2_moe"``).
 
 Shared by the kinds:
 
@@ -50,6 +51,7 @@ from .diffusion_gemma import DiffusionGemmaLM, DiffusionGemmaOutput  # registers
 from .dream import DreamLM  # registers "Dream"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
 from .llada import LLaDALM  # registers "llada"
+from .llada2 import LLaDA2LM  # registers "llada2_moe"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
 from .native import NativeDiffusionLM
 from .registry import load_diffusion_lm, register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
@@ -65,6 +67,7 @@ __all__ = [
     "DreamLM",
     "Family",
     "LLaDALM",
+    "LLaDA2LM",
     "NativeDiffusionLM",
     "TimeEmbedding",
     "adapt_ar_model",

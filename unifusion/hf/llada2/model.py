@@ -1,0 +1,139 @@
+"""LLaDA 2.x (``model_type="llada2_moe"``: LLaDA2.0-mini/flash, LLaDA 2.1, and the models fine-tuned from them) on
+:class:`~unifusion.hf.llada2.architecture.LLaDA2MoeForCausalLM` (transformers' GLM-4.5 MoE in LLaDA 2's layout).
+
+LLaDA 2 is a block diffusion LM: attention is **block-causal** — query ``i`` sees key ``j`` iff ``⌊j/b⌋ ≤ ⌊i/b⌋``
+(blocks of ``b = 32`` columns counted from column 0 of the canvas, bidirectional inside a block), padded keys
+masked — its head is **unshifted** (column ``i`` predicts token ``i``), position ids are the column index, and the
+mask token is 156895 (``mask_token_id`` of the ``config.json`` when it names one; its vocabulary has 157184
+entries, EOS 156892). Its ``config.json`` keeps the Bailing/Ling keys; they map onto the backbone's config one to
+one (:meth:`LLaDA2LM.backbone_config`), and its weights onto the backbone's parameters by name:
+
+==============================================  ====================================================
+LLaDA 2 (``model.``…)                           the backbone (``model.``…)
+==============================================  ====================================================
+``word_embeddings.weight``                      ``embed_tokens.weight``
+``layers.{i}.attention.query_key_value``        ``layers.{i}.self_attn.query_key_value``
+``layers.{i}.attention.query_layernorm``        ``layers.{i}.self_attn.q_norm`` (``k_norm`` for keys)
+``layers.{i}.attention.dense``                  ``layers.{i}.self_attn.o_proj``
+``layers.{i}.mlp.…`` (``gate``, ``experts.{j}``,  the same names
+``shared_experts``, or the dense MLP)
+``norm.weight``, ``lm_head.weight``              the same names
+==============================================  ====================================================
+
+Its training loss is the block-diffusion (BD3-LM) ELBO: each block's tokens are masked with probability ``t`` and
+predicted from the noisy block and the *clean* blocks before it, weighted ``1/t``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..native import NativeDiffusionLM
+from .architecture import LLaDA2MoeConfig, LLaDA2MoeForCausalLM, LLaDA2MoeRouter
+
+__all__ = ["BLOCK_SIZE", "LLaDA2LM", "wrap"]
+
+BLOCK_SIZE = 32
+"""The block size LLaDA 2 was trained and decodes with (its samplers' ``block_length``/``block_size``)."""
+
+_REQUIRED = {"hidden_act": "silu", "norm_head": False, "use_sliding_window": False, "rope_scaling": None}
+"""Settings of LLaDA 2's ``config.json`` that its modeling code accepts but the released models (and the backbone)
+only take with this value: another ``hidden_act`` would be read the same way by both, but ``norm_head`` (a
+normalised head), a sliding window and RoPE scaling are not implemented by their modeling code either."""
+
+
+class LLaDA2LM(NativeDiffusionLM):
+    """LLaDA 2.x as an x0 denoiser: unshifted, block-causal with blocks of :data:`BLOCK_SIZE`, positions = columns
+    (module docstring).
+
+    Load a checkpoint folder (theirs, or one :meth:`save_pretrained` wrote) with ``LLaDA2LM.from_pretrained(folder,
+    dtype=torch.bfloat16)`` or ``uf.load_diffusion_lm(folder)``; no ``trust_remote_code``.
+    """
+
+    model_type = "llada2_moe"
+    default_mask_token_id = 156895
+    shifted = False
+    positions_count_real_tokens = False
+    backbone_family = "llama"  # transformers' mask builder: boolean 4D masks under SDPA, is_causal=False, no window
+
+    def __init__(self, backbone: nn.Module, source_config: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(backbone, source_config, **kwargs)
+        for module in backbone.modules():  # the expert bias only chooses experts: never trained by a gradient
+            if isinstance(module, LLaDA2MoeRouter):
+                module.expert_bias.requires_grad_(False)
+
+    @classmethod
+    def backbone_config(cls, source: dict[str, Any]) -> Any:
+        wrong = {k: source[k] for k, v in _REQUIRED.items() if k in source and source[k] != v}
+        if wrong:
+            raise ValueError(f"config.json: LLaDA 2 settings the backbone does not reproduce: {wrong} (supported: "
+                             f"{ {k: _REQUIRED[k] for k in wrong} })")
+        d, heads = int(source["hidden_size"]), int(source["num_attention_heads"])
+        kv = int(source.get("num_key_value_heads") or heads)
+        head_dim = int(source.get("head_dim") or d // heads)
+        experts = source.get("num_experts", 16)
+        shared = source.get("num_shared_experts", 0)
+        return LLaDA2MoeConfig(
+            vocab_size=int(source["vocab_size"]), hidden_size=d, intermediate_size=source.get("intermediate_size"),
+            num_hidden_layers=int(source["num_hidden_layers"]), num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=head_dim, hidden_act="silu", max_position_embeddings=int(source.get("max_position_embeddings",
+                                                                                      16384)),
+            rms_norm_eps=float(source.get("rms_norm_eps", 1e-5)),
+            rope_parameters={"rope_type": "default", "rope_theta": float(source.get("rope_theta", 10000.0)),
+                             "partial_rotary_factor": float(source.get("partial_rotary_factor", 0.5))},
+            attention_bias=False, use_qkv_bias=bool(source.get("use_qkv_bias", False)),
+            use_bias=bool(source.get("use_bias", True)), use_qk_norm=bool(source.get("use_qk_norm", True)),
+            attention_dropout=float(source.get("attention_dropout", 0.1)),
+            n_routed_experts=None if experts is None else int(experts),
+            n_shared_experts=None if shared is None else int(shared),
+            num_experts_per_tok=int(source.get("num_experts_per_tok", 2)), n_group=int(source.get("n_group", 8)),
+            topk_group=int(source.get("topk_group", 4)),
+            routed_scaling_factor=float(source.get("routed_scaling_factor", 2.5)),
+            moe_intermediate_size=source.get("moe_intermediate_size"),
+            first_k_dense_replace=int(source.get("first_k_dense_replace", 0)), norm_topk_prob=True,
+            initializer_range=float(source.get("initializer_range", 0.02)),
+            tie_word_embeddings=bool(source.get("tie_word_embeddings", False)),
+            eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id", 126081),
+            bos_token_id=None, use_cache=False, attn_implementation="sdpa")
+
+    @classmethod
+    def backbone_class(cls) -> type[nn.Module]:
+        return LLaDA2MoeForCausalLM
+
+    @classmethod
+    def weight_names(cls, source: dict[str, Any]) -> dict[str, str]:
+        names = {"model.word_embeddings.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        experts = source.get("num_experts", 16)
+        shared = source.get("num_shared_experts", 0)
+        for i in range(int(source["num_hidden_layers"])):
+            theirs, ours = f"model.layers.{i}.", f"model.layers.{i}."
+            attention = {"query_key_value.weight": "query_key_value.weight", "dense.weight": "o_proj.weight"}
+            if source.get("use_qkv_bias", False):
+                attention["query_key_value.bias"] = "query_key_value.bias"
+            if source.get("use_bias", True):
+                attention["dense.bias"] = "o_proj.bias"
+            if source.get("use_qk_norm", True):
+                attention |= {"query_layernorm.weight": "q_norm.weight", "key_layernorm.weight": "k_norm.weight"}
+            names |= {f"{theirs}attention.{a}": f"{ours}self_attn.{b}" for a, b in attention.items()}
+            block = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+            if experts is not None and i >= int(source.get("first_k_dense_replace", 0)):
+                block += ["mlp.gate.weight", "mlp.gate.expert_bias"]
+                block += [f"mlp.experts.{j}.{p}.weight" for j in range(int(experts)) for p in mlp]
+                if shared is not None:
+                    block += [f"mlp.shared_experts.{p}.weight" for p in mlp]
+            else:
+                block += [f"mlp.{p}.weight" for p in mlp]
+            names |= {theirs + name: ours + name for name in block}
+        if not source.get("tie_word_embeddings", False):
+            names["lm_head.weight"] = "lm_head.weight"
+        return names
+
+
+def wrap(model: nn.Module, **kwargs: Any) -> NativeDiffusionLM:
+    """LLaDA 2's own ``LLaDA2MoeModelLM`` (loaded with ``trust_remote_code``) as an :class:`LLaDA2LM`
+    (:meth:`~unifusion.hf.native.NativeDiffusionLM.from_reference`: its tensors moved onto the backbone, not
+    copied)."""
+    return LLaDA2LM.from_reference(model, **kwargs)
