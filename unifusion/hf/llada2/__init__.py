@@ -3,7 +3,8 @@
 * :mod:`~unifusion.hf.llada2.architecture`: its network as a transformers model in its own weight layout
   (:class:`LLaDA2MoeForCausalLM`, on transformers' GLM-4.5 MoE);
 * :mod:`~unifusion.hf.llada2.model`: :class:`LLaDA2LM` (its conventions and its weight names) and
-  :func:`~unifusion.hf.llada2.model.wrap`, what the registry calls.
+  :func:`~unifusion.hf.llada2.model.wrap`, what the registry calls;
+* :mod:`~unifusion.hf.llada2.generation`: LLaDA 2.0's and 2.1's own samplers (:meth:`LLaDA2LM.generate_reference`).
 
 Importing it registers ``model_type="llada2_moe"`` with :mod:`unifusion.hf.registry`, so
 :func:`unifusion.load_diffusion_lm` reads LLaDA 2's checkpoint folders (no ``trust_remote_code``) and

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..native import NativeDiffusionLM
 from .architecture import LLaDA2MoeConfig, LLaDA2MoeForCausalLM, LLaDA2MoeRouter
+from .generation import llada2_generate, llada21_generate
 
 __all__ = ["BLOCK_SIZE", "LLaDA2LM", "wrap"]
 
@@ -57,6 +59,7 @@ class LLaDA2LM(NativeDiffusionLM):
     shifted = False
     positions_count_real_tokens = False
     backbone_family = "llama"  # transformers' mask builder: boolean 4D masks under SDPA, is_causal=False, no window
+    default_block_size = BLOCK_SIZE
 
     def __init__(self, backbone: nn.Module, source_config: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(backbone, source_config, **kwargs)
@@ -130,6 +133,26 @@ class LLaDA2LM(NativeDiffusionLM):
         if not source.get("tie_word_embeddings", False):
             names["lm_head.weight"] = "lm_head.weight"
         return names
+
+    def generate_reference(self, prompt_ids: torch.Tensor, *, max_new_tokens: int = 128, steps_per_block: int = 32,
+                           threshold: float = 0.95, editing_threshold: float | None = None, max_post_steps: int = 16,
+                           num_to_transfer: int = 1, minimal_topk: int = 1, temperature: float = 0.0,
+                           top_k: int | None = None, top_p: float | None = None, eos_early_stop: bool = False,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+        """LLaDA 2's own samplers (:mod:`unifusion.hf.llada2.generation`), blocks of :attr:`block_size`: LLaDA 2.0's
+        (``steps_per_block``, ``threshold``, ``minimal_topk``) or, given ``editing_threshold``, LLaDA 2.1's with
+        token editing (``threshold``, ``editing_threshold``, ``max_post_steps``, ``num_to_transfer``). Returns
+        their canvas ``(B, ⌈(P + N)/K⌉ K)`` — their tokens for the same prompts (greedy at ``temperature=0``; their
+        global seed = ``generator``'s seed when sampling). On a block-aligned prompt, LLaDA 2.0's greedy sampler
+        is also :meth:`generate` with ``policy=ConfidenceThreshold(threshold), num_steps=steps_per_block,
+        do_sample=False`` when no step commits beyond its count."""
+        common: dict[str, Any] = dict(max_new_tokens=max_new_tokens, threshold=threshold, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, eos_early_stop=eos_early_stop, generator=generator)
+        if editing_threshold is None:
+            return llada2_generate(self, prompt_ids, steps_per_block=steps_per_block, minimal_topk=minimal_topk,
+                                   **common)
+        return llada21_generate(self, prompt_ids, editing_threshold=editing_threshold,
+                                max_post_steps=max_post_steps, num_to_transfer=num_to_transfer, **common)
 
 
 def wrap(model: nn.Module, **kwargs: Any) -> NativeDiffusionLM:
