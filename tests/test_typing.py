@@ -68,6 +68,9 @@ MODEL_ANY_ALLOWED: dict[str, str] = {
     "unifusion.hf.native:NativeDiffusionLM.hf_model": (
         "transformers' *ForCausalLM (Llama, Qwen2): its submodules (model, lm_head) are reached through "
         "nn.Module.__getattr__, which types them Tensor | Module"),
+    "unifusion.hf.native_block:BlockCachedLM.hf_model": (
+        "the transformers *ForCausalLM of a block kind (Qwen3, Qwen2, ...): its decoder (.model) is reached through "
+        "nn.Module.__getattr__, which types it Tensor | Module"),
     "unifusion.hf.native_decoding:PrefixCachedLM.hf_model": (
         "the same model as NativeDiffusionLM.hf_model, as the protocol the cache reads declares it"),
 }

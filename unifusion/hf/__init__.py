@@ -55,6 +55,7 @@ from .llada2 import LLaDA2LM  # registers "llada2_moe"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
 from .native import NativeDiffusionLM
 from .registry import load_diffusion_lm, register_diffusion_lm, supported_diffusion_lms, wrap_diffusion_lm
+from .sdar import SDARLM  # registers "sdar"
 
 __all__ = [
     "CONFIG_NAME",
@@ -69,6 +70,7 @@ __all__ = [
     "LLaDALM",
     "LLaDA2LM",
     "NativeDiffusionLM",
+    "SDARLM",
     "TimeEmbedding",
     "adapt_ar_model",
     "anneal_schedule",

@@ -39,14 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validation as V
+from ..block_partition import expand_block_times, num_blocks
 from ..denoiser import DenoiserModule
 from ..kernels import MaskKernel, check_kernel
 from ..losses.fused_linear import fused_linear_diffusion_loss
 from ..samplers import generation
 from .ar.attention import AttentionPattern, select_strategy
+from .ar.blocks import block_times
 from .ar.families import family_for
 from .backbone import BackboneMethods
 from .checkpoint import CheckpointMixin
+from .native_block import BlockCausalPattern, DoubledStreamPattern, NativeBlockCache
 from .native_checkpoint import build_backbone, load_weights, read_source_config, save_weights
 from .native_decoding import NativePrefixCache
 
@@ -115,6 +118,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
     """Whether position ids count the real tokens before a column (Dream's generate) rather than the columns."""
     backbone_family: ClassVar[str] = "llama"
     """The transformers family of the backbone (:func:`unifusion.hf.family_for`: how it takes attention masks)."""
+    default_block_size: ClassVar[int | None] = None
+    """A block kind's block size when its config names none (``None``: a bidirectional kind, no blocks)."""
 
     hf_model: Any  # a transformers *ForCausalLM (its methods are not typed through nn.Module)
     config: Any  # the backbone's PretrainedConfig
@@ -127,6 +132,7 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         self.source_config = dict(source_config)
         self.generation_source: dict[str, Any] | None = None  # the folder's generation_config.json, written back
         self.mask_token_id: int | None = self.mask_id_of(self.source_config, self.vocab_size)
+        self.block_size: int | None = self.block_size_of(self.source_config)
         if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
             raise TypeError(f"tokenizer: expected a Hugging Face tokenizer (with save_pretrained), got "
                             f"{type(tokenizer).__name__}")
@@ -177,6 +183,17 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             raise ValueError(f"config.json: mask_token_id = {mask!r} is not a token id of the {vocab_size}-token "
                              f"vocabulary ({cls.model_type})")
         return mask
+
+    @classmethod
+    def block_size_of(cls, source: dict[str, Any]) -> int | None:
+        """A block kind's block size K (the config's ``block_size``, else :attr:`default_block_size`); ``None`` for a
+        bidirectional kind. ``ValueError`` for a value that is not a positive int."""
+        if cls.default_block_size is None:
+            return None
+        K = source.get("block_size", cls.default_block_size)
+        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+            raise ValueError(f"config.json: block_size = {K!r} is not a positive int ({cls.model_type})")
+        return K
 
     # -- what the library reads ------------------------------------------------------------------------------------
 
@@ -231,29 +248,63 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             valid.long().argmax(-1, keepdim=True)
         return torch.maximum(source, first)
 
-    def backbone_hidden(self, x_t: torch.Tensor, valid: torch.Tensor | None, *, use_cache: bool = False) -> Any:
-        """The backbone's output on ``x_t`` ``(B, L)`` with full attention over the real tokens ``valid`` ``(B, L)``
-        (``None``: all real) and the kind's position ids: ``last_hidden_state`` ``(B, L, d)`` and, with
-        ``use_cache``, ``cache`` (a transformers ``DynamicCache``)."""
+    def backbone_hidden(self, x_t: torch.Tensor, valid: torch.Tensor | None, *, use_cache: bool = False,
+                        clean: torch.Tensor | None = None) -> Any:
+        """The backbone's output on ``x_t`` ``(B, L)`` with the kind's attention over the real tokens ``valid``
+        ``(B, L)`` (``None``: all real) and its position ids: ``last_hidden_state`` ``(B, L, d)`` and, with
+        ``use_cache``, ``cache`` (a transformers ``DynamicCache``). A bidirectional kind attends fully; a block kind
+        block-causally (:class:`~unifusion.hf.native_block.BlockCausalPattern`), or — given the clean tokens
+        ``clean`` ``(B, L)`` — over the ``[x_t | clean]`` training stream
+        (:class:`~unifusion.hf.native_block.DoubledStreamPattern`), of which the noisy half is returned."""
         B, L = x_t.shape
-        pattern = KeyPaddingPattern(B, L, valid, device=x_t.device)
+        pattern: AttentionPattern
+        position_ids = self.position_ids(valid)
+        if self.block_size is None:
+            if clean is not None:
+                raise ValueError(f"clean: {type(self).__name__} is bidirectional (no blocks); clean= is the block "
+                                 "kinds' training stream")
+            pattern = KeyPaddingPattern(B, L, valid, device=x_t.device)
+        elif clean is None:
+            pattern = BlockCausalPattern(B, L, self.block_size, valid, device=x_t.device)
+        else:
+            pattern = DoubledStreamPattern(B, L, self.block_size, valid, device=x_t.device)
+            x_t = torch.cat([x_t, clean], 1)
+            base = torch.arange(L, device=x_t.device).expand(B, L) if position_ids is None else position_ids
+            position_ids = base.repeat(1, 2)
         strategy = select_strategy(family_for(self.backbone_family), self.config, pattern, dtype=self.dtype)
-        return self.hf_model.model(input_ids=x_t, position_ids=self.position_ids(valid), use_cache=use_cache,
-                                   **strategy.kwargs(pattern))
+        out = self.hf_model.model(input_ids=x_t, position_ids=position_ids, use_cache=use_cache,
+                                  **strategy.kwargs(pattern))
+        if clean is not None:
+            out.last_hidden_state = out.last_hidden_state[:, :L]
+        return out
 
-    def hidden_states(self, x_t: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states read by each column's x0 prediction ``(B, L, d)``: the backbone's, shifted one
-        column right for a shifted kind (module docstring)."""
+    def hidden_states(self, x_t: torch.Tensor, t: Any = None, *, attention_mask: torch.Tensor | None = None,
+                      clean: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states read by each column's x0 prediction ``(B, L, d)``: the backbone's
+        (:meth:`backbone_hidden`; ``clean``: a block kind's training stream), shifted one column right for a shifted
+        kind (module docstring). ``t`` is not read (the models take no time)."""
         B, L = x_t.shape
         valid = None if attention_mask is None else attention_mask.to(x_t.device, torch.bool)
-        h = self.backbone_hidden(x_t, valid).last_hidden_state
+        h = self.backbone_hidden(x_t, valid, clean=clean).last_hidden_state
         source = self.x0_sources(valid, B, L, x_t.device)
         return h if source is None else h.gather(1, source.unsqueeze(-1).expand(B, L, h.shape[-1]))
 
-    def prefix_decoder(self, seq_len: int, refresh: int) -> NativePrefixCache:
+    def prefix_decoder(self, seq_len: int, refresh: int) -> NativePrefixCache | None:
         """Fast-dLLM's approximate dual cache (:class:`~unifusion.hf.native_decoding.NativePrefixCache`):
-        ``generate(..., policy=..., cache_refresh=refresh)``; ``refresh=1`` gives the uncached tokens."""
-        return NativePrefixCache(self, seq_len, refresh)
+        ``generate(..., policy=..., cache_refresh=refresh)``; ``refresh=1`` gives the uncached tokens. ``None`` for a
+        block kind (its cache is exact: :meth:`block_decoder`)."""
+        return None if self.block_size is not None else NativePrefixCache(self, seq_len, refresh)
+
+    def block_decoder(self, *, merge_commits: bool = False) -> NativeBlockCache | None:
+        """A block kind's exact block KV cache (:class:`~unifusion.hf.native_block.NativeBlockCache`), what
+        ``generate(..., use_cache=True)`` decodes through; ``None`` for a bidirectional kind."""
+        return None if self.block_size is None else NativeBlockCache(self, merge_commits=merge_commits)
+
+    def block_forward(self) -> NativeDiffusionLM | None:
+        """A block kind as the uncached block decoder's x0 callable: the model itself (its one-stream block-causal
+        forward over the tokens decided so far; a block sees the committed blocks before it). ``None`` for a
+        bidirectional kind."""
+        return None if self.block_size is None else self
 
     def forward(self, x_t: torch.Tensor, t: Any = None, *, attention_mask: torch.Tensor | None = None,
                 bidirectional_prob: float = 1.0, generator: torch.Generator | None = None,
@@ -261,13 +312,13 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``(B, L, V)`` of ``x_t``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
             x_t: ``(B, L)`` int64 tokens, masked positions holding :attr:`mask_token_id`.
-            t: times, one per row (a float, ``(B,)`` or ``(B, 1)``): checked, read only by the fused loss (the
-                model has no time input).
+            t: times, one per row (a float, ``(B,)`` or ``(B, 1)``), or for a block kind one per block ``(B, nb)``:
+                checked, read only by the fused loss (the model has no time input).
             attention_mask: optional ``(B, L)``, 1 = real token (left or right padding): padded keys are masked.
             bidirectional_prob: ``1`` (these models are bidirectional by training; annealing does not apply).
             generator: accepted for the interface (the forward draws nothing).
@@ -278,6 +329,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             max_weight: the fused loss's weight clip.
             reduction: the fused loss's reduction.
             position_weight: ``(B, L)`` weights of the fused loss (times the attention mask).
+            clean: a block kind's clean tokens ``(B, L)``: the ``[x_t | clean]`` training stream (each block's
+                prediction sees the clean blocks before it), what ``diffusion_loss`` and ``sequence_logprob`` pass.
 
         Returns:
             ``(B, L, V)`` logits in the weights' dtype, or the ``(B, L)`` float32 loss (0 at padding).
@@ -303,13 +356,23 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                     got = tuple(x0.shape) if isinstance(x0, torch.Tensor) else type(x0).__name__
                     raise ValueError(f"x0: expected clean tokens of shape {(B, L)} like x_t, got {got}")
                 x0 = V.check_token_ids("x0", x0, self.vocab_size)
+            if clean is not None:
+                if not isinstance(clean, torch.Tensor) or tuple(clean.shape) != (B, L):
+                    got = tuple(clean.shape) if isinstance(clean, torch.Tensor) else type(clean).__name__
+                    raise ValueError(f"clean: expected clean tokens of shape {(B, L)} like x_t, got {got}")
+                clean = V.check_token_ids("clean", clean, self.vocab_size)
+        t_pos = None
         if t is not None:
-            t_rows = _row_times(t, x_t)
-        h = self.hidden_states(x_t, attention_mask=attention_mask)
+            if self.block_size is None:
+                t_pos = _row_times(t, x_t)[:, None].expand(B, L)
+            else:
+                t_pos = expand_block_times(block_times(t, B, num_blocks(L, self.block_size), x_t.device), L,
+                                           self.block_size)
+        h = self.hidden_states(x_t, attention_mask=attention_mask, clean=clean)
         if kernel is None:
             return self.logits_from_hidden(h)
         V.check_model_kernel(self, check_kernel(kernel))
-        if t is None:
+        if t_pos is None:
             raise ValueError("t: the fused loss needs the times (one per row)")
         assert x0 is not None
         weight = position_weight
@@ -317,7 +380,7 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             valid = attention_mask.to(h.device, torch.bool)
             weight = valid.float() if weight is None else weight * valid
         return fused_linear_diffusion_loss(
-            h, self.lm_head_weight, x0, x_t, t_rows[:, None].expand(B, L), kernel, objective=objective,
+            h, self.lm_head_weight, x0, x_t, t_pos, kernel, objective=objective,
             weighting=weighting, max_weight=max_weight, reduction=reduction, position_weight=weight)
 
     def generate(self, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -329,10 +392,13 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
-    checkpoint_keys: ClassVar[frozenset[str]] = frozenset({"model_type", "mask_token_id"})
+    checkpoint_keys: ClassVar[frozenset[str]] = frozenset({"model_type", "mask_token_id", "block_size"})
 
     def checkpoint_record(self) -> dict[str, Any]:
-        return {"model_type": self.model_type, "mask_token_id": self.mask_token_id}
+        record: dict[str, Any] = {"model_type": self.model_type, "mask_token_id": self.mask_token_id}
+        if self.block_size is not None:
+            record["block_size"] = self.block_size
+        return record
 
     def save_checkpoint_files(self, path: Path) -> None:
         """Write the kind's own folder: its ``config.json`` (:attr:`source_config`, ``torch_dtype`` the weights'
@@ -353,7 +419,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         config = cls.backbone_config(source)
         mask = cls.mask_id_of(source, int(config.vocab_size))
         if record is not None:
-            for key, expected in (("model_type", cls.model_type), ("mask_token_id", mask)):
+            for key, expected in (("model_type", cls.model_type), ("mask_token_id", mask),
+                                  ("block_size", cls.block_size_of(source))):
                 if key in record and record[key] != expected:
                     raise ValueError(f"directory: {str(path)!r} contradicts itself: unifusion_config.json has "
                                      f"{key} = {record[key]!r}, config.json {expected!r}")
