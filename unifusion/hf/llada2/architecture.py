@@ -42,12 +42,14 @@ __all__ = ["LLaDA2MoeAttention", "LLaDA2MoeConfig", "LLaDA2MoeDecoderLayer", "LL
 
 
 class LLaDA2MoeConfig(Glm4MoeConfig):
-    """GLM-4.5 MoE's config with LLaDA 2's two bias switches: ``use_qkv_bias`` (a bias on ``query_key_value``) and
-    ``use_bias`` (a bias on the output projection ``dense``). Built by :meth:`unifusion.hf.llada2.LLaDA2LM.
-    backbone_config` from LLaDA 2's own ``config.json``."""
+    """GLM-4.5 MoE's config with LLaDA 2's switches: ``use_qkv_bias`` (a bias on ``query_key_value``), ``use_bias`` (a
+    bias on the output projection ``dense``) and ``shared_experts`` (False: the MoE blocks have no shared expert,
+    their ``num_shared_experts = None``). Built by :meth:`unifusion.hf.llada2.LLaDA2LM.backbone_config` from LLaDA
+    2's own ``config.json``."""
 
     use_qkv_bias: bool = False
     use_bias: bool = False
+    shared_experts: bool = True
 
 
 class LLaDA2MoeAttention(glm.Glm4MoeAttention):
@@ -141,9 +143,8 @@ class LLaDA2MoeSparseBlock(nn.Module):
         self.gate = LLaDA2MoeRouter(config)
         self.experts = nn.ModuleList([glm.Glm4MoeMLP(config, intermediate_size=config.moe_intermediate_size)
                                       for _ in range(int(config.n_routed_experts))])
-        shared = config.n_shared_experts
-        self.shared_experts = None if shared is None else glm.Glm4MoeMLP(
-            config, intermediate_size=config.moe_intermediate_size * int(shared))
+        self.shared_experts = glm.Glm4MoeMLP(config, intermediate_size=config.moe_intermediate_size
+                                             * config.n_shared_experts) if config.shared_experts else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -160,7 +161,7 @@ class LLaDA2MoeSparseBlock(nn.Module):
             slots = order[start:start + n]
             tokens = slots // k
             y = self.experts[e](h[tokens]).float() * w.reshape(-1)[slots, None]
-            out = out.index_add(0, tokens, y)
+            out.index_add_(0, tokens, y)
             start += n
         y = out.to(hidden_states.dtype).view(shape)
         if self.shared_experts is not None:
@@ -176,8 +177,9 @@ class LLaDA2MoeDecoderLayer(glm.Glm4MoeDecoderLayer):
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.self_attn = LLaDA2MoeAttention(config, layer_idx)
-        moe = config.n_routed_experts is not None and layer_idx >= config.first_k_dense_replace
-        self.mlp = LLaDA2MoeSparseBlock(config) if moe else glm.Glm4MoeMLP(config)
+        mlp: nn.Module = LLaDA2MoeSparseBlock(config) if layer_idx >= config.first_k_dense_replace else \
+            glm.Glm4MoeMLP(config)
+        setattr(self, "mlp", mlp)  # noqa: B010  (GLM-4.5's class declares its MoE type here)
         self.input_layernorm = glm.Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = glm.Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

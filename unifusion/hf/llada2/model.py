@@ -74,32 +74,32 @@ class LLaDA2LM(NativeDiffusionLM):
             raise ValueError(f"config.json: LLaDA 2 settings the backbone does not reproduce: {wrong} (supported: "
                              f"{ {k: _REQUIRED[k] for k in wrong} })")
         d, heads = int(source["hidden_size"]), int(source["num_attention_heads"])
-        kv = int(source.get("num_key_value_heads") or heads)
-        head_dim = int(source.get("head_dim") or d // heads)
-        experts = source.get("num_experts", 16)
-        shared = source.get("num_shared_experts", 0)
-        return LLaDA2MoeConfig(
-            vocab_size=int(source["vocab_size"]), hidden_size=d, intermediate_size=source.get("intermediate_size"),
-            num_hidden_layers=int(source["num_hidden_layers"]), num_attention_heads=heads, num_key_value_heads=kv,
-            head_dim=head_dim, hidden_act="silu", max_position_embeddings=int(source.get("max_position_embeddings",
-                                                                                      16384)),
+        layers = int(source["num_hidden_layers"])
+        experts, shared = source.get("num_experts", 16), source.get("num_shared_experts", 0)
+        settings: dict[str, Any] = dict(  # **: head_dim and attn_implementation are keywords transformers reads
+            vocab_size=int(source["vocab_size"]), hidden_size=d,
+            intermediate_size=int(source.get("intermediate_size") or 0), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(source.get("num_key_value_heads") or heads),
+            head_dim=int(source.get("head_dim") or d // heads), hidden_act="silu",
+            max_position_embeddings=int(source.get("max_position_embeddings", 16384)),
             rms_norm_eps=float(source.get("rms_norm_eps", 1e-5)),
             rope_parameters={"rope_type": "default", "rope_theta": float(source.get("rope_theta", 10000.0)),
                              "partial_rotary_factor": float(source.get("partial_rotary_factor", 0.5))},
             attention_bias=False, use_qkv_bias=bool(source.get("use_qkv_bias", False)),
             use_bias=bool(source.get("use_bias", True)), use_qk_norm=bool(source.get("use_qk_norm", True)),
             attention_dropout=float(source.get("attention_dropout", 0.1)),
-            n_routed_experts=None if experts is None else int(experts),
-            n_shared_experts=None if shared is None else int(shared),
+            # no experts (their num_experts = None): every layer dense
+            n_routed_experts=int(experts or 0), shared_experts=shared is not None, n_shared_experts=int(shared or 0),
+            first_k_dense_replace=layers if experts is None else int(source.get("first_k_dense_replace", 0)),
             num_experts_per_tok=int(source.get("num_experts_per_tok", 2)), n_group=int(source.get("n_group", 8)),
             topk_group=int(source.get("topk_group", 4)),
             routed_scaling_factor=float(source.get("routed_scaling_factor", 2.5)),
-            moe_intermediate_size=source.get("moe_intermediate_size"),
-            first_k_dense_replace=int(source.get("first_k_dense_replace", 0)), norm_topk_prob=True,
+            moe_intermediate_size=int(source.get("moe_intermediate_size") or 0), norm_topk_prob=True,
             initializer_range=float(source.get("initializer_range", 0.02)),
             tie_word_embeddings=bool(source.get("tie_word_embeddings", False)),
             eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id", 126081),
             bos_token_id=None, use_cache=False, attn_implementation="sdpa")
+        return LLaDA2MoeConfig(**settings)
 
     @classmethod
     def backbone_class(cls) -> type[nn.Module]:
