@@ -329,10 +329,11 @@ def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() ->
     assert not hasattr(uf.rl, "trl")
 
 
-@pytest.mark.parametrize("kind", ["llada", "dream"])
+@pytest.mark.parametrize("kind", ["llada", "dream", "sdar"])
 def test_two_steps_on_a_released_diffusion_lm_kind(tmp_path, tokenizer, kind) -> None:
-    """The trainer on LLaDA / Dream (unifusion.hf.native kinds, bidirectional, no blocks): two steps with the mean-field
-    ELBO estimator, transformers' generate on the backbone raising (no autoregressive rollout), the policy trained."""
+    """The trainer on LLaDA / Dream (unifusion.hf.native kinds, bidirectional, no blocks) and SDAR (block-causal,
+    rollouts through its exact block cache): two steps with the ELBO estimator, transformers' generate on the
+    backbone raising (no autoregressive rollout), the policy trained."""
     model = tiny_native(kind, tokenizer)
     hf_cls = type(model.hf_model)
 

@@ -82,6 +82,48 @@ def check_estimators_match_the_enumerated_elbo(model: Any) -> None:
         assert abs(mean - elbo) < 4 * se + 1e-4, (name, mean, se, elbo)
 
 
+def check_block_estimators_match_the_enumerated_block_elbo(model: Any) -> None:
+    """For a block kind (block size K = 4): ``uf.diffusion_loss`` (SFT, the prompt clean), ``uf.eval.nll_bound`` and
+    ``uf.rl.sequence_logprob`` are unbiased for the enumerated block ELBO Σ_b ELBO(block b | x0 of blocks < b) of an
+    8-token completion (two blocks) after a 4-token prompt: each block's term enumerates the 16 masks of its
+    positions through the training stream ``model(x_t, clean=x0)``; the mean of R rows lies within 4 standard
+    errors."""
+    K = model.block_size
+    assert K == 4
+    L, P, R = 12, 4, 256
+    x0 = torch.randint(0, 80, (L,), generator=torch.Generator().manual_seed(5))
+    elbo = 0.0
+    mask = model.mask_token_id
+    for start in range(P, L, K):
+        positions = list(range(start, start + K))
+        subsets = [frozenset(c) for r in range(K + 1) for c in itertools.combinations(positions, r)]
+        x_t = x0.repeat(len(subsets), 1)
+        for j, M in enumerate(subsets):
+            x_t[j, sorted(M)] = mask
+        with torch.no_grad():
+            logits = model(x_t, clean=x0.repeat(len(subsets), 1)).double()
+        logits[..., mask] = -math.inf
+        lp = torch.log_softmax(logits, -1).gather(-1, x0.repeat(len(subsets), 1)[..., None])[..., 0]
+        elbo += exact_elbo({M: lp[j] for j, M in enumerate(subsets)}, positions)
+    rows = x0.repeat(R, 1)
+    completion = torch.zeros(R, L, dtype=torch.bool)
+    completion[:, P:] = True
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        out = uf.diffusion_loss(model, rows, model.kernel, objective="mdlm", prompt_mask=~completion, generator=g)
+        fused = uf.diffusion_loss(model, rows, model.kernel, objective="mdlm", prompt_mask=~completion,
+                                  generator=torch.Generator().manual_seed(6), fused=True)
+        bound = uf.eval.nll_bound(model, rows, model.kernel, num_times=2, per_token=False, prompt_mask=~completion,
+                                  generator=g)
+        logp = uf.rl.sequence_logprob(model, rows, completion, estimator="elbo",
+                                      generator=[torch.Generator().manual_seed(i) for i in range(R)])
+    torch.testing.assert_close(fused.loss, out.loss.float(), rtol=1e-4, atol=1e-4)  # fused = materialised logits
+    for name, values in (("diffusion_loss", -out.loss.double().sum(-1)), ("nll_bound", -bound.double()),
+                         ("sequence_logprob", logp.sequence.double())):
+        mean, se = float(values.mean()), float(values.std() / math.sqrt(R))
+        assert abs(mean - elbo) < 4 * se + 1e-4, (name, mean, se, elbo)
+
+
 def check_fused_loss_is_mdlm_on_their_logits(model: Any, ref: dict[str, torch.Tensor], their_x0_logits: torch.Tensor,
                                             scored: torch.Tensor) -> None:
     """The fused MDLM loss at the recorded ``x_t`` equals ``(1/t) · −log softmax(their logits)[x0]`` at the masked

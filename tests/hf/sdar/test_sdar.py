@@ -1,0 +1,145 @@
+"""SDAR / TraDo as a unifusion model kind, against SDAR's own code (JetAstra/SDAR modeling_sdar.py and generate.py)
+run unmodified outside the repository on a tiny random checkpoint (fixtures/README.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import unifusion as uf
+from unifusion.hf import SDARLM, wrap_diffusion_lm
+from unifusion.samplers.policies import LowConfidence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _native_checks as checks  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MASK = 90
+RUNS = json.loads((FIXTURES / "generate_runs.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model() -> SDARLM:
+    return uf.load_diffusion_lm(FIXTURES / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, torch.Tensor]:
+    return checks.reference(FIXTURES)
+
+
+def test_loads_as_sdar_on_qwen3_with_the_configs_mask_token_and_block_size(model):
+    assert type(model) is SDARLM and type(model.hf_model).__name__ == "Qwen3ForCausalLM"
+    assert model.mask_token_id == MASK and model.num_states == 96 and model.kernel.mask_id == MASK
+    assert model.block_size == 4 and not model.shifted and model.prefix_decoder(12, 1) is None
+    assert model.config.eos_token_id == 88 and model.config.pad_token_id is None
+
+
+def test_logits_equal_their_modeling_code_under_block_causal_attention_on_a_padded_batch(model, ref):
+    with torch.no_grad():
+        logits = model(ref["input_ids"], attention_mask=ref["attention_mask"])
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)  # every position, padded ones too
+
+
+def test_training_stream_equals_theirs_and_the_fused_loss_is_their_objective(model, ref):
+    """Their [x_t | x_0] stream (their noise, their block_attn_mask): the same logits; the fused MDLM loss at their
+    p_mask is CE / p_mask at the masked answer tokens, the terms of their training loss."""
+    x0, x_t, masked, p = ref["train_x0"], ref["train_x_t"], ref["train_masked"], ref["train_p_mask"]
+    with torch.no_grad():
+        logits = model(x_t, clean=x0)
+        t = p.amax(-1)  # one time per sequence (theirs: one per packed sample)
+        loss = model(x_t, t, x0=x0, kernel=uf.MaskKernel(96, MASK), objective="mdlm", clean=x0)
+    torch.testing.assert_close(logits, ref["train_logits"], rtol=0, atol=1e-5)
+    their = ref["train_logits"].double()
+    their[..., MASK] = float("-inf")  # x_θ leaves the mask state out; their head row of the mask token is 0
+    ce = -torch.log_softmax(their, -1).gather(-1, x0[..., None])[..., 0] / t[:, None].double()
+    assert bool(masked.any()) and torch.equal(masked, x_t == MASK)
+    torch.testing.assert_close(loss.double()[masked], ce[masked], rtol=1e-4, atol=1e-4)
+    assert bool((loss[~masked] == 0).all())
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_block_diffusion_generate_equals_their_generate_py_token_for_token(model, ref, run):
+    """Greedy (top_k=1) with their default dynamic remasking, on a prompt that fills whole blocks and on one whose
+    last block is decoded with the first new tokens; sequential; sampled (their global seed = our generator's seed)
+    with dynamic and static remasking, top-k/top-p, and stop tokens."""
+    kwargs = dict(RUNS[run])
+    generator = torch.Generator().manual_seed(kwargs.pop("seed", 0))
+    prompt = ref[f"prompt_{kwargs.pop('prompt')}"]
+    out = model.block_diffusion_generate(prompt, generator=generator, **kwargs)
+    assert torch.equal(out, ref[f"generate_{run}"])
+
+
+def test_generate_with_a_policy_reproduces_their_greedy_decoder_on_whole_block_prompts(model, ref):
+    """Their greedy decoder with dynamic remasking commits a block in one step (confidence 1 after top-1
+    filtering): ``generate(policy=LowConfidence(), num_steps=1)``, cached and uncached, gives their tokens."""
+    run = RUNS["greedy_dynamic"]
+    prompt = ref[f"prompt_{run['prompt']}"]
+    assert prompt.shape[1] % 4 == 0
+    for use_cache in (True, False):
+        out = model.generate(prompt, max_new_tokens=run["gen_length"], policy=LowConfidence(), num_steps=1,
+                             do_sample=False, eos_token_id=None, use_cache=use_cache)
+        assert torch.equal(out, ref["generate_greedy_dynamic"])
+
+
+def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):
+    checks.check_block_estimators_match_the_enumerated_block_elbo(model)
+
+
+def test_mask_estimators_are_refused_naming_the_estimator(model):
+    with pytest.raises(ValueError, match="estimator: SDARLM with blocks supports estimator='elbo'"):
+        uf.rl.check_estimator(model, "mean_field")
+
+
+def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
+    checks.check_saved_folder_is_their_layout(SDARLM, FIXTURES, tmp_path)
+    record = json.loads((tmp_path / "saved" / "unifusion_config.json").read_text())
+    assert record["block_size"] == 4 and record["model_type"] == "sdar"
+
+
+def test_sharded_checkpoint_loads_lazily_in_the_dtype_asked(tmp_path):
+    checks.check_sharded_lazy_load_in_the_dtype_asked(SDARLM, FIXTURES, tmp_path)
+
+
+def test_bad_checkpoints_are_value_errors_naming_the_problem(tmp_path):
+    checks.check_bad_checkpoints(SDARLM, FIXTURES, tmp_path, MASK)
+    folder = checks.copy_checkpoint(FIXTURES, tmp_path / "block")
+    (folder / "unifusion_config.json").write_text(json.dumps({"block_size": 8}))
+    with pytest.raises(ValueError, match="block_size = 8, config.json 4"):
+        SDARLM.from_pretrained(folder)
+    (folder / "unifusion_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "block_size": -1}))
+    with pytest.raises(ValueError, match="block_size = -1"):
+        SDARLM.from_pretrained(folder)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        SDARLM.backbone_config({**config, "use_sliding_window": True})
+
+
+def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen3(ref):
+    class Theirs(torch.nn.Module):  # stands in for their SDARForCausalLM: its config and its state dict's names
+        def __init__(self) -> None:
+            super().__init__()
+            from transformers import PretrainedConfig
+
+            config = json.loads((FIXTURES / "checkpoint" / "config.json").read_text())
+            self.config = PretrainedConfig(**{**config, "model_type": None})
+            self.config.model_type = "sdar"
+            self.weights = load_file(str(FIXTURES / "checkpoint" / "model.safetensors"))
+
+        def state_dict(self, *args, **kwargs):  # type: ignore[override]
+            return self.weights
+
+    theirs = Theirs()
+    wrapped = wrap_diffusion_lm(theirs)
+    assert type(wrapped) is SDARLM and wrapped.block_size == 4
+    embed = theirs.weights["model.embed_tokens.weight"]
+    assert wrapped.hf_model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
+                                   rtol=0, atol=1e-5)
