@@ -95,7 +95,7 @@ def tiny_diffusion_gemma(canvas_length: int = 4, seed: int = 0, vocab_size: int 
 
 
 def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
-    """A released diffusion LM kind (``"llada"``, ``"dream"`` or ``"sdar"``) with its tiny fixture config
+    """A released diffusion LM kind (``"llada"``, ``"dream"``, ``"sdar"`` or ``"llada2"``) with its tiny fixture config
     (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s vocabulary plus a mask token (the last id),
     its EOS and pad ids, random weights from ``seed``."""
     import json
@@ -110,6 +110,6 @@ def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
                   pad_token_id=tokenizer.pad_token_id)
     if kind == "llada":
         source["embedding_size"] = V
-    cls = {"llada": uf.hf.LLaDALM, "dream": uf.hf.DreamLM, "sdar": uf.hf.SDARLM}[kind]
+    cls = {"llada": uf.hf.LLaDALM, "dream": uf.hf.DreamLM, "sdar": uf.hf.SDARLM, "llada2": uf.hf.LLaDA2LM}[kind]
     torch.manual_seed(seed)
     return cls.from_source(source, tokenizer=tokenizer)

@@ -329,7 +329,7 @@ def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() ->
     assert not hasattr(uf.rl, "trl")
 
 
-@pytest.mark.parametrize("kind", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "llada2"])
 def test_two_steps_on_a_released_diffusion_lm_kind(tmp_path, tokenizer, kind) -> None:
     """The trainer on LLaDA / Dream (unifusion.hf.native kinds, bidirectional, no blocks) and SDAR (block-causal,
     rollouts through its exact block cache): two steps with the ELBO estimator, transformers' generate on the

@@ -71,8 +71,8 @@ def _accepts(ours: inspect.Signature, theirs: inspect.Signature) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("cls", [uf.DiffusionLM, uf.hf.DiffusionGemmaLM, uf.hf.LLaDALM, uf.hf.DreamLM, uf.hf.SDARLM],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [uf.DiffusionLM, uf.hf.DiffusionGemmaLM, uf.hf.LLaDALM, uf.hf.DreamLM, uf.hf.SDARLM,
+                                 uf.hf.LLaDA2LM], ids=lambda c: c.__name__)
 def test_the_methods_trainers_call_take_transformers_signatures(cls) -> None:
     called = _called_on_models()
     assert {"gradient_checkpointing_enable", "enable_input_require_grads", "num_parameters"} <= called

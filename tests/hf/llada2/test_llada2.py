@@ -94,6 +94,10 @@ def test_fused_loss_is_the_mdlm_objective_on_their_logits(model, ref):
                                                     torch.ones_like(ref["input_ids"], dtype=torch.bool))
 
 
+def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):
+    checks.check_block_estimators_match_the_enumerated_block_elbo(model)
+
+
 def test_training_backward_reaches_the_chosen_experts_and_not_the_expert_bias(model, ref):
     x0 = ref["input_ids"].clamp(max=80)
     x_t = torch.where(torch.arange(x0.shape[1]) % 3 == 0, MASK, x0)
