@@ -26,9 +26,9 @@ with ``torch.multinomial`` from ``generator``, which gives their tokens for thei
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from ...denoiser import Denoiser
 
 __all__ = ["even_schedule", "llada21_generate", "llada2_generate"]
 
@@ -74,28 +74,30 @@ def _top_confident(confidence: torch.Tensor, count: torch.Tensor) -> torch.Tenso
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def _check(model: Any, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, int]:
-    K = model.block_size
-    if K is None:
-        raise ValueError("model: LLaDA 2's samplers decode a block model (block_size set)")
+def _check(model: Denoiser, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[int, int, int]:
+    """The block size K, the canvas's blocks ⌈(P + N)/K⌉ and the mask id; ``ValueError`` naming a bad argument."""
+    K, mask = model.block_size, model.mask_token_id
+    if K is None or mask is None:
+        raise ValueError("model: LLaDA 2's samplers decode a block model with a mask token (block_size and "
+                         f"mask_token_id set), got block_size={K!r}, mask_token_id={mask!r}")
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.dtype != torch.long:
         raise ValueError(f"prompt_ids: expected (B, P) int64 token ids of equal-length prompts, got "
                          f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     P = prompt_ids.shape[1]
-    return int(K), -(-(P + max_new_tokens) // int(K))
+    return K, -(-(P + max_new_tokens) // K), mask
 
 
-def _canvas(model: Any, prompt_ids: torch.Tensor, num_blocks: int, K: int) -> torch.Tensor:
-    x = torch.full((prompt_ids.shape[0], num_blocks * K), int(model.mask_token_id), dtype=torch.long,
-                   device=model.device)
+def _canvas(model: Denoiser, prompt_ids: torch.Tensor, num_blocks: int, K: int, mask: int) -> torch.Tensor:
+    """``(B, num_blocks · K)``: the prompt in the first columns, the mask token after it."""
+    x = torch.full((prompt_ids.shape[0], num_blocks * K), mask, dtype=torch.long, device=model.device)
     x[:, :prompt_ids.shape[1]] = prompt_ids.to(model.device)
     return x
 
 
 @torch.no_grad()
-def llada2_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int = 128, steps_per_block: int = 32,
+def llada2_generate(model: Denoiser, prompt_ids: torch.Tensor, *, max_new_tokens: int = 128, steps_per_block: int = 32,
                     threshold: float = 0.95, minimal_topk: int = 1, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, eos_early_stop: bool = False,
                     generator: torch.Generator | None = None) -> torch.Tensor:
@@ -117,11 +119,11 @@ def llada2_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int
     Returns:
         ``(B, ⌈(P + N)/K⌉ K)`` int64, the canvas.
     """
-    K, num_blocks = _check(model, prompt_ids, max_new_tokens)
-    mask, eos = int(model.mask_token_id), getattr(model.config, "eos_token_id", None)
+    K, num_blocks, mask = _check(model, prompt_ids, max_new_tokens)
+    eos = getattr(model.config, "eos_token_id", None)
     steps = min(steps_per_block, max_new_tokens // minimal_topk if minimal_topk > 0 else steps_per_block)
     schedule = even_schedule(K, steps)
-    x = _canvas(model, prompt_ids, num_blocks, K)
+    x = _canvas(model, prompt_ids, num_blocks, K, mask)
     for b in range(prompt_ids.shape[1] // K, num_blocks):
         end = (b + 1) * K
         for n in schedule:
@@ -141,7 +143,7 @@ def llada2_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int
 
 
 @torch.no_grad()
-def llada21_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int = 128, threshold: float = 0.95,
+def llada21_generate(model: Denoiser, prompt_ids: torch.Tensor, *, max_new_tokens: int = 128, threshold: float = 0.95,
                      editing_threshold: float = 0.9, max_post_steps: int = 16, num_to_transfer: int = 1,
                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                      eos_early_stop: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -164,10 +166,10 @@ def llada21_generate(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: in
     Returns:
         ``(B, ⌈(P + N)/K⌉ K)`` int64, the canvases.
     """
-    K, num_blocks = _check(model, prompt_ids, max_new_tokens)
-    mask, eos = int(model.mask_token_id), getattr(model.config, "eos_token_id", None)
+    K, num_blocks, mask = _check(model, prompt_ids, max_new_tokens)
+    eos = getattr(model.config, "eos_token_id", None)
     P = prompt_ids.shape[1]
-    x = _canvas(model, prompt_ids, num_blocks, K)
+    x = _canvas(model, prompt_ids, num_blocks, K, mask)
     for row in x.split(1):
         for b in range(P // K, num_blocks):
             end = (b + 1) * K
