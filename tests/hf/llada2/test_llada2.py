@@ -124,7 +124,8 @@ def test_sharded_checkpoint_loads_lazily_in_the_dtype_asked(tmp_path):
 def test_bad_checkpoints_and_inputs_are_value_errors_naming_the_problem(tmp_path, model, ref):
     checks.check_bad_checkpoints(LLaDA2LM, FIXTURES, tmp_path, MASK)
     config = json.loads((FIXTURES / "checkpoint" / "config.json").read_text())
-    for key, value in (("norm_head", True), ("rope_scaling", {"type": "yarn", "factor": 2.0})):
+    for key, value in (("norm_head", True), ("rope_scaling", {"type": "yarn", "factor": 2.0}),
+                       ("score_function", "softmax"), ("norm_topk_prob", False)):
         with pytest.raises(ValueError, match=key):
             LLaDA2LM.backbone_config({**config, key: value})
     folder = checks.copy_checkpoint(FIXTURES, tmp_path / "block")

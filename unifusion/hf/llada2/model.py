@@ -40,10 +40,12 @@ __all__ = ["BLOCK_SIZE", "LLaDA2LM", "wrap"]
 BLOCK_SIZE = 32
 """The block size LLaDA 2 was trained and decodes with (its samplers' ``block_length``/``block_size``)."""
 
-_REQUIRED = {"hidden_act": "silu", "norm_head": False, "use_sliding_window": False, "rope_scaling": None}
-"""Settings of LLaDA 2's ``config.json`` that its modeling code accepts but the released models (and the backbone)
-only take with this value: another ``hidden_act`` would be read the same way by both, but ``norm_head`` (a
-normalised head), a sliding window and RoPE scaling are not implemented by their modeling code either."""
+_REQUIRED = {"hidden_act": "silu", "norm_head": False, "use_sliding_window": False, "rope_scaling": None,
+             "score_function": "sigmoid", "norm_topk_prob": True, "moe_router_enable_expert_bias": True}
+"""Settings of LLaDA 2's ``config.json`` that the released models have and the backbone takes only with this value
+(absent keys are fine): their modeling code does not implement a normalised head (``norm_head``), a sliding window
+or RoPE scaling, and always routes by sigmoid scores plus the expert bias with renormalised weights, whatever
+``score_function``, ``norm_topk_prob`` and ``moe_router_enable_expert_bias`` say."""
 
 
 class LLaDA2LM(NativeDiffusionLM):
