@@ -53,6 +53,24 @@ def test_logits_equal_their_modeling_code_on_a_padded_batch(model, ref):
     torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=1e-5)
 
 
+def test_training_stream_equals_their_bd3lm_trainers_and_the_fused_loss_is_their_objective(model, ref):
+    """Their model on their BD3-LM trainer's [x_t | x_0] stream (its mask and position ids): the same logits; the fused
+    MDLM loss at time t is CE / t at the masked tokens (their loss weight 1/t for the linear schedule), 0 elsewhere."""
+    x0, x_t = ref["train_x0"], ref["train_x_t"]
+    t = torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        logits = model(x_t, clean=x0)
+        loss = model(x_t, t, x0=x0, kernel=model.kernel, objective="mdlm", clean=x0)
+    torch.testing.assert_close(logits, ref["train_logits"], rtol=0, atol=1e-5)
+    their = ref["train_logits"].double()
+    their[..., MASK] = float("-inf")  # x_θ leaves the mask state out; their head row of the mask token is 0
+    ce = -torch.log_softmax(their, -1).gather(-1, x0[..., None])[..., 0] / t[:, None].double()
+    masked = x_t == MASK
+    assert bool(masked.any()) and bool((~masked).any())
+    torch.testing.assert_close(loss.double()[masked], ce[masked], rtol=1e-4, atol=1e-4)
+    assert bool((loss[~masked] == 0).all())
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_generate_reference_equals_their_samplers_token_for_token(model, ref, run):
     kind, prompts, kwargs = RUNS[run]
