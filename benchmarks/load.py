@@ -1,18 +1,18 @@
 """Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
 
-    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--json out.json]
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar llada2_moe] [--json out.json]
 
-For each kind (LLaDA, Dream) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9
-heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
+For each kind (LLaDA, Dream, SDAR) a random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP
+1536, 9 heads / 3 KV heads, vocabulary 49,152) is saved twice into a temporary folder: in the kind's own layout (its
 ``config.json`` and weight names, what ``save_pretrained`` writes) and as the backbone's transformers folder
-(``LlamaForCausalLM`` / ``Qwen2ForCausalLM``). LLaDA 2 (a 136M MoE: d = 576, 10 layers, the first dense, 16 experts
-of 256 and a shared one, 4 per token) has no transformers architecture; its backbone (``LLaDA2MoeForCausalLM``, a
-transformers ``PreTrainedModel``) loads its own transformers folder with transformers' ``from_pretrained``. Each
-load then runs in a fresh process (so the page cache is warm but nothing else is shared):
-``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder, dtype=...)``, timing the
-call; then every weight is read once (memory-mapped weights become resident) and the growth of the process's
-resident memory over its size before the call is divided by the weights' size (the resident memory after loading,
-not the peak during it). Targets (issue 41): time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
+(``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``). LLaDA 2 (``llada2_moe``: a 136M MoE, d = 576,
+10 layers, the first dense, 16 experts of 256 and a shared one, 4 per token) has no transformers architecture; its
+backbone (``LLaDA2MoeForCausalLM``, a transformers ``PreTrainedModel``) loads its own transformers folder with
+transformers' ``from_pretrained``. Each load then runs in a fresh process (so the page cache is warm but nothing
+else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against ``<Backbone>.from_pretrained(folder,
+dtype=...)``, timing the call; then every weight is read once (memory-mapped weights become resident) and the growth
+of the process's resident memory over its size before the call is divided by the weights' size (the resident memory
+after loading, not the peak during it). Targets (issue 41): time ≤ 1.2× transformers', memory ≤ 1.2× the weights.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ SOURCES = {
               "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
               "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False, "mask_token_id": 49151, "eos_token_id": 0, "pad_token_id": 0},
+    "sdar": {"model_type": "sdar", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "head_dim": 64, "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
+             "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "mask_token_id": 49151, "block_size": 4, "eos_token_id": 0,
+             "pad_token_id": 0},
     "llada2_moe": {"model_type": "llada2_moe", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                    "num_hidden_layers": 10, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                    "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
@@ -47,6 +52,7 @@ SOURCES = {
                    "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "mask_token_id": 49151,
                    "eos_token_id": 0, "pad_token_id": 0},
 }
+KIND_CLASSES = {"llada": "LLaDALM", "Dream": "DreamLM", "sdar": "SDARLM", "llada2_moe": "LLaDA2LM"}
 
 CHILD = r"""
 import json, resource, sys, time
@@ -70,14 +76,15 @@ print(json.dumps({"seconds": seconds, "weights_bytes": weights, "resident_growth
 """
 
 
-def write_folders(root: Path, dtype: str) -> dict[str, tuple[Path, Path, str]]:
+def write_folders(root: Path, dtype: str, kinds: list[str]) -> dict[str, tuple[Path, Path, str]]:
     import torch
 
     import unifusion as uf
 
     folders = {}
-    for kind, source in SOURCES.items():
-        cls = {"llada": uf.hf.LLaDALM, "Dream": uf.hf.DreamLM, "llada2_moe": uf.hf.LLaDA2LM}[kind]
+    for kind in kinds:
+        source = SOURCES[kind]
+        cls = getattr(uf.hf, KIND_CLASSES[kind])
         torch.manual_seed(0)
         model = cls.from_source(source)
         model.hf_model.to(getattr(torch, dtype))
@@ -102,11 +109,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kinds", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report = {}
     with tempfile.TemporaryDirectory(prefix="unifusion-load-") as tmp:
-        for kind, (theirs, native, backbone) in write_folders(Path(tmp), args.dtype).items():
+        for kind, (theirs, native, backbone) in write_folders(Path(tmp), args.dtype, args.kinds).items():
             runs = {which: [measure(which, folder, args.dtype, backbone) for _ in range(args.repeats)]
                     for which, folder in (("unifusion", theirs), ("transformers", native))}
             row = {which: {"seconds_median": statistics.median(r["seconds"] for r in rs),

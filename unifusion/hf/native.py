@@ -312,7 +312,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                 objective: Literal["gidd", "mdlm", "sedd", "m2s", "ctmc"] = "gidd",
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
-                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
+                position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``(B, L, V)`` of ``x_t``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
 
         Args:
@@ -331,11 +332,16 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
             position_weight: ``(B, L)`` weights of the fused loss (times the attention mask).
             clean: a block kind's clean tokens ``(B, L)``: the ``[x_t | clean]`` training stream (each block's
                 prediction sees the clean blocks before it), what ``diffusion_loss`` and ``sequence_logprob`` pass.
+            document_ids: refused (``ValueError``): packed documents are not supported by the released kinds yet
+                (train one document per row, right-padded).
 
         Returns:
             ``(B, L, V)`` logits in the weights' dtype, or the ``(B, L)`` float32 loss (0 at padding).
         """
         V.check_generator(generator)
+        if document_ids is not None:
+            raise ValueError(f"document_ids: {type(self).__name__} does not take packed documents (its attention "
+                             "would have to be cut per document); train one document per row, right-padded")
         if bidirectional_prob != 1.0:
             raise ValueError(f"bidirectional_prob: {type(self).__name__} is bidirectional by training; expected 1.0, "
                              f"got {bidirectional_prob!r} (attention annealing does not apply)")

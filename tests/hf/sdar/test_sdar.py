@@ -91,9 +91,12 @@ def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_e
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 
 
-def test_mask_estimators_are_refused_naming_the_estimator(model):
+def test_mask_estimators_and_packed_documents_are_refused_naming_them(model):
     with pytest.raises(ValueError, match="estimator: SDARLM with blocks supports estimator='elbo'"):
         uf.rl.check_estimator(model, "mean_field")
+    x0 = torch.randint(0, 80, (1, 12))
+    with pytest.raises(ValueError, match="document_ids: SDARLM does not take packed documents"):
+        uf.diffusion_loss(model, x0, model.kernel, document_ids=(torch.arange(12) >= 8).long()[None])
 
 
 def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
@@ -143,3 +146,19 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen3(ref):
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
                                    rtol=0, atol=1e-5)
+
+
+def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
+    """``sequence_logprob(estimator="trace")`` replays a sampled ``generate``'s commit log-probabilities through the
+    training stream (each block seeing the committed blocks before it), cached and uncached, for a prompt of 6 (its
+    blocks cut at the generated start)."""
+    prompt = torch.cat([ref["prompt_1"], ref["prompt_1"].flip(-1)])
+    for use_cache in (True, False):
+        out = model.generate(prompt, max_new_tokens=8, num_steps=2, policy=LowConfidence(), eos_token_id=None,
+                             temperature=0.8, return_trace=True, use_cache=use_cache,
+                             generator=[torch.Generator().manual_seed(i) for i in range(2)])
+        completion = out.commit_step >= 0
+        with torch.no_grad():
+            r = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step,
+                                       temperature=0.8)
+        torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-4, rtol=0)

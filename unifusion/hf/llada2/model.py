@@ -20,8 +20,10 @@ LLaDA 2 (``model.``…)                           the backbone (``model.``…)
 ``norm.weight``, ``lm_head.weight``              the same names
 ==============================================  ====================================================
 
-Its training loss is the block-diffusion (BD3-LM) ELBO: each block's tokens are masked with probability ``t`` and
-predicted from the noisy block and the *clean* blocks before it, weighted ``1/t``.
+Its training loss (dllm's BD3-LM trainer) is the block MDLM ELBO over the ``[x_t | x_0]`` stream: one time ``t`` per
+sequence, each token masked with probability ``t`` and predicted from its noisy block and the *clean* blocks before it,
+weighted ``1/t`` — ``uf.diffusion_loss(model, x0, model.kernel, objective="mdlm", block_times="sequence",
+t_min=1e-3, prompt_mask=...)`` (``block_times="block"``, one time per block, is the same ELBO with less variance).
 """
 
 from __future__ import annotations
