@@ -116,6 +116,33 @@ def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_e
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 
 
+def test_their_objective_runs_and_mask_estimators_are_refused_naming_the_estimator(model, ref):
+    x0 = ref["train_x0"]
+    prompt = torch.zeros_like(x0, dtype=torch.bool)
+    prompt[:, :4] = True
+    with torch.no_grad():  # dllm's BD3-LM trainer's objective: one time per sequence, t ≥ 1e-3
+        out = uf.diffusion_loss(model, x0, model.kernel, objective="mdlm", block_times="sequence", t_min=1e-3,
+                                prompt_mask=prompt, generator=torch.Generator().manual_seed(0))
+    assert bool(torch.isfinite(out.loss).all()) and bool((out.loss[prompt] == 0).all())
+    with pytest.raises(ValueError, match="estimator: LLaDA2LM with blocks supports estimator='elbo'"):
+        uf.rl.check_estimator(model, "mean_field")
+
+
+def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
+    """``sequence_logprob(estimator="trace")`` replays a sampled ``generate``'s commit log-probabilities through the
+    training stream, cached and uncached, for prompts of 6 (blocks cut at the generated start)."""
+    prompt = ref["prompt_ids"]
+    for use_cache in (True, False):
+        out = model.generate(prompt, max_new_tokens=8, num_steps=2, policy=LowConfidence(), eos_token_id=None,
+                             temperature=0.8, return_trace=True, use_cache=use_cache,
+                             generator=[torch.Generator().manual_seed(i) for i in range(2)])
+        completion = out.commit_step >= 0
+        with torch.no_grad():
+            r = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step,
+                                       temperature=0.8)
+        torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-4, rtol=0)
+
+
 def test_training_backward_reaches_the_chosen_experts_and_not_the_expert_bias(model, ref):
     x0 = ref["input_ids"].clamp(max=80)
     x_t = torch.where(torch.arange(x0.shape[1]) % 3 == 0, MASK, x0)
