@@ -1,19 +1,22 @@
 """Loading a released diffusion LM's checkpoint folder against transformers loading the same weights natively.
 
-    python benchmarks/load.py [--repeats 3] [--dtype bfloat16] [--kinds llada Dream sdar lladamoe Fast_dLLM_Qwen]
-                              [--json out.json]
+    python benchmarks/load.py [--repeats 3] [--dtype bfloat16]
+                              [--kinds llada Dream sdar lladamoe Fast_dLLM_Qwen llada2_moe] [--json out.json]
 
-For each kind (LLaDA, Dream, SDAR, LLaDA-MoE, Fast-dLLM v2; ``--kinds`` picks some by ``model_type``) a random
-135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152;
-LLaDA-MoE's MLP is 8 experts of width 192, top 2, the same parameter count) is saved twice into a temporary folder:
-in the kind's own layout (its ``config.json`` and weight names, what ``save_pretrained`` writes) and as the
+For each kind (LLaDA, Dream, SDAR, LLaDA-MoE, Fast-dLLM v2, LLaDA 2; ``--kinds`` picks some by ``model_type``) a
+random 135M-parameter model (SmolLM2-135M's shape: d = 576, 30 layers, MLP 1536, 9 heads / 3 KV heads, vocabulary
+49,152; LLaDA-MoE's MLP is 8 experts of width 192, top 2, the same parameter count) is saved twice into a temporary
+folder: in the kind's own layout (its ``config.json`` and weight names, what ``save_pretrained`` writes) and as the
 backbone's transformers folder (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
-``Qwen3MoeForCausalLM``, whose fused experts transformers converts at load as unifusion does). Each load then runs in
-a fresh process (so the page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)``
-against ``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read once
-(memory-mapped weights become resident) and the growth of the process's resident memory over its size before the call
-is divided by the weights' size (the resident memory after loading, not the peak during it). Targets (issue 41): time
-≤ 1.2× transformers', memory ≤ 1.2× the weights.
+``Qwen3MoeForCausalLM``, whose fused experts transformers converts at load as unifusion does). LLaDA 2
+(``llada2_moe``: a 136M MoE, d = 576, 10 layers, the first dense, 16 experts of 256 and a shared one, 4 per token)
+has no transformers architecture; its backbone (``LLaDA2MoeForCausalLM``, a transformers ``PreTrainedModel``) loads
+its own transformers folder with transformers' ``from_pretrained``. Each load then runs in a fresh process (so the
+page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder, dtype=...)`` against
+``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read once (memory-mapped
+weights become resident) and the growth of the process's resident memory over its size before the call is divided by
+the weights' size (the resident memory after loading, not the peak during it). Targets (issue 41): time ≤ 1.2×
+transformers', memory ≤ 1.2× the weights.
 """
 
 from __future__ import annotations
@@ -55,17 +58,26 @@ SOURCES = {
                        "vocab_size": 49152, "max_position_embeddings": 2048, "rope_theta": 100000.0,
                        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bd_size": 32, "mask_token_id": 49151,
                        "eos_token_id": 0, "pad_token_id": 0, "layer_types": ["full_attention"] * 30},
+    "llada2_moe": {"model_type": "llada2_moe", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                   "num_hidden_layers": 10, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                   "max_position_embeddings": 2048, "rope_theta": 100000.0, "rms_norm_eps": 1e-6,
+                   "use_qkv_bias": False, "use_bias": False, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                   "num_experts": 16, "num_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4,
+                   "topk_group": 2, "moe_intermediate_size": 256, "first_k_dense_replace": 1,
+                   "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "mask_token_id": 49151,
+                   "eos_token_id": 0, "pad_token_id": 0},
 }
 KIND_CLASSES = {"llada": "LLaDALM", "Dream": "DreamLM", "sdar": "SDARLM", "lladamoe": "LLaDAMoELM",
-                "Fast_dLLM_Qwen": "FastDLLMv2LM"}
+                "Fast_dLLM_Qwen": "FastDLLMv2LM", "llada2_moe": "LLaDA2LM"}
 
 CHILD = r"""
 import json, resource, sys, time
 import torch
 import unifusion as uf
 which, folder, dtype, backbone = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3]), sys.argv[4]
-import transformers
-cls = getattr(transformers, backbone)
+import importlib, transformers
+module, _, name = backbone.rpartition(":")  # a class of transformers, or module:class (LLaDA 2's backbone)
+cls = getattr(importlib.import_module(module) if module else transformers, name)
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -96,7 +108,9 @@ def write_folders(root: Path, dtype: str, kinds: list[str]) -> dict[str, tuple[P
         theirs.mkdir(parents=True)
         model.save_checkpoint_files(theirs)
         model.hf_model.save_pretrained(native)
-        folders[kind] = (theirs, native, type(model.hf_model).__name__)
+        backbone = type(model.hf_model)
+        folders[kind] = (theirs, native, backbone.__name__ if backbone.__module__.startswith("transformers.")
+                         else f"{backbone.__module__}:{backbone.__name__}")
     return folders
 
 

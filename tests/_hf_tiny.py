@@ -95,9 +95,9 @@ def tiny_diffusion_gemma(canvas_length: int = 4, seed: int = 0, vocab_size: int 
 
 
 def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
-    """A released diffusion LM kind (``"llada"``, ``"dream"``, ``"sdar"``, ``"lladamoe"`` or ``"fast_dllm"``) with its
-    tiny fixture config (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s vocabulary plus a mask
-    token (the last id), its EOS and pad ids, random weights from ``seed``."""
+    """A released diffusion LM kind (``"llada"``, ``"dream"``, ``"sdar"``, ``"lladamoe"``, ``"fast_dllm"`` or
+    ``"llada2"``) with its tiny fixture config (tests/hf/<kind>/fixtures/checkpoint/config.json) at ``tokenizer``'s
+    vocabulary plus a mask token (the last id), its EOS and pad ids, random weights from ``seed``."""
     import json
     from pathlib import Path
 
@@ -111,6 +111,6 @@ def tiny_native(kind: str, tokenizer: Any, seed: int = 0) -> Any:
     if kind == "llada":
         source["embedding_size"] = V
     cls = {"llada": uf.hf.LLaDALM, "dream": uf.hf.DreamLM, "sdar": uf.hf.SDARLM, "lladamoe": uf.hf.LLaDAMoELM,
-           "fast_dllm": uf.hf.FastDLLMv2LM}[kind]
+           "fast_dllm": uf.hf.FastDLLMv2LM, "llada2": uf.hf.LLaDA2LM}[kind]
     torch.manual_seed(seed)
     return cls.from_source(source, tokenizer=tokenizer)

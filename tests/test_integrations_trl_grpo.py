@@ -329,11 +329,11 @@ def test_unifusion_rl_is_torch_only_and_the_trainers_live_in_one_trl_module() ->
     assert not hasattr(uf.rl, "trl")
 
 
-@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe", "fast_dllm"])
+@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe", "fast_dllm", "llada2"])
 def test_two_steps_on_a_released_diffusion_lm_kind(tmp_path, tokenizer, kind) -> None:
-    """The trainer on LLaDA / Dream / LLaDA-MoE (unifusion.hf.native kinds, bidirectional, no blocks), SDAR and
-    Fast-dLLM v2 (block-causal, rollouts through the exact block cache; Fast-dLLM v2 shifted): two steps with the ELBO
-    estimator, transformers' generate on the backbone raising (no autoregressive rollout), the policy trained."""
+    """The trainer on LLaDA / Dream / LLaDA-MoE (unifusion.hf.native kinds, bidirectional, no blocks), SDAR, LLaDA 2
+    and Fast-dLLM v2 (block-causal, rollouts through the exact block cache; Fast-dLLM v2 shifted): two steps with the
+    ELBO estimator, transformers' generate on the backbone raising (no autoregressive rollout), the policy trained."""
     model = tiny_native(kind, tokenizer)
     hf_cls = type(model.hf_model)
 

@@ -1,5 +1,5 @@
-"""``unifusion harness --model_args pretrained=DIR`` on saved tiny LLaDA, Dream, SDAR, LLaDA-MoE and Fast-dLLM v2
-(their layout), offline: the folder loads through the registry and the three request types run."""
+"""``unifusion harness --model_args pretrained=DIR`` on saved tiny LLaDA, Dream, SDAR, LLaDA-MoE, Fast-dLLM v2 and
+LLaDA 2 checkpoints (their layout), offline: the folder loads through the registry and the three request types run."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "harness_root")
 FIXTURES = Path(__file__).resolve().parents[1] / "hf"
 
 
-@pytest.fixture(scope="module", params=["llada", "dream", "sdar", "lladamoe", "fast_dllm"])
+@pytest.fixture(scope="module", params=["llada", "dream", "sdar", "lladamoe", "fast_dllm", "llada2"])
 def checkpoint(request, tokenizer, tmp_path_factory):
     """The kind's tiny fixture config at the tiny tokenizer's vocabulary (+ a mask token), random weights, saved with
     the tokenizer by the kind's save_pretrained."""

@@ -72,7 +72,7 @@ def _accepts(ours: inspect.Signature, theirs: inspect.Signature) -> list[str]:
 
 
 @pytest.mark.parametrize("cls", [uf.DiffusionLM, uf.hf.DiffusionGemmaLM, uf.hf.LLaDALM, uf.hf.DreamLM, uf.hf.SDARLM,
-                                 uf.hf.LLaDAMoELM, uf.hf.FastDLLMv2LM],
+                                 uf.hf.LLaDAMoELM, uf.hf.FastDLLMv2LM, uf.hf.LLaDA2LM],
                          ids=lambda c: c.__name__)
 def test_the_methods_trainers_call_take_transformers_signatures(cls) -> None:
     called = _called_on_models()

@@ -51,8 +51,9 @@ def test_the_flat_hf_modules_are_gone() -> None:
 
     present = {info.name: info.ispkg for info in pkgutil.iter_modules(unifusion.hf.__path__)}
     assert present == {"ar": True, "diffusion_gemma": True, "llada": True, "dream": True, "lladamoe": True,
+                       "sdar": True, "fast_dllm": True, "llada2": True,
                        "backbone": False, "checkpoint": False, "embedded": False, "loading": False, "registry": False,
-                       "native": False, "native_checkpoint": False, "native_decoding": False}
+                       "native": False, "native_checkpoint": False, "native_decoding": False, "native_block": False}
     for name, kind in HF_MOVED.items():
         assert not hasattr(unifusion.hf, name), f"unifusion.hf.{name}"
         with pytest.raises(ModuleNotFoundError):

@@ -1,5 +1,6 @@
 """unifusion.hf.native: what every released diffusion LM kind checks when it is built (the kinds' own behaviour is
-tested in tests/hf/llada, tests/hf/dream, tests/hf/sdar and tests/hf/lladamoe against their reference code)."""
+tested in tests/hf/llada, tests/hf/dream, tests/hf/sdar, tests/hf/lladamoe, tests/hf/fast_dllm and tests/hf/llada2
+against their reference code)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tiny_tokenizer"
 
 
-@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe", "fast_dllm"])
+@pytest.mark.parametrize("kind", ["llada", "dream", "sdar", "lladamoe", "fast_dllm", "llada2"])
 def test_a_tokenizer_whose_mask_token_contradicts_the_config_is_refused(kind: str) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
     model = tiny_native(kind, tokenizer)  # mask id = len(tokenizer): a token the tokenizer does not name

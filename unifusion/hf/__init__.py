@@ -13,6 +13,7 @@ Model kinds (each a folder; a native diffusion LM registers itself by ``config.m
   base :mod:`~unifusion.hf.native` and its checkpoint I/O :mod:`~unifusion.hf.native_checkpoint`;
 * :mod:`unifusion.hf.lladamoe`: the released LLaDA-MoE checkpoints on transformers' Qwen3-MoE (:class:`LLaDAMoELM`;
   registered as ``"lladamoe"``).
+* :mod:`unifusion.hf.llada2`: LLaDA 2.x (block-causal MoE, :class:`LLaDA2LM`; registered as ``"llada2_moe"``).
 
 Shared by the kinds:
 
@@ -53,6 +54,7 @@ from .dream import DreamLM  # registers "Dream"
 from .embedded import load_smollm2, load_smollm2_tokenizer, smollm2_gguf_path
 from .fast_dllm import FastDLLMv2LM  # registers "Fast_dLLM_Qwen"
 from .llada import LLaDALM  # registers "llada"
+from .llada2 import LLaDA2LM  # registers "llada2_moe"
 from .lladamoe import LLaDAMoELM  # registers "lladamoe"
 from .loading import dtype_from_name, load_causal_lm, load_diffusion_model
 from .native import NativeDiffusionLM
@@ -72,6 +74,7 @@ __all__ = [
     "FastDLLMv2LM",
     "LLaDALM",
     "LLaDAMoELM",
+    "LLaDA2LM",
     "NativeDiffusionLM",
     "SDARLM",
     "TimeEmbedding",

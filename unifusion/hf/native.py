@@ -303,6 +303,12 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
         block kind (its cache is exact: :meth:`block_decoder`)."""
         return None if self.block_size is not None else NativePrefixCache(self, seq_len, refresh)
 
+    def block_conditioning(self, x0: torch.Tensor) -> dict[str, Any]:
+        """``{"clean": x0}`` on a block kind (:meth:`forward`'s ``clean``: the ``[x_t | x_0]`` block-causal stream of
+        :class:`~unifusion.hf.native_block.DoubledStreamPattern`), ``{}`` on a bidirectional one
+        (:meth:`Denoiser.block_conditioning <unifusion.denoiser.Denoiser.block_conditioning>`)."""
+        return {} if self.block_size is None else {"clean": x0}
+
     def block_decoder(self, *, merge_commits: bool = False) -> NativeBlockCache | None:
         """A block kind's exact block KV cache (:class:`~unifusion.hf.native_block.NativeBlockCache`), what
         ``generate(..., use_cache=True)`` decodes through; ``None`` for a bidirectional kind."""
