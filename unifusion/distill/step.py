@@ -1,19 +1,27 @@
 """Distillation through a model: the certainty-forcing loss of masked views of teacher trajectories, and LoRA.
 
 A view of a batch of :class:`~unifusion.distill.Trajectories` is the clean sequences ``x_0 = [prompt, completion]``
-with the view's masked completion positions replaced by the mask token. On a block
-:class:`~unifusion.hf.DiffusionLM` the view runs as block diffusion trains (``clean = x_0``: each block is predicted
-from the clean blocks before it and its own noisy tokens), so the active block's prediction is the teacher's state
-at the drawn step (:func:`~unifusion.distill.pseudo_trajectory_mask`); a plain model sees the whole view at once.
+with the view's masked completion positions replaced by the mask token. The student is any
+:class:`~unifusion.denoiser.Denoiser` with a mask token and final hidden states (an adapted
+:class:`~unifusion.hf.DiffusionLM`, a released kind of :mod:`unifusion.hf.native`: LLaDA, Dream, LLaDA-MoE, SDAR,
+Fast-dLLM v2, LLaDA 2): its ``hidden_states(x_t, t, attention_mask=..., **model.block_conditioning(x_0))``, row i the
+state its head reads to predict token i. On a block model (:attr:`~unifusion.denoiser.Denoiser.block_size`) the view
+runs as block diffusion trains (the clean stream of :meth:`~unifusion.denoiser.Denoiser.block_conditioning`: each
+block is predicted from the clean blocks before it and its own noisy tokens), so the active block's prediction is the
+teacher's state at the drawn step (:func:`~unifusion.distill.pseudo_trajectory_mask`); a model without blocks sees
+the whole view at once. A shifted kind (Dream, Fast-dLLM v2: token i predicted at column i − 1) is scored as
+:func:`~unifusion.diffusion_loss` scores it: its ``hidden_states`` already gives, at column i, the column its head
+reads for token i.
 The loss is :func:`~unifusion.distill.certainty_forcing_loss` of the view's logits with the mask token's column left
 out of the student's distribution (the library's mask-kernel convention), computed through the output head by
-:func:`~unifusion.distill.fused_certainty_forcing_loss` (no ``(N, V)`` logits; ``fused=False`` materialises them).
+:func:`~unifusion.distill.fused_certainty_forcing_loss` (no ``(N, V)`` logits; ``fused=False`` materialises them
+with the model's ``logits_from_hidden``). The fused head reads ``lm_head_weight`` ``(V, d)`` and, where the model has
+them, ``lm_head_bias``, ``logit_scale`` and ``final_logit_softcap`` (absent: no bias, 1, no cap).
 
 :func:`complementary_pair_loss` is dParallel's training step: a view and its complement in one forward over
-``2B`` rows, their two losses summed. The hidden states come from the model's layout functions
-(:meth:`~unifusion.hf.DiffusionLM.hidden_states`, :func:`unifusion.hf.ar.blocks.block_hidden_states`), not from a
-call of the module: under DDP / FSDP wrap-time hooks do not fire, so call this on the unwrapped model (or
-synchronise gradients by hand).
+``2B`` rows, their two losses summed. The hidden states come from the model's ``hidden_states``, not from a call of
+the module: under DDP / FSDP wrap-time hooks do not fire, so call this on the unwrapped model (or synchronise
+gradients by hand).
 
 Example (LoRA, a user's loop)::
 
@@ -26,13 +34,12 @@ Example (LoRA, a user's loop)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-from ..hf.ar import blocks
-from ..hf.ar.model import DiffusionLM
+from ..denoiser import Denoiser, HiddenStateModel
 from .fused import fused_certainty_forcing_loss
 from .losses import certainty_forcing_loss
 from .masks import DistillMask, draw_trajectory_steps, pseudo_trajectory_mask, random_block_mask, view_times
@@ -40,34 +47,59 @@ from .trajectories import Trajectories
 
 __all__ = ["view_loss", "complementary_pair_loss", "distillation_loss", "add_lora"]
 
+StudentT = TypeVar("StudentT", bound=Denoiser)
 
-def _check_model(model: object) -> DiffusionLM:
-    if not isinstance(model, DiffusionLM):
-        raise TypeError(f"model: expected an adapted DiffusionLM (adapt_ar_model), got {type(model).__name__}")
+
+def _check_model(model: object) -> Denoiser:
+    """``model`` if it is a :class:`~unifusion.denoiser.Denoiser` with a mask token and final hidden states."""
+    if not isinstance(model, Denoiser):
+        raise TypeError(f"model: expected a unifusion Denoiser (an adapted DiffusionLM, a released kind such as "
+                        f"LLaDALM; unwrap DDP/FSDP first), got {type(model).__name__}")
     if model.mask_token_id is None:
         raise ValueError("model: distillation masks tokens; this model has no mask token (uniform noise only)")
+    if not callable(getattr(model, "hidden_states", None)):
+        raise TypeError(f"model: distillation reads the final hidden states; {type(model).__name__} has no "
+                        "hidden_states(x_t, t, attention_mask=...) method")
     return model
 
 
-def _hidden(model: DiffusionLM, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
+def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
             attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Final hidden states ``(B, L, d)`` of the views ``x_t`` (block layout with ``clean = x0`` on a block model)."""
+    """Final hidden states ``(B, L, d)`` of the views ``x_t``, row i read by the head for token i (the block layout
+    of :meth:`~unifusion.denoiser.Denoiser.block_conditioning` with ``x0`` on a block model over several blocks)."""
+    hidden_states: Callable[..., torch.Tensor] = cast(HiddenStateModel, model).hidden_states  # t may be None
     K = model.block_size
-    t = view_times(masked, block_size=K) if model.time_conditioning else None
+    t = view_times(masked, block_size=K) if getattr(model, "time_conditioning", False) else None
     if K is None or K >= x0.shape[1]:
-        return model.hidden_states(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]),
-                                   attention_mask=attention_mask)
-    mask = None if attention_mask is None else attention_mask.to(torch.bool)
-    return blocks.block_hidden_states(model, model.hf_model, x_t, t, x0, 1.0, mask)
+        return hidden_states(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]),
+                             attention_mask=attention_mask)
+    return hidden_states(x_t, t, attention_mask=attention_mask, **model.block_conditioning(x0))
 
 
-def view_loss(model: DiffusionLM, x0: torch.Tensor, masked: torch.Tensor, *,
+def _head_loss(model: Denoiser, h: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, mask_id: int,
+               temperature: float, entropy_weight: float, fused: bool) -> torch.Tensor:
+    """Certainty forcing of hidden states ``h`` ``(B, L, d)`` through the model's head (module docstring)."""
+    if not fused:
+        return certainty_forcing_loss(model.logits_from_hidden(h), x0, masked, temperature=temperature,
+                                      entropy_weight=entropy_weight, mask_id=mask_id)
+    weight = getattr(model, "lm_head_weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"model: the fused head reads lm_head_weight (V, d); {type(model).__name__} has none "
+                        "(pass fused=False: logits_from_hidden)")
+    return fused_certainty_forcing_loss(
+        h, weight, x0, masked, temperature=temperature, entropy_weight=entropy_weight,
+        lm_head_bias=getattr(model, "lm_head_bias", None), logit_scale=getattr(model, "logit_scale", 1.0),
+        final_logit_softcap=getattr(model, "final_logit_softcap", None), mask_id=mask_id)
+
+
+def view_loss(model: Denoiser, x0: torch.Tensor, masked: torch.Tensor, *,
               attention_mask: torch.Tensor | None = None, temperature: float = 0.5, entropy_weight: float = 2.0,
               fused: bool = True) -> torch.Tensor:
     """Certainty forcing of one view (0-d; module docstring).
 
     Args:
-        model: the student, an adapted :class:`~unifusion.hf.DiffusionLM` with a mask token.
+        model: the student, a :class:`~unifusion.denoiser.Denoiser` with a mask token and ``hidden_states``
+            (module docstring).
         x0: ``(B, L)`` clean sequences (the teacher's tokens are the targets).
         masked: ``(B, L)`` bool, the view's masked positions.
         attention_mask: ``(B, L)``, 1 at real tokens (left padding of the prompts).
@@ -82,16 +114,10 @@ def view_loss(model: DiffusionLM, x0: torch.Tensor, masked: torch.Tensor, *,
     mask_id = int(model.mask_token_id)  # type: ignore[arg-type]
     x_t = torch.where(masked, mask_id, x0)
     h = _hidden(model, x_t, x0, masked, attention_mask)
-    if fused:
-        return fused_certainty_forcing_loss(
-            h, model.lm_head_weight, x0, masked, temperature=temperature, entropy_weight=entropy_weight,
-            lm_head_bias=model.lm_head_bias, logit_scale=model.logit_scale,
-            final_logit_softcap=model.final_logit_softcap, mask_id=mask_id)
-    return certainty_forcing_loss(model.logits_from_hidden(h), x0, masked, temperature=temperature,
-                                  entropy_weight=entropy_weight, mask_id=mask_id)
+    return _head_loss(model, h, x0, masked, mask_id, temperature, entropy_weight, fused)
 
 
-def complementary_pair_loss(model: DiffusionLM, x0: torch.Tensor, view: DistillMask, *,
+def complementary_pair_loss(model: Denoiser, x0: torch.Tensor, view: DistillMask, *,
                             attention_mask: torch.Tensor | None = None, temperature: float = 0.5,
                             entropy_weight: float = 2.0, fused: bool = True) -> torch.Tensor:
     """dParallel's step: the certainty forcing of ``view`` plus that of its complement (0-d), both views in one
@@ -120,19 +146,12 @@ def complementary_pair_loss(model: DiffusionLM, x0: torch.Tensor, view: DistillM
     h = _hidden(model, torch.where(both_masked, mask_id, both_x0), both_x0, both_masked, am)
     total = torch.zeros((), device=h.device)
     for part in (slice(0, B), slice(B, 2 * B)):
-        if fused:
-            total = total + fused_certainty_forcing_loss(
-                h[part], model.lm_head_weight, x0, both_masked[part], temperature=temperature,
-                entropy_weight=entropy_weight, lm_head_bias=model.lm_head_bias, logit_scale=model.logit_scale,
-                final_logit_softcap=model.final_logit_softcap, mask_id=mask_id)
-        else:
-            total = total + certainty_forcing_loss(model.logits_from_hidden(h[part]), x0, both_masked[part],
-                                                   temperature=temperature, entropy_weight=entropy_weight,
-                                                   mask_id=mask_id)
+        total = total + _head_loss(model, h[part], x0, both_masked[part], mask_id, temperature, entropy_weight,
+                                   fused)
     return total
 
 
-def distillation_loss(model: DiffusionLM, batch: Trajectories, *,
+def distillation_loss(model: Denoiser, batch: Trajectories, *,
                       masks: Literal["trajectory", "random"] = "trajectory", ratio: float = 0.5,
                       per_block: bool = False, later_blocks: Literal["clean", "masked"] = "clean",
                       temperature: float = 0.5, entropy_weight: float = 2.0, fused: bool = True,
@@ -159,12 +178,16 @@ def distillation_loss(model: DiffusionLM, batch: Trajectories, *,
                                    entropy_weight=entropy_weight, fused=fused)
 
 
-def add_lora(model: DiffusionLM, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
-             target_modules: str | Sequence[str] = "all-linear", **lora_kwargs: Any) -> DiffusionLM:
+def add_lora(model: StudentT, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
+             target_modules: str | Sequence[str] = "all-linear", **lora_kwargs: Any) -> StudentT:
     """LoRA adapters (peft) in the student's backbone, in place, and every other parameter frozen: distillation
-    then trains (and changes) only the adapters. Returns ``model``. Merge before ``save_pretrained``
-    (``model.hf_model.merge_and_unload()`` through peft) or save the adapters with peft."""
-    model = _check_model(model)
+    then trains (and changes) only the adapters. Returns ``model``. The backbone is the model's ``hf_model`` (the
+    transformers module of an adapted or released kind), else the model itself; ``model`` must be a
+    ``torch.nn.Module``. Merge before ``save_pretrained`` (``model.hf_model.merge_and_unload()`` through peft) or
+    save the adapters with peft."""
+    _check_model(model)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: LoRA needs a torch.nn.Module student, got {type(model).__name__}")
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:  # pragma: no cover - peft is an optional dependency
@@ -172,7 +195,7 @@ def add_lora(model: DiffusionLM, *, r: int = 8, lora_alpha: int = 16, lora_dropo
     config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                         target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
                         **lora_kwargs)
-    inject_adapter_in_model(config, model.hf_model)
+    inject_adapter_in_model(config, getattr(model, "hf_model", model))
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     if not any(p.requires_grad for p in model.parameters()):
