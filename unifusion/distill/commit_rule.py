@@ -17,8 +17,9 @@ the head can represent.
 
 **Decoding** (:class:`LearnedCommit`, beside :class:`~unifusion.samplers.policies.ConfidenceThreshold`): commit every
 masked position with σ(s_j^n) ≥ τ, and always the ``num_commit`` highest-scoring ones (at least one, so every step
-makes progress). It reads hidden states (``reads_hidden``), which :class:`~unifusion.hf.DiffusionLM` gives on both
-paths: cached (``BlockCacheDecoder.denoise_block_hidden``) and uncached (``block_forward().hidden_states``), so
+makes progress). It reads hidden states (``reads_hidden``), which :class:`~unifusion.hf.DiffusionLM` and the
+released kinds (:class:`~unifusion.hf.native.NativeDiffusionLM`) give on both paths: cached (their block caches'
+``denoise_block_hidden``) and uncached (``block_forward().hidden_states``, ``hidden_states``), so
 cached and uncached decoding commit the same positions and give the same tokens, as for any policy.
 
 **Recording** (:func:`collect_commit_data`). One ``model.generate`` call with the teacher policy wrapped in a
@@ -264,7 +265,8 @@ def collect_commit_data(model: DecodableModel, prompt_ids: torch.Tensor, *, max_
     (module docstring).
 
     Args:
-        model: a block model with hidden states on its decoding paths (:class:`~unifusion.hf.DiffusionLM`).
+        model: a model with hidden states on its decoding paths (a :class:`~unifusion.hf.DiffusionLM`, a released
+            kind; a model without blocks with ``block_size=`` in ``generate_kwargs``).
         prompt_ids: ``(B, P)`` prompts (left-padded with ``attention_mask`` when their lengths differ).
         max_new_tokens: tokens to generate per prompt.
         policy: the teacher, a mask policy; default :class:`~unifusion.samplers.policies.LowConfidence` (with

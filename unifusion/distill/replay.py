@@ -33,7 +33,9 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
 
     Args:
         model: a mask-kernel :class:`~unifusion.denoiser.DenoiserModule` (a :class:`~unifusion.hf.DiffusionLM`,
-            block or plain), the one the trajectories are compared with.
+            block or plain, a released kind), the one the trajectories are compared with. It is called as
+            :func:`~unifusion.diffusion_loss` calls it (``**model.block_conditioning(x0)`` over several blocks), so
+            a shifted kind's logits at column i are its prediction of token i.
         trajectories: :class:`~unifusion.distill.Trajectories` (a block model's must have its block size).
         batch_size: rows per forward.
     """

@@ -228,7 +228,8 @@ def record_trajectories(model: DecodableModel, prompts: torch.Tensor | Sequence[
 
     Args:
         model: any model :func:`unifusion.samplers.generate` decodes with a mask policy and a trace (a block
-            :class:`~unifusion.hf.DiffusionLM`; a plain one with ``block_size``). DiffusionGemma decodes with
+            :class:`~unifusion.hf.DiffusionLM` or released kind; a plain one or a bidirectional kind, LLaDA, Dream,
+            LLaDA-MoE, with ``block_size``). DiffusionGemma decodes with
             uniform noise (``EntropyBound``, renoising at every step): no commit order exists, and ``generate``
             refuses ``return_trace`` for it (``ValueError``).
         prompts: a ``(N, P)`` int64 tensor (left padding marked by ``prompt_mask``) or ``N`` sequences of ids.
