@@ -7,13 +7,17 @@ tensor at a time, renames each (the kind's ``weight_names``), casts it to the dt
 peak is the weights in that dtype plus one tensor. A weight the mapping does not know, or one it expects and no
 shard holds, is a ``ValueError`` naming them. A checkpoint tensor may also be one part of a backbone parameter (a
 :class:`ParameterPart`: one expert's projection inside transformers' fused ``(E, ·, ·)`` expert tensors); the
-parameter is then allocated once, in the dtype asked, and each part copied into its place. :func:`save_weights`
-writes the kind's ``config.json`` and the weights under its names (sharded past ``max_shard_bytes``, with the index),
-which the kind's own modeling code (``trust_remote_code``) loads with identical weights.
+parameter is then allocated once, in the dtype asked, and each part copied into its place. A tensor that is copied
+(a part) or cast is read through a second memory map of its shard, closed when the shard is done, so its pages do
+not stay in the process beside the copy (a tensor kept as it is stays on the first map, not copied).
+:func:`save_weights` writes the kind's ``config.json`` and the weights under its names (sharded past
+``max_shard_bytes``, with the index), which the kind's own modeling code (``trust_remote_code``) loads with
+identical weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -110,14 +114,47 @@ def _rebuild_meta_buffers(module: nn.Module, config: Any) -> None:
         raise ValueError(f"checkpoint: no weights for {left[:8]}")
 
 
+@dataclass(frozen=True)
+class _ShardRead:
+    """A shard tensor, read when called: ``()`` gives a tensor over the shard's memory map (kept as a parameter: no
+    copy), :meth:`for_copy` one over a second map of the shard that is closed with the shard (for a tensor copied
+    or cast, not kept: its pages leave the process's memory with that map instead of staying beside the copy)."""
+
+    kept: Callable[[], torch.Tensor]
+    copied: Callable[[], torch.Tensor]
+
+    def __call__(self) -> torch.Tensor:
+        return self.kept()
+
+    def for_copy(self) -> torch.Tensor:
+        return self.copied()
+
+
 def _shard_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """``(name, read)`` for every tensor of the shards, each read only when asked for (one shard open at a time)."""
+    """``(name, read)`` for every tensor of the shards, each read only when asked for (one shard open at a time;
+    ``read`` a :class:`_ShardRead`)."""
     from safetensors import safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt") as f, contextlib.ExitStack() as stack:
+            copy_map = _CopyMap(file, stack)
             for key in f.keys():
-                yield key, functools.partial(f.get_tensor, key)
+                yield key, _ShardRead(functools.partial(f.get_tensor, key), functools.partial(copy_map.get, key))
+
+
+class _CopyMap:
+    """The second memory map of a shard, opened at its first read and closed with ``stack``."""
+
+    def __init__(self, file: Path, stack: contextlib.ExitStack) -> None:
+        self.file, self.stack = file, stack
+        self.handle: Any = None
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if self.handle is None:
+            self.handle = self.stack.enter_context(safe_open(str(self.file), framework="pt"))
+        return self.handle.get_tensor(key)
 
 
 def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[str, WeightTarget],
@@ -153,7 +190,10 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[
         name = _parameter_name(target)
         if name not in params:
             raise ValueError(f"checkpoint: {key!r} maps to {name!r}, which the backbone does not have")
-        tensor = read()
+        tensor = read()  # lazy: a memory map's pages are read when the tensor is
+        if isinstance(read, _ShardRead) and (isinstance(target, ParameterPart) or
+                                              (want is not None and tensor.dtype != want)):
+            tensor = read.for_copy()  # copied or cast below: its pages go when the shard is done
         expected = params[name] if isinstance(target, str) else target.of(params[name])
         if tuple(tensor.shape) != tuple(expected.shape):
             raise ValueError(f"checkpoint: {key!r} has shape {tuple(tensor.shape)} in {where}, its config says "
