@@ -3,7 +3,8 @@
 The pipeline (per seed):
 
 1. **SFT** (``--sft-steps``, at most ``--sft-seconds``): the prompt-masked diffusion loss on the ``sort`` task's
-   answers (:mod:`unifusion.data.sorting`: ``sort(47,38,91,12,5)=`` → ``5,12,38,47,91``, 14 tokens + EOS), so that
+   answers (:mod:`unifusion.data.sorting`: ``sort(3,1,4,1,5)=`` → ``1,1,3,4,5``, 9 tokens + EOS; ``--digits 2``:
+   ``sort(47,38,91,12,5)=`` → ``5,12,38,47,91``, 14 tokens + EOS), so that
    the block model (SmolLM2-135M-Instruct adapted to blocks of K = 8, as ``examples/grpo.py``) answers in format;
 2. **record** (``--record-problems`` train problems): the SFT model's own greedy decodes, one token per forward
    (``LowConfidence``, K steps per block), with the forward each token was committed at
@@ -17,10 +18,12 @@ The pipeline (per seed):
 4. **evaluate**, before and after distillation, on ``--eval-problems`` held-out problems (greedy, batches of
    ``--eval-batch``, the exact KV cache with merged commits) at each decoding setting: one token per forward
    (``LowConfidence``, K steps per block), ``ConfidenceThreshold(τ)`` for each ``--thresholds`` τ (Fast-dLLM) and k
-   tokens forced per forward for each ``--forced`` k (``LowConfidence``, K/k steps per block): accuracy (exact
-   reward), tokens per forward (generated tokens up to and including EOS / model calls, the prefill included), wall
-   time; and the original AR model's own ``generate`` with its KV cache (greedy) on the same prompts, made to emit as
-   many tokens as the answers have (answer + EOS), in the same batches and dtype: the wall-time reference.
+   tokens forced per forward for each ``--forced`` k (``LowConfidence``, K/k steps per block), and Learn2PD's learned
+   commit rule (``LearnedCommit(head, τ)`` for each ``--commit-rule`` τ, its head fitted on the phase's frozen
+   model): accuracy (exact reward), tokens per forward (generated tokens up to and including EOS / model calls; the
+   prefill rides with the first step), wall time; and the original AR model's own ``generate`` with its KV cache
+   (greedy) on the same prompts, made to emit as many tokens as the answers have (answer + EOS), in the same batches
+   and dtype: the wall-time reference.
 
 AUP (:func:`unifusion.eval.accuracy_under_parallelism`, d3LLM's definition, y_max the best accuracy of both curves)
 of the before and after curves (their points are the seeds' means), and the frontier plot
@@ -34,15 +37,14 @@ CPU smoke run (tiny random model)::
     python examples/distill_parallel.py --model tiny --sft-steps 2 --distill-steps 2 --record-problems 8 \\
         --eval-problems 8 --keep all --out /tmp/uf-distill
 
-SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.md (one seed, 1-digit numbers: what
-a loaded 2-core CPU teaches in 8 minutes of SFT)::
+SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.md: the defaults (3 seeds, 5
+one-digit numbers, 60 SFT updates of 8 rows, 96 recorded problems, 80 distillation updates of 4 trajectories at
+lr 5·10⁻⁵, 64 held-out problems; ~25 minutes a seed on one core of the project's CPU)::
 
-    python examples/distill_parallel.py --report --seeds 0 --digits 1 --sft-batch 8 --sft-steps 1000 \\
-        --sft-seconds 480 --record-problems 64 --distill-batch 4 --distill-steps 1000 --train-seconds 420 \\
-        --distill-lr 5e-5 --thresholds 0.9,0.5 --eval-problems 64 --eval-batch 32 --out runs/distill-report
+    OMP_NUM_THREADS=1 python examples/distill_parallel.py --report --out runs/distill-report
 
-The issue's measurement (3 seeds, the 2-digit default, longer budgets): ``--report`` with larger ``--sft-steps``,
-``--record-problems`` and ``--distill-steps`` (docs/gpu.md).
+Steps, not seconds, bound the stages by default (``--sft-seconds`` / ``--train-seconds`` cap them by wall time), so
+the numbers do not depend on the machine's load. The two-digit task and longer budgets: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -387,32 +389,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' (random 2-layer Llama) or a HF folder")
     p.add_argument("--block-size", type=int, default=8, help="K, the block model's block size")
     p.add_argument("--count", type=int, default=5, help="numbers per sort problem")
-    p.add_argument("--digits", type=int, default=2, help="digits per number")
+    p.add_argument("--digits", type=int, default=1, help="digits per number")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion length (default: the answer and EOS rounded up to whole blocks)")
-    p.add_argument("--sft-steps", type=int, default=200, help="SFT updates (at most; see --sft-seconds)")
+    p.add_argument("--sft-steps", type=int, default=60, help="SFT updates (at most; see --sft-seconds)")
     p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
-    p.add_argument("--sft-batch", type=int, default=16)
+    p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=1e-4)
-    p.add_argument("--record-problems", type=int, default=256, help="train problems the teacher decodes")
+    p.add_argument("--record-problems", type=int, default=96, help="train problems the teacher decodes")
     p.add_argument("--keep", choices=("correct", "all"), default="correct",
                    help="recorded answers kept: the verified-correct ones (d3LLM) or all")
-    p.add_argument("--distill-steps", type=int, default=200, help="distillation updates (at most; --train-seconds)")
+    p.add_argument("--distill-steps", type=int, default=80, help="distillation updates (at most; --train-seconds)")
     p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
-    p.add_argument("--distill-batch", type=int, default=8, help="trajectories per update (each gives 2 views)")
-    p.add_argument("--distill-lr", type=float, default=2e-5)
+    p.add_argument("--distill-batch", type=int, default=4, help="trajectories per update (each gives 2 views)")
+    p.add_argument("--distill-lr", type=float, default=5e-5)
     p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
     p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
     p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
     p.add_argument("--thresholds", type=_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
-    p.add_argument("--forced", type=_ints, default=[2, 4], help="tokens forced per forward (K/k steps per block)")
-    p.add_argument("--commit-rule", type=_floats, default=[0.9],
+    p.add_argument("--forced", type=_ints, default=[], help="tokens forced per forward (K/k steps per block)")
+    p.add_argument("--commit-rule", type=_floats, default=[0.9, 0.7],
                    help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
                         "(empty: none)")
     p.add_argument("--commit-rule-problems", type=int, default=32,
                    help="train problems whose decodes fit the commit rule's head")
     p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
-    p.add_argument("--eval-problems", type=int, default=100, help="held-out problems (the same for every seed)")
+    p.add_argument("--eval-problems", type=int, default=64, help="held-out problems (the same for every seed)")
     p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call")
     p.add_argument("--backend", choices=("auto", "compiled", "eager"), default="auto",
                    help="unifusion's loss/sampler backend (uf.backend.set_backend)")
