@@ -125,7 +125,8 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         use_cache: with a policy on a block model, the exact KV cache (prefill the prompt once, each step runs one
             block's ``K + 1`` positions, one forward per committed block): the same tokens as ``False``.
         merge_commits: with that cache, run each committed block within the next block's first step (one call of
-            ``2K + 1`` positions instead of two; Fast-dLLM v2's way): the same tokens, one call fewer per block.
+            ``2K + 1`` positions instead of two; Fast-dLLM v2's way) and the prompt's prefill within the first step:
+            the same tokens, one call fewer per block.
         cache_refresh: with a policy on a fully bidirectional model, Fast-dLLM's **approximate** dual cache: a
             full forward at each block's first step and every ``cache_refresh`` steps, ``K + 1`` positions in
             between (the tokens drift from uncached decoding; ``1`` is exact). ``None``: no cache.
