@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 __all__ = ["INDEX_NAME", "WEIGHTS_FILE", "ParameterPart", "WeightTarget", "build_backbone", "load_weights",
-           "read_source_config", "resolve_dtype", "save_weights"]
+           "read_source_config", "resolve_dtype", "save_weights", "transformers_layout_settings",
+           "transformers_layout_weight_names"]
 
 WEIGHTS_FILE = "model.safetensors"
 """The single-file weights of a checkpoint folder."""
@@ -86,6 +87,44 @@ def read_source_config(path: Path, model_type: str) -> dict[str, Any]:
         raise ValueError(f"directory: {str(path)!r} is not a {model_type!r} checkpoint (config.json model_type = "
                          f"{found!r})")
     return source
+
+
+def transformers_layout_settings(source: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The backbone-config settings of a released ``config.json`` already keyed as transformers' Qwen2/Qwen3 configs
+    (Dream, SDAR, Fast-dLLM v2): sizes, RMSNorm ε, RoPE θ, special tokens; SwiGLU, no sliding window, no KV cache,
+    SDPA. A kind adds its own keys (``head_dim``, biases) and checks its windows itself.
+
+    Raises:
+        ValueError: ``rope_scaling`` set (only the default RoPE is reproduced) or an MLP other than SwiGLU, naming
+            ``kind``.
+    """
+    if source.get("rope_scaling"):
+        raise ValueError(f"config.json: rope_scaling = {source['rope_scaling']!r}; only the default RoPE is supported")
+    if source.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act = {source['hidden_act']!r}; {kind}'s MLP is SwiGLU ('silu')")
+    heads = int(source["num_attention_heads"])
+    return dict(  # **: rope_theta and attn_implementation are keywords transformers reads
+        vocab_size=int(source["vocab_size"]), hidden_size=int(source["hidden_size"]),
+        intermediate_size=int(source["intermediate_size"]), num_hidden_layers=int(source["num_hidden_layers"]),
+        num_attention_heads=heads, num_key_value_heads=int(source.get("num_key_value_heads") or heads),
+        hidden_act="silu", max_position_embeddings=int(source["max_position_embeddings"]),
+        rms_norm_eps=float(source.get("rms_norm_eps", 1e-6)), rope_theta=float(source.get("rope_theta", 10000.0)),
+        use_sliding_window=False, sliding_window=None, tie_word_embeddings=bool(source.get("tie_word_embeddings")),
+        eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id"),
+        bos_token_id=source.get("bos_token_id"), use_cache=False, attn_implementation="sdpa")
+
+
+def transformers_layout_weight_names(source: dict[str, Any], layer: list[str]) -> dict[str, str]:
+    """``{name: name}`` for a checkpoint stored under transformers' own names: the embedding, the final norm, each
+    of ``num_hidden_layers`` layers' ``layer`` weights (``model.layers.{i}.<name>``) and the head unless
+    ``tie_word_embeddings``."""
+    names = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
+    for i in range(int(source["num_hidden_layers"])):
+        for name in layer:
+            names[f"model.layers.{i}.{name}"] = f"model.layers.{i}.{name}"
+    if not source.get("tie_word_embeddings"):
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..native import NativeDiffusionLM
+from ..native_checkpoint import transformers_layout_settings, transformers_layout_weight_names
 
 __all__ = ["DreamLM", "wrap"]
 
@@ -47,22 +48,7 @@ class DreamLM(NativeDiffusionLM):
         if source.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window = true; Dream's own attention never windows (its SDPA "
                              "layers ignore the setting), so a windowed Qwen2 backbone would not reproduce it")
-        if source.get("rope_scaling"):
-            raise ValueError(f"config.json: rope_scaling = {source['rope_scaling']!r}; only the default RoPE is "
-                             "supported")
-        if source.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act = {source['hidden_act']!r}; Dream's MLP is SwiGLU ('silu')")
-        heads = int(source["num_attention_heads"])
-        settings: dict[str, Any] = dict(  # **: rope_theta and attn_implementation are keywords transformers reads
-            vocab_size=int(source["vocab_size"]), hidden_size=int(source["hidden_size"]),
-            intermediate_size=int(source["intermediate_size"]), num_hidden_layers=int(source["num_hidden_layers"]),
-            num_attention_heads=heads, num_key_value_heads=int(source.get("num_key_value_heads") or heads),
-            hidden_act="silu", max_position_embeddings=int(source["max_position_embeddings"]),
-            rms_norm_eps=float(source.get("rms_norm_eps", 1e-6)), rope_theta=float(source.get("rope_theta", 10000.0)),
-            use_sliding_window=False, sliding_window=None, tie_word_embeddings=bool(source.get("tie_word_embeddings")),
-            eos_token_id=source.get("eos_token_id"), pad_token_id=source.get("pad_token_id"),
-            bos_token_id=source.get("bos_token_id"), use_cache=False, attn_implementation="sdpa")
-        return Qwen2Config(**settings)
+        return Qwen2Config(**transformers_layout_settings(source, "Dream"))
 
     @classmethod
     def backbone_class(cls) -> type[nn.Module]:
@@ -72,17 +58,11 @@ class DreamLM(NativeDiffusionLM):
 
     @classmethod
     def weight_names(cls, source: dict[str, Any]) -> dict[str, str]:
-        names = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
         layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                  "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
                  "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        for i in range(int(source["num_hidden_layers"])):
-            for name in layer:
-                names[f"model.layers.{i}.{name}"] = f"model.layers.{i}.{name}"
-        if not source.get("tie_word_embeddings"):
-            names["lm_head.weight"] = "lm_head.weight"
-        return names
+        return transformers_layout_weight_names(source, layer)
 
     def diffusion_generate(self, prompt_ids: torch.Tensor, *, max_new_tokens: int, steps: int = 512,
                            alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = "origin",

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..native import NativeDiffusionLM
+from ..native_checkpoint import transformers_layout_settings, transformers_layout_weight_names
 
 __all__ = ["SDARLM", "wrap"]
 
@@ -52,27 +53,12 @@ class SDARLM(NativeDiffusionLM):
         if source.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window = true; SDAR's released models never window (and its "
                              "SDPA path ignores windows), so a windowed Qwen3 backbone would not reproduce it")
-        if source.get("rope_scaling"):
-            raise ValueError(f"config.json: rope_scaling = {source['rope_scaling']!r}; only the default RoPE is "
-                             "supported")
-        if source.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act = {source['hidden_act']!r}; SDAR's MLP is SwiGLU ('silu')")
+        settings = transformers_layout_settings(source, "SDAR")
         if source.get("attention_bias"):
             raise ValueError("config.json: attention_bias = true; SDAR's released models have no attention biases")
         heads = int(source["num_attention_heads"])
-        d = int(source["hidden_size"])
-        settings: dict[str, Any] = dict(  # **: rope_theta and attn_implementation are keywords transformers reads
-            vocab_size=int(source["vocab_size"]), hidden_size=d, intermediate_size=int(source["intermediate_size"]),
-            num_hidden_layers=int(source["num_hidden_layers"]), num_attention_heads=heads,
-            num_key_value_heads=int(source.get("num_key_value_heads") or heads),
-            head_dim=int(source.get("head_dim") or d // heads), hidden_act="silu",
-            max_position_embeddings=int(source["max_position_embeddings"]),
-            rms_norm_eps=float(source.get("rms_norm_eps", 1e-6)), rope_theta=float(source.get("rope_theta", 10000.0)),
-            attention_bias=False, use_sliding_window=False, sliding_window=None,
-            tie_word_embeddings=bool(source.get("tie_word_embeddings")), eos_token_id=source.get("eos_token_id"),
-            pad_token_id=source.get("pad_token_id"), bos_token_id=source.get("bos_token_id"), use_cache=False,
-            attn_implementation="sdpa")
-        return Qwen3Config(**settings)
+        return Qwen3Config(**settings, head_dim=int(source.get("head_dim") or int(source["hidden_size"]) // heads),
+                           attention_bias=False)
 
     @classmethod
     def backbone_class(cls) -> type[nn.Module]:
@@ -82,17 +68,11 @@ class SDARLM(NativeDiffusionLM):
 
     @classmethod
     def weight_names(cls, source: dict[str, Any]) -> dict[str, str]:
-        names = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
         layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                  "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                  "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                  "mlp.down_proj.weight"]
-        for i in range(int(source["num_hidden_layers"])):
-            for name in layer:
-                names[f"model.layers.{i}.{name}"] = f"model.layers.{i}.{name}"
-        if not source.get("tie_word_embeddings"):
-            names["lm_head.weight"] = "lm_head.weight"
-        return names
+        return transformers_layout_weight_names(source, layer)
 
     def block_diffusion_generate(
             self, prompt_ids: torch.Tensor, *, gen_length: int = 128, denoising_steps: int | None = None,
