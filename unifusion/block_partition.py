@@ -1,21 +1,35 @@
 """Where a block model's blocks fall in a row, for any model kind: the arithmetic the estimators, the trainers and the
 samplers share.
 
-A block model with block size K (``Denoiser.block_size``) decodes a row block by block from the first column it
-generates: blocks ``[s, s + K), [s + K, s + 2K), …`` where s is the row's **generated start** (the prompt's end, as
-:func:`unifusion.samplers.generate` places it), the last block shorter when K does not divide the generated length.
-The prompt before s is the clean prefix, whatever its length. A block-causal forward that cuts blocks at column
-multiples of K (``adapt_ar_model(..., block_size=K)``) computes that partition for a row moved right by
-``(−s) mod K`` invisible left pads (:func:`aligning_shifts`, :func:`shift_right`): what ``generate(...,
-use_cache=False)`` does for a batch, and what :func:`unifusion.rl.sequence_logprob` does row by row.
+A block model with block size K (``Denoiser.block_size``) decodes a row block by block. Its blocks are cut at
+``o, o + K, o + 2K, …`` from the row's **block origin** o, which the model kind declares
+(``Denoiser.block_origin``, :func:`origin_columns`):
+
+* ``"prompt_end"``: o = s, the row's **generated start** (the prompt's end, as :func:`unifusion.samplers.generate`
+  places it). The prompt before s is the clean prefix, whatever its length; the first block holds the first K
+  generated tokens (unifusion's adapted ``DiffusionLM``).
+* ``"sequence_start"``: o = the row's first real column (after its left padding). The block holding s,
+  ``[b₀, b₀ + K)`` with ``b₀ = o + ⌊(s − o)/K⌋ K`` (:func:`first_block_start`), starts with the prompt's last
+  ``(s − o) mod K`` tokens, kept fixed, and is decoded with the first generated ones (SDAR, LLaDA 2.x, Fast-dLLM v2).
+
+The last block is shorter when the generated region does not end on a cut. A block-causal forward that cuts blocks
+at column multiples of K (``adapt_ar_model(..., block_size=K)``, the released kinds' forward) computes that
+partition for a row moved right by ``(−o) mod K`` invisible left pads (:func:`aligning_shifts`,
+:func:`shift_right`): what ``generate(..., use_cache=False)`` does for a batch, and what
+:func:`unifusion.rl.sequence_logprob` does row by row.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from einops import repeat
 
-__all__ = ["aligning_shifts", "expand_block_times", "generated_start", "num_blocks", "shift_right"]
+from .denoiser import BLOCK_ORIGINS, BlockOrigin
+
+__all__ = ["aligning_shifts", "block_origin_of", "expand_block_times", "first_block_start", "generated_start",
+           "num_blocks", "origin_columns", "shift_right"]
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -36,9 +50,37 @@ def generated_start(generated: torch.Tensor) -> torch.Tensor:
     return torch.where(generated, col, L).amin(-1)
 
 
+def block_origin_of(model: object) -> BlockOrigin:
+    """The model's declared block origin (``Denoiser.block_origin``; ``"prompt_end"`` for an object that declares
+    none, e.g. a decoding view). Any other value is a ``ValueError`` naming ``block_origin``."""
+    origin = getattr(model, "block_origin", "prompt_end")
+    if origin not in BLOCK_ORIGINS:
+        raise ValueError(f"block_origin: {type(model).__name__} declares {origin!r}; expected one of {BLOCK_ORIGINS}")
+    return cast(BlockOrigin, origin)
+
+
+def origin_columns(origin: BlockOrigin, generated: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B,)`` int64, the column each row's blocks are counted from (module docstring): its generated start
+    (:func:`generated_start` of ``generated`` ``(B, L)`` bool) for ``"prompt_end"``; its first real column for
+    ``"sequence_start"`` (the first True of ``valid`` ``(B, L)`` bool, False at left padding; 0 when ``valid`` is
+    ``None``)."""
+    if origin == "prompt_end":
+        return generated_start(generated)
+    if valid is None:
+        return torch.zeros(generated.shape[0], dtype=torch.long, device=generated.device)
+    return generated_start(valid.to(torch.bool))
+
+
+def first_block_start(start: torch.Tensor, origin: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``b₀ = o + ⌊(s − o)/K⌋ K`` ``(B,)``: the first column of the block that holds each row's generated start s,
+    for blocks counted from o (``s`` itself when ``o = s``)."""
+    return origin + (start - origin).div(block_size, rounding_mode="floor") * block_size
+
+
 def aligning_shifts(start: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``(B,)`` int64 ``(−start) mod K``: the invisible left pads that put each row's generated start on a column
-    multiple of K (0 for a start already on one)."""
+    """``(B,)`` int64 ``(−start) mod K``: the invisible left pads that put each row's block origin ``start`` (its
+    generated start, or its first real column: :func:`origin_columns`) on a column multiple of K (0 for one already
+    there)."""
     return (-start) % block_size
 
 

@@ -45,9 +45,16 @@ from typing import Any, Literal, Protocol, TypeAlias, overload, runtime_checkabl
 
 import torch
 
-__all__ = ["BlockDenoiser", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule",
+__all__ = ["BLOCK_ORIGINS", "BlockDenoiser", "BlockOrigin", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule",
            "HiddenStateBlockDenoiser", "HiddenStateModel", "X0Model", "denoiser_of", "prompt_conditioning",
            "unwrap_model"]
+
+BlockOrigin: TypeAlias = Literal["prompt_end", "sequence_start"]
+"""Where a block model's blocks start (:attr:`Denoiser.block_origin`): at each row's generated start
+(``"prompt_end"``) or at column multiples of the block size from its first real token (``"sequence_start"``)."""
+
+BLOCK_ORIGINS: tuple[BlockOrigin, ...] = ("prompt_end", "sequence_start")
+"""The values of :attr:`Denoiser.block_origin`."""
 
 X0Model: TypeAlias = Callable[..., torch.Tensor]
 """Any x0 model: a callable ``model(x_t (B, L) int64, t (B,) | None, **options) → logits (B, L, S)``. A
@@ -176,7 +183,8 @@ class Denoiser(ABC):
       configuration, each ``None`` when not known;
     * :attr:`block_size`: ``K`` for a block model (trained block-causally, decoded block by block), ``None`` for a
       model that sees the whole sequence at once; a block model also implements :meth:`block_conditioning` (how its
-      block-causal forward takes the clean stream);
+      block-causal forward takes the clean stream) and says where its blocks start (:attr:`block_origin`: at the
+      prompt's end, the default, or from the sequence's first token);
     * :attr:`conditions_on_prompt`: whether calls must be told where the clean prompt is (see
       :func:`prompt_conditioning`);
     * :attr:`generate_takes_sampler_options`: whether ``generate`` takes :func:`unifusion.samplers.generate`'s
@@ -196,8 +204,8 @@ class Denoiser(ABC):
     :attr:`conditions_on_prompt`; :func:`prompt_conditioning` then gives it ``prompt_mask=`` and ``x0=``.
 
     What the losses, estimators and trainers pass besides ``x_t`` and ``t`` comes from these declarations only
-    (:attr:`block_size`, :meth:`block_conditioning`, :attr:`conditions_on_prompt`): a kind registered from outside
-    the package trains, scores and samples as the built-in ones do.
+    (:attr:`block_size`, :attr:`block_origin`, :meth:`block_conditioning`, :attr:`conditions_on_prompt`): a kind
+    registered from outside the package trains, scores and samples as the built-in ones do.
     """
 
     conditions_on_prompt: bool = False
@@ -221,6 +229,21 @@ class Denoiser(ABC):
     """Tokens per block ``K`` of a block model: trained block-causally (block ``b`` sees the clean tokens of blocks
     ``< b`` and its own noisy ones, :mod:`unifusion.hf.ar.blocks`), sampled block by block with a decoding policy.
     ``None``: not a block model (one bidirectional block over the whole sequence)."""
+
+    block_origin: BlockOrigin = "prompt_end"
+    """Where a block model's blocks start, as it was trained and as its own decoder cuts them
+    (:mod:`unifusion.block_partition`); read only when :attr:`block_size` is set.
+
+    * ``"prompt_end"`` (this default): at each row's generated start — the prompt is a clean prefix of any length and
+      the first block holds the first K generated tokens (unifusion's adapted :class:`~unifusion.DiffusionLM`,
+      trained with its blocks cut at the prompt's end; DiffusionGemma's canvases).
+    * ``"sequence_start"``: at column multiples of K from each row's first real token — the block holding the
+      prompt's last ``P mod K`` tokens is decoded with the first generated ones, those prompt tokens fixed (SDAR /
+      TraDo, LLaDA 2.x and Fast-dLLM v2, trained on sequences cut into blocks from their start, whose reference
+      decoders cut blocks from column 0).
+
+    :func:`unifusion.samplers.generate`, :func:`unifusion.rl.sequence_logprob`, the trainers and the distillation
+    recorder all cut blocks where this says, so a completion is scored under the blocks it was sampled from."""
 
     tokenizer: Any = None
     """The Hugging Face tokenizer saved with the model, or ``None`` (``generate`` reads its EOS and pad ids and
@@ -308,8 +331,9 @@ class Denoiser(ABC):
         The block forward this declares: ``t`` is one time per block ``(B, ⌈L/K⌉)`` (or per row ``(B,)``); blocks are
         cut at column multiples of K from column 0; block ``b``'s prediction sees the clean tokens ``x0`` of the
         blocks before it and the noisy ``x_t`` of its own block, nothing of later blocks; columns where
-        ``attention_mask`` is 0 are invisible. So a row moved right by ``(−s) mod K`` padded columns has its blocks
-        cut from its generated start s, as the decoders cut them (:mod:`unifusion.block_partition`, what
+        ``attention_mask`` is 0 are invisible. So a row moved right by ``(−o) mod K`` padded columns has its blocks
+        cut from column o — its generated start, or its first real token for a ``"sequence_start"`` kind
+        (:attr:`block_origin`) — as the decoders cut them (:mod:`unifusion.block_partition`, what
         :func:`unifusion.rl.sequence_logprob` does). :func:`unifusion.diffusion_loss`, :func:`unifusion.eval.nll_bound`
         and the estimators call it; a row of one block takes the plain call (no clean stream).
 

@@ -66,20 +66,32 @@ def check_estimators_match_the_enumerated_elbo(model: Any) -> None:
     _check_estimators_near(model, x0, P, R, elbo)
 
 
-def check_block_estimators_match_the_enumerated_block_elbo(model: Any) -> None:
+def check_block_estimators_match_the_enumerated_block_elbo(model: Any, *, prompt_length: int = 4,
+                                                          completion_length: int = 8, rollout: bool = False) -> None:
     """For a block kind (block size K = 4): ``uf.diffusion_loss`` (SFT, the prompt clean), ``uf.eval.nll_bound`` and
-    ``uf.rl.sequence_logprob`` are unbiased for the enumerated block ELBO Σ_b ELBO(block b | x0 of blocks < b) of an
-    8-token completion (two blocks) after a 4-token prompt: each block's term enumerates the 16 masks of its
-    positions through the training stream ``model(x_t, clean=x0)``; the mean of R rows lies within 4 standard
-    errors."""
+    ``uf.rl.sequence_logprob`` are unbiased for the enumerated block ELBO Σ_b ELBO(block b | x0 of blocks < b) of a
+    completion (8 tokens: two blocks) after a prompt (4 tokens), the blocks cut at column multiples of K from column
+    0 as the released kinds' decoders cut them (``block_origin="sequence_start"``; a prompt whose length K does not
+    divide shares its last block with the first completion tokens, which stay clean in it): each block's term
+    enumerates the masks of its completion positions through the training stream ``model(x_t, clean=x0)``; the mean
+    of R rows lies within 4 standard errors. ``rollout``: the completion is the model's own sample from
+    ``generate`` (random tokens otherwise), where blocks cut at the prompt's end instead are many standard errors
+    off."""
     K = model.block_size
-    assert K == 4
-    L, P, R = 12, 4, 256
-    x0 = torch.randint(0, 80, (L,), generator=torch.Generator().manual_seed(5))
+    assert K == 4 and model.block_origin == "sequence_start"
+    P = prompt_length
+    L, R = P + completion_length, 256
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randint(0, 80, (L,), generator=g)
+    if rollout:  # a completion the model sampled (an RL rollout): the blocks matter most where it is likely
+        from unifusion.samplers.policies import LowConfidence
+
+        x0 = model.generate(x0[None, :P], max_new_tokens=L - P, policy=LowConfidence(), num_steps=1,
+                            eos_token_id=None, generator=g)[0]
     elbo = 0.0
     mask = model.mask_token_id
-    for start in range(P, L, K):
-        positions = list(range(start, start + K))
+    for start in range(P // K * K, L, K):
+        positions = [c for c in range(start, min(start + K, L)) if c >= P]
         subsets = [frozenset(c) for r in range(K + 1) for c in itertools.combinations(positions, r)]
         x_t = x0.repeat(len(subsets), 1)
         for j, M in enumerate(subsets):
@@ -242,3 +254,33 @@ def check_trace_replay(model: Any, ref: dict[str, torch.Tensor]) -> None:
             r = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step,
                                        temperature=0.8, attention_mask=valid)
         torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-4, rtol=0)
+
+
+def check_padded_rows_equal_rows_alone(model: Any, prompts: list[torch.Tensor], pad_id: int) -> None:
+    """A left-padded batch of prompts whose lengths differ mod K (their first blocks hold different numbers of prompt
+    tokens, the blocks cut from each row's first real token): sampled ``generate`` with per-row generators gives
+    each row's tokens and trace alone, cached (merged commits or not) and uncached; ``sequence_logprob``'s
+    ``"trace"`` replays the batch's commit log-probabilities."""
+    from unifusion.samplers.policies import LowConfidence
+
+    P = max(p.shape[0] for p in prompts)
+    ids = torch.stack([torch.cat([torch.full((P - p.shape[0],), pad_id), p]) for p in prompts])
+    attn = torch.stack([torch.arange(P) >= P - p.shape[0] for p in prompts]).long()
+    kw = {"max_new_tokens": 7, "policy": LowConfidence(), "num_steps": 2, "eos_token_id": None,
+          "temperature": 0.8, "return_trace": True}
+    alone = [model.generate(p[None], generator=torch.Generator().manual_seed(i), **kw)
+             for i, p in enumerate(prompts)]
+    for extra in ({"use_cache": True}, {"use_cache": True, "merge_commits": True}, {"use_cache": False}):
+        out = model.generate(ids, attention_mask=attn, **extra, **kw,
+                             generator=[torch.Generator().manual_seed(i) for i in range(len(prompts))])
+        for i, (p, one) in enumerate(zip(prompts, alone)):
+            n = p.shape[0]
+            assert torch.equal(out.sequences[i, P - n:], one.sequences[0]), (extra, i)
+            assert torch.equal(out.commit_step[i, P - n:] >= 0, one.commit_step[0] >= 0), (extra, i)
+            torch.testing.assert_close(out.commit_logprob[i, P - n:], one.commit_logprob[0], atol=1e-4, rtol=0)
+    completion = out.commit_step >= 0
+    valid = torch.cat([attn, torch.ones(len(prompts), 7, dtype=attn.dtype)], 1)
+    with torch.no_grad():
+        r = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step,
+                                   temperature=0.8, attention_mask=valid)
+    torch.testing.assert_close(r.per_token, out.commit_logprob, atol=1e-4, rtol=0)

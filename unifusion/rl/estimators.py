@@ -313,7 +313,8 @@ class TracePlan:
         return int(self.noised.shape[0])
 
 
-def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size: int | None = None) -> TracePlan:
+def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size: int | None = None,
+               origin: torch.Tensor | None = None) -> TracePlan:
     """The replay of a decoder's order (TraceRL): the positions committed at one step form a group G_s, scored given
     the prompt and the groups committed before it, every later group masked:
 
@@ -325,9 +326,11 @@ def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size
     an EOS, which the decoder saw masked until the row stopped) stay masked. Columns before it are the prompt.
 
     Without blocks (a fully bidirectional model) pass k scores every row's k-th group (its steps in ascending
-    order). With ``block_size`` K the region is cut into blocks of K positions from its first column (the decoder's
-    blocks); a block model's prediction for a block sees only the clean blocks before it, so pass k scores the k-th
-    group of *every* block at once, each block at its own state: as many passes as the most steps one block took.
+    order). With ``block_size`` K the region is cut into blocks of K positions counted from ``origin`` (the
+    decoder's blocks: by default from the region's first column; from the row's first real token for a
+    ``"sequence_start"`` kind, :mod:`unifusion.block_partition`); a block model's prediction for a block sees only the
+    clean blocks before it, so pass k scores the k-th group of *every* block at once, each block at its own state: as
+    many passes as the most steps one block took.
 
     Args:
         trace: ``(B, L)`` integer commit steps (:attr:`unifusion.samplers.PolicyOutput.commit_step`): positions with
@@ -335,6 +338,8 @@ def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size
             completion position needs a step ``≥ 0``.
         completion_mask: ``(B, L)`` bool, the scored tokens.
         block_size: the decoder's block size for a block model, ``None`` otherwise.
+        origin: ``(B,)`` int64, the column each row's blocks are counted from (at most the region's first column;
+            :func:`unifusion.block_partition.origin_columns`), ``None``: the region's first column.
 
     Returns:
         :class:`TracePlan`. One host read (the number of passes).
@@ -357,7 +362,13 @@ def plan_trace(trace: torch.Tensor, completion_mask: torch.Tensor, *, block_size
     region = col >= start
     committed = region & (step >= 0)
     never = region & (step < 0)
-    block = torch.zeros_like(step) if K is None else (col - start).div(K, rounding_mode="floor")
+    if origin is not None and (not isinstance(origin, torch.Tensor) or tuple(origin.shape) != (B,)):
+        raise ValueError(f"origin: expected a ({B},) int64 tensor of columns, got "
+                         f"{tuple(origin.shape) if isinstance(origin, torch.Tensor) else type(origin).__name__}")
+    o = start if origin is None else origin.to(step.device, torch.long)[:, None]  # (B, 1) where blocks are counted
+    if origin is not None:
+        V.fail_if((o > start).any(), lambda: "origin: expected columns at most each row's generated start")
+    block = torch.zeros_like(step) if K is None else (col - o).div(K, rounding_mode="floor")
     # the rank of each committed position's step among the distinct steps of its (row, block): its pass
     same = committed[:, :, None] & committed[:, None, :] & (block[:, :, None] == block[:, None, :])  # (B, L, L)
     earlier_equal = same & (step[:, :, None] == step[:, None, :]) & (col[:, None] > col[None, :])

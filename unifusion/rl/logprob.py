@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from ..block_partition import aligning_shifts, expand_block_times, generated_start, num_blocks, shift_right
+from ..block_partition import (
+    aligning_shifts,
+    block_origin_of,
+    expand_block_times,
+    generated_start,
+    num_blocks,
+    origin_columns,
+    shift_right,
+)
 from ..denoiser import Denoiser, X0Model, denoiser_of, prompt_conditioning
 from ..eval.likelihood import prior_kl
 from ..kernels import MAX_TIME, Kernel, MaskKernel, check_kernel
@@ -369,19 +377,23 @@ def _first_real(x0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def _replay(model: X0Model, inner: Denoiser, batch: _Batch, trace: object, mask_id: int,
             temperature: float) -> SequenceLogProb:
     """The ``"trace"`` estimator: the passes of :func:`~unifusion.rl.estimators.plan_trace`, each through the model's
-    forward; a block model runs each row behind ``−start mod K`` invisible left pads so that its blocks are cut where
-    the decoder's were (at the row's first generated column), as ``generate(..., use_cache=False)`` does."""
+    forward; a block model runs each row behind ``−o mod K`` invisible left pads so that its blocks are cut where
+    the decoder's were (from the row's block origin o: its first generated column, or its first real token for a
+    ``"sequence_start"`` kind), as ``generate(..., use_cache=False)`` does."""
     x0, completion, attention_mask = batch.x0, batch.completion, batch.attention_mask
     B, L = x0.shape
     K = inner.block_size
-    plan: TracePlan = plan_trace(trace, completion, block_size=K)  # type: ignore[arg-type]
     valid = torch.ones((B, L), dtype=torch.bool, device=x0.device) if attention_mask is None else \
         attention_mask.to(torch.bool)
+    origin = None
+    if K is not None and isinstance(trace, torch.Tensor) and tuple(trace.shape) == (B, L):
+        origin = origin_columns(block_origin_of(inner), completion | (trace.to(x0.device) >= 0), valid)
+    plan: TracePlan = plan_trace(trace, completion, block_size=K, origin=origin)  # type: ignore[arg-type]
     shifts = torch.zeros(B, dtype=torch.long, device=x0.device)
     Lp = L
     if K is not None:
-        assert isinstance(trace, torch.Tensor)  # plan_trace checked it
-        shifts = aligning_shifts(generated_start(completion | (trace.to(x0.device) >= 0)), int(K))
+        assert origin is not None  # plan_trace checked the trace
+        shifts = aligning_shifts(origin, int(K))
         Lp = L + int(shifts.max())  # one host read
     if Lp != L:
         x0 = _aligned(x0, shifts, Lp, _first_real(x0, valid))  # any valid id: no query sees the pads
@@ -426,18 +438,22 @@ def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int
     """The kernel's ELBO with stratified times t_k = t_min + (1 − t_min)(k − u)/K and x_t ~ q_{t|0}.
 
     Every draw is the row's own, from its generator, over its completion span ``[s, e)`` (first to last completion
-    column): one u per row (per block of the span for a block model, the blocks cut from s as the decoder cut them),
-    then per pass the corruption of the span. So a row's estimate depends on its tokens and seed only, not on its
-    alignment, padding or batch. A block model runs each row behind ``(−s) mod K`` invisible left pads, which put
-    the forward's block boundaries at s, s + K, … (:mod:`unifusion.block_partition`)."""
+    column): one u per row (per block of the span for a block model, the blocks cut from the row's block origin o
+    as the decoder cut them: o = s, or the row's first real token for a ``"sequence_start"`` kind), then per pass the
+    corruption of the span. So a row's estimate depends on its tokens and seed only, not on its alignment, padding or
+    batch. A block model runs each row behind ``(−o) mod K`` invisible left pads, which put the forward's block
+    boundaries at o, o + K, … (:mod:`unifusion.block_partition`); the prompt columns of the block holding s stay
+    clean in it."""
     x0, completion, valid, attention_mask = batch.x0, batch.completion, batch.valid, batch.attention_mask
     block = inner.block_size
     B, L = x0.shape
     device = x0.device
     span_start = generated_start(completion)
     span_end = L - generated_start(completion.flip(-1))
-    starts, ends = span_start.tolist(), span_end.tolist()  # one host read
-    sizes = [1 if block is None else num_blocks(e - s, block) for s, e in zip(starts, ends)]
+    origin = span_start if block is None else origin_columns(block_origin_of(inner), completion, valid)
+    starts, ends, origins = span_start.tolist(), span_end.tolist(), origin.tolist()  # one host read
+    leads = [0 if block is None else (s - o) % block for s, o in zip(starts, origins)]  # prompt columns before s
+    sizes = [1 if block is None else num_blocks(r + e - s, block) for s, e, r in zip(starts, ends, leads)]
     k = torch.arange(1, K + 1, device=device, dtype=torch.float64)[:, None]
     times = [(t_min + (1.0 - t_min) * (k - torch.rand(n, generator=g, device=device, dtype=torch.float64)[None]) / K
               ).clamp(1e-12, MAX_TIME) for g, n in zip(gens, sizes)]  # per row (K, blocks of its span)
@@ -445,8 +461,8 @@ def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int
     moves = [0] * B
     width = L
     if block is not None:
-        shifts = aligning_shifts(span_start, block)
-        moves = [(-s) % block for s in starts]
+        shifts = aligning_shifts(origin, block)
+        moves = [(-o) % block for o in origins]
         width = L + max(moves)
         if width <= block:  # one block (no prompt before it): the plain forward
             block, sizes = None, [1] * B
@@ -460,7 +476,7 @@ def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int
         nb = num_blocks(width, block)
         t_blocks = torch.full((K, B, nb), 0.5, dtype=torch.float64, device=device)  # prompt blocks: unscored
         for b, (s, n) in enumerate(zip(starts, sizes)):
-            first = (s + (-s) % block) // block
+            first = (s + moves[b]) // block  # the block holding s
             t_blocks[:, b, first:first + n] = times[b]
     extra.update(prompt_conditioning(model, x0_a, _aligned(valid & ~completion, shifts, width, False)))
     weight = completion_a.float() * ((1.0 - t_min) / K)
@@ -470,7 +486,7 @@ def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int
         with V.unchecked():
             for b, (s, e) in enumerate(zip(starts, ends)):
                 t_span = times[b][j, :1][None] if block is None else \
-                    expand_block_times(times[b][j][None], e - s, block)  # (1, 1) or (1, e − s)
+                    expand_block_times(times[b][j][None], leads[b] + e - s, block)[:, leads[b]:]  # (1, e − s)
                 o = s + moves[b]
                 span = kernel.sample(x0[b:b + 1, s:e], t_span, generator=gens[b])[0]
                 x_t[b, o:o + e - s] = torch.where(completion[b, s:e], span, x0[b, s:e])

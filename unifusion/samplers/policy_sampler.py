@@ -203,8 +203,8 @@ class PolicySampler:
                return_dict: bool = False, return_trace: bool = False, return_logits: bool = False,
                progress: bool = False,
                stopping: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
-               on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-               ) -> torch.Tensor | PolicyOutput:
+               on_block: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+               block_start: int | None = None) -> torch.Tensor | PolicyOutput:
         """Generate ``(batch_size, seq_len)`` int64 token ids (or a :class:`PolicyOutput`).
 
         Args:
@@ -235,6 +235,12 @@ class PolicySampler:
                 run (e.g. stop strings).
             on_block: called after each block is decided (and ``stopping`` applied) as ``on_block(b, tokens (B, L),
                 cols (B, K_b))``: the block's tokens are final (e.g. a streamer).
+            block_start: with ``block_size``, the first column of the first block for every row (default: each
+                row's generated start): blocks counted from a model's block origin before the generated start
+                (:mod:`unifusion.block_partition`, a ``"sequence_start"`` kind). The kept prompt columns of the first
+                block stay fixed and count as context of that block (a :class:`BlockDenoiser` gets the prefix before
+                ``block_start`` and runs them with the block). It must lie at most ``block_size − 1`` columns before
+                every row's generated start.
         """
         B = V.check_positive_int("batch_size", batch_size)
         L = V.check_positive_int("seq_len", seq_len)
@@ -261,7 +267,7 @@ class PolicySampler:
         dev, source = resolve_device(self.model, prompt, generators, None)
         check_devices(self.model, generators, dev, source)
         with torch.no_grad():
-            run = self._start(B, L, prompt, attention_mask, generators, dev)
+            run = self._start(B, L, prompt, attention_mask, generators, dev, block_start)
             if traced is not None:
                 run.commit_step = torch.full((B, L + 1), -1, dtype=torch.long, device=dev)
                 run.commit_logprob = torch.zeros((B, L + 1), dtype=torch.float32, device=dev)
@@ -306,7 +312,7 @@ class PolicySampler:
     # -- setup
 
     def _start(self, B: int, L: int, prompt: object, attention_mask: object, generators: Any,
-               dev: torch.device) -> _Run:
+               dev: torch.device, block_start: int | None = None) -> _Run:
         kernel = self.kernel
         with V.batched_checks():  # the run's value checks, read back once
             kept = resolve_prompt(prompt, B, L, kernel, dev)
@@ -318,6 +324,8 @@ class PolicySampler:
                             "the padding; pass prompts without padding or a model that takes the mask")
         generated = ~keep
         starts, starts_host = R.row_starts(generated)  # the run's setup sync
+        if block_start is not None:
+            starts, starts_host = self._block_starts(block_start, starts_host, dev)
         region = L - min(starts_host)
         width = self.block_size if self.block_size is not None else max(region, 1)
         if self.block_size is None and self.policy.fixed_count and self.num_steps is not None \
@@ -347,6 +355,19 @@ class PolicySampler:
         elif self.policy.family == "uniform" and num_blocks > 1:
             self._fill_later_blocks(run)
         return run
+
+    def _block_starts(self, block_start: object, starts_host: list[int], dev: torch.device
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """Every row's first block starting at ``block_start`` (checked against the rows' generated starts)."""
+        if self.block_size is None:
+            raise ValueError("block_start: places the first block of a block decoder; pass block_size too")
+        if isinstance(block_start, bool) or not isinstance(block_start, int):
+            raise TypeError(f"block_start: expected an int column or None, got {type(block_start).__name__}")
+        lead = [s - block_start for s in starts_host]
+        if min(lead) < 0 or max(lead) >= self.block_size:
+            raise ValueError(f"block_start: expected a column at most block_size - 1 = {self.block_size - 1} before "
+                             f"every row's generated start {sorted(set(starts_host))[:4]}, got {block_start}")
+        return torch.full((len(starts_host),), block_start, dtype=torch.long, device=dev), [block_start] * len(lead)
 
     def _fill_later_blocks(self, run: _Run) -> None:
         """Uniform noise at the generated positions after each row's first block, on the x0 path (the model sees the

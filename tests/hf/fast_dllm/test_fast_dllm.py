@@ -129,6 +129,30 @@ def test_cached_step_logits_equal_the_shifted_one_stream_forward(model, merge_co
         valid = torch.cat([valid, torch.ones(2, K, dtype=torch.bool)], 1)
 
 
+@pytest.mark.parametrize("run", ["mid_block", "short_prompt"])
+def test_generate_decodes_the_prompts_last_block_as_their_decoder_on_unaligned_prompts(model, ref, run):
+    """Their decoder cuts blocks from column 0: a prompt of 6 (3) tokens shares the block of columns 4–7 (0–3) with
+    the first new tokens, which it decodes with their threshold (every masked position above it, and the most
+    confident). ``generate(policy=ConfidenceThreshold(τ))`` (``block_origin="sequence_start"``; cached, merged
+    commits, uncached) decodes that block as their model file's ``generate`` did (recorded tokens); their later
+    blocks open with an AR step that no policy takes."""
+    spec = RUNS["generate"][run]
+    n = spec["length"]
+    prompt = ref["prompt_ids"][spec["row"]:spec["row"] + 1, :n]
+    end = n // K * K + K
+    assert model.block_origin == "sequence_start" and n % K and spec["small_block_size"] >= end - n
+    for kw in ({"use_cache": True}, {"use_cache": True, "merge_commits": True}, {"use_cache": False}):
+        out = model.generate(prompt, max_new_tokens=end - n, policy=ConfidenceThreshold(spec["threshold"]),
+                             do_sample=False, eos_token_id=None, **kw)
+        assert torch.equal(out[0], ref[f"generate_{run}"][:end]), kw
+
+
+def test_padded_rows_of_every_prompt_length_equal_the_rows_alone(model):
+    g = torch.Generator().manual_seed(3)
+    checks.check_padded_rows_equal_rows_alone(model, [torch.randint(0, 80, (n,), generator=g) for n in (5, 6, 9, 3)],
+                                              pad_id=PAD)
+
+
 def test_cached_generate_equals_uncached_with_every_policy(model, ref):
     prompt, g = ref["prompt_ids"][:2, :6], torch.Generator()
     attn = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
@@ -178,6 +202,10 @@ def test_training_stream_predicts_each_block_from_the_clean_blocks_before_it(mod
 
 def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
+
+
+def test_estimators_score_an_unaligned_rollout_under_the_decoders_blocks_from_column_0(model):
+    checks.check_block_estimators_match_the_enumerated_block_elbo(model, prompt_length=6, rollout=True)
 
 
 def test_complementary_pairs_are_unbiased_for_the_enumerated_block_elbo(model):

@@ -95,6 +95,27 @@ def test_generate_with_a_policy_equals_their_sampler_on_block_aligned_prompts(mo
     assert torch.equal(threshold, ref["generate_aligned_threshold"])
 
 
+@pytest.mark.parametrize("use_cache, merge_commits", [(True, False), (True, True), (False, False)])
+def test_generate_with_a_policy_equals_their_sampler_on_unaligned_prompts(model, ref, use_cache, merge_commits):
+    """Prompts of 6 tokens (P mod K = 2): their sampler decodes the block of columns 4–7, holding the prompt's last
+    two tokens, first; ``generate`` cuts its blocks from column 0 as they do (``block_origin="sequence_start"``),
+    so LowConfidence and ConfidenceThreshold give their recorded tokens (cached, merged commits, uncached)."""
+    prompt = ref["prompt_ids"]
+    assert model.block_origin == "sequence_start" and prompt.shape[1] % 4 == 2
+    kw = {"do_sample": False, "eos_token_id": None, "use_cache": use_cache, "merge_commits": merge_commits}
+    for run, policy in (("low_confidence", LowConfidence()), ("threshold", ConfidenceThreshold(0.6))):
+        theirs = ref[f"generate_{run}"]
+        out = model.generate(prompt, max_new_tokens=theirs.shape[1] - prompt.shape[1], policy=policy, num_steps=4,
+                             **kw)
+        assert torch.equal(out, theirs), run
+
+
+def test_padded_rows_of_every_prompt_length_equal_the_rows_alone(model):
+    g = torch.Generator().manual_seed(3)
+    checks.check_padded_rows_equal_rows_alone(model, [torch.randint(0, 80, (n,), generator=g) for n in (5, 6, 9, 3)],
+                                              pad_id=0)
+
+
 def test_cached_generate_equals_uncached_on_left_padded_prompts(model, ref):
     prompt = torch.cat([ref["prompt_ids"][:, :1], ref["prompt_ids"]], 1)
     attn = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1] * 7])
@@ -118,6 +139,10 @@ def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_e
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 
 
+def test_estimators_score_an_unaligned_rollout_under_the_decoders_blocks_from_column_0(model):
+    checks.check_block_estimators_match_the_enumerated_block_elbo(model, prompt_length=6, rollout=True)
+
+
 def test_their_objective_runs_and_mask_estimators_are_refused_naming_the_estimator(model, ref):
     x0 = ref["train_x0"]
     prompt = torch.zeros_like(x0, dtype=torch.bool)
@@ -132,7 +157,7 @@ def test_their_objective_runs_and_mask_estimators_are_refused_naming_the_estimat
 
 def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
     """``sequence_logprob(estimator="trace")`` replays a sampled ``generate``'s commit log-probabilities through the
-    training stream, cached and uncached, for prompts of 6 (blocks cut at the generated start)."""
+    training stream, cached and uncached, for prompts of 6 (blocks cut from column 0, as the decoder cut them)."""
     prompt = ref["prompt_ids"]
     for use_cache in (True, False):
         out = model.generate(prompt, max_new_tokens=8, num_steps=2, policy=LowConfidence(), eos_token_id=None,

@@ -75,20 +75,46 @@ def test_block_diffusion_generate_equals_their_generate_py_token_for_token(model
     assert torch.equal(out, ref[f"generate_{run}"])
 
 
-def test_generate_with_a_policy_reproduces_their_greedy_decoder_on_whole_block_prompts(model, ref):
+@pytest.mark.parametrize("run", ["greedy_dynamic", "greedy_dynamic_ragged"])
+def test_generate_with_a_policy_reproduces_their_greedy_decoder(model, ref, run):
     """Their greedy decoder with dynamic remasking commits a block in one step (confidence 1 after top-1
-    filtering): ``generate(policy=LowConfidence(), num_steps=1)``, cached and uncached, gives their tokens."""
-    run = RUNS["greedy_dynamic"]
-    prompt = ref[f"prompt_{run['prompt']}"]
-    assert prompt.shape[1] % 4 == 0
-    for use_cache in (True, False):
-        out = model.generate(prompt, max_new_tokens=run["gen_length"], policy=LowConfidence(), num_steps=1,
-                             do_sample=False, eos_token_id=None, use_cache=use_cache)
-        assert torch.equal(out, ref["generate_greedy_dynamic"])
+    filtering): ``generate(policy=LowConfidence(), num_steps=1)``, cached (merged commits or not) and uncached, gives
+    their tokens, on a prompt of whole blocks and on one of 6 whose last block holds the first new tokens."""
+    prompt = ref[f"prompt_{RUNS[run]['prompt']}"]
+    theirs = ref[f"generate_{run}"]
+    for kw in ({"use_cache": True}, {"use_cache": True, "merge_commits": True}, {"use_cache": False}):
+        out = model.generate(prompt, max_new_tokens=theirs.shape[1] - prompt.shape[1], policy=LowConfidence(),
+                             num_steps=1, do_sample=False, eos_token_id=None, **kw)
+        assert torch.equal(out, theirs), kw
+
+
+@pytest.mark.parametrize("length", [5, 6, 7, 9])
+def test_generate_cuts_blocks_from_column_0_as_their_decoder_on_unaligned_prompts(model, length):
+    """SDAR was trained, and decodes, with blocks at column multiples of K (``block_origin="sequence_start"``): on
+    prompts with P mod K ≠ 0 ``generate(policy=LowConfidence(), num_steps=1)`` (greedy; cached, merged commits,
+    uncached) equals ``block_diffusion_generate`` (their decoder, equal to their code on the fixtures) token for
+    token, for two rows at once."""
+    prompt = torch.randint(0, 80, (2, length), generator=torch.Generator().manual_seed(length))
+    theirs = model.block_diffusion_generate(prompt, gen_length=16 - length, denoising_steps=4, top_k=1)
+    assert model.block_origin == "sequence_start" and theirs.shape == (2, 16)
+    for kw in ({"use_cache": True}, {"use_cache": True, "merge_commits": True}, {"use_cache": False}):
+        out = model.generate(prompt, max_new_tokens=16 - length, policy=LowConfidence(), num_steps=1,
+                             do_sample=False, eos_token_id=None, **kw)
+        assert torch.equal(out, theirs), kw
+
+
+def test_padded_rows_of_every_prompt_length_equal_the_rows_alone(model):
+    g = torch.Generator().manual_seed(3)
+    checks.check_padded_rows_equal_rows_alone(model, [torch.randint(0, 80, (n,), generator=g) for n in (5, 6, 9, 3)],
+                                              pad_id=0)
 
 
 def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
+
+
+def test_estimators_score_an_unaligned_rollout_under_the_decoders_blocks_from_column_0(model):
+    checks.check_block_estimators_match_the_enumerated_block_elbo(model, prompt_length=6, rollout=True)
 
 
 def test_mask_estimators_and_packed_documents_are_refused_naming_them(model):
@@ -151,7 +177,7 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen3(ref):
 def test_trace_replay_equals_the_log_probs_generate_committed_with(model, ref):
     """``sequence_logprob(estimator="trace")`` replays a sampled ``generate``'s commit log-probabilities through the
     training stream (each block seeing the committed blocks before it), cached and uncached, for a prompt of 6 (its
-    blocks cut at the generated start)."""
+    blocks cut from column 0, as the decoder cut them)."""
     prompt = torch.cat([ref["prompt_1"], ref["prompt_1"].flip(-1)])
     for use_cache in (True, False):
         out = model.generate(prompt, max_new_tokens=8, num_steps=2, policy=LowConfidence(), eos_token_id=None,

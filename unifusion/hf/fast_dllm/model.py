@@ -57,6 +57,7 @@ class FastDLLMv2LM(NativeDiffusionLM):
     model_type = "Fast_dLLM_Qwen"
     default_mask_token_id = 151665
     default_block_size = 32
+    block_origin = "sequence_start"  # trained on blocks cut from the sequence start; so are its decoder's
     shifted = True
     positions_count_real_tokens = True
     backbone_family = "qwen2"

@@ -64,6 +64,7 @@ class LLaDA2LM(NativeDiffusionLM):
     positions_count_real_tokens = False
     backbone_family = "llama"  # transformers' mask builder: boolean 4D masks under SDPA, is_causal=False, no window
     default_block_size = BLOCK_SIZE
+    block_origin = "sequence_start"  # trained on blocks cut from the sequence start; so are its decoder's
 
     def __init__(self, backbone: nn.Module, source_config: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(backbone, source_config, **kwargs)

@@ -42,6 +42,7 @@ class SDARLM(NativeDiffusionLM):
     model_type = "sdar"
     default_mask_token_id = 151669
     default_block_size = 4
+    block_origin = "sequence_start"  # trained on blocks cut from the sequence start; so are its decoder's
     shifted = False
     positions_count_real_tokens = True
     backbone_family = "qwen3"
