@@ -256,3 +256,34 @@ def test_sampled_recordings_follow_the_generator(model):
     assert not torch.equal(a.completion_ids, c.completion_ids)
     with pytest.raises(ValueError, match="temperature"):
         record_trajectories(model, PROMPTS[:1], max_new_tokens=4, temperature=-1.0, progress=False)
+
+
+def test_sequence_start_trajectories_cut_the_completion_after_the_prompts_last_tokens(tmp_path):
+    """A ``"sequence_start"`` kind's decoder (SDAR, LLaDA 2, Fast-dLLM v2) decodes a prompt of 6 with blocks of 4 as
+    [prompt 4–5 | completion 0–1], [completion 2–5]: steps 1, 0 in the first block, 3, 2, 4, 2 in the second. The
+    trajectories take that order (the same steps cut from the completion's first column would interleave blocks),
+    keep the origin through a file, and the masks follow the decoder's blocks."""
+    prompt = torch.tensor([[0, 0, 11, 12, 13, 14, 15, 16]])
+    fields = dict(prompt_ids=prompt, prompt_mask=prompt > 0, completion_ids=torch.tensor([[30, 31, 32, 33, 34, 35]]),
+                  commit_step=torch.tensor([[1, 0, 3, 2, 4, 2]]), num_forwards=torch.tensor([6]), block_size=4)
+    with pytest.raises(ValueError, match="commit_step: a block's steps must all follow"):
+        Trajectories(**fields)
+    traj = Trajectories(**fields, block_origin="sequence_start")
+    assert traj.block_leads.tolist() == [2]
+    traj.save(tmp_path / "t.safetensors")
+    assert Trajectories.load(tmp_path / "t.safetensors").block_origin == "sequence_start"
+    lead = traj.block_leads
+    view = pseudo_trajectory_mask(traj.commit_step, 1, block_size=4, lead=lead)  # after call 1: the second block
+    assert view.active.tolist() == [[False, False, True, True, True, True]]
+    assert view.masked.tolist() == [[False, False, True, True, True, True]]
+    per_block = pseudo_trajectory_mask(traj.commit_step, torch.tensor([[0, 2]]), block_size=4, lead=lead)
+    assert per_block.masked.tolist() == [[True, False, True, False, True, False]]
+    states = draw_trajectory_steps(traj.commit_step, block_size=4, per_block=True, lead=lead,
+                                   generator=torch.Generator().manual_seed(0))
+    assert states.shape == (1, 2) and states[0, 0] in (-1, 0) and states[0, 1] in (1, 2, 3)
+    random = random_block_mask(torch.ones(1, 6, dtype=torch.bool), 1.0, block_size=4, lead=lead,
+                               generator=torch.Generator().manual_seed(0))
+    assert random.active.tolist() in ([[True, True, False, False, False, False]],
+                                      [[False, False, True, True, True, True]])
+    with pytest.raises(ValueError, match="lead"):
+        pseudo_trajectory_mask(traj.commit_step, 1, block_size=4, lead=torch.tensor([4]))

@@ -1,7 +1,8 @@
 """Training masks for distillation: views of a completion that say which positions a student predicts.
 
 Every function returns a :class:`DistillMask` over the completion columns ``(B, C)`` (block ``b`` is columns
-``[bK, (b + 1)K)``, as in :class:`~unifusion.distill.Trajectories`): ``masked``, the positions replaced by the mask
+``[bK, (b + 1)K)``, as in :class:`~unifusion.distill.Trajectories`; shifted by ``lead`` prompt tokens per row,
+columns ``[bK − lead, (b + 1)K − lead)``, for a ``"sequence_start"`` kind's trajectories): ``masked``, the positions replaced by the mask
 token and scored, and ``active``, the positions the view is about (the block being decoded); its
 :meth:`~DistillMask.complement` is the same view with the active positions' roles swapped (dParallel's
 complementary pair: every active position is scored in exactly one of the two views).
@@ -77,12 +78,24 @@ def fill_steps(step: torch.Tensor) -> torch.Tensor:
 _effective = fill_steps
 
 
-def _blocks(C: int, K: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(C, device=device).div(K, rounding_mode="floor")
+def _blocks(C: int, K: int, device: torch.device, lead: object = None) -> tuple[torch.Tensor, int]:
+    """Each completion column's block ``(1, C)`` or, with ``lead`` ``(B,)`` (the prompt tokens in each row's first
+    block, :attr:`Trajectories.block_leads`), ``(B, C)`` — column c in block ``⌊(c + lead) / K⌋`` — and the number
+    of blocks ``nb``."""
+    col = torch.arange(C, device=device)[None]
+    if lead is None:
+        return col.div(K, rounding_mode="floor"), -(-C // K)
+    if not isinstance(lead, torch.Tensor) or lead.dim() != 1 or not V.is_integer_dtype(lead.dtype):
+        raise ValueError(f"lead: expected a (B,) integer tensor (Trajectories.block_leads), got "
+                         f"{tuple(lead.shape) if isinstance(lead, torch.Tensor) else type(lead).__name__}")
+    lead = lead.to(device, torch.long)
+    V.fail_if(((lead < 0) | (lead >= K)).any(), lambda: f"lead: expected values in [0, {K}), got {lead.tolist()[:8]}")
+    return (col + lead[:, None]).div(K, rounding_mode="floor"), -(-(C + int(lead.max())) // K)
 
 
 def pseudo_trajectory_mask(commit_step: torch.Tensor, step: torch.Tensor | int, *, block_size: int,
-                           later_blocks: Literal["clean", "masked"] = "clean") -> DistillMask:
+                           later_blocks: Literal["clean", "masked"] = "clean",
+                           lead: torch.Tensor | None = None) -> DistillMask:
     """d3LLM's pseudo-trajectory mask: the decoder's state after model call ``step`` (module docstring).
 
     Args:
@@ -93,6 +106,8 @@ def pseudo_trajectory_mask(commit_step: torch.Tensor, step: torch.Tensor | int, 
             or of the block). Outside: ``ValueError`` naming ``step``.
         block_size: the decoder's block size ``K``.
         later_blocks: ``"clean"`` or ``"masked"``, with one state per row (module docstring).
+        lead: ``(B,)`` the prompt tokens in each row's first block (:attr:`Trajectories.block_leads`, a
+            ``"sequence_start"`` kind's decoder), ``None``: 0 (blocks from the completion's first column).
 
     Returns:
         :class:`DistillMask`: ``masked = active & (commit_step > s)``.
@@ -101,9 +116,9 @@ def pseudo_trajectory_mask(commit_step: torch.Tensor, step: torch.Tensor | int, 
     if later_blocks not in ("clean", "masked"):
         raise ValueError(f"later_blocks: expected 'clean' or 'masked', got {later_blocks!r}")
     B, C = steps.shape
-    nb = -(-C // K)
     eff = _effective(steps)
-    block = _blocks(C, K, steps.device)
+    block, nb = _blocks(C, K, steps.device, lead)
+    block = block.expand(B, C)
     s = torch.as_tensor(step, device=steps.device)
     if s.dtype.is_floating_point or s.dtype == torch.bool:
         raise TypeError(f"step: expected integer steps, got {s.dtype}")
@@ -125,9 +140,9 @@ def pseudo_trajectory_mask(commit_step: torch.Tensor, step: torch.Tensor | int, 
     if tuple(s.shape) != (B, nb):
         raise ValueError(f"step: expected an int, ({B},) or ({B}, {nb}) (one per block of {K}), got "
                          f"{tuple(s.shape)}")
-    s_pos = s.repeat_interleave(K, dim=-1, output_size=nb * K)[:, :C]
+    s_pos = s.gather(1, block)
     block_last = torch.full((B, nb), -2, dtype=torch.long, device=steps.device).scatter_reduce(
-        1, block.expand(B, C), eff, "amax")
+        1, block, eff, "amax")
     outside = (s < -1) | (s >= block_last)
     V.fail_if(outside.any(), lambda: (
         f"step: expected -1 <= s_b < the block's last commit step for every block, got s = "
@@ -136,17 +151,18 @@ def pseudo_trajectory_mask(commit_step: torch.Tensor, step: torch.Tensor | int, 
 
 
 def draw_trajectory_steps(commit_step: torch.Tensor, *, block_size: int, per_block: bool = False,
-                          generator: torch.Generator | None = None) -> torch.Tensor:
+                          generator: torch.Generator | None = None, lead: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """Draw states for :func:`pseudo_trajectory_mask`, uniformly over the decoder's distinct states: ``s = c − 1``
-    for ``c`` one of the row's (or with ``per_block``, the block's) distinct commit steps, each equally likely.
+    for ``c`` one of the row's (or with ``per_block``, the block's) distinct commit steps, each equally likely
+    (``lead``: as in :func:`pseudo_trajectory_mask`).
 
     Returns ``(B,)`` int64, or ``(B, nb)`` with ``per_block``."""
     steps, K = _check_steps(commit_step, block_size)
     generator = V.check_generator(generator)
     B, C = steps.shape
     eff = _effective(steps)
-    block = _blocks(C, K, steps.device)
-    nb = -(-C // K)
+    block, nb = _blocks(C, K, steps.device, lead)
     group = block.expand(B, C) if per_block else torch.zeros_like(eff)
     G = nb if per_block else 1
     # the first column of each distinct (group, step): a candidate state
@@ -165,7 +181,8 @@ def draw_trajectory_steps(commit_step: torch.Tensor, *, block_size: int, per_blo
 
 def random_block_mask(completion_mask: torch.Tensor, ratio: float | torch.Tensor, *, block_size: int,
                       generator: torch.Generator | None = None,
-                      later_blocks: Literal["clean", "masked"] = "clean") -> DistillMask:
+                      later_blocks: Literal["clean", "masked"] = "clean",
+                      lead: torch.Tensor | None = None) -> DistillMask:
     """dParallel's mask: per row one active block drawn uniformly among the blocks with a completion position,
     each of its completion positions masked with probability ``ratio`` (a float in ``[0, 1]`` or ``(B,)``).
 
@@ -173,7 +190,7 @@ def random_block_mask(completion_mask: torch.Tensor, ratio: float | torch.Tensor
         completion_mask: ``(B, C)`` bool, the positions that may be scored (``True`` everywhere for a full
             completion).
         ratio: the mask ratio (:func:`mask_ratio_curriculum`).
-        block_size: ``K``.  generator: the draws.  later_blocks: as in :func:`pseudo_trajectory_mask`.
+        block_size: ``K``.  generator: the draws.  later_blocks, lead: as in :func:`pseudo_trajectory_mask`.
     """
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2 or \
             completion_mask.dtype != torch.bool:
@@ -188,8 +205,8 @@ def random_block_mask(completion_mask: torch.Tensor, ratio: float | torch.Tensor
     if r.dim() > 1 or (r.dim() == 1 and r.shape[0] != B):
         raise ValueError(f"ratio: expected a float or ({B},), got shape {tuple(r.shape)}")
     V.fail_if(((r < 0) | (r > 1)).any(), lambda: f"ratio: expected values in [0, 1], got {r.tolist()}")
-    nb = -(-C // K)
-    block = _blocks(C, K, device)
+    block, nb = _blocks(C, K, device, lead)
+    block = block.expand(B, C)
     has = torch.zeros((B, nb), dtype=torch.bool, device=device).scatter_reduce(
         1, block.expand(B, C), completion_mask, "amax")
     u = rand((B, nb), generator=generator, device=device, dtype=torch.float64)

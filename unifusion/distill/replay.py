@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as V
+from ..block_partition import aligning_shifts, block_origin_of, origin_columns, shift_right
 from ..denoiser import DenoiserModule
 from ..rl.estimators import plan_trace
 from .masks import fill_steps, view_times
@@ -48,6 +49,9 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
     K = model.block_size
     if K is not None and K != trajectories.block_size:
         raise ValueError(f"trajectories: recorded with blocks of {trajectories.block_size}, the model's are {K}")
+    if K is not None and trajectories.block_origin != block_origin_of(model):
+        raise ValueError(f"trajectories: recorded with blocks from the {trajectories.block_origin}, the model's "
+                         f"start at the {block_origin_of(model)} (Denoiser.block_origin)")
     device = model.device
     P = trajectories.prompt_length
     outputs = []
@@ -59,15 +63,22 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
         prompt = torch.full((B, P), -1, dtype=torch.long, device=device)
         step = torch.cat([prompt, fill_steps(part.commit_step)], 1)
         scored = torch.cat([prompt >= 0, part.commit_step >= 0], 1)
-        plan = plan_trace(step, scored, block_size=K)
+        origin = None if K is None else origin_columns(trajectories.block_origin, scored, am)
+        plan = plan_trace(step, scored, block_size=K, origin=origin)
+        shifts = torch.zeros(B, dtype=torch.long, device=device) if origin is None else aligning_shifts(origin, K)
+        width = L + int(shifts.max())  # one host read: the row behind (−o) mod K invisible pads
+        x0_a, am_a = shift_right(x0, shifts, width, 0), shift_right(am, shifts, width, False)
+        index = torch.arange(L, device=device)[None, :] + shifts[:, None]
         pred = x0.clone()
         for k in range(plan.num_passes):
-            x_t = torch.where(plan.noised[k], mask_id, x0)
-            t = view_times(plan.noised[k], block_size=K) if getattr(model, "time_conditioning", False) else None
-            if K is None or K >= L:
-                logits = model(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]), attention_mask=am)
+            noised = shift_right(plan.noised[k], shifts, width, False)
+            x_t = torch.where(noised, mask_id, x0_a)
+            t = view_times(noised, block_size=K) if getattr(model, "time_conditioning", False) else None
+            if K is None or K >= width:
+                logits = model(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]), attention_mask=am_a)
             else:
-                logits = model(x_t, t, attention_mask=am, **model.block_conditioning(x0))
+                logits = model(x_t, t, attention_mask=am_a, **model.block_conditioning(x0_a))
+            logits = logits.gather(1, index[..., None].expand(B, L, logits.shape[-1]))
             logits[..., mask_id] = -torch.inf
             pred = torch.where(plan.scored[k], logits.argmax(-1), pred)
         outputs.append(pred[:, P:].cpu())

@@ -39,6 +39,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 
+from ..block_partition import aligning_shifts, block_origin_of, generated_start, origin_columns, shift_right
 from ..denoiser import Denoiser, HiddenStateModel
 from .fused import fused_certainty_forcing_loss
 from .losses import certainty_forcing_loss
@@ -66,14 +67,34 @@ def _check_model(model: object) -> Denoiser:
 def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
             attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Final hidden states ``(B, L, d)`` of the views ``x_t``, row i read by the head for token i (the block layout
-    of :meth:`~unifusion.denoiser.Denoiser.block_conditioning` with ``x0`` on a block model over several blocks)."""
+    of :meth:`~unifusion.denoiser.Denoiser.block_conditioning` with ``x0`` on a block model over several blocks). A
+    ``"sequence_start"`` kind's rows run behind ``(−o) mod K`` invisible left pads (o: the row's first real column),
+    so that its blocks are cut from its first real token as its decoder cut them (:mod:`unifusion.block_partition`)."""
     hidden_states: Callable[..., torch.Tensor] = cast(HiddenStateModel, model).hidden_states  # t may be None
     K = model.block_size
+    B, L = x0.shape
+    shifts = None
+    if K is not None and attention_mask is not None and block_origin_of(model) == "sequence_start":
+        valid = attention_mask.to(x0.device, torch.bool)
+        shifts = aligning_shifts(origin_columns("sequence_start", valid, valid), K)
+        width = L + int(shifts.max())  # one host read
+        if width == L:
+            shifts = None
+        else:
+            fill = x0.gather(1, generated_start(valid).clamp_max(L - 1)[:, None])  # any valid id: no query sees it
+            x_t, x0 = shift_right(x_t, shifts, width, fill), shift_right(x0, shifts, width, fill)
+            masked, attention_mask = shift_right(masked, shifts, width, False), shift_right(valid, shifts, width,
+                                                                                            False)
     t = view_times(masked, block_size=K) if getattr(model, "time_conditioning", False) else None
     if K is None or K >= x0.shape[1]:
-        return hidden_states(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]),
-                             attention_mask=attention_mask)
-    return hidden_states(x_t, t, attention_mask=attention_mask, **model.block_conditioning(x0))
+        h = hidden_states(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]),
+                          attention_mask=attention_mask)
+    else:
+        h = hidden_states(x_t, t, attention_mask=attention_mask, **model.block_conditioning(x0))
+    if shifts is None:
+        return h
+    index = (torch.arange(L, device=h.device)[None, :] + shifts[:, None])[..., None].expand(B, L, h.shape[-1])
+    return h.gather(1, index)
 
 
 def _head_loss(model: Denoiser, h: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, mask_id: int,
@@ -165,12 +186,16 @@ def distillation_loss(model: Denoiser, batch: Trajectories, *,
     device = model.device
     steps = batch.commit_step.to(device)
     K = batch.block_size
+    if model.block_size is not None and batch.block_origin != block_origin_of(model):
+        raise ValueError(f"batch: recorded with blocks from the {batch.block_origin}, the model's start at the "
+                         f"{block_origin_of(model)} (Denoiser.block_origin)")
+    lead = batch.block_leads.to(device)
     if masks == "trajectory":
-        s = draw_trajectory_steps(steps, block_size=K, per_block=per_block, generator=generator)
-        view = pseudo_trajectory_mask(steps, s, block_size=K, later_blocks=later_blocks)
+        s = draw_trajectory_steps(steps, block_size=K, per_block=per_block, generator=generator, lead=lead)
+        view = pseudo_trajectory_mask(steps, s, block_size=K, later_blocks=later_blocks, lead=lead)
     elif masks == "random":
         view = random_block_mask(torch.ones_like(steps, dtype=torch.bool), ratio, block_size=K,
-                                 generator=generator, later_blocks=later_blocks)
+                                 generator=generator, later_blocks=later_blocks, lead=lead)
     else:
         raise ValueError(f"masks: expected 'trajectory' or 'random', got {masks!r}")
     return complementary_pair_loss(model, batch.sequences.to(device), view,

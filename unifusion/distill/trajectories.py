@@ -12,6 +12,13 @@ then cuts its blocks exactly where the decoder cut them, and block ``b`` of the 
 ``[bK, (b + 1)K)`` of :attr:`Trajectories.completion_ids`. A padded row generates the same tokens as the row alone
 (``generate``'s padding rule), so the padding changes no trajectory.
 
+A model kind whose blocks start at the sequence's first token (``Denoiser.block_origin == "sequence_start"``: SDAR,
+LLaDA 2, Fast-dLLM v2) decodes the prompt's last ``n mod K`` tokens (n its real length) with the first completion
+tokens: the trajectories record that origin (:attr:`Trajectories.block_origin`), and the completion's blocks are
+cut after each row's :attr:`Trajectories.block_leads` (the first block of the completion is ``K − lead`` columns,
+the masks of :mod:`unifusion.distill.masks` take ``lead=``, and the distillation forward runs each row with its
+first real token on a block boundary, :mod:`unifusion.block_partition`).
+
 Example::
 
     traj = uf.distill.record_trajectories(model, prompts, max_new_tokens=64, reward_fn=is_correct)
@@ -30,7 +37,8 @@ from typing import Any
 import torch
 
 from .. import _validation as V
-from ..denoiser import DecodableModel
+from ..block_partition import block_origin_of, shift_right
+from ..denoiser import BLOCK_ORIGINS, BlockOrigin, DecodableModel
 from ..samplers.generation import generate, model_pad_token_id
 
 __all__ = ["Trajectories", "record_trajectories", "RewardFn"]
@@ -55,6 +63,9 @@ class Trajectories:
             (:attr:`~unifusion.samplers.PolicyOutput.commit_step`), ``-1`` only on the fill after a row's EOS.
         num_forwards: ``(N,)`` int64, model calls the row took (prefill and commit passes included).
         block_size: ``K``, the decoder's block size.
+        block_origin: where the decoder's blocks started (``Denoiser.block_origin``): ``"prompt_end"`` (default;
+            the completion's blocks from its first column) or ``"sequence_start"`` (from each row's first real
+            token: :attr:`block_leads`).
 
     A step that is not below its row's ``num_forwards``, a ``-1`` before a committed position, a block with a step
     below one of an earlier block (blocks are decoded in order), or shapes that do not match are ``ValueError`` s
@@ -67,9 +78,12 @@ class Trajectories:
     commit_step: torch.Tensor
     num_forwards: torch.Tensor
     block_size: int
+    block_origin: BlockOrigin = "prompt_end"
 
     def __post_init__(self) -> None:
         K = V.check_positive_int("block_size", self.block_size)
+        if self.block_origin not in BLOCK_ORIGINS:
+            raise ValueError(f"block_origin: expected one of {BLOCK_ORIGINS}, got {self.block_origin!r}")
         for name in _KEYS:
             value = getattr(self, name)
             if not isinstance(value, torch.Tensor):
@@ -102,9 +116,11 @@ class Trajectories:
         V.fail_if(hole.any(), lambda: (
             f"commit_step: -1 (not committed) is only the fill after EOS, a suffix of the row; rows "
             f"{hole.any(-1).nonzero().flatten().tolist()[:8]} have committed tokens after one"))
-        nb = -(-C // K)
+        lead = self.block_leads
+        width = C + int(lead.max()) if N else C
+        nb = -(-width // K)
         if nb > 1:
-            padded = torch.nn.functional.pad(step, (0, nb * K - C), value=-1).unflatten(-1, (nb, K))
+            padded = shift_right(step, lead, nb * K, -1).unflatten(-1, (nb, K))
             big = torch.iinfo(torch.int64).max
             lo = torch.where(padded >= 0, padded, big).amin(-1)  # (N, nb)
             hi = padded.amax(-1)
@@ -117,6 +133,15 @@ class Trajectories:
 
     def __len__(self) -> int:
         return int(self.prompt_ids.shape[0])
+
+    @property
+    def block_leads(self) -> torch.Tensor:
+        """``(N,)`` int64: the prompt tokens in the block holding each row's first completion column — 0 with
+        ``block_origin="prompt_end"``, the real prompt length mod K with ``"sequence_start"``. Completion column c is
+        in the row's block ``⌊(c + lead) / K⌋``."""
+        if self.block_origin == "prompt_end":
+            return torch.zeros(self.prompt_mask.shape[0], dtype=torch.long, device=self.prompt_mask.device)
+        return self.prompt_mask.sum(-1) % self.block_size
 
     @property
     def prompt_length(self) -> int:
@@ -141,11 +166,13 @@ class Trajectories:
     def select(self, rows: torch.Tensor | Sequence[int] | slice) -> Trajectories:
         """The trajectories of ``rows`` (indices, a bool mask or a slice), as a new :class:`Trajectories`."""
         index = rows if isinstance(rows, (torch.Tensor, slice)) else torch.as_tensor(list(rows), dtype=torch.long)
-        return Trajectories(**{k: getattr(self, k)[index] for k in _KEYS}, block_size=self.block_size)
+        return Trajectories(**{k: getattr(self, k)[index] for k in _KEYS}, block_size=self.block_size,
+                            block_origin=self.block_origin)
 
     def to(self, device: torch.device | str) -> Trajectories:
         """The same trajectories on ``device``."""
-        return Trajectories(**{k: getattr(self, k).to(device) for k in _KEYS}, block_size=self.block_size)
+        return Trajectories(**{k: getattr(self, k).to(device) for k in _KEYS}, block_size=self.block_size,
+                            block_origin=self.block_origin)
 
     @staticmethod
     def concatenate(parts: Sequence[Trajectories]) -> Trajectories:
@@ -153,21 +180,24 @@ class Trajectories:
         if not parts:
             raise ValueError("parts: expected at least one Trajectories, got none")
         first = parts[0]
+
+        def layout(t: Trajectories) -> tuple[int, str, int, int]:
+            return t.block_size, t.block_origin, t.prompt_length, int(t.completion_ids.shape[1])
+
         for p in parts[1:]:
-            if (p.block_size, p.prompt_ids.shape[1], p.completion_ids.shape[1]) != \
-                    (first.block_size, first.prompt_ids.shape[1], first.completion_ids.shape[1]):
-                raise ValueError("parts: expected one layout (block size, prompt and completion lengths), got "
-                                 f"{(first.block_size, first.prompt_length, first.completion_ids.shape[1])} and "
-                                 f"{(p.block_size, p.prompt_length, p.completion_ids.shape[1])}")
+            if layout(p) != layout(first):
+                raise ValueError("parts: expected one layout (block size and origin, prompt and completion lengths), "
+                                 f"got {layout(first)} and {layout(p)}")
         return Trajectories(**{k: torch.cat([getattr(p, k) for p in parts]) for k in _KEYS},
-                            block_size=first.block_size)
+                            block_size=first.block_size, block_origin=first.block_origin)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the tensors and the block size to one safetensors file."""
+        """Write the tensors, the block size and the block origin to one safetensors file."""
         from safetensors.torch import save_file
 
         save_file({k: getattr(self, k).detach().cpu().contiguous() for k in _KEYS}, os.fspath(path),
-                  metadata={"format": _FORMAT, "block_size": json.dumps(self.block_size)})
+                  metadata={"format": _FORMAT, "block_size": json.dumps(self.block_size),
+                            "block_origin": self.block_origin})
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, device: torch.device | str = "cpu") -> Trajectories:
@@ -181,7 +211,8 @@ class Trajectories:
                                  f"{meta.get('format')!r}, "
                                  f"expected {_FORMAT!r})")
             tensors = {k: f.get_tensor(k) for k in _KEYS}
-        return cls(**tensors, block_size=int(json.loads(meta["block_size"])))
+        return cls(**tensors, block_size=int(json.loads(meta["block_size"])),
+                   block_origin=meta.get("block_origin", "prompt_end"))  # type: ignore[arg-type]
 
 
 def _prompt_rows(prompts: object, prompt_mask: object) -> list[list[int]]:
@@ -263,6 +294,7 @@ def record_trajectories(model: DecodableModel, prompts: torch.Tensor | Sequence[
     if model.block_size is not None and K != model.block_size:
         raise ValueError(f"block_size: the model decodes blocks of {model.block_size}, got {K}")
     P = -(-max(len(r) for r in rows) // K) * K
+    origin = block_origin_of(model) if model.block_size is not None else "prompt_end"
     pad = model_pad_token_id(model)
     pad = 0 if pad is None else pad
     greedy = temperature == 0
@@ -286,7 +318,7 @@ def record_trajectories(model: DecodableModel, prompts: torch.Tensor | Sequence[
                        **generate_kwargs)
         completion, step = out.sequences[:, P:].cpu(), out.commit_step[:, P:].cpu()
         traj = Trajectories(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, commit_step=step,
-                            num_forwards=out.num_forwards.cpu(), block_size=K)
+                            num_forwards=out.num_forwards.cpu(), block_size=K, block_origin=origin)
         if reward_fn is not None:
             ends = (step >= 0).sum(-1).tolist()
             keep = _kept(reward_fn, batch, [c[:e].tolist() for c, e in zip(completion, ends)])
