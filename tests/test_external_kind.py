@@ -248,17 +248,20 @@ def test_every_estimator_of_the_kind_runs_and_carries_gradients(registered) -> N
         assert model.net.head.weight.grad.abs().sum() > 0, estimator
 
 
-def _block_elbo_under_decoder_blocks(model: ToyDenoiser, x0: torch.Tensor, start: int) -> float:
-    """The block ELBO of ``x0[start:]`` (one row) with blocks of K cut from ``start`` (the decoder's), enumerated:
-    block [lo, hi) is predicted from the clean x0[:lo] and its own noisy tokens, straight from the toy's definition
-    (h_i = e(x_t[i]) + mean e(block's x_t) + mean e(x0[:lo]))."""
+def _block_elbo_under_decoder_blocks(model: ToyDenoiser, x0: torch.Tensor, start: int, origin: int | None = None
+                                     ) -> float:
+    """The block ELBO of ``x0[start:]`` (one row) with blocks of K cut from ``origin`` (the decoder's; default
+    ``start``), enumerated: block [lo, hi) is predicted from the clean x0[:lo] and its own noisy tokens (its columns
+    before ``start`` clean), straight from the toy's definition (h_i = e(x_t[i]) + mean e(block's x_t) + mean
+    e(x0[:lo]), 0 for none))."""
     import itertools
     K, L = model.block_size, x0.shape[0]
     embed, head = model.net.embed, model.net.head
     total = 0.0
-    for lo in range(start, L, K):
+    first = start if origin is None else origin + (start - origin) // K * K
+    for lo in range(first, L, K):
         hi = min(lo + K, L)
-        positions = list(range(lo, hi))
+        positions = [c for c in range(lo, hi) if c >= start]
         lp: dict[frozenset[int], torch.Tensor] = {}
         for r in range(len(positions) + 1):
             for M in map(frozenset, itertools.combinations(positions, r)):
@@ -266,7 +269,7 @@ def _block_elbo_under_decoder_blocks(model: ToyDenoiser, x0: torch.Tensor, start
                 block[[m - lo for m in sorted(M)]] = MASK
                 with torch.no_grad():
                     e = embed(block)
-                    h = e + e.mean(0) + embed(x0[:lo]).mean(0)
+                    h = e + e.mean(0) + (embed(x0[:lo]).mean(0) if lo else 0.0)  # a mean over none is 0
                     logits = head(h).double()
                 logits[..., MASK] = -math.inf
                 full = torch.zeros(L, dtype=torch.float64)
@@ -289,6 +292,37 @@ def test_block_kind_scores_under_the_decoders_blocks_through_its_declared_clean_
     assert abs(mean - exact) < 4 * se, (mean, se, exact)
     with pytest.raises(ValueError, match="estimator"):  # a block model takes the block ELBO (and traces)
         uf.rl.sequence_logprob(model, x0[:1], completion[:1], estimator="coupled")
+
+
+def test_a_kind_declaring_blocks_from_the_sequence_start_is_sampled_and_scored_under_them(registered) -> None:
+    """A kind that declares ``block_origin = "sequence_start"`` (a released block model's layout; the default is
+    ``"prompt_end"``): ``sequence_logprob`` is unbiased for the block ELBO enumerated with blocks from column 0 (the
+    first holding the prompt's 3 tokens and the first completion token), and its rollout's trace replays."""
+    class FromSequenceStart(ToyDenoiser):
+        block_origin = "sequence_start"
+
+    assert ToyDenoiser.block_origin == "prompt_end"
+    model = FromSequenceStart(toy_net(seed=4), block_size=4).eval()
+    exact = _block_elbo_under_decoder_blocks(model, ROW[0], PROMPT, origin=0)  # blocks [0..3], [4..7], [8]
+    assert abs(exact - _block_elbo_under_decoder_blocks(model, ROW[0], PROMPT)) > 0.5  # another distribution
+    n = 400
+    x0 = ROW.repeat(n, 1)
+    completion = torch.zeros_like(x0, dtype=torch.bool)
+    completion[:, PROMPT:] = True
+    with torch.no_grad():
+        est = uf.rl.sequence_logprob(model, x0, completion, generator=generators(n, seed=6))
+    mean, se = mean_and_se(est.sequence)
+    assert abs(mean - exact) < 4 * se, (mean, se, exact)
+    prompt = ROW[:, :PROMPT].repeat(2, 1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, policy=uf.samplers.policies.LowConfidence(), num_steps=2,
+                             use_cache=False, return_dict=True, return_trace=True, eos_token_id=None,
+                             generator=[torch.Generator().manual_seed(i) for i in range(2)])
+        replayed = uf.rl.sequence_logprob(model, out.sequences, completion[:2], estimator="trace",
+                                          trace=out.commit_step)
+    assert bool((out.commit_step[:, 3] < out.commit_step[:, 4:].amin(-1)).all())  # column 3 decoded in block 0
+    torch.testing.assert_close(replayed.sequence, out.commit_logprob.sum(-1).to(replayed.sequence.dtype), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_block_kind_replays_its_rollout_to_the_rollouts_log_probs(registered) -> None:
