@@ -45,9 +45,9 @@ from typing import Any, Literal, Protocol, TypeAlias, overload, runtime_checkabl
 
 import torch
 
-__all__ = ["BLOCK_ORIGINS", "BlockDenoiser", "BlockOrigin", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser", "DenoiserModule",
-           "HiddenStateBlockDenoiser", "HiddenStateModel", "X0Model", "denoiser_of", "prompt_conditioning",
-           "unwrap_model"]
+__all__ = ["BLOCK_ORIGINS", "BlockDenoiser", "BlockOrigin", "CausalLM", "ConvertedHead", "DecodableModel", "Denoiser",
+           "DenoiserModule", "HiddenStateBlockDenoiser", "HiddenStateModel", "X0Model", "denoiser_of",
+           "prompt_conditioning", "unwrap_model"]
 
 BlockOrigin: TypeAlias = Literal["prompt_end", "sequence_start"]
 """Where a block model's blocks start (:attr:`Denoiser.block_origin`): at each row's generated start

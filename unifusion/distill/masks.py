@@ -1,10 +1,10 @@
 """Training masks for distillation: views of a completion that say which positions a student predicts.
 
 Every function returns a :class:`DistillMask` over the completion columns ``(B, C)`` (block ``b`` is columns
-``[bK, (b + 1)K)``, as in :class:`~unifusion.distill.Trajectories`; shifted by ``lead`` prompt tokens per row,
-columns ``[bK − lead, (b + 1)K − lead)``, for a ``"sequence_start"`` kind's trajectories): ``masked``, the positions replaced by the mask
-token and scored, and ``active``, the positions the view is about (the block being decoded); its
-:meth:`~DistillMask.complement` is the same view with the active positions' roles swapped (dParallel's
+``[bK, (b + 1)K)``, as in :class:`~unifusion.distill.Trajectories`; with ``lead`` prompt tokens in a row's first
+block, a ``"sequence_start"`` kind's trajectories, columns ``[bK − lead, (b + 1)K − lead)``): ``masked``, the
+positions replaced by the mask token and scored, and ``active``, the positions the view is about (the block being
+decoded); its :meth:`~DistillMask.complement` is the same view with the active positions' roles swapped (dParallel's
 complementary pair: every active position is scored in exactly one of the two views).
 
 * :func:`pseudo_trajectory_mask` — d3LLM's mask from a teacher trajectory: the decoder's state after model call

@@ -65,7 +65,8 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
         scored = torch.cat([prompt >= 0, part.commit_step >= 0], 1)
         origin = None if K is None else origin_columns(trajectories.block_origin, scored, am)
         plan = plan_trace(step, scored, block_size=K, origin=origin)
-        shifts = torch.zeros(B, dtype=torch.long, device=device) if origin is None else aligning_shifts(origin, K)
+        shifts = torch.zeros(B, dtype=torch.long, device=device) if K is None or origin is None else \
+            aligning_shifts(origin, K)
         width = L + int(shifts.max())  # one host read: the row behind (−o) mod K invisible pads
         x0_a, am_a = shift_right(x0, shifts, width, 0), shift_right(am, shifts, width, False)
         index = torch.arange(L, device=device)[None, :] + shifts[:, None]

@@ -212,7 +212,7 @@ class Trajectories:
                                  f"expected {_FORMAT!r})")
             tensors = {k: f.get_tensor(k) for k in _KEYS}
         return cls(**tensors, block_size=int(json.loads(meta["block_size"])),
-                   block_origin=meta.get("block_origin", "prompt_end"))  # type: ignore[arg-type]
+                   block_origin=meta.get("block_origin", "prompt_end"))
 
 
 def _prompt_rows(prompts: object, prompt_mask: object) -> list[list[int]]:
