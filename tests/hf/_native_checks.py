@@ -67,7 +67,8 @@ def check_estimators_match_the_enumerated_elbo(model: Any) -> None:
 
 
 def check_block_estimators_match_the_enumerated_block_elbo(model: Any, *, prompt_length: int = 4,
-                                                          completion_length: int = 8, rollout: bool = False) -> None:
+                                                          completion_length: int = 8, rollout: bool = False,
+                                                          seed: int = 5) -> None:
     """For a block kind (block size K = 4): ``uf.diffusion_loss`` (SFT, the prompt clean), ``uf.eval.nll_bound`` and
     ``uf.rl.sequence_logprob`` are unbiased for the enumerated block ELBO Σ_b ELBO(block b | x0 of blocks < b) of a
     completion (8 tokens: two blocks) after a prompt (4 tokens), the blocks cut at column multiples of K from column
@@ -75,13 +76,13 @@ def check_block_estimators_match_the_enumerated_block_elbo(model: Any, *, prompt
     divide shares its last block with the first completion tokens, which stay clean in it): each block's term
     enumerates the masks of its completion positions through the training stream ``model(x_t, clean=x0)``; the mean
     of R rows lies within 4 standard errors. ``rollout``: the completion is the model's own sample from
-    ``generate`` (random tokens otherwise), where blocks cut at the prompt's end instead are many standard errors
-    off."""
+    ``generate`` (random tokens otherwise; ``seed`` draws the tokens and the rollout), where blocks cut at the
+    prompt's end instead are many standard errors off."""
     K = model.block_size
     assert K == 4 and model.block_origin == "sequence_start"
     P = prompt_length
     L, R = P + completion_length, 256
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     x0 = torch.randint(0, 80, (L,), generator=g)
     if rollout:  # a completion the model sampled (an RL rollout): the blocks matter most where it is likely
         from unifusion.samplers.policies import LowConfidence

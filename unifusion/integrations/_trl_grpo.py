@@ -15,8 +15,9 @@ replaces both and keeps the rest of TRL's trainer — datasets, reward functions
   policy): :func:`~unifusion.rl.sequence_logprob` with the config's ``estimator``, ``num_samples`` and
   ``estimator_options``. TRL's rows are ``[left-padded prompt | right-padded completion]``, the layout the
   rollout's ``generate`` returned (the completion cut after its EOS); each is scored as it stands.
-  ``sequence_logprob``'s draws are each row's own and a block model's blocks are cut from the row's first completion
-  column, as the decoder cut them, so a row's estimate does not depend on its padding or batch.
+  ``sequence_logprob``'s draws are each row's own and a block model's blocks are cut where the decoder cut them (from
+  the row's first completion column, or its first real token for a ``"sequence_start"`` kind:
+  ``Denoiser.block_origin``), so a row's estimate does not depend on its padding or batch.
 * **Shared randomness** (``_generate_and_score_completions``, ``_compute_loss``): every rollout row gets a 62-bit
   seed, drawn from ``torch.Generator().manual_seed(args.seed)`` (the same draws on every rank; rank r takes the
   global rows ``[r·B, (r + 1)·B)``), carried with the row through TRL's shuffles and splits as the batch column
