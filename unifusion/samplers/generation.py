@@ -53,9 +53,9 @@ import torch
 
 from .. import _validation as V
 from .._kernel_config import default_kernel, warn_if_not_recorded_kernel
-from ..block_partition import block_origin_of
 from ..denoiser import BlockDenoiser, DecodableModel, X0Model
 from ._policy_run import eos_stop, resolve_attention_mask
+from ._row_groups import block_leads, by_block_lead
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .generation_options import resolve_hf_options, stop_after, streaming, with_scores
@@ -312,7 +312,7 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         return _as_given(out, given_prompt)
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = model.block_size
-    leads = _block_leads(model, attention_mask, B, P)
+    leads = block_leads(model, attention_mask, B, P)
     if len(set(leads)) > 1:  # rows of one batch whose first blocks hold different numbers of prompt tokens
         options = dict(max_new_tokens=L - P, policy=policy, num_steps=num_steps, block_size=block_size,
                        use_cache=use_cache, merge_commits=merge_commits, pad_token_id=pad_token_id,
@@ -321,7 +321,8 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
                        eps=eps, progress=progress, do_sample=hf.do_sample, stop_strings=hf.stop_strings or None,
                        tokenizer=tokenizer, output_scores=hf.output_scores, output_logits=hf.output_logits,
                        return_dict_in_generate=hf.return_dict_in_generate)
-        return _as_given(_by_lead(model, prompt_ids, attention_mask, leads, generator, options), given_prompt)
+        return _as_given(by_block_lead(generate, model, prompt_ids, attention_mask, leads, generator, options),
+                         given_prompt)
     lead = leads[0] if leads else 0
     sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
@@ -350,58 +351,6 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
     if scores_asked:
         out = with_scores(out, P, kernel.mask_id, temperature, top_k, top_p, hf.output_scores, hf.output_logits)
     return _as_given(out, given_prompt)
-
-
-def _block_leads(model: DecodableModel, attention_mask: torch.Tensor | None, B: int, P: int) -> list[int]:
-    """Per row, the prompt tokens its first decoded block holds (``[]`` for a model without blocks): 0 for a
-    ``"prompt_end"`` kind (blocks start at the generated start), the row's real prompt length mod K for a
-    ``"sequence_start"`` one (blocks counted from its first real token, :mod:`unifusion.block_partition`). One host
-    read for a padded batch."""
-    K = model.block_size
-    if K is None:
-        return []
-    if block_origin_of(model) == "prompt_end":
-        return [0] * B
-    if attention_mask is None:
-        return [P % K] * B
-    return (attention_mask.ne(0).sum(-1) % K).tolist()
-
-
-def _by_lead(model: DecodableModel, prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             leads: list[int], generator: Any, options: dict[str, Any]) -> Any:
-    """``generate`` of a left-padded batch whose rows' first blocks hold different numbers of prompt tokens (a
-    ``"sequence_start"`` kind, prompts whose lengths differ mod K): one call per group of rows with the same count
-    (rows of one group share their block columns), the results put back in row order. Each row equals the row
-    alone with per-row generators; one generator is drawn from group after group."""
-    B = prompt_ids.shape[0]
-    parts = []
-    for lead in sorted(set(leads)):
-        rows = [b for b in range(B) if leads[b] == lead]
-        gens = [generator[b] for b in rows] if isinstance(generator, (list, tuple)) else generator
-        mask = None if attention_mask is None else attention_mask[rows]
-        parts.append((rows, generate(model, prompt_ids[rows], attention_mask=mask, generator=gens, **options)))
-    return _merge_rows(parts, B)
-
-
-def _merge_rows(parts: list[tuple[list[int], Any]], B: int) -> Any:
-    """The outputs of row groups (tensors or :class:`~unifusion.samplers.PolicyOutput` s) as one batch of ``B``
-    rows, each group's rows at their indices."""
-    def put(values: list[Any]) -> Any:
-        first = values[0]
-        if first is None:
-            return None
-        if isinstance(first, tuple):
-            return tuple(put([v[i] for v in values]) for i in range(len(first)))
-        out = first.new_zeros((B, *first.shape[1:]))
-        for (rows, _), v in zip(parts, values):
-            out[torch.tensor(rows, device=out.device)] = v
-        return out
-
-    outs = [out for _, out in parts]
-    if isinstance(outs[0], torch.Tensor):
-        return put(outs)
-    return dataclasses.replace(outs[0], **{f.name: put([getattr(o, f.name) for o in outs])
-                                           for f in dataclasses.fields(outs[0])})
 
 
 def _prompt_argument(prompt_ids: Any, kwargs: dict[str, Any]) -> Any:
