@@ -57,6 +57,7 @@ from ..denoiser import BlockDenoiser, DecodableModel, X0Model
 from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
+from .guidance import check_cfg_scale, guided_x0_model
 from .generation_options import resolve_hf_options, stop_after, streaming, with_scores
 from .policies import default_policy
 from .policy_sampler import PolicyOutput, PolicySampler
@@ -94,7 +95,7 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
              eos_token_id: int | Sequence[int] | str | None = "auto", pad_token_id: int | None = None,
              return_dict: bool = False, return_trace: bool = False, num_return_sequences: int | None = None,
              kernel: Any = None, temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, eps: float = 1e-3,
+             top_k: int | None = None, eps: float = 1e-3, cfg_scale: float = 0.0,
              generator: torch.Generator | Sequence[torch.Generator] | None = None, progress: bool = False,
              generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
@@ -160,6 +161,11 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         top_k: keep the ``k`` most likely tokens (``None``: ``generation_config``'s, else off; ``0``: off, as in
             transformers).
         eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
+        cfg_scale: classifier-free guidance w ≥ 0 (LLaDA's ``cfg_scale``; 0: none), with a policy on a fully
+            bidirectional model through full-sequence calls: every call runs the rows twice in one batch, as they
+            are and with every prompt column masked (padding included), and the policy reads
+            z = z_u + (w + 1)(z − z_u). A trace then records the guided distribution's log-probabilities. Not with a
+            block model, ``cache_refresh``, a policy that reads hidden states or ``policy=None`` (``ValueError``).
         generator: random generator on the model's device, for reproducible samples; or a list of ``B``
             generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
             generator=generator[b])`` whatever rows are beside it.
@@ -292,7 +298,11 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
     prompt[:, :P] = prompt_ids
     if streamer is not None:  # the prompt first, as transformers' generate does
         streamer.put((prompt_ids if given_prompt is None else given_prompt).cpu())
+    guidance = check_cfg_scale(cfg_scale)
     if policy is None:
+        if guidance:
+            raise ValueError("cfg_scale: classifier-free guidance runs with a decoding policy (LLaDA's: "
+                             "policy=uf.samplers.policies.LLaDAOrder()); policy=None runs the BayesianSampler")
         for name, asked in (("return_trace", return_trace), ("output_scores", hf.output_scores),
                             ("output_logits", hf.output_logits)):
             if asked:
@@ -311,7 +321,10 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         return _as_given(out, given_prompt)
     decoder = _decoder(model, L, block_size, use_cache, cache_refresh, merge_commits)
     model_block = model.block_size
-    sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
+    x0_model = None if decoder is not None else _x0_callable(model)
+    if guidance:
+        x0_model = guided_x0_model(model, x0_model, kernel, policy, guidance, P)
+    sampler = PolicySampler(decoder if decoder is not None else x0_model, kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None,
                             do_sample=hf.do_sample)
