@@ -95,6 +95,17 @@ def _multinomial_at(randomness: RowRandomness, selected: torch.Tensor, probs: to
     return _without_mask(probs / q, mask_id, -1.0).argmax(-1)
 
 
+def _top_columns(score: torch.Tensor, k: int, count: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``(B, K)`` bool at the block columns ``cols``: the first ``count[b]`` of ``torch.topk(score, k)`` over the
+    ``(B, L)`` scores (the references' ``torch.topk``, its ties broken as theirs), ``k`` the largest count."""
+    B, L = score.shape
+    top = score.topk(k, -1).indices  # (B, k), best first
+    keep = torch.arange(k, device=score.device) < count.unsqueeze(-1)
+    chosen = torch.zeros((B, L + 1), dtype=torch.bool, device=score.device)
+    chosen.scatter_(1, torch.where(keep, top, L), True)
+    return chosen.gather(1, cols)
+
+
 class LLaDAOrder(MaskPolicy):
     """LLaDA's ``generate.py`` (``remasking="low_confidence"`` or ``"random"``), its draws included.
 
@@ -229,24 +240,25 @@ class DreamOrder(MaskPolicy):
             confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
         else:
             confidence = p
-        if self.alg_temp is None:
-            return tokens, select_top(confidence, undecided, num_commit), p
-        return tokens, self._drawn_positions(confidence, undecided, num_commit, randomness, where), p
+        return tokens, self._positions(confidence, undecided, num_commit, randomness, where), p
 
-    def _drawn_positions(self, confidence: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
-                         randomness: RowRandomness, where: BlockStep) -> torch.Tensor:
-        """The ``num_commit`` positions drawn without replacement from softmax(confidence / alg_temp) over the
-        sequence (Dream's ``torch.multinomial`` over ``(B, L)``, drawn only when a step commits)."""
-        assert self.alg_temp is not None
-        cols, L = _columns(where, "DreamOrder(alg_temp=...)")
+    def _positions(self, confidence: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
+                   randomness: RowRandomness, where: BlockStep) -> torch.Tensor:
+        """The ``num_commit`` positions of highest confidence, or (``alg_temp``) drawn without replacement from
+        softmax(confidence / alg_temp): Dream's ``torch.topk`` / ``torch.multinomial`` over the sequence's ``(B, L)``
+        confidences (−∞ where nothing is masked), so that ties (a confidence of 1 after top-p) break as Dream's do.
+        Nothing is drawn on a step that commits nothing (one host sync: the count)."""
+        cols, L = _columns(where, "DreamOrder")
         B, K = confidence.shape
-        if int(num_commit.max()) <= 0:  # Dream draws nothing on a step that commits nothing
+        k = int(num_commit.max())
+        if k <= 0:
             return torch.zeros_like(undecided)
         full = torch.full((B, L + 1), -torch.inf, device=confidence.device)
-        full.scatter_(1, torch.where(undecided, cols, L), torch.where(undecided, confidence, -torch.inf))
-        weights = (full[:, :L] / self.alg_temp).softmax(-1)
-        score = weights / randomness.exponential((L,), confidence.device)
-        return select_top(score.gather(1, cols), undecided, num_commit)
+        full.scatter_(1, torch.where(undecided, cols, L), torch.where(undecided, confidence.float(), -torch.inf))
+        score = full[:, :L]
+        if self.alg_temp is not None:
+            score = (score / self.alg_temp).softmax(-1) / randomness.exponential((L,), confidence.device)
+        return _top_columns(score, k, num_commit, cols) & undecided
 
 
 class SDAROrder(MaskPolicy):
@@ -300,12 +312,14 @@ class SDAROrder(MaskPolicy):
         q = randomness.exponential((K, V), logits.device)  # SDAR's multinomial over the whole (B·K, V) block
         tokens = _without_mask(probs / q if do_sample else probs, mask_id, -1.0).argmax(-1)
         confidence = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        split = K // where.num_steps + (where.index < K % where.num_steps)
+        split = K // where.num_steps + int(where.index < K % where.num_steps)
         k = torch.full_like(num_commit, split)
         if self.strategy == "sequential":
             commit = undecided & (undecided.long().cumsum(-1) <= k.unsqueeze(-1))
-        else:
-            commit = select_top(confidence, undecided, k)
+        else:  # torch.topk over the block, as SDAR: ties (a confidence of 1 with top_k=1) break as theirs
+            score = torch.where(undecided, confidence, -torch.inf)
+            cols = torch.arange(K, device=logits.device).expand(B, K)
+            commit = _top_columns(score, min(split, K), k, cols) & undecided
             if self.strategy == "low_confidence_dynamic":
                 high = undecided & (confidence > self.threshold)
                 commit = torch.where(high.sum(-1, keepdim=True) >= k.unsqueeze(-1), high, commit)
