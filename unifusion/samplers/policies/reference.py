@@ -66,6 +66,15 @@ def _without_mask(scores: torch.Tensor, mask_id: int | None, fill: float) -> tor
     return scores.index_fill(-1, torch.tensor([mask_id], device=scores.device), fill)
 
 
+def _drawn_probability(probs: torch.Tensor, tokens: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    """The probability ``(B, K)`` of ``tokens`` under ``probs`` ``(B, K, V)`` without the mask state (renormalised):
+    the distribution the candidates are drawn from, which a rollout trace records."""
+    p = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if mask_id is None:
+        return p
+    return p / (1 - probs[..., mask_id]).clamp_min(torch.finfo(probs.dtype).tiny)
+
+
 def _flat_draw(randomness: RowRandomness, selected: torch.Tensor,
                make: Callable[[tuple[int, ...], torch.Generator | None], torch.Tensor],
                trailing: tuple[int, ...]) -> torch.Tensor:
@@ -230,7 +239,7 @@ class DreamOrder(MaskPolicy):
             tokens = _multinomial_at(randomness, chosen, probs, mask_id)
         else:
             tokens = _without_mask(probs, mask_id, -1.0).argmax(-1)
-        p = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        p = _drawn_probability(probs, tokens, mask_id)
         if self.alg == "origin":
             return tokens, commit, p
         if self.alg == "topk_margin":
@@ -239,7 +248,7 @@ class DreamOrder(MaskPolicy):
         elif self.alg == "entropy":
             confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
         else:
-            confidence = p
+            confidence = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, self._positions(confidence, undecided, num_commit, randomness, where), p
 
     def _positions(self, confidence: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
@@ -323,4 +332,4 @@ class SDAROrder(MaskPolicy):
             if self.strategy == "low_confidence_dynamic":
                 high = undecided & (confidence > self.threshold)
                 commit = torch.where(high.sum(-1, keepdim=True) >= k.unsqueeze(-1), high, commit)
-        return tokens, commit, confidence
+        return tokens, commit, _drawn_probability(probs, tokens, mask_id)
