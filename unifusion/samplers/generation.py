@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -57,8 +57,8 @@ from ..denoiser import BlockDenoiser, DecodableModel, X0Model
 from ._policy_run import eos_stop, resolve_attention_mask
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
-from .guidance import check_cfg_scale, guided_x0_model
 from .generation_options import resolve_hf_options, stop_after, streaming, with_scores
+from .guidance import check_cfg_scale, guided_x0_model
 from .policies import default_policy
 from .policy_sampler import PolicyOutput, PolicySampler
 
@@ -324,7 +324,8 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
     x0_model = None if decoder is not None else _x0_callable(model)
     if guidance:
         x0_model = guided_x0_model(model, x0_model, kernel, policy, guidance, P)
-    sampler = PolicySampler(decoder if decoder is not None else x0_model, kernel, policy,
+    runner: X0Model | BlockDenoiser = decoder if decoder is not None else cast(X0Model, x0_model)
+    sampler = PolicySampler(runner, kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None,
                             do_sample=hf.do_sample)

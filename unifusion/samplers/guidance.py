@@ -29,9 +29,10 @@ def check_cfg_scale(cfg_scale: object) -> float:
 
 
 def guided_x0_model(model: DecodableModel, x0_model: X0Model | None, kernel: Any, policy: Any, scale: float,
-            prompt_columns: int) -> X0Model:
-    """The full-sequence x0 callable with classifier-free guidance (:class:`ClassifierFreeGuidance`) for ``generate(cfg_scale=w)``, or a ``ValueError`` naming
-    ``cfg_scale`` where it does not apply."""
+                    prompt_columns: int) -> X0Model:
+    """The full-sequence x0 callable with classifier-free guidance (:class:`ClassifierFreeGuidance`) for
+    ``generate(cfg_scale=w)``: ``x0_model`` (``None`` on a cached path) under guidance ``scale`` with the first
+    ``prompt_columns`` columns as the prompt; a ``ValueError`` naming ``cfg_scale`` where it does not apply."""
     why = None
     if model.block_size is not None:
         why = "a block model's blocks see only earlier blocks; guidance is for fully bidirectional models"

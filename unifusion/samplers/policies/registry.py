@@ -36,7 +36,8 @@ from .protocol import DecodingPolicy
 from .reference import DreamOrder, LLaDAOrder, SDAROrder
 from .uniform import EntropyBound
 
-__all__ = ["DEFAULT_BOUND", "DEFAULT_SDAR_THRESHOLD", "DEFAULT_THRESHOLD", "POLICY_NAMES", "default_policy", "make_policy"]
+__all__ = ["DEFAULT_BOUND", "DEFAULT_SDAR_THRESHOLD", "DEFAULT_THRESHOLD", "POLICY_NAMES", "default_policy",
+           "make_policy"]
 
 POLICY_NAMES = ("low_confidence", "random", "margin", "entropy", "threshold", "entropy_bound", "llada", "llada_random",
                 "dream_origin", "dream_maskgit_plus", "dream_topk_margin", "dream_entropy", "sdar", "sdar_static",

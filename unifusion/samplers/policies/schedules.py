@@ -3,12 +3,12 @@
 A schedule maps the undecided count r of each row, the step index i and the block's step budget N to the count
 n_i ``(B,)`` the policy commits (:meth:`~unifusion.samplers.policies.MaskPolicy.commit_counts`):
 
-======================  ================================================================  ==========================
-schedule                n_i                                                               reference
-======================  ================================================================  ==========================
-:class:`EvenSplit`      ⌈r / (N − i)⌉: the block's count split evenly, remainder first    LLaDA ``generate.py``
-:class:`TimeGrid`       ⌊r (1 − t_{i+1} / t_i)⌋ on t = linspace(1, ε, N + 1); r at the last  Dream ``diffusion_generate``
-======================  ================================================================  ==========================
+====================  ==================================================================  ============================
+schedule              n_i                                                                 reference
+====================  ==================================================================  ============================
+:class:`EvenSplit`    ⌈r / (N − i)⌉: the block's count split evenly, remainder first      LLaDA ``generate.py``
+:class:`TimeGrid`     ⌊r (1 − t_{i+1} / t_i)⌋, t = linspace(1, ε, N + 1); r at the last   Dream ``diffusion_generate``
+====================  ==================================================================  ============================
 
 :class:`EvenSplit` recomputed from the live count equals LLaDA's split fixed at the block's start (10 over 4 steps:
 3, 3, 2, 2) whenever each step commits its count. :class:`TimeGrid` is MDLM's expected count under the linear
