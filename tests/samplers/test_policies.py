@@ -341,5 +341,6 @@ def test_reference_policies_by_name():
     assert repr(make_policy("sdar", threshold=0.3)) == repr(SDAROrder("low_confidence_dynamic", 0.3))
     assert repr(make_policy("sdar_sequential")) == repr(SDAROrder("sequential"))
     assert {"llada", "dream_origin", "sdar_static"} <= set(POLICY_NAMES)
-    with pytest.raises(ValueError, match="threshold: only the threshold and sdar policies take one"):
+    assert repr(make_policy("fast_dllm_v2", threshold=0.7)) == "FastDLLMv2Order(threshold=0.7, small_block_size=8)"
+    with pytest.raises(ValueError, match="threshold: only the threshold, sdar and fast_dllm_v2 policies take one"):
         make_policy("llada", threshold=0.5)

@@ -76,13 +76,14 @@ def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, ru
     assert torch.equal(out, ref[f"generate_{run}"])
 
 
+@pytest.mark.parametrize("policy", [LowConfidence(), LLaDAOrder()], ids=repr)
 @pytest.mark.parametrize("run", ["mdlm_semi_ar", "mdlm_one_block"])
-def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
+def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run, policy):
     """dllm's MDLMSampler takes the prompts unpadded and right-pads with EOS; unifusion's generate left-pads them
     (RoPE is relative, padded keys are masked): the same tokens after each prompt, committed at the same steps."""
     gen, block, steps = RUNS[run]["max_new_tokens"], RUNS[run]["block_size"], RUNS[run]["steps"]
     attn = ref["prompt_attention_mask"]
-    out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=LowConfidence(),
+    out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=policy,
                          block_size=block, num_steps=steps // (gen // block), do_sample=False, eos_token_id=None,
                          return_trace=True)
     theirs, their_steps = ref[f"generate_{run}"], ref[f"commit_step_{run}"]

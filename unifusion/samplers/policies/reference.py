@@ -14,6 +14,8 @@ policy                                 reproduces (``generate`` arguments)
 :class:`SDAROrder` ``(strategy, τ)``   SDAR's ``block_diffusion_generate`` on prompts of whole blocks:
                                        ``num_steps=denoising_steps``, ``temperature``/``top_k``/``top_p`` (greedy is
                                        ``top_k=1``); ``eos_token_id=None``
+:class:`FastDLLMv2Order` ``(τ, s)``    Fast-dLLM v2's threshold decoder in sub-blocks on prompts of whole blocks:
+                                       ``do_sample=False``, ``eos_token_id=None``
 =====================================  ====================================================================
 
 Each draws from ``generator`` what the reference draws from the global generator, in its order and shapes, so a
@@ -40,7 +42,8 @@ import torch
 from .protocol import BlockStep, MaskPolicy, RowRandomness, select_top
 from .schedules import TimeGrid
 
-__all__ = ["DREAM_ALGORITHMS", "LLADA_REMASKING", "SDAR_STRATEGIES", "DreamOrder", "LLaDAOrder", "SDAROrder"]
+__all__ = ["DREAM_ALGORITHMS", "LLADA_REMASKING", "SDAR_STRATEGIES", "DreamOrder", "FastDLLMv2Order", "LLaDAOrder",
+           "SDAROrder"]
 
 LLADA_REMASKING = ("low_confidence", "random")
 """LLaDA's ``remasking`` values."""
@@ -332,4 +335,68 @@ class SDAROrder(MaskPolicy):
             if self.strategy == "low_confidence_dynamic":
                 high = undecided & (confidence > self.threshold)
                 commit = torch.where(high.sum(-1, keepdim=True) >= k.unsqueeze(-1), high, commit)
+        return tokens, commit, _drawn_probability(probs, tokens, mask_id)
+
+
+class FastDLLMv2Order(MaskPolicy):
+    """Fast-dLLM v2's threshold decoder (``batch_sample`` of their ``generation_functions.py``, their model file's
+    ``generate``), greedy, on prompts of whole blocks.
+
+    A block of K positions starts with its first token by argmax alone (their AR step: the prediction of the previous
+    block's last column, read from the pass that commits that block), then is decoded sub-block by sub-block
+    (``small_block_size``
+    positions each, left to right): each step reveals, in the row's first sub-block with masked positions, every
+    masked position whose argmax has probability p > ``threshold`` (softmax over the whole vocabulary, float32) and
+    the most confident masked one.
+
+    Their blocks start at column multiples of K (a prompt's last block is decoded with the first new tokens), so
+    their tokens are this policy's where the prompt fills at least two whole blocks (at exactly K tokens their
+    prefill, which needs more than K, is skipped and their first block is decoded without the prompt in its cache:
+    not reproduced; this policy then leaves out the AR step of that block only); ``generate`` returns
+    ``P + max_new_tokens`` columns, their decoder one more (the next block's AR token). Their rows wait for each
+    other at sub-block boundaries, which changes no row's tokens (a row's logits depend on that row only), only the
+    forwards counted.
+
+    Args:
+        threshold: τ (their ``threshold``, default 0.9).
+        small_block_size: positions per sub-block (their ``small_block_size``, default 8; it must divide the block).
+    """
+
+    fixed_count = False
+
+    def __init__(self, threshold: float = 0.9, small_block_size: int = 8) -> None:
+        super().__init__()
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+            raise ValueError(f"threshold: expected a finite float, got {threshold!r}")
+        if isinstance(small_block_size, bool) or not isinstance(small_block_size, int) or small_block_size < 1:
+            raise ValueError(f"small_block_size: expected a positive int, got {small_block_size!r}")
+        self.threshold, self.small_block_size = float(threshold), small_block_size
+
+    def __repr__(self) -> str:
+        return f"FastDLLMv2Order(threshold={self.threshold}, small_block_size={self.small_block_size})"
+
+    def decide(self, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
+               randomness: RowRandomness, where: BlockStep, *, mask_id: int | None, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
+               hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if do_sample:
+            raise ValueError("do_sample: Fast-dLLM v2's decoder is greedy; pass do_sample=False")
+        B, K, V = logits.shape
+        if K % self.small_block_size:
+            raise ValueError(f"small_block_size: expected a divisor of the block size {K}, got "
+                             f"{self.small_block_size}")
+        cols, _ = _columns(where, "FastDLLMv2Order")
+        probs = logits.float().softmax(-1)
+        tokens = _without_mask(probs, mask_id, -1.0).argmax(-1)
+        p = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        position = torch.arange(K, device=logits.device)
+        # the AR step: a block whose first position is still masked, after a clean block their prefill cached
+        ar = undecided[:, 0] & (cols[:, 0] > K)
+        first_open = torch.where(undecided, position, K).amin(-1)  # (B,)
+        sub = torch.div(first_open, self.small_block_size, rounding_mode="floor")
+        current = undecided & (torch.div(position, self.small_block_size, rounding_mode="floor") == sub[:, None])
+        score = torch.where(current, p, -torch.inf)
+        best = torch.zeros_like(current).scatter_(1, score.argmax(-1, keepdim=True), True)
+        commit = current & ((p > self.threshold) | best)
+        commit = torch.where(ar[:, None], position == 0, commit)
         return tokens, commit, _drawn_probability(probs, tokens, mask_id)
