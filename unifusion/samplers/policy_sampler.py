@@ -131,7 +131,8 @@ class PolicySampler:
             :class:`~unifusion.UniformKernel` for :class:`~unifusion.samplers.policies.EntropyBound`.
         policy: a :class:`~unifusion.samplers.policies.DecodingPolicy`.
         num_steps: steps per block (per sequence without blocks); default: the block size (one position per step for
-            fixed-count policies). At most ``block_size`` for fixed-count policies.
+            fixed-count policies). At most ``block_size`` for fixed-count policies, unless their schedule may commit
+            nothing on a step (``policy.max_steps``: Dream's :class:`~unifusion.samplers.policies.TimeGrid`).
         block_size: positions per block; ``None``: one block over each row's generated region.
         temperature: T > 0; x_θ = softmax(logits / T) (for EntropyBound it multiplies the schedule).
         top_k, top_p: truncation of x_θ after the temperature (as :class:`~unifusion.BayesianSampler`).

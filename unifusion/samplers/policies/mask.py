@@ -14,10 +14,11 @@ policy                 confidence c_j                                  commits
 :class:`ConfidenceThreshold`  x_θ,j(z_j)                                every c_j ≥ τ, and the n most confident
 =====================  ==============================================  ===================================
 
-n is the sampler's per-step count (``PolicyStep.num_commit``): with ``num_steps`` N per block and r undecided
-positions left at step i, n = ⌈r / (N − i)⌉ — the even split of LLaDA's ``get_num_transfer_tokens`` (remainder
-first: 10 over 4 steps gives 3, 3, 2, 2), recomputed from the live count. Ties in confidence go to the lower
-position. Confidences are read from the same x_θ (after temperature/top-k/top-p) the candidates come from.
+n is the sampler's per-step count (``PolicyStep.num_commit``), the policy's transfer schedule
+(:mod:`.schedules`): by default, with ``num_steps`` N per block and r undecided positions left at step i,
+n = ⌈r / (N − i)⌉ — the even split of LLaDA's ``get_num_transfer_tokens`` (remainder first: 10 over 4 steps gives
+3, 3, 2, 2), recomputed from the live count; ``schedule=TimeGrid(eps)`` gives Dream's. Ties in confidence go to
+the lower position. Confidences are read from the same x_θ (after temperature/top-k/top-p) the candidates come from.
 
 Example::
 
@@ -57,6 +58,7 @@ class LowConfidence(MaskPolicy):
     Differences from LLaDA: LLaDA draws z by Gumbel-max at the temperature but reads the confidence from the softmax
     of the raw logits (temperature 1); here both use the same x_θ after temperature/top-k/top-p (Dream's
     ``maskgit_plus``). LLaDA divides its ``steps`` over the blocks; here ``num_steps`` counts steps per block.
+    Greedy, both give LLaDA's tokens; :class:`~.reference.LLaDAOrder` also gives its sampled ones.
     """
 
     def confidence(self, step: PolicyStep) -> torch.Tensor:
@@ -67,8 +69,9 @@ class TopKMargin(MaskPolicy):
     """Dream's ``alg='topk_margin'``: c_j = p_(1) − p_(2), the gap between the two largest probabilities of x_θ,j
     (after temperature/top-k/top-p, as Dream). The token committed is the drawn candidate z_j.
 
-    Difference from Dream: Dream commits ⌊r (1 − s/t)⌋ tokens on a grid t = linspace(1, ε, N + 1) (0 on some steps,
-    all at the last) counted over the whole batch; here ⌈r / steps left⌉ per row.
+    Dream commits ⌊r (1 − s/t)⌋ tokens on a grid t = linspace(1, ε, N + 1) (0 on some steps, all at the last):
+    ``TopKMargin(schedule=TimeGrid(eps))``; by default ⌈r / steps left⌉ per row. Dream's own draws and conventions
+    (the mask token in its softmax, its tie order, ``alg_temp``): :class:`~.reference.DreamOrder`.
     """
 
     def confidence(self, step: PolicyStep) -> torch.Tensor:
