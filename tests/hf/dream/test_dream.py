@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import DreamLM
@@ -92,10 +93,33 @@ def test_dream_order_equals_their_diffusion_generate_token_for_token(model, ref,
                        ref[f"generate_{run}"])
 
 
+SAMPLED_RUNS = json.loads((FIXTURES / "sampled_runs.json").read_text())
+
+
+@pytest.mark.parametrize("run", sorted(SAMPLED_RUNS))
+def test_dream_order_and_diffusion_generate_equal_their_sampled_runs_token_for_token(model, ref, run):
+    """Their sampled ``diffusion_generate`` (``torch.manual_seed(seed)`` before it; ``origin``, top-p, top-k,
+    ``alg_temp`` sampled and greedy): ``generate(policy=DreamOrder(alg, alg_temp=...))`` and the named method, with a
+    generator seeded alike, give their tokens."""
+    kwargs = dict(SAMPLED_RUNS[run])
+    seed, theirs = kwargs.pop("seed"), load_file(str(FIXTURES / "sampled.safetensors"))[f"generate_{run}"]
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    temperature = kwargs.get("temperature", 0.0)
+    sampling = {"do_sample": False} if temperature == 0 else {"temperature": temperature}
+    ours = model.generate(prompt, attention_mask=attn, max_new_tokens=kwargs["max_new_tokens"],
+                          num_steps=kwargs["steps"], policy=DreamOrder(kwargs["alg"], alg_temp=kwargs.get("alg_temp")),
+                          top_p=kwargs.get("top_p"), top_k=kwargs.get("top_k"), eos_token_id=None,
+                          generator=torch.Generator().manual_seed(seed), **sampling)
+    assert torch.equal(ours, theirs)
+    named = model.diffusion_generate(prompt, attention_mask=attn, generator=torch.Generator().manual_seed(seed),
+                                     **kwargs)
+    assert torch.equal(named, theirs)
+
+
 @pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
 def test_dream_order_sampled_equals_diffusion_generate_with_the_same_seed(model, ref, alg):
     """Sampled (temperature, top-p, top-k), and positions drawn with ``alg_temp``, over more steps than tokens and
-    fewer: ``DreamOrder`` draws what their sampler (``diffusion_generate``, proven greedy above) draws, in order."""
+    fewer, more seeds: ``DreamOrder`` draws what ``diffusion_generate`` (proven above) draws, in order."""
     prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
     cases = [({"temperature": 1.0, "top_p": 0.9}, 12), ({"temperature": 0.7, "top_k": 20}, 4), ({}, 4)]
     if alg != "origin":
