@@ -344,3 +344,26 @@ def test_reference_policies_by_name():
     assert repr(make_policy("fast_dllm_v2", threshold=0.7)) == "FastDLLMv2Order(threshold=0.7, small_block_size=8)"
     with pytest.raises(ValueError, match="threshold: only the threshold, sdar and fast_dllm_v2 policies take one"):
         make_policy("llada", threshold=0.5)
+
+
+def test_rounded_split_is_dllms_mdlm_schedule_and_skips_empty_steps():
+    from unifusion.samplers.policies import LLaDAOrder, RoundedSplit
+
+    # the nonzero counts of dllm's get_num_transfer_tokens(LinearAlphaScheduler()) (ca17675), run on these inputs
+    theirs = {(5, 2): [2, 3], (4, 8): [1, 1, 1, 1], (7, 3): [2, 2, 3], (13, 5): [3, 2, 3, 2, 3], (5, 3): [2, 1, 2],
+              (31, 8): [4, 4, 4, 4, 4, 4, 4, 3]}
+    for (n, N), expected in theirs.items():
+        left, counts = torch.tensor([n]), []
+        for i in range(N):
+            c = RoundedSplit().counts(left, i, N)
+            counts.append(int(c))
+            left = left - c
+        assert [c for c in counts if c] == expected and int(left) == 0, (n, N)
+    kernel = uf.MaskKernel(8, 7)
+    model = lambda x, t: torch.randn(*x.shape, 8)  # noqa: E731
+    sampler = uf.samplers.PolicySampler(model, kernel, LLaDAOrder(schedule=RoundedSplit()), num_steps=8,
+                                        block_size=4)
+    out = sampler.sample(2, 6, prompt=torch.tensor([3, 4, -1, -1, -1, -1]), return_dict=True)
+    assert out.num_forwards.tolist() == [4, 4]  # 4 positions over 8 steps: 4 steps commit, 4 are skipped
+    assert repr(LLaDAOrder(schedule=RoundedSplit())) == "LLaDAOrder(remasking='low_confidence', " \
+        "schedule=RoundedSplit())"

@@ -479,6 +479,10 @@ class PolicySampler:
             if not rows_host:
                 return
             cols_r, und_r = cols[rows], block_und[rows]
+            left = und_r.sum(-1)
+            num_commit = policy.commit_counts(left, n, max_steps) if fixed else torch.ones_like(left)
+            if fixed and policy.schedule.skips_empty_steps and int(num_commit.max()) == 0:
+                continue  # a step that commits nothing is skipped, model call included (dllm's MDLM sampler)
             hidden = None
             if policy.reads_hidden:
                 logits, hidden = self._logits_and_hidden(run, rows, cols_r, self._times(run, rows),
@@ -490,8 +494,6 @@ class PolicySampler:
                 logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host),
                                       positions)
             run.forwards[rows] += 1
-            left = und_r.sum(-1)
-            num_commit = policy.commit_counts(left, n, max_steps) if fixed else torch.ones_like(left)
             where = BlockStep(n, max_steps, cols_r, run.grid.seq_len)
             tokens, commit, p = mask_step_with_probs(policy, logits, und_r, num_commit,
                                                      run.randomness(rows, rows_host), mask_id=self.kernel.mask_id,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import unifusion as uf
 from unifusion.hf import LLaDAMoELM, wrap_diffusion_lm
 from unifusion.hf.llada.generation import llada_generate
-from unifusion.samplers.policies import ConfidenceThreshold, LLaDAOrder, LowConfidence
+from unifusion.samplers.policies import ConfidenceThreshold, LLaDAOrder, LowConfidence, RoundedSplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -116,6 +116,32 @@ def test_llada_order_sampled_guided_and_random_equal_their_sampler_on_lladamoe(m
                               cfg_scale=run.get("cfg_scale", 0.0), eos_token_id=None,
                               generator=torch.Generator().manual_seed(seed), **sampling)
         assert torch.equal(ours, theirs), run
+
+
+MDLM_EXTRA = json.loads((FIXTURES / "mdlm_extra_runs.json").read_text())
+
+
+@pytest.mark.parametrize("run", sorted(MDLM_EXTRA))
+def test_llada_order_with_rounded_split_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
+    """dllm's MDLMSampler with its own per-step counts (rounded, half to even: 5 masks over 2 steps commit 2 then 3;
+    ``RoundedSplit``), greedy on the left-padded prompts, and sampled, random-remasked and guided (their global seed
+    = our generator's seed) on prompts of one length: the same tokens, committed at the same steps."""
+    spec = MDLM_EXTRA[run]
+    theirs = load_file(str(FIXTURES / "mdlm_extra.safetensors"))
+    gen, block, steps = spec["max_new_tokens"], spec["block_size"], spec["steps"]
+    prompt, attn = (ref["prompt_ids"], ref["prompt_attention_mask"]) if spec["prompts"] == "padded" else \
+        (theirs["equal_prompt_ids"], torch.ones_like(theirs["equal_prompt_ids"]))
+    sampling = {"do_sample": False} if spec["temperature"] == 0 else {"temperature": spec["temperature"]}
+    out = model.generate(prompt, attention_mask=attn, max_new_tokens=gen, block_size=block,
+                         num_steps=-(-steps // (gen // block)), eos_token_id=None, return_trace=True,
+                         policy=LLaDAOrder(spec["remasking"], schedule=RoundedSplit()),
+                         cfg_scale=spec.get("cfg_scale", 0.0), generator=torch.Generator().manual_seed(spec["seed"]),
+                         **sampling)
+    tokens, their_steps = theirs[f"generate_{run}"], theirs[f"commit_step_{run}"]
+    for j, n in enumerate(attn.sum(-1).tolist()):
+        pad = attn.shape[1] - n
+        assert torch.equal(out.sequences[j, pad:], tokens[j, :n + gen])
+        assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
 
 
 def test_other_policies_generate_and_keep_the_prompt(model, ref):

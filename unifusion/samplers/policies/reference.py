@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from .protocol import BlockStep, MaskPolicy, RowRandomness, select_top
-from .schedules import TimeGrid
+from .schedules import EvenSplit, TimeGrid, TransferSchedule
 
 __all__ = ["DREAM_ALGORITHMS", "LLADA_REMASKING", "SDAR_STRATEGIES", "DreamOrder", "FastDLLMv2Order", "LLaDAOrder",
            "SDAROrder"]
@@ -130,18 +130,25 @@ class LLaDAOrder(MaskPolicy):
 
     The trace records log x_θ(x̂) with x_θ = softmax(z / T) without the mask state: the distribution x̂ is drawn from.
 
+    dllm's ``MDLMSampler`` (LLaDA's and LLaDA-MoE's sampler there) is the same step with its own counts:
+    ``LLaDAOrder(schedule=RoundedSplit())`` (:class:`~unifusion.samplers.policies.schedules.RoundedSplit`; equal to
+    the default whenever the steps divide the block). It right-pads shorter prompts with EOS where ``generate``
+    left-pads, so its sampled draws land on other columns unless the prompts have one length.
+
     Args:
         remasking: ``"low_confidence"`` (default) or ``"random"``.
+        schedule: the per-step counts (default :class:`~unifusion.samplers.policies.schedules.EvenSplit`, LLaDA's).
     """
 
-    def __init__(self, remasking: str = "low_confidence") -> None:
-        super().__init__()
+    def __init__(self, remasking: str = "low_confidence", *, schedule: TransferSchedule | None = None) -> None:
+        super().__init__(schedule=schedule)
         if remasking not in LLADA_REMASKING:
             raise ValueError(f"remasking: expected one of {LLADA_REMASKING}, got {remasking!r}")
         self.remasking = remasking
 
     def __repr__(self) -> str:
-        return f"LLaDAOrder(remasking={self.remasking!r})"
+        schedule = "" if self.schedule == EvenSplit() else f", schedule={self.schedule!r}"
+        return f"LLaDAOrder(remasking={self.remasking!r}{schedule})"
 
     def decide(self, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
                randomness: RowRandomness, where: BlockStep, *, mask_id: int | None, temperature: float = 1.0,

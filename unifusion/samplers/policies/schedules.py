@@ -8,6 +8,8 @@ schedule              n_i                                                       
 ====================  ==================================================================  ============================
 :class:`EvenSplit`    ⌈r / (N − i)⌉: the block's count split evenly, remainder first      LLaDA ``generate.py``
 :class:`TimeGrid`     ⌊r (1 − t_{i+1} / t_i)⌋, t = linspace(1, ε, N + 1); r at the last   Dream ``diffusion_generate``
+:class:`RoundedSplit`  round(r (1 − s/t)), t = (N − i)/N, s = t − 1/N (half to even);     dllm's ``MDLMSampler``
+                      steps that commit nothing are skipped, model call included
 ====================  ==================================================================  ============================
 
 :class:`EvenSplit` recomputed from the live count equals LLaDA's split fixed at the block's start (10 over 4 steps:
@@ -25,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["EvenSplit", "TimeGrid", "TransferSchedule"]
+__all__ = ["EvenSplit", "RoundedSplit", "TimeGrid", "TransferSchedule"]
 
 
 class TransferSchedule:
@@ -34,6 +36,10 @@ class TransferSchedule:
     bounded_by_block: bool = True
     """Whether every step commits at least one position while some are left (then a block of K positions takes at
     most K steps)."""
+
+    skips_empty_steps: bool = False
+    """Whether a step whose count is 0 in every running row is skipped, model call included (one host sync per
+    step); otherwise it runs the model and commits nothing (Dream's, whose draws such a step still makes)."""
 
     def counts(self, left: torch.Tensor, step: int, num_steps: int) -> torch.Tensor:
         """n_i ``(B,)`` int64 for the undecided counts ``left`` ``(B,)`` at step ``step`` of ``num_steps``."""
@@ -86,3 +92,22 @@ class TimeGrid(TransferSchedule):
         t = torch.linspace(1, self.eps, num_steps + 1, device=left.device)
         fraction = 1 - t[step + 1] / t[step]
         return (left.float() * fraction).long()  # truncation: Dream's int() of a positive float
+
+
+class RoundedSplit(TransferSchedule):
+    """dllm's ``MDLMSampler`` schedule (``get_num_transfer_tokens`` with its ``LinearAlphaScheduler``): step i of N
+    commits n_i = min(round(r (1 − (1 − α_s) / (1 − α_t))), r) of the r undecided positions, α(u) = 1 − u at
+    t = (N − i)/N and s = t − 1/N in float32, the product in float64 rounded half to even (``torch.round``): 5 over
+    2 steps gives 2, 3 where :class:`EvenSplit` gives 3, 2. Steps whose count is 0 are skipped, model call included
+    (dllm drops them from its schedule). Equal to :class:`EvenSplit` whenever N divides the block's count.
+    """
+
+    bounded_by_block = False
+    skips_empty_steps = True
+
+    def counts(self, left: torch.Tensor, step: int, num_steps: int) -> torch.Tensor:
+        t = torch.tensor((num_steps - step) / num_steps, dtype=torch.float32)
+        s = torch.tensor((num_steps - step - 1) / num_steps, dtype=torch.float32)
+        ratio = float((1 - (1 - s)) / (1 - (1 - t)))  # dllm's reverse_mask_prob(s, t), read back as a float
+        n = torch.round(left.to(torch.float64) * (1 - ratio)).long()
+        return torch.minimum(n, left)
