@@ -239,15 +239,16 @@ def check_prefix_cache(model: Any, ref: dict[str, torch.Tensor]) -> None:
     torch.testing.assert_close(cached, direct, rtol=1e-5, atol=1e-4)
 
 
-def check_trace_replay(model: Any, ref: dict[str, torch.Tensor]) -> None:
+def check_trace_replay(model: Any, ref: dict[str, torch.Tensor], policy: Any = None) -> None:
     """``uf.rl.sequence_logprob(estimator="trace")`` replays the log-probabilities a sampled ``generate`` committed
-    with (left-padded prompts, two blocks; uncached and with the prefix cache at refresh 1)."""
+    with (left-padded prompts, two blocks; uncached and with the prefix cache at refresh 1), with ``policy`` (default
+    ``LowConfidence()``)."""
     from unifusion.samplers.policies import LowConfidence
 
     prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
     for extra in ({}, {"cache_refresh": 1}):
         out = model.generate(prompt, attention_mask=attn, max_new_tokens=8, block_size=4, num_steps=2,
-                             policy=LowConfidence(), eos_token_id=None, temperature=0.8, return_trace=True,
+                             policy=policy or LowConfidence(), eos_token_id=None, temperature=0.8, return_trace=True,
                              generator=[torch.Generator().manual_seed(i) for i in range(2)], **extra)
         completion = out.commit_step >= 0
         valid = torch.cat([attn, torch.ones(2, 8, dtype=attn.dtype)], 1)

@@ -275,3 +275,95 @@ def test_policies_make_no_host_syncs():
                            policy.initial_history(5, 9, logits.device), step.randomness, step=1, num_steps=3,
                            top_p=0.9)
     assert c.syncs == 0, c.sync_ops
+
+
+def test_even_split_is_llada_get_num_transfer_tokens_recomputed_from_the_live_count():
+    from unifusion.samplers.policies import EvenSplit
+
+    left, counts = torch.tensor([10, 3, 0]), []
+    for i in range(4):
+        n = EvenSplit().counts(left, i, 4)
+        counts.append(n.tolist())
+        left = left - n
+    assert counts == [[3, 1, 0], [3, 1, 0], [2, 1, 0], [2, 0, 0]] and left.tolist() == [0, 0, 0]
+
+
+def test_time_grid_is_dreams_count_on_its_float32_grid():
+    from unifusion.samplers.policies import TimeGrid
+
+    # Dream: t = linspace(1, 1e-3, 3) = [1, 0.5005, 0.001]; step 0 commits int(8 (1 - 0.5005)) = 3, the last all
+    assert TimeGrid().counts(torch.tensor([8, 7]), 0, 2).tolist() == [3, 3]
+    assert TimeGrid().counts(torch.tensor([5, 4]), 1, 2).tolist() == [5, 4]
+    early = TimeGrid(eps=0.5).counts(torch.tensor([8]), 0, 64)  # 1 − t_1/t_0 < 1/8: nothing yet
+    assert early.tolist() == [0]
+    assert TimeGrid() == TimeGrid(1e-3) and TimeGrid() != TimeGrid(0.01)
+    for bad in (0.0, 1.0, math.nan):
+        with pytest.raises(ValueError, match="eps: expected a float in \\(0, 1\\)"):
+            TimeGrid(bad)
+
+
+def test_a_schedule_is_a_policy_option_and_time_grid_lifts_the_step_bound():
+    from unifusion.samplers.policies import TimeGrid
+
+    policy = TopKMargin(schedule=TimeGrid())
+    assert repr(policy) == "TopKMargin(schedule=TimeGrid(eps=0.001))" and repr(TopKMargin()) == "TopKMargin()"
+    assert policy.max_steps(4) is None and TopKMargin().max_steps(4) == 4 and ConfidenceThreshold(0.5).max_steps(4) \
+        is None
+    with pytest.raises(TypeError, match="schedule: expected a TransferSchedule"):
+        LowConfidence(schedule="dream")
+    kernel = uf.MaskKernel(8, 7)
+    model = lambda x, t: torch.randn(*x.shape, 8)  # noqa: E731
+    uf.samplers.PolicySampler(model, kernel, policy, num_steps=12, block_size=4)  # 12 steps for 4 positions
+    with pytest.raises(ValueError, match="num_steps: TopKMargin commits a fixed count per step"):
+        uf.samplers.PolicySampler(model, kernel, TopKMargin(), num_steps=12, block_size=4)
+
+
+def test_reference_policies_refuse_bad_options_naming_them():
+    from unifusion.samplers.policies import DreamOrder, LLaDAOrder, SDAROrder
+
+    with pytest.raises(ValueError, match="remasking: expected one of"):
+        LLaDAOrder("top_k")
+    with pytest.raises(ValueError, match="alg: expected one of"):
+        DreamOrder("greedy")
+    with pytest.raises(ValueError, match="alg_temp: expected None or a finite float >= 0"):
+        DreamOrder(alg_temp=-1.0)
+    with pytest.raises(ValueError, match="strategy: expected one of"):
+        SDAROrder("entropy_bounded")
+    with pytest.raises(ValueError, match="eps"):
+        DreamOrder(eps=2.0)
+
+
+def test_reference_policies_by_name():
+    from unifusion.samplers.policies import POLICY_NAMES, DreamOrder, LLaDAOrder, SDAROrder, make_policy
+
+    assert repr(make_policy("llada_random")) == repr(LLaDAOrder("random"))
+    assert repr(make_policy("dream_topk_margin")) == repr(DreamOrder("topk_margin"))
+    assert repr(make_policy("sdar", threshold=0.3)) == repr(SDAROrder("low_confidence_dynamic", 0.3))
+    assert repr(make_policy("sdar_sequential")) == repr(SDAROrder("sequential"))
+    assert {"llada", "dream_origin", "sdar_static"} <= set(POLICY_NAMES)
+    assert repr(make_policy("fast_dllm_v2", threshold=0.7)) == "FastDLLMv2Order(threshold=0.7, small_block_size=8)"
+    with pytest.raises(ValueError, match="threshold: only the threshold, sdar and fast_dllm_v2 policies take one"):
+        make_policy("llada", threshold=0.5)
+
+
+def test_rounded_split_is_dllms_mdlm_schedule_and_skips_empty_steps():
+    from unifusion.samplers.policies import LLaDAOrder, RoundedSplit
+
+    # the nonzero counts of dllm's get_num_transfer_tokens(LinearAlphaScheduler()) (ca17675), run on these inputs
+    theirs = {(5, 2): [2, 3], (4, 8): [1, 1, 1, 1], (7, 3): [2, 2, 3], (13, 5): [3, 2, 3, 2, 3], (5, 3): [2, 1, 2],
+              (31, 8): [4, 4, 4, 4, 4, 4, 4, 3]}
+    for (n, N), expected in theirs.items():
+        left, counts = torch.tensor([n]), []
+        for i in range(N):
+            c = RoundedSplit().counts(left, i, N)
+            counts.append(int(c))
+            left = left - c
+        assert [c for c in counts if c] == expected and int(left) == 0, (n, N)
+    kernel = uf.MaskKernel(8, 7)
+    model = lambda x, t: torch.randn(*x.shape, 8)  # noqa: E731
+    sampler = uf.samplers.PolicySampler(model, kernel, LLaDAOrder(schedule=RoundedSplit()), num_steps=8,
+                                        block_size=4)
+    out = sampler.sample(2, 6, prompt=torch.tensor([3, 4, -1, -1, -1, -1]), return_dict=True)
+    assert out.num_forwards.tolist() == [4, 4]  # 4 positions over 8 steps: 4 steps commit, 4 are skipped
+    assert repr(LLaDAOrder(schedule=RoundedSplit())) == "LLaDAOrder(remasking='low_confidence', " \
+        "schedule=RoundedSplit())"

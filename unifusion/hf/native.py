@@ -405,9 +405,10 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
 
     def generate(self, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Continue ``prompt_ids`` ``(B, P)`` with :func:`unifusion.samplers.generate` (every policy; keyword
-        arguments as there). LLaDA's ``generate.py`` (greedy, low-confidence remasking, ``block_length`` blocks of
-        ``steps / num_blocks`` steps) is ``policy=LowConfidence(), block_size=block_length, num_steps=steps //
-        num_blocks, do_sample=False, eos_token_id=None``."""
+        arguments as there). LLaDA's ``generate.py`` (``block_length`` blocks of ``steps / num_blocks`` steps) is
+        ``policy=LLaDAOrder(remasking), block_size=block_length, num_steps=steps // num_blocks, eos_token_id=None``
+        with ``do_sample=False`` (its ``temperature=0``) or ``temperature=T``, and ``cfg_scale=w``; the released
+        models' other samplers are the policies of :mod:`unifusion.samplers.policies.reference`."""
         return generation.generate(self, prompt_ids, *args, **kwargs)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------

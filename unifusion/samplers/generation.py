@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -59,6 +59,7 @@ from ._row_groups import block_leads, by_block_lead
 from ._setup import PROMPT_FILL
 from .bayesian import BayesianSampler
 from .generation_options import resolve_hf_options, stop_after, streaming, with_scores
+from .guidance import check_cfg_scale, guided_x0_model
 from .policies import default_policy
 from .policy_sampler import PolicyOutput, PolicySampler
 
@@ -95,7 +96,7 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
              eos_token_id: int | Sequence[int] | str | None = "auto", pad_token_id: int | None = None,
              return_dict: bool = False, return_trace: bool = False, num_return_sequences: int | None = None,
              kernel: Any = None, temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, eps: float = 1e-3,
+             top_k: int | None = None, eps: float = 1e-3, cfg_scale: float = 0.0,
              generator: torch.Generator | Sequence[torch.Generator] | None = None, progress: bool = False,
              generation_config: Any = None, max_length: int | None = None,
              do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
@@ -161,6 +162,11 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
         top_k: keep the ``k`` most likely tokens (``None``: ``generation_config``'s, else off; ``0``: off, as in
             transformers).
         eps: ``ε``; sampling starts at ``t_0 = 1 − ε`` (``policy=None``).
+        cfg_scale: classifier-free guidance w ≥ 0 (LLaDA's ``cfg_scale``; 0: none), with a policy on a fully
+            bidirectional model through full-sequence calls: every call runs the rows twice in one batch, as they
+            are and with every prompt column masked (padding included), and the policy reads
+            z = z_u + (w + 1)(z − z_u). A trace then records the guided distribution's log-probabilities. Not with a
+            block model, ``cache_refresh``, a policy that reads hidden states or ``policy=None`` (``ValueError``).
         generator: random generator on the model's device, for reproducible samples; or a list of ``B``
             generators there, one per row: row b is then ``generate(prompt_ids[b:b + 1], ...,
             generator=generator[b])`` whatever rows are beside it.
@@ -293,7 +299,11 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
     prompt[:, :P] = prompt_ids
     if streamer is not None:  # the prompt first, as transformers' generate does
         streamer.put((prompt_ids if given_prompt is None else given_prompt).cpu())
+    guidance = check_cfg_scale(cfg_scale)
     if policy is None:
+        if guidance:
+            raise ValueError("cfg_scale: classifier-free guidance runs with a decoding policy (LLaDA's: "
+                             "policy=uf.samplers.policies.LLaDAOrder()); policy=None runs the BayesianSampler")
         for name, asked in (("return_trace", return_trace), ("output_scores", hf.output_scores),
                             ("output_logits", hf.output_logits)):
             if asked:
@@ -318,13 +328,17 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
                        use_cache=use_cache, merge_commits=merge_commits, pad_token_id=pad_token_id,
                        eos_token_id=list(eos) if isinstance(eos, tuple) else eos, return_dict=return_dict,
                        return_trace=return_trace, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k,
-                       eps=eps, progress=progress, do_sample=hf.do_sample, stop_strings=hf.stop_strings or None,
-                       tokenizer=tokenizer, output_scores=hf.output_scores, output_logits=hf.output_logits,
+                       eps=eps, cfg_scale=cfg_scale, progress=progress, do_sample=hf.do_sample,
+                       stop_strings=hf.stop_strings or None, tokenizer=tokenizer, output_scores=hf.output_scores, output_logits=hf.output_logits,
                        return_dict_in_generate=hf.return_dict_in_generate)
         return _as_given(by_block_lead(generate, model, prompt_ids, attention_mask, leads, generator, options),
                          given_prompt)
     lead = leads[0] if leads else 0
-    sampler = PolicySampler(decoder if decoder is not None else _x0_callable(model), kernel, policy,
+    x0_model = None if decoder is not None else _x0_callable(model)
+    if guidance:
+        x0_model = guided_x0_model(model, x0_model, kernel, policy, guidance, P)
+    runner: X0Model | BlockDenoiser = decoder if decoder is not None else cast(X0Model, x0_model)
+    sampler = PolicySampler(runner, kernel, policy,
                             num_steps=num_steps, block_size=block_size if model_block is None else model_block,
                             temperature=temperature, top_k=top_k, top_p=top_p, use_cache=decoder is not None,
                             do_sample=hf.do_sample)

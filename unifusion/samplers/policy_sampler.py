@@ -53,7 +53,7 @@ from ._setup import (
     resolve_prompt,
 )
 from .policies.mask import mask_step_with_probs
-from .policies.protocol import DecodingPolicy, MaskPolicy, RowRandomness
+from .policies.protocol import BlockStep, DecodingPolicy, MaskPolicy, RowRandomness
 from .policies.uniform import EntropyBound, entropy_bound_step
 from .policy_output import PolicyOutput
 
@@ -131,7 +131,8 @@ class PolicySampler:
             :class:`~unifusion.UniformKernel` for :class:`~unifusion.samplers.policies.EntropyBound`.
         policy: a :class:`~unifusion.samplers.policies.DecodingPolicy`.
         num_steps: steps per block (per sequence without blocks); default: the block size (one position per step for
-            fixed-count policies). At most ``block_size`` for fixed-count policies.
+            fixed-count policies). At most ``block_size`` for fixed-count policies, unless their schedule may commit
+            nothing on a step (``policy.max_steps``: Dream's :class:`~unifusion.samplers.policies.TimeGrid`).
         block_size: positions per block; ``None``: one block over each row's generated region.
         temperature: T > 0; x_θ = softmax(logits / T) (for EntropyBound it multiplies the schedule).
         top_k, top_p: truncation of x_θ after the temperature (as :class:`~unifusion.BayesianSampler`).
@@ -165,11 +166,10 @@ class PolicySampler:
         self.policy = policy
         self.block_size = None if block_size is None else V.check_positive_int("block_size", block_size)
         self.num_steps = None if num_steps is None else V.check_positive_int("num_steps", num_steps)
-        if policy.fixed_count and self.num_steps is not None and self.block_size is not None \
-                and self.num_steps > self.block_size:
+        bound = None if self.block_size is None else policy.max_steps(self.block_size)
+        if self.num_steps is not None and bound is not None and self.num_steps > bound:
             raise ValueError(f"num_steps: {type(policy).__name__} commits a fixed count per step, so a block of "
-                             f"block_size = {self.block_size} takes at most {self.block_size} steps, got "
-                             f"{self.num_steps}")
+                             f"block_size = {self.block_size} takes at most {bound} steps, got {self.num_steps}")
         self.temperature, self.top_k, self.top_p = check_sampling_options(temperature, top_k, top_p,
                                                                           self.kernel.num_states)
         if not isinstance(use_cache, bool):
@@ -328,11 +328,11 @@ class PolicySampler:
             starts, starts_host = self._block_starts(block_start, starts_host, dev)
         region = L - min(starts_host)
         width = self.block_size if self.block_size is not None else max(region, 1)
-        if self.block_size is None and self.policy.fixed_count and self.num_steps is not None \
-                and self.num_steps > region > 0:
+        bound = self.policy.max_steps(region) if self.block_size is None and region > 0 else None
+        if self.num_steps is not None and bound is not None and self.num_steps > bound:
             raise ValueError(f"num_steps: {type(self.policy).__name__} commits a fixed count per step and, without "
                              f"block_size, the block is the generated region ({region} positions), so it takes at "
-                             f"most {region} steps, got {self.num_steps}")
+                             f"most {bound} steps, got {self.num_steps}")
         num_blocks = max((L - s + width - 1) // width for s in starts_host)
         grid = R.BlockGrid(starts, starts_host, width, num_blocks, L)
         noise = kernel.mask_id if kernel.mask_id is not None else 0
@@ -500,6 +500,10 @@ class PolicySampler:
             if not rows_host:
                 return
             cols_r, und_r = cols[rows], block_und[rows]
+            left = und_r.sum(-1)
+            num_commit = policy.commit_counts(left, n, max_steps) if fixed else torch.ones_like(left)
+            if fixed and policy.schedule.skips_empty_steps and int(num_commit.max()) == 0:
+                continue  # a step that commits nothing is skipped, model call included (dllm's MDLM sampler)
             hidden = None
             if policy.reads_hidden:
                 logits, hidden = self._logits_and_hidden(run, rows, cols_r, self._times(run, rows),
@@ -511,12 +515,12 @@ class PolicySampler:
                 logits = self._logits(run, rows, cols_r, self._times(run, rows), _carry(previous, rows_host),
                                       positions)
             run.forwards[rows] += 1
-            left = und_r.sum(-1)
-            num_commit = (left + (max_steps - n - 1)) // (max_steps - n) if fixed else torch.ones_like(left)
+            where = BlockStep(n, max_steps, cols_r, run.grid.seq_len)
             tokens, commit, p = mask_step_with_probs(policy, logits, und_r, num_commit,
                                                      run.randomness(rows, rows_host), mask_id=self.kernel.mask_id,
                                                      temperature=self.temperature, top_k=self.top_k,
-                                                     top_p=self.top_p, do_sample=self.do_sample, hidden=hidden)
+                                                     top_p=self.top_p, do_sample=self.do_sample, hidden=hidden,
+                                                     where=where)
             x_r, u_r = run.x[rows], run.undecided[rows]
             x_r.scatter_(1, cols_r, torch.where(commit, tokens, x_r.gather(1, cols_r)))
             u_r.scatter_(1, cols_r, und_r & ~commit)

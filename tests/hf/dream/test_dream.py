@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import DreamLM
-from unifusion.samplers.policies import LowConfidence, TopKMargin
+from unifusion.samplers.policies import DreamOrder, LowConfidence, TimeGrid, TopKEntropy, TopKMargin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -72,6 +73,70 @@ def test_greedy_diffusion_generate_equals_theirs_token_for_token(model, ref, run
     out = model.diffusion_generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"],
                                    max_new_tokens=new, steps=steps, alg=alg, temperature=0.0)
     assert torch.equal(out, ref[f"generate_{run}"])
+
+
+RUNS = json.loads((FIXTURES / "generate_runs.json").read_text())
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_dream_order_equals_their_diffusion_generate_token_for_token(model, ref, run):
+    """``generate(policy=DreamOrder(alg), num_steps=steps, do_sample=False)``: their greedy tokens (their time grid's
+    counts, their confidences, their torch.topk order) through the generic decoding path; and the plain policies
+    with Dream's schedule (``TimeGrid``) give them too on this checkpoint (x_θ without the mask state: the same
+    order wherever the mask token's mass does not reorder the positions)."""
+    new, steps, alg = RUNS[run]
+    kw = {"attention_mask": ref["prompt_attention_mask"], "max_new_tokens": new, "num_steps": steps,
+          "do_sample": False, "eos_token_id": None}
+    assert torch.equal(model.generate(ref["prompt_ids"], policy=DreamOrder(alg), **kw), ref[f"generate_{run}"])
+    plain = {"maskgit_plus": LowConfidence, "topk_margin": TopKMargin, "entropy": TopKEntropy}[alg]
+    assert torch.equal(model.generate(ref["prompt_ids"], policy=plain(schedule=TimeGrid()), **kw),
+                       ref[f"generate_{run}"])
+
+
+SAMPLED_RUNS = json.loads((FIXTURES / "sampled_runs.json").read_text())
+
+
+@pytest.mark.parametrize("run", sorted(SAMPLED_RUNS))
+def test_dream_order_and_diffusion_generate_equal_their_sampled_runs_token_for_token(model, ref, run):
+    """Their sampled ``diffusion_generate`` (``torch.manual_seed(seed)`` before it; ``origin``, top-p, top-k,
+    ``alg_temp`` sampled and greedy): ``generate(policy=DreamOrder(alg, alg_temp=...))`` and the named method, with a
+    generator seeded alike, give their tokens."""
+    kwargs = dict(SAMPLED_RUNS[run])
+    seed, theirs = kwargs.pop("seed"), load_file(str(FIXTURES / "sampled.safetensors"))[f"generate_{run}"]
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    temperature = kwargs.get("temperature", 0.0)
+    sampling = {"do_sample": False} if temperature == 0 else {"temperature": temperature}
+    ours = model.generate(prompt, attention_mask=attn, max_new_tokens=kwargs["max_new_tokens"],
+                          num_steps=kwargs["steps"], policy=DreamOrder(kwargs["alg"], alg_temp=kwargs.get("alg_temp")),
+                          top_p=kwargs.get("top_p"), top_k=kwargs.get("top_k"), eos_token_id=None,
+                          generator=torch.Generator().manual_seed(seed), **sampling)
+    assert torch.equal(ours, theirs)
+    named = model.diffusion_generate(prompt, attention_mask=attn, generator=torch.Generator().manual_seed(seed),
+                                     **kwargs)
+    assert torch.equal(named, theirs)
+
+
+@pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
+def test_dream_order_sampled_equals_diffusion_generate_with_the_same_seed(model, ref, alg):
+    """Sampled (temperature, top-p, top-k), and positions drawn with ``alg_temp``, over more steps than tokens and
+    fewer, more seeds: ``DreamOrder`` draws what ``diffusion_generate`` (proven above) draws, in order."""
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    cases = [({"temperature": 1.0, "top_p": 0.9}, 12), ({"temperature": 0.7, "top_k": 20}, 4), ({}, 4)]
+    if alg != "origin":
+        cases += [({"temperature": 1.0, "alg_temp": 0.5}, 6), ({"alg_temp": 1.0, "top_p": 0.8}, 4)]
+    for seed, (extra, steps) in enumerate(cases):
+        theirs = model.diffusion_generate(prompt, attention_mask=attn, max_new_tokens=8, steps=steps, alg=alg,
+                                          generator=torch.Generator().manual_seed(seed), **extra)
+        temperature = extra.get("temperature", 0.0)
+        sampling = {"do_sample": False} if temperature == 0 else {"temperature": temperature}
+        ours = model.generate(prompt, attention_mask=attn, max_new_tokens=8, num_steps=steps, eos_token_id=None,
+                              policy=DreamOrder(alg, alg_temp=extra.get("alg_temp")), top_p=extra.get("top_p"),
+                              top_k=extra.get("top_k"), generator=torch.Generator().manual_seed(seed), **sampling)
+        assert torch.equal(ours, theirs), (extra, steps)
+
+
+def test_dream_order_records_a_trace_the_replay_reproduces(model, ref):
+    checks.check_trace_replay(model, ref, DreamOrder("maskgit_plus"))
 
 
 def test_diffusion_generate_samples_with_a_generator(model, ref):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import FastDLLMv2LM, wrap_diffusion_lm
-from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+from unifusion.samplers.policies import ConfidenceThreshold, FastDLLMv2Order, LowConfidence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -151,6 +151,35 @@ def test_padded_rows_of_every_prompt_length_equal_the_rows_alone(model):
     g = torch.Generator().manual_seed(3)
     checks.check_padded_rows_equal_rows_alone(model, [torch.randint(0, 80, (n,), generator=g) for n in (5, 6, 9, 3)],
                                               pad_id=PAD)
+
+
+def test_fast_dllm_v2_order_equals_their_generate_on_a_whole_block_prompt(model, ref):
+    """``generate(policy=FastDLLMv2Order(threshold, small_block_size), do_sample=False)``: their model file's tokens
+    on the fixture whose prompt fills whole blocks (theirs also returns the next block's AR token), cached, merged
+    and uncached."""
+    spec = RUNS["generate"]["at_boundary"]
+    prompt = ref["prompt_ids"][spec["row"]:spec["row"] + 1, :spec["length"]]
+    assert prompt.shape[1] % K == 0 and prompt.shape[1] > K
+    theirs = ref["generate_at_boundary"]
+    for kw in ({}, {"merge_commits": True}, {"use_cache": False}):
+        out = model.generate(prompt, max_new_tokens=spec["max_new_tokens"], do_sample=False, eos_token_id=None,
+                             policy=FastDLLMv2Order(spec["threshold"], spec["small_block_size"]), **kw)
+        assert torch.equal(out[0], theirs[:out.shape[1]]) and theirs.shape[0] == out.shape[1] + 1
+
+
+def test_fast_dllm_v2_order_equals_their_batch_decoder_on_whole_block_prompts(model, ref):
+    """Thresholds 0.9 / 0.5 / 1 (one per step), sub-blocks of 1, 2, 4, on a batch of three prompts of two and three
+    blocks: the tokens of ``generate_reference`` (their batch_sample, proven above)."""
+    ids = ref["prompt_ids"]
+    for prompt in (ids[:, :8], torch.cat([ids[:, :8], ids[:, 2:6]], 1)):
+        for threshold, sub in ((0.9, 2), (0.5, 4), (1.0, 1)):
+            theirs = model.generate_reference(prompt, max_new_tokens=8, small_block_size=sub, threshold=threshold)
+            out = model.generate(prompt, max_new_tokens=8, policy=FastDLLMv2Order(threshold, sub), do_sample=False,
+                                 eos_token_id=None)
+            for i in range(3):
+                assert torch.equal(out[i], theirs[i][:out.shape[1]]), (prompt.shape, threshold, sub, i)
+    with pytest.raises(ValueError, match="do_sample: Fast-dLLM v2's decoder is greedy"):
+        model.generate(ids[:1, :8], max_new_tokens=4, policy=FastDLLMv2Order())
 
 
 def test_cached_generate_equals_uncached_with_every_policy(model, ref):

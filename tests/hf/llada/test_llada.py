@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import LLaDALM, wrap_diffusion_lm
-from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+from unifusion.hf.llada.generation import llada_generate
+from unifusion.samplers.policies import ConfidenceThreshold, LLaDAOrder, LowConfidence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -67,6 +68,68 @@ def test_generate_reference_equals_their_generate_py_token_for_token(model, ref,
     out = model.generate_reference(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"],
                                    generator=generator, **kwargs)
     assert torch.equal(out, ref[f"generate_{run}"])
+
+
+def llada_order_generate(model, ref, run: dict, **extra):
+    """``generate(policy=LLaDAOrder(...))`` with the arguments that reproduce their ``generate(**run)``."""
+    kwargs = dict(run)
+    gen, block, steps = kwargs["gen_length"], kwargs["block_length"], kwargs["steps"]
+    temperature = kwargs.get("temperature", 0.0)
+    sampling = {"do_sample": False} if temperature == 0 else {"temperature": temperature}
+    return model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
+                          policy=LLaDAOrder(kwargs.get("remasking", "low_confidence")), block_size=block,
+                          num_steps=steps // (gen // block), cfg_scale=kwargs.get("cfg_scale", 0.0),
+                          eos_token_id=None, generator=torch.Generator().manual_seed(kwargs.get("seed", 0)),
+                          **sampling, **extra)
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_llada_order_equals_their_generate_py_token_for_token(model, ref, run):
+    """``generate(policy=LLaDAOrder(remasking), cfg_scale=w)``: greedy, Gumbel-max sampled (their global seed = our
+    generator's seed), guided, random remasking — their tokens, through the generic decoding path."""
+    assert torch.equal(llada_order_generate(model, ref, RUNS[run]), ref[f"generate_{run}"])
+
+
+def test_llada_order_records_a_trace_the_replay_reproduces(model, ref):
+    checks.check_trace_replay(model, ref, LLaDAOrder())
+
+
+def test_llada_order_with_guidance_and_the_prefix_cache_and_per_row_generators(model, ref):
+    """Sampled, guided and random-remasked runs beyond the fixtures equal ``llada_generate`` (their sampler, proven
+    above); with per-row generators a row draws as the batch of that row alone (LLaDA's draws span the whole
+    sequence, so its padding counts); the prefix cache at refresh 1 keeps their greedy tokens."""
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    for run in ({"gen_length": 8, "block_length": 4, "steps": 8, "temperature": 0.7, "cfg_scale": 0.5, "seed": 3},
+                {"gen_length": 8, "block_length": 8, "steps": 4, "temperature": 1.3, "remasking": "random",
+                 "seed": 4}):
+        named = {k: v for k, v in run.items() if k != "seed"}
+        theirs = llada_generate(model, prompt, attention_mask=attn, generator=torch.Generator().manual_seed(
+            run["seed"]), **named)
+        assert torch.equal(llada_order_generate(model, ref, run), theirs)
+    rows = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    both = model.generate(prompt, attention_mask=attn, max_new_tokens=8, policy=LLaDAOrder(), block_size=4,
+                          num_steps=2, eos_token_id=None, generator=rows)
+    alone = model.generate(prompt[1:], attention_mask=attn[1:], max_new_tokens=8, policy=LLaDAOrder(),
+                           block_size=4, num_steps=2, eos_token_id=None, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(both[1], alone[0])
+    assert RUNS["semi_ar"] == {"gen_length": 8, "block_length": 4, "steps": 4}
+    cached = model.generate(prompt, attention_mask=attn, max_new_tokens=8, policy=LLaDAOrder(), block_size=4,
+                            num_steps=2, do_sample=False, eos_token_id=None, cache_refresh=1)
+    assert torch.equal(cached, ref["generate_semi_ar"])  # the prefix cache at refresh 1 is exact
+
+
+def test_cfg_scale_is_refused_where_it_does_not_apply(model, ref):
+    prompt = ref["prompt_ids"]
+    with pytest.raises(ValueError, match="cfg_scale: classifier-free guidance runs with a decoding policy"):
+        model.generate(prompt, attention_mask=ref["prompt_attention_mask"], max_new_tokens=4, cfg_scale=1.0)
+    with pytest.raises(ValueError, match="cfg_scale: the prefix cache"):
+        model.generate(prompt[:1], max_new_tokens=4, policy=LLaDAOrder(), cfg_scale=1.0, cache_refresh=1)
+    with pytest.raises(ValueError, match="cfg_scale: expected a finite float >= 0, got -1"):
+        model.generate(prompt[:1], max_new_tokens=4, policy=LLaDAOrder(), cfg_scale=-1.0)
+    with pytest.raises(TypeError, match="cfg_scale: expected a float"):
+        model.generate(prompt[:1], max_new_tokens=4, policy=LLaDAOrder(), cfg_scale="1")
+    with pytest.raises(ValueError, match="top_k, top_p: LLaDA's sampler truncates nothing"):
+        model.generate(prompt[:1], max_new_tokens=4, policy=LLaDAOrder(), top_k=5)
 
 
 def test_other_policies_generate_and_keep_the_prompt(model, ref):

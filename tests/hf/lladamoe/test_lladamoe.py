@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import LLaDAMoELM, wrap_diffusion_lm
-from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
+from unifusion.hf.llada.generation import llada_generate
+from unifusion.samplers.policies import ConfidenceThreshold, LLaDAOrder, LowConfidence, RoundedSplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -75,13 +76,14 @@ def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, ru
     assert torch.equal(out, ref[f"generate_{run}"])
 
 
+@pytest.mark.parametrize("policy", [LowConfidence(), LLaDAOrder()], ids=repr)
 @pytest.mark.parametrize("run", ["mdlm_semi_ar", "mdlm_one_block"])
-def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
+def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, run, policy):
     """dllm's MDLMSampler takes the prompts unpadded and right-pads with EOS; unifusion's generate left-pads them
     (RoPE is relative, padded keys are masked): the same tokens after each prompt, committed at the same steps."""
     gen, block, steps = RUNS[run]["max_new_tokens"], RUNS[run]["block_size"], RUNS[run]["steps"]
     attn = ref["prompt_attention_mask"]
-    out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=LowConfidence(),
+    out = model.generate(ref["prompt_ids"], attention_mask=attn, max_new_tokens=gen, policy=policy,
                          block_size=block, num_steps=steps // (gen // block), do_sample=False, eos_token_id=None,
                          return_trace=True)
     theirs, their_steps = ref[f"generate_{run}"], ref[f"commit_step_{run}"]
@@ -90,6 +92,56 @@ def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, r
         assert torch.equal(out.sequences[j, pad:], theirs[j, :n + gen])
         assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
         assert bool((theirs[j, n + gen:] == EOS).all())
+
+
+@pytest.mark.parametrize("run", ["semi_ar", "one_block"])
+def test_llada_order_equals_their_generate_py_token_for_token(model, ref, run):
+    gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
+    out = model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
+                         policy=LLaDAOrder(), block_size=block, num_steps=steps // (gen // block),
+                         do_sample=False, eos_token_id=None)
+    assert torch.equal(out, ref[f"generate_{run}"])
+
+
+def test_llada_order_sampled_guided_and_random_equal_their_sampler_on_lladamoe(model, ref):
+    """Their sampler's sampled, guided and random-remasked runs on this kind (``llada_generate``, their
+    ``generate.py`` on any unshifted mask denoiser; proven on LLaDA's fixtures) are ``generate(policy=LLaDAOrder)``."""
+    prompt, attn = ref["prompt_ids"], ref["prompt_attention_mask"]
+    for seed, run in enumerate([{"temperature": 1.0}, {"cfg_scale": 1.5}, {"remasking": "random", "temperature": 0.5}]):
+        theirs = llada_generate(model, prompt, attention_mask=attn, steps=4, gen_length=8, block_length=4,
+                                generator=torch.Generator().manual_seed(seed), **run)
+        sampling = {"temperature": run["temperature"]} if "temperature" in run else {"do_sample": False}
+        ours = model.generate(prompt, attention_mask=attn, max_new_tokens=8, block_size=4, num_steps=2,
+                              policy=LLaDAOrder(run.get("remasking", "low_confidence")),
+                              cfg_scale=run.get("cfg_scale", 0.0), eos_token_id=None,
+                              generator=torch.Generator().manual_seed(seed), **sampling)
+        assert torch.equal(ours, theirs), run
+
+
+MDLM_EXTRA = json.loads((FIXTURES / "mdlm_extra_runs.json").read_text())
+
+
+@pytest.mark.parametrize("run", sorted(MDLM_EXTRA))
+def test_llada_order_with_rounded_split_equals_dllms_mdlm_sampler_token_for_token(model, ref, run):
+    """dllm's MDLMSampler with its own per-step counts (rounded, half to even: 5 masks over 2 steps commit 2 then 3;
+    ``RoundedSplit``), greedy on the left-padded prompts, and sampled, random-remasked and guided (their global seed
+    = our generator's seed) on prompts of one length: the same tokens, committed at the same steps."""
+    spec = MDLM_EXTRA[run]
+    theirs = load_file(str(FIXTURES / "mdlm_extra.safetensors"))
+    gen, block, steps = spec["max_new_tokens"], spec["block_size"], spec["steps"]
+    prompt, attn = (ref["prompt_ids"], ref["prompt_attention_mask"]) if spec["prompts"] == "padded" else \
+        (theirs["equal_prompt_ids"], torch.ones_like(theirs["equal_prompt_ids"]))
+    sampling = {"do_sample": False} if spec["temperature"] == 0 else {"temperature": spec["temperature"]}
+    out = model.generate(prompt, attention_mask=attn, max_new_tokens=gen, block_size=block,
+                         num_steps=-(-steps // (gen // block)), eos_token_id=None, return_trace=True,
+                         policy=LLaDAOrder(spec["remasking"], schedule=RoundedSplit()),
+                         cfg_scale=spec.get("cfg_scale", 0.0), generator=torch.Generator().manual_seed(spec["seed"]),
+                         **sampling)
+    tokens, their_steps = theirs[f"generate_{run}"], theirs[f"commit_step_{run}"]
+    for j, n in enumerate(attn.sum(-1).tolist()):
+        pad = attn.shape[1] - n
+        assert torch.equal(out.sequences[j, pad:], tokens[j, :n + gen])
+        assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
 
 
 def test_other_policies_generate_and_keep_the_prompt(model, ref):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import unifusion as uf
 from unifusion.hf import SDARLM, wrap_diffusion_lm
-from unifusion.samplers.policies import LowConfidence
+from unifusion.samplers.policies import LowConfidence, SDAROrder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _native_checks as checks  # noqa: E402
@@ -107,6 +107,38 @@ def test_padded_rows_of_every_prompt_length_equal_the_rows_alone(model):
     g = torch.Generator().manual_seed(3)
     checks.check_padded_rows_equal_rows_alone(model, [torch.randint(0, 80, (n,), generator=g) for n in (5, 6, 9, 3)],
                                               pad_id=0)
+
+
+@pytest.mark.parametrize("run", ["greedy_dynamic", "sampled_static"])
+def test_sdar_order_equals_their_generate_py_on_whole_block_prompts(model, ref, run):
+    """``generate(policy=SDAROrder(strategy, threshold), num_steps=denoising_steps)`` with their temperature,
+    top-k, top-p and seed: their tokens on the fixture runs whose prompt fills whole blocks, cached and uncached."""
+    kwargs = dict(RUNS[run])
+    prompt = ref[f"prompt_{kwargs['prompt']}"]
+    assert prompt.shape[1] % 4 == 0
+    policy = SDAROrder(kwargs.get("remasking_strategy", "low_confidence_dynamic"),
+                       kwargs.get("confidence_threshold", 0.85))
+    for use_cache in (True, False):
+        out = model.generate(prompt, max_new_tokens=kwargs["gen_length"], num_steps=kwargs["denoising_steps"],
+                             policy=policy, temperature=kwargs.get("temperature", 1.0), top_k=kwargs.get("top_k"),
+                             top_p=kwargs.get("top_p"), eos_token_id=None, use_cache=use_cache,
+                             generator=torch.Generator().manual_seed(kwargs.get("seed", 0)))
+        assert torch.equal(out, ref[f"generate_{run}"])
+
+
+def test_sdar_order_equals_block_diffusion_generate_for_every_strategy(model, ref):
+    """Every strategy, greedy (``top_k=1``: all confidences 1, their torch.topk's tie order) and sampled, on a batch
+    of two whole-block prompts: the tokens of ``block_diffusion_generate`` (their decoder, proven above)."""
+    prompt = torch.cat([ref["prompt_0"], ref["prompt_0"].flip(-1)])
+    for strategy in ("low_confidence_dynamic", "low_confidence_static", "sequential"):
+        for seed, (opts, steps) in enumerate([({"top_k": 1}, 2), ({"temperature": 3.0}, 4),
+                                              ({"temperature": 2.0, "top_p": 0.9, "top_k": 40}, 2)]):
+            theirs = model.block_diffusion_generate(prompt, gen_length=8, denoising_steps=steps,
+                                                    remasking_strategy=strategy, confidence_threshold=0.3,
+                                                    generator=torch.Generator().manual_seed(seed), **opts)
+            ours = model.generate(prompt, max_new_tokens=8, num_steps=steps, policy=SDAROrder(strategy, 0.3),
+                                  eos_token_id=None, generator=torch.Generator().manual_seed(seed), **opts)
+            assert torch.equal(ours, theirs), (strategy, opts)
 
 
 def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):

@@ -1,5 +1,7 @@
 """Dream's own sampler (its ``diffusion_generate``), for :meth:`DreamLM.diffusion_generate
-<unifusion.hf.dream.model.DreamLM.diffusion_generate>`: what none of unifusion's policies reproduces.
+<unifusion.hf.dream.model.DreamLM.diffusion_generate>`: the verified reference that
+``generate(policy=DreamOrder(alg, alg_temp=...))`` (:class:`~unifusion.samplers.policies.DreamOrder`) is tested
+against.
 
 The generated region (``max_new_tokens`` masks after the prompt) is decoded as one block in ``steps`` full-sequence
 calls on the time grid t_k = 1 − k (1 − ε) / steps (k = 0 … steps). At step k, with s = t_{k+1}:
@@ -12,8 +14,8 @@ calls on the time grid t_k = 1 − k (1 − ε) / steps (k = 0 … steps). At st
   count of masked positions per row; with ``alg_temp`` the n_k are drawn from ``softmax(confidence / alg_temp)``.
 
 As in Dream's code, x_θ here is the softmax over the whole vocabulary (the mask token included), after temperature,
-top-p and top-k; ``n_k`` is 0 on early steps of long runs (⌊·⌋), which the unifusion policies' ⌈r / steps left⌉
-never is.
+top-p and top-k; ``n_k`` is 0 on early steps of long runs (⌊·⌋): the schedule
+:class:`~unifusion.samplers.policies.TimeGrid`, which the other policies take as ``schedule=``.
 """
 
 from __future__ import annotations

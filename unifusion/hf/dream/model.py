@@ -68,8 +68,9 @@ class DreamLM(NativeDiffusionLM):
                            alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = "origin",
                            **kwargs: Any) -> torch.Tensor:
         """Dream's own sampler (its ``diffusion_generate``: ``alg`` ``"origin"``, ``"maskgit_plus"``,
-        ``"topk_margin"``, ``"entropy"`` on its time grid), which :meth:`generate`'s policies do not reproduce;
-        ``(B, P + max_new_tokens)`` token ids. Keyword arguments as
+        ``"topk_margin"``, ``"entropy"`` on its time grid); ``(B, P + max_new_tokens)`` token ids. :meth:`generate`
+        with ``policy=DreamOrder(alg, alg_temp=..., eps=...)``, ``num_steps=steps`` gives the same tokens
+        (:class:`~unifusion.samplers.policies.DreamOrder`). Keyword arguments as
         :func:`unifusion.hf.dream.generation.diffusion_generate` (``attention_mask``, ``eps``, ``temperature``,
         ``top_p``, ``top_k``, ``alg_temp``, ``generator``)."""
         from .generation import diffusion_generate

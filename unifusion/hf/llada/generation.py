@@ -1,6 +1,8 @@
 """LLaDA's own sampler (its ``generate.py``), for :meth:`LLaDALM.generate_reference
-<unifusion.hf.llada.model.LLaDALM.generate_reference>`: the parts no unifusion policy reproduces — Gumbel-max
-sampling in float64 with the confidence read at temperature 1, classifier-free guidance, and its random stream.
+<unifusion.hf.llada.model.LLaDALM.generate_reference>`: the verified reference (Gumbel-max sampling in float64 with
+the confidence read at temperature 1, classifier-free guidance, its random stream) that
+``generate(policy=LLaDAOrder(remasking), cfg_scale=w)`` (:class:`~unifusion.samplers.policies.LLaDAOrder`) is
+tested against.
 
 The ``gen_length`` masks after the prompt are decoded in ``gen_length / block_length`` blocks, left to right, with
 ``steps / num_blocks`` full-sequence calls per block. At each call:

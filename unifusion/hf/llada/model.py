@@ -118,7 +118,9 @@ class LLaDALM(NativeDiffusionLM):
         """LLaDA's own sampler (its ``generate.py``, :func:`unifusion.hf.llada.generation.llada_generate`): Gumbel-max
         sampling with the confidence at temperature 1, classifier-free guidance (``cfg_scale``), ``remasking``
         ``"low_confidence"`` or ``"random"``; ``(B, P + gen_length)`` token ids, LLaDA's tokens for the same
-        random stream. Greedy low-confidence decoding is also :meth:`generate` with ``LowConfidence()``."""
+        random stream. :meth:`generate` with ``policy=LLaDAOrder(remasking)`` (and ``cfg_scale``) gives the same
+        tokens (:class:`~unifusion.samplers.policies.LLaDAOrder`); greedy low-confidence decoding is also
+        ``LowConfidence()``."""
         from .generation import llada_generate
 
         return llada_generate(self, prompt_ids, attention_mask=attention_mask, steps=steps, gen_length=gen_length,

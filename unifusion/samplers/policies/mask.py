@@ -14,10 +14,11 @@ policy                 confidence c_j                                  commits
 :class:`ConfidenceThreshold`  x_θ,j(z_j)                                every c_j ≥ τ, and the n most confident
 =====================  ==============================================  ===================================
 
-n is the sampler's per-step count (``PolicyStep.num_commit``): with ``num_steps`` N per block and r undecided
-positions left at step i, n = ⌈r / (N − i)⌉ — the even split of LLaDA's ``get_num_transfer_tokens`` (remainder
-first: 10 over 4 steps gives 3, 3, 2, 2), recomputed from the live count. Ties in confidence go to the lower
-position. Confidences are read from the same x_θ (after temperature/top-k/top-p) the candidates come from.
+n is the sampler's per-step count (``PolicyStep.num_commit``), the policy's transfer schedule
+(:mod:`.schedules`): by default, with ``num_steps`` N per block and r undecided positions left at step i,
+n = ⌈r / (N − i)⌉ — the even split of LLaDA's ``get_num_transfer_tokens`` (remainder first: 10 over 4 steps gives
+3, 3, 2, 2), recomputed from the live count; ``schedule=TimeGrid(eps)`` gives Dream's. Ties in confidence go to
+the lower position. Confidences are read from the same x_θ (after temperature/top-k/top-p) the candidates come from.
 
 Example::
 
@@ -32,8 +33,7 @@ import math
 
 import torch
 
-from .._draws import sample_weights, x0_weights
-from .protocol import MaskPolicy, PolicyStep, RowRandomness, select_top
+from .protocol import BlockStep, MaskPolicy, PolicyStep, RowRandomness, select_top
 
 __all__ = ["ConfidenceThreshold", "LowConfidence", "RandomOrder", "TopKEntropy", "TopKMargin", "mask_step",
            "mask_step_with_probs"]
@@ -58,6 +58,7 @@ class LowConfidence(MaskPolicy):
     Differences from LLaDA: LLaDA draws z by Gumbel-max at the temperature but reads the confidence from the softmax
     of the raw logits (temperature 1); here both use the same x_θ after temperature/top-k/top-p (Dream's
     ``maskgit_plus``). LLaDA divides its ``steps`` over the blocks; here ``num_steps`` counts steps per block.
+    Greedy, both give LLaDA's tokens; :class:`~.reference.LLaDAOrder` also gives its sampled ones.
     """
 
     def confidence(self, step: PolicyStep) -> torch.Tensor:
@@ -68,8 +69,9 @@ class TopKMargin(MaskPolicy):
     """Dream's ``alg='topk_margin'``: c_j = p_(1) − p_(2), the gap between the two largest probabilities of x_θ,j
     (after temperature/top-k/top-p, as Dream). The token committed is the drawn candidate z_j.
 
-    Difference from Dream: Dream commits ⌊r (1 − s/t)⌋ tokens on a grid t = linspace(1, ε, N + 1) (0 on some steps,
-    all at the last) counted over the whole batch; here ⌈r / steps left⌉ per row.
+    Dream commits ⌊r (1 − s/t)⌋ tokens on a grid t = linspace(1, ε, N + 1) (0 on some steps, all at the last):
+    ``TopKMargin(schedule=TimeGrid(eps))``; by default ⌈r / steps left⌉ per row. Dream's own draws and conventions
+    (the mask token in its softmax, its tie order, ``alg_temp``): :class:`~.reference.DreamOrder`.
     """
 
     def confidence(self, step: PolicyStep) -> torch.Tensor:
@@ -126,48 +128,41 @@ class ConfidenceThreshold(MaskPolicy):
 
 def mask_step(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
               randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0, top_k: int | None = None,
-              top_p: float | None = None, do_sample: bool = True, hidden: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of a mask policy on a block: x_θ = softmax(logits / T) with the mask state at 0, then top-k and
-    top-p; one candidate per position (drawn from x_θ, or its argmax with ``do_sample=False``: greedy decoding,
-    the policy still ranks positions by x_θ); the policy's commit set.
+              top_p: float | None = None, do_sample: bool = True, hidden: torch.Tensor | None = None,
+              where: BlockStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of a mask policy on a block (:meth:`MaskPolicy.decide <.protocol.MaskPolicy.decide>`): by default
+    x_θ = softmax(logits / T) with the mask state at 0, then top-k and top-p; one candidate per position (drawn from
+    x_θ, or its argmax with ``do_sample=False``: greedy decoding, the policy still ranks positions by x_θ); the
+    policy's commit set.
 
     Args:
         logits: the model's x0 logits at the block's positions ``(B, K, V)`` (any floating dtype).
         undecided: ``(B, K)`` bool, the masked positions of the block.
         num_commit: ``(B,)`` int64, the step's count (:class:`PolicyStep`).
-        randomness: consumes one ``(B, K, 2)`` uniform draw for the candidates (two-level inverse CDF,
-            :func:`unifusion.samplers._draws.sample_weights`), then whatever the policy draws.
+        randomness: the default draw consumes one ``(B, K, 2)`` uniform draw for the candidates (two-level inverse
+            CDF, :func:`unifusion.samplers._draws.sample_weights`), then whatever the policy draws.
         hidden: ``(B, K, d)`` the hidden states the logits came from, for a policy that reads them
             (:attr:`PolicyStep.hidden`).
+        where: the step's place in its block (:class:`~.protocol.BlockStep`; default: step 0 of 1, no columns).
 
     Returns:
         ``(tokens (B, K) int64, commit (B, K) bool)``: the candidates and the positions to set to them.
     """
     tokens, commit, _ = mask_step_with_probs(policy, logits, undecided, num_commit, randomness, mask_id=mask_id,
                                              temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
-                                             hidden=hidden)
+                                             hidden=hidden, where=where)
     return tokens, commit
 
 
 def mask_step_with_probs(policy: MaskPolicy, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
                          randomness: RowRandomness, *, mask_id: int | None, temperature: float = 1.0,
                          top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
-                         hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         hidden: torch.Tensor | None = None, where: BlockStep | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`mask_step` (the same draws, the same tokens) that also returns each candidate's probability
     x_θ,j(z_j) ``(B, K)`` float32 under the distribution it was drawn from (after temperature, top-k and top-p; for
     ``do_sample=False`` the argmax's probability): what a rollout trace records for the committed positions."""
-    B, K, V = logits.shape
-    weights = x0_weights(logits, torch.empty((B, K, V), dtype=torch.float32, device=logits.device), mask_id=mask_id,
-                         temperature=temperature, top_k=top_k, top_p=top_p)
-    u = randomness.rand((K, 2), logits.device)  # drawn either way: greedy runs consume the same stream
-    tokens, total = sample_weights(weights, u)
-    if not do_sample:
-        tokens = weights.argmax(-1)
-    probs = weights.div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
-    if policy.reads_hidden and hidden is None:
-        raise ValueError(f"hidden: {type(policy).__name__} reads the model's hidden states; pass them (B, K, d)")
-    step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit, randomness=randomness,
-                      hidden=hidden)
-    commit = policy.select(step) & undecided
-    return tokens, commit, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    tokens, commit, p = policy.decide(logits, undecided, num_commit, randomness, where or BlockStep(),
+                                      mask_id=mask_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      do_sample=do_sample, hidden=hidden)
+    return tokens, commit & undecided, p

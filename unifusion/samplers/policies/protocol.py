@@ -26,9 +26,10 @@ from typing import ClassVar
 import torch
 
 from ...kernels import InterpolatingKernel, Kernel
-from .._draws import Generators
+from .._draws import Generators, sample_weights, x0_weights
+from .schedules import EvenSplit, TransferSchedule
 
-__all__ = ["DecodingPolicy", "MaskPolicy", "PolicyStep", "RowRandomness", "select_top"]
+__all__ = ["BlockStep", "DecodingPolicy", "MaskPolicy", "PolicyStep", "RowRandomness", "select_top"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,25 @@ class RowRandomness:
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exp(1) draws ``(B_a, *shape)`` (``torch.empty(...).exponential_(1)``)."""
         return self.draw(lambda s, g: torch.empty(s, device=device, dtype=dtype).exponential_(1, generator=g), shape)
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """Where a step of a mask policy is: what a policy that reproduces a reference sampler's draws reads.
+
+    Attributes:
+        index: the step's index i in the block (0 first).
+        num_steps: the block's step budget N.
+        columns: ``(B, K)`` int64, the column of each block position in the sequence (the rows of the step), or
+            ``None`` where the caller does not say; a row whose block ends early repeats ``seq_len``.
+        seq_len: the sequence's length L (the draws of a reference sampler that draws over the whole sequence take
+            ``(B, L, ...)``), or ``None``.
+    """
+
+    index: int = 0
+    num_steps: int = 1
+    columns: torch.Tensor | None = None
+    seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,11 @@ class DecodingPolicy:
     fixed_count: ClassVar[bool] = True
     reads_hidden: ClassVar[bool] = False
 
+    def max_steps(self, positions: int) -> int | None:
+        """The most steps a block of ``positions`` positions may be given (``num_steps`` above it is a
+        ``ValueError``); ``None``: no bound. A fixed-count policy commits at least one position per step."""
+        return positions if self.fixed_count else None
+
     def check_kernel(self, kernel: Kernel) -> None:
         """``ValueError`` naming ``policy`` when this policy cannot decode ``kernel``'s noise."""
         raise NotImplementedError  # abstractmethod
@@ -151,10 +176,71 @@ class MaskPolicy(DecodingPolicy):
     """A policy for absorbing (mask) noise: commit masked positions, most confident first.
 
     Subclasses define :meth:`confidence`; :meth:`select` commits the ``num_commit`` undecided positions of highest
-    confidence (:func:`select_top`). Adaptive subclasses override :meth:`select`.
+    confidence (:func:`select_top`). Adaptive subclasses override :meth:`select`. A step is :meth:`decide`: the
+    candidate draw, then :meth:`select`; a policy that reproduces a reference sampler's own draws overrides it.
+
+    Args:
+        schedule: how many positions a fixed-count policy commits per step
+            (:mod:`~unifusion.samplers.policies.schedules`): :class:`~.schedules.EvenSplit` (default, LLaDA's) or
+            :class:`~.schedules.TimeGrid` (Dream's).
     """
 
     family = "mask"
+    schedule: TransferSchedule = EvenSplit()
+
+    def __init__(self, *, schedule: TransferSchedule | None = None) -> None:
+        if schedule is not None:
+            if not isinstance(schedule, TransferSchedule):
+                raise TypeError(f"schedule: expected a TransferSchedule (EvenSplit(), TimeGrid(eps)), got "
+                                f"{type(schedule).__name__}")
+            self.schedule = schedule
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()" if self.schedule == EvenSplit() else \
+            f"{type(self).__name__}(schedule={self.schedule!r})"
+
+    def max_steps(self, positions: int) -> int | None:
+        return positions if self.fixed_count and self.schedule.bounded_by_block else None
+
+    def commit_counts(self, left: torch.Tensor, step: int, num_steps: int) -> torch.Tensor:
+        """``(B,)`` int64: how many of the ``left`` ``(B,)`` undecided positions step ``step`` of ``num_steps``
+        commits (the :attr:`schedule`; read for fixed-count policies and whenever ``num_steps`` is given)."""
+        return self.schedule.counts(left, step, num_steps)
+
+    def decide(self, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
+               randomness: RowRandomness, where: BlockStep, *, mask_id: int | None, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
+               hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step on a block: ``(tokens (B, K) int64, commit (B, K) bool, p (B, K) float32)``, the candidates, the
+        positions to set to them (a subset of ``undecided``) and each candidate's probability under the distribution
+        it was drawn from (what a rollout trace records).
+
+        The default: x_θ = softmax(logits / T) with the mask state at 0, then top-k and top-p; one candidate per
+        position (drawn from x_θ with one ``(B, K, 2)`` uniform draw, two-level inverse CDF; the argmax with
+        ``do_sample=False``, the draw still made); then :meth:`select` on a :class:`PolicyStep`.
+
+        Args:
+            logits: the model's x0 logits at the block's positions ``(B, K, V)`` (any floating dtype).
+            undecided: ``(B, K)`` bool, the masked positions of the block.
+            num_commit: ``(B,)`` int64, the step's count (:meth:`commit_counts`).
+            randomness: the rows' randomness.
+            where: the step's place (:class:`BlockStep`).
+            hidden: ``(B, K, d)`` hidden states for a policy that reads them.
+        """
+        B, K, V = logits.shape
+        weights = x0_weights(logits, torch.empty((B, K, V), dtype=torch.float32, device=logits.device),
+                             mask_id=mask_id, temperature=temperature, top_k=top_k, top_p=top_p)
+        u = randomness.rand((K, 2), logits.device)  # drawn either way: greedy runs consume the same stream
+        tokens, total = sample_weights(weights, u)
+        if not do_sample:
+            tokens = weights.argmax(-1)
+        probs = weights.div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
+        if self.reads_hidden and hidden is None:
+            raise ValueError(f"hidden: {type(self).__name__} reads the model's hidden states; pass them (B, K, d)")
+        step = PolicyStep(probs=probs, tokens=tokens, undecided=undecided, num_commit=num_commit,
+                          randomness=randomness, hidden=hidden)
+        commit = self.select(step) & undecided
+        return tokens, commit, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     def confidence(self, step: PolicyStep) -> torch.Tensor:
         """``(B, K)`` scores, higher commits first (read at undecided positions only)."""
