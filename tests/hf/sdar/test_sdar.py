@@ -141,6 +141,29 @@ def test_sdar_order_equals_block_diffusion_generate_for_every_strategy(model, re
             assert torch.equal(ours, theirs), (strategy, opts)
 
 
+@pytest.mark.parametrize("length", [5, 6, 7])
+def test_sdar_order_equals_block_diffusion_generate_on_prompts_that_end_inside_a_block(model, length):
+    """Blocks from column 0 (``block_origin="sequence_start"``): the prompt's last ``length mod K`` tokens share a
+    block with the first new ones, in both decoders. Greedy with every strategy, and sampled where the rows of a block
+    finish together (static, sequential): the tokens of ``block_diffusion_generate`` (their decoder, proven above).
+    Sampled dynamic remasking is left out: there SDAR draws for every row at every step of a block, ``generate`` for
+    the rows still decoding, so one shared generator parts ways once a row finishes its block early."""
+    prompt = torch.randint(0, 80, (2, length), generator=torch.Generator().manual_seed(length))
+    runs = [(strategy, {"top_k": 1}, 4) for strategy in ("low_confidence_dynamic", "low_confidence_static",
+                                                          "sequential")]
+    runs += [(strategy, opts, 4) for strategy in ("low_confidence_static", "sequential")
+             for opts in ({"temperature": 3.0}, {"temperature": 2.0, "top_p": 0.9, "top_k": 40})]
+    for seed, (strategy, opts, steps) in enumerate(runs):
+        theirs = model.block_diffusion_generate(prompt, gen_length=8, denoising_steps=steps,
+                                                remasking_strategy=strategy, confidence_threshold=0.3,
+                                                generator=torch.Generator().manual_seed(seed), **opts)
+        for use_cache in (True, False):
+            ours = model.generate(prompt, max_new_tokens=theirs.shape[1] - length, num_steps=steps,
+                                  policy=SDAROrder(strategy, 0.3), eos_token_id=None, use_cache=use_cache,
+                                  generator=torch.Generator().manual_seed(seed), **opts)
+            assert torch.equal(ours, theirs), (strategy, opts, use_cache)
+
+
 def test_loss_bound_and_sequence_logprob_are_unbiased_for_the_enumerated_block_elbo(model):
     checks.check_block_estimators_match_the_enumerated_block_elbo(model)
 

@@ -1,8 +1,8 @@
 """SDAR's own block decoder (its ``generate.py`` ``block_diffusion_generate``), for
-:meth:`SDARLM.block_diffusion_generate <unifusion.hf.sdar.model.SDARLM.block_diffusion_generate>`: the parts the
-unifusion policies do not reproduce — blocks at column multiples of K from the row's first column (the prompt's last
-partial block is decoded with the first generated tokens, the prompt's tokens in it kept), its candidate draw, its
-confidence and its three remasking rules.
+:meth:`SDARLM.block_diffusion_generate <unifusion.hf.sdar.model.SDARLM.block_diffusion_generate>`, the reference
+:class:`~unifusion.samplers.policies.SDAROrder` is tested against — blocks at column multiples of K from the row's
+first column (the prompt's last partial block is decoded with the first generated tokens, the prompt's tokens in it
+kept), its candidate draw, its confidence and its three remasking rules.
 
 A prompt of length P and ``gen_length`` new tokens make ``n_b = ⌈(P + gen_length) / K⌉`` blocks. The prompt's full
 blocks are prefilled into the exact block cache (:class:`~unifusion.hf.native_block.NativeBlockCache`); each later

@@ -281,7 +281,7 @@ class DreamOrder(MaskPolicy):
 
 
 class SDAROrder(MaskPolicy):
-    """SDAR's ``block_diffusion_generate`` (``remasking_strategy``), its draws included, on prompts of whole blocks.
+    """SDAR's ``block_diffusion_generate`` (``remasking_strategy``), its draws included.
 
     At each step of a block of K positions: x_θ = softmax(logits / T after top-k, then top-p; −∞ outside) over the
     whole vocabulary; a candidate per position of the block, ``torch.multinomial`` over all ``B·K`` positions (greedy
@@ -293,9 +293,13 @@ class SDAROrder(MaskPolicy):
     * ``"low_confidence_dynamic"``: every masked position above ``threshold`` when at least k_i are, else the k_i
       most confident.
 
-    SDAR's own blocks start at column multiples of K, so its tokens are this policy's where the prompt fills whole
-    blocks (``generate`` starts blocks at the prompt's end); its ``stopping_criteria_idx`` (stop the whole batch
-    after a block holding one of the ids) is not ``generate``'s per-row EOS.
+    SDAR's blocks start at column multiples of K, and so do ``generate``'s on SDAR (``block_origin=
+    "sequence_start"``): its tokens are this policy's on any prompt length, greedy, and sampled while the rows of a
+    block finish together (SDAR draws for every row at every step of a block, ``generate`` for the rows still
+    decoding: with dynamic remasking one shared generator parts ways once a row finishes a block early). Not
+    reproduced: its ``stopping_criteria_idx`` (stop the whole batch after a block holding one of the ids; ``generate``
+    stops rows at EOS), and with more tokens per step than a prompt-holding block has masked, their top-k reaching
+    into the prompt columns (it overwrites prompt tokens; ``generate`` never does).
 
     Args:
         strategy: one of :data:`SDAR_STRATEGIES` (default ``"low_confidence_dynamic"``).
