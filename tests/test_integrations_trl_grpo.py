@@ -158,6 +158,29 @@ def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -
     assert model.is_gradient_checkpointing  # the trainer turned it on; TRL off for the rollouts and on again
 
 
+def test_bf16_is_the_precision_of_the_likelihood_passes_only(tmp_path, tokenizer) -> None:
+    """What ``bf16=True`` changes in this trainer (docs/guides/rl.md, "bf16"): accelerate's autocast wraps the
+    policy's forward, which only the likelihood passes call; the rollouts (``generate``) compute in the weights'
+    dtype. So ``bf16=False`` gives float32 log-probs and changes nothing else."""
+    trainer = make_trainer(tmp_path, tokenizer, bf16=True, max_steps=1)
+    linear = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    phase, seen = ["likelihood"], Counter()
+    linear.register_forward_hook(lambda module, inputs, output: seen.update([(phase[0], output.dtype)]))
+    rollout = trainer._generate_single_turn
+
+    def tagged(*args, **kwargs):
+        phase[0] = "rollout"
+        try:
+            return rollout(*args, **kwargs)
+        finally:
+            phase[0] = "likelihood"
+
+    trainer._generate_single_turn = tagged
+    trainer.train()
+    assert seen[("rollout", torch.float32)] > 0 and seen[("likelihood", torch.bfloat16)] > 0
+    assert set(seen) == {("rollout", torch.float32), ("likelihood", torch.bfloat16)}
+
+
 def test_overrides_exist_on_the_pinned_trl_and_are_called(tmp_path, tokenizer) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     line = re.search(r"^trl = \[(.*)\]$", pyproject, re.M)  # the [trl] extra

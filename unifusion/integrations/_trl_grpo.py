@@ -111,6 +111,9 @@ class DiffusionGRPOConfig(GRPOConfig):
     ``bf16`` left unset (``None``) follows :func:`unifusion.precision.auto_dtype` of the training device: bf16 mixed
     precision where the device computes bf16 natively, float32 elsewhere (TRL's default, ``True`` unless ``fp16``,
     makes a step several times slower on a CPU without native bf16, and on a GPU-less machine needs ``use_cpu``).
+    In this trainer bf16 is the precision of the likelihood passes only (accelerate's autocast wraps the policy's
+    forward; the rollouts compute in the weights' dtype), and it moves a token's log-prob by a few hundredths of a
+    nat (docs/guides/rl.md, "bf16"): ``bf16=False`` gives float32 log-probs and float32-stable ratios.
 
     TRL's ``temperature``, ``top_p``, ``top_k`` and ``max_completion_length`` apply to the rollouts; ``beta``,
     ``epsilon``, ``loss_type``, ``importance_sampling_level``, ``num_iterations``, ... to the loss as in TRL.

@@ -10,6 +10,7 @@ per_token=False)``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,7 +156,7 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
                      estimator: str = "elbo", num_samples: int = 1,
                      generator: torch.Generator | Sequence[torch.Generator] | None = None,
                      kernel: Kernel | None = None, attention_mask: torch.Tensor | None = None, row_offset: int = 0,
-                     **options: Any) -> SequenceLogProb:
+                     compute_dtype: torch.dtype | None = None, **options: Any) -> SequenceLogProb:
     """Estimate ``log p_θ(y | c)`` of each row's completion y (``completion_mask``) given its prompt c.
 
     Estimators (K = ``num_samples``; n = completion tokens of a row; ELBO of the mask kernel in
@@ -208,6 +209,16 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
     global index of row 0 on a data-parallel rank. Gradients flow when grad is enabled; pass the old/reference
     policies under ``torch.no_grad()``.
 
+    Precision: the output head, its log-softmax and the 1/t-weighted sums are float32 whatever the backbone computes
+    in (float64 for a float64 model). ``compute_dtype`` sets the backbone's. ``None`` (default): the weights' dtype —
+    the passes run with autocast off, so under a caller's bf16 autocast a float32 model's estimate and its gradient
+    are the float32 ones, bit for bit: bf16 rounds the weights and activations enough to move a token's log-prob by
+    ~0.02–0.07 nats, which the 1/t weights carry into every ratio of nearby policies (docs/guides/rl.md, "bf16").
+    ``torch.bfloat16`` / ``torch.float16``: the passes run under autocast to that dtype (faster where the device
+    computes it natively, with that rounding). ``torch.float32``: as ``None``, and a ``ValueError`` when a weight is
+    below float32. Wrappers that put their own autocast inside the model's ``forward`` (accelerate's mixed
+    precision, as in the Trainer) decide for themselves; a bf16-weight model computes in bf16.
+
     Args:
         model: the policy (possibly inside DDP / FSDP / compile wrappers).
         input_ids: ``(B, L)`` clean tokens, prompt then completion (then padding).
@@ -220,6 +231,8 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
             mask token.
         attention_mask: optional ``(B, L)``, 1 = real token.
         row_offset: global index of row 0 (see above).
+        compute_dtype: the backbone's arithmetic (see Precision above): ``None`` (the weights' dtype, autocast
+            off), ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
 
     Returns:
         :class:`SequenceLogProb` with ``sequence (B,)`` and ``per_token (B, L)``.
@@ -227,15 +240,44 @@ def sequence_logprob(model: X0Model, input_ids: torch.Tensor, completion_mask: t
     Raises:
         ValueError: an unknown estimator or option, ``num_samples < 1``, a row whose ``completion_mask`` is empty or
             covers padding, an estimator that needs the mask kernel under another kernel, a prompt-less row for a
-            prompt-conditioned model (DiffusionGemma).
+            prompt-conditioned model (DiffusionGemma), ``compute_dtype=torch.float32`` on a model with weights
+            below float32.
     """
     inner = _resolve(model)
     kernel = _check_estimator(inner, estimator, kernel, traces=True)
     K = V.check_positive_int("num_samples", num_samples)
     settings = _estimator_options(estimator, K, options)
     batch = _check_batch(model, inner, kernel, input_ids, completion_mask, attention_mask)
-    return _estimate(model, inner, batch, kernel, estimator, K, generator, row_offset, settings)
+    with _backbone_precision(model, compute_dtype, batch.x0.device):
+        return _estimate(model, inner, batch, kernel, estimator, K, generator, row_offset, settings)
 
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The ``compute_dtype`` values :func:`sequence_logprob` takes besides ``None``."""
+
+
+def _backbone_precision(model: X0Model, compute_dtype: torch.dtype | None,
+                        device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The context the estimator's passes run in for ``compute_dtype`` (:func:`sequence_logprob`, Precision):
+    ``None`` → ``torch.autocast(device.type, enabled=False)`` (the weights' dtype); ``torch.float32`` → the same,
+    after a ``ValueError`` naming ``compute_dtype`` when a floating weight of ``model`` is below float32;
+    ``torch.bfloat16`` / ``torch.float16`` → ``torch.autocast(device.type, dtype=compute_dtype)``. Host metadata
+    only (no device sync); gradient checkpointing recomputes under the same autocast state."""
+    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
+        raise TypeError(f"compute_dtype: expected None or a torch.dtype, got {type(compute_dtype).__name__}")
+    if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype: expected None or one of {_COMPUTE_DTYPES}, got {compute_dtype}")
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device.type, dtype=compute_dtype)
+    if compute_dtype == torch.float32:
+        parameters = getattr(V.unwrap_model(model), "parameters", None)
+        low = sorted({str(p.dtype) for p in parameters() if p.is_floating_point() and p.element_size() < 4}) \
+            if callable(parameters) else []
+        if low:
+            raise ValueError(f"compute_dtype: torch.float32 computes in float32 only with float32 weights, got a "
+                             f"model with {', '.join(low)} weights (mixed precision by torch.autocast keeps float32 "
+                             "weights); pass compute_dtype=None")
+    return torch.autocast(device.type, enabled=False)
 
 def _estimator_options(estimator: str, num_samples: int, options: dict[str, Any]) -> dict[str, Any]:
     """The estimator's options with its defaults (:data:`_DEFAULTS`) filled in; an unknown option is a
