@@ -121,6 +121,29 @@ def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
     checks.check_saved_folder_is_their_layout(LLaDAMoELM, FIXTURES, tmp_path)
 
 
+def test_every_weight_is_the_checkpoints_bit_for_bit_in_the_saved_dtype_and_cast(model):
+    """The experts, read from the file into transformers' fused (E, 2I, d) / (E, d, I) parameters, and every other
+    weight equal safetensors' own reading of the file, in the saved float32 and cast to bf16 as they are read."""
+    theirs = load_file(str(FIXTURES / "checkpoint" / "model.safetensors"))
+    names = LLaDAMoELM.weight_names(CONFIG)
+    I, E = CONFIG["expert_intermediate_size"], CONFIG["num_experts"]
+    bf16 = uf.load_diffusion_lm(FIXTURES / "checkpoint", dtype=torch.bfloat16)
+    for loaded, dtype in ((model, torch.float32), (bf16, torch.bfloat16)):
+        params = dict(loaded.hf_model.named_parameters())
+        assert all(p.dtype == dtype for p in params.values())
+        experts = loaded.hf_model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape == (E, 2 * I, CONFIG["hidden_size"])
+        for e in range(E):
+            layer = f"model.layers.0.mlp.experts.{e}."
+            assert torch.equal(experts.gate_up_proj[e, :I], theirs[layer + "gate_proj.weight"].to(dtype))
+            assert torch.equal(experts.gate_up_proj[e, I:], theirs[layer + "up_proj.weight"].to(dtype))
+            assert torch.equal(experts.down_proj[e], theirs[layer + "down_proj.weight"].to(dtype))
+        whole = [key for key, target in names.items() if isinstance(target, str)]
+        assert len(whole) + 3 * E == len(theirs)
+        for key in whole:
+            assert torch.equal(params[names[key]], theirs[key].to(dtype)), key
+
+
 def test_sharded_checkpoint_loads_lazily_in_the_dtype_asked(tmp_path):
     checks.check_sharded_lazy_load_in_the_dtype_asked(LLaDAMoELM, FIXTURES, tmp_path)
 
