@@ -8,9 +8,10 @@ peak is the weights in that dtype plus one tensor. A weight the mapping does not
 shard holds, is a ``ValueError`` naming them. A checkpoint tensor may also be one part of a backbone parameter (a
 :class:`ParameterPart`: one expert's projection inside transformers' fused ``(E, ·, ·)`` expert tensors); the
 parameter is then allocated once, in the dtype asked, and each part read into its place. A tensor kept as it is
-stays on the shard's memory map (no copy); one that is copied (a part) or cast is read with plain file reads at its
-offset — a part straight into the fused parameter — so none of its file pages are mapped into the process beside
-the copy (they stay in the page cache, which the process's resident memory does not count).
+stays on the shard's memory map (no copy); one that is cast is read with plain file reads at its offset, and so is
+every tensor of a shard that holds parts (a part straight into the fused parameter): none of the file's pages are
+mapped into the process beside the copies. (A tensor kept on the map beside copied ones would pull their pages in
+too: the kernel maps the cached pages around a faulted one, whole large folios on recent kernels.)
 :func:`save_weights` writes the kind's ``config.json`` and the weights under its names (sharded past
 ``max_shard_bytes``, with the index), which the kind's own modeling code (``trust_remote_code``) loads with
 identical weights.
@@ -162,18 +163,18 @@ _STORED_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16"
 @dataclass(frozen=True)
 class _ShardRead:
     """A shard tensor, read when asked: ``()`` gives a tensor over the shard's memory map (kept as a parameter: no
-    copy); :meth:`copy_into` and :meth:`read_copy` read its bytes with plain file reads (``readinto`` at its offset),
-    so a tensor that is copied or cast maps none of the file into the process (its pages stay in the page cache, not
-    in the process's resident memory beside the copy)."""
+    copy), or, when the shard is not mapped (``kept`` ``None``), :meth:`read_copy`; :meth:`copy_into` and
+    :meth:`read_copy` read its bytes with plain file reads (``readinto`` at its offset), which map none of the file
+    into the process (its pages stay in the page cache, which the process's resident memory does not count)."""
 
-    kept: Callable[[], torch.Tensor]
+    kept: Callable[[], torch.Tensor] | None  # None: the shard is not mapped, () reads a copy
     file: Any  # the shard opened for reading, unbuffered
     offset: int  # of the tensor's bytes in the file
     dtype: torch.dtype
     shape: tuple[int, ...]
 
     def __call__(self) -> torch.Tensor:
-        return self.kept()
+        return self.kept() if self.kept is not None else self.read_copy()
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Write the tensor into ``out`` (its shape), converting to ``out``'s dtype; no copy in between when ``out``
@@ -239,17 +240,20 @@ def _stored_tensors(file: Any) -> dict[str, tuple[int, torch.dtype, tuple[int, .
             for name, entry in header.items() if name != "__metadata__" and entry["dtype"] in _STORED_DTYPES}
 
 
-def _shard_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+def _shard_tensors(files: list[Path], copied: frozenset[str] = frozenset()
+                   ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """``(name, read)`` for every tensor of the shards, each read only when asked for (one shard open at a time;
-    ``read`` a :class:`_ShardRead`, or a plain read of the memory map for a dtype torch does not have)."""
+    ``read`` a :class:`_ShardRead`, or a plain read of the memory map for a dtype torch does not have). A shard
+    holding one of the ``copied`` tensors is not mapped: each of its tensors is read with file reads."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt") as f, open(file, "rb", buffering=0) as raw:
             stored = _stored_tensors(raw)
+            mapped = stored.keys().isdisjoint(copied)
             for key in f.keys():
                 kept = functools.partial(f.get_tensor, key)
-                yield key, _ShardRead(kept, raw, *stored[key]) if key in stored else kept
+                yield key, _ShardRead(kept if mapped else None, raw, *stored[key]) if key in stored else kept
 
 
 def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[str, WeightTarget],
@@ -321,7 +325,8 @@ def load_weights(backbone_class: type[nn.Module], config: Any, names: Mapping[st
         ValueError: no safetensors weights, or what :func:`build_backbone` raises.
     """
     files = _weight_files(path)
-    return build_backbone(backbone_class, config, names, _shard_tensors(files), dtype, repr(str(path)))
+    copied = frozenset(key for key, target in names.items() if isinstance(target, ParameterPart))
+    return build_backbone(backbone_class, config, names, _shard_tensors(files, copied), dtype, repr(str(path)))
 
 
 def save_weights(backbone: nn.Module, source: dict[str, Any], names: Mapping[str, WeightTarget], path: Path, *,
