@@ -16,8 +16,8 @@ page cache is warm but nothing else is shared): ``uf.load_diffusion_lm(folder, d
 ``<Backbone>.from_pretrained(folder, dtype=...)``, timing the call; then every weight is read once (``amax``: no
 copy; memory-mapped weights become resident). Two memory figures, each over the weights' size: the growth of the
 process's resident memory over its size before the call (what stays), and the growth of its high-water mark
-(``VmHWM``, reset before the call through ``/proc/self/clear_refs``: the peak during the load and the read). Targets (issue 41): time ≤ 1.2× transformers', peak memory ≤
-1.2× the weights.
+(``VmHWM``, reset before the call through ``/proc/self/clear_refs``: the peak during the load and the read).
+Targets (issue 41): time ≤ 1.2× transformers', peak memory ≤ 1.2× the weights.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ tensor at a time, renames each (the kind's ``weight_names``), casts it to the dt
 peak is the weights in that dtype plus one tensor. A weight the mapping does not know, or one it expects and no
 shard holds, is a ``ValueError`` naming them. A checkpoint tensor may also be one part of a backbone parameter (a
 :class:`ParameterPart`: one expert's projection inside transformers' fused ``(E, ·, ·)`` expert tensors); the
-parameter is then allocated once, in the dtype asked, and each part copied into its place. A tensor that is copied
-(a part) or cast is read through a second memory map of its shard, closed when the shard is done, so its pages do
-not stay in the process beside the copy (a tensor kept as it is stays on the first map, not copied).
+parameter is then allocated once, in the dtype asked, and each part read into its place. A tensor kept as it is
+stays on the shard's memory map (no copy); one that is cast is read with plain file reads at its offset, and so is
+every tensor of a shard that holds parts (a part straight into the fused parameter): none of the file's pages are
+mapped into the process beside the copies. (A tensor kept on the map beside copied ones would pull their pages in
+too: the kernel maps the cached pages around a faulted one, whole large folios on recent kernels.)
 :func:`save_weights` writes the kind's ``config.json`` and the weights under its names (sharded past
 ``max_shard_bytes``, with the index), which the kind's own modeling code (``trust_remote_code``) loads with
 identical weights.
@@ -17,7 +19,6 @@ identical weights.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -153,47 +154,106 @@ def _rebuild_meta_buffers(module: nn.Module, config: Any) -> None:
         raise ValueError(f"checkpoint: no weights for {left[:8]}")
 
 
+# safetensors' dtype names (its header's "dtype")
+_STORED_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                  "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                  "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 @dataclass(frozen=True)
 class _ShardRead:
-    """A shard tensor, read when called: ``()`` gives a tensor over the shard's memory map (kept as a parameter: no
-    copy), :meth:`for_copy` one over a second map of the shard that is closed with the shard (for a tensor copied
-    or cast, not kept: its pages leave the process's memory with that map instead of staying beside the copy)."""
+    """A shard tensor, read when asked: ``()`` gives a tensor over the shard's memory map (kept as a parameter: no
+    copy), or, when the shard is not mapped (``kept`` ``None``), :meth:`read_copy`; :meth:`copy_into` and
+    :meth:`read_copy` read its bytes with plain file reads (``readinto`` at its offset), which map none of the file
+    into the process (its pages stay in the page cache, which the process's resident memory does not count)."""
 
-    kept: Callable[[], torch.Tensor]
-    copied: Callable[[], torch.Tensor]
+    kept: Callable[[], torch.Tensor] | None  # None: the shard is not mapped, () reads a copy
+    file: Any  # the shard opened for reading, unbuffered
+    offset: int  # of the tensor's bytes in the file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
     def __call__(self) -> torch.Tensor:
-        return self.kept()
+        return self.kept() if self.kept is not None else self.read_copy()
 
-    def for_copy(self) -> torch.Tensor:
-        return self.copied()
+    def copy_into(self, out: torch.Tensor) -> None:
+        """Write the tensor into ``out`` (its shape), converting to ``out``'s dtype; no copy in between when ``out``
+        is contiguous in the stored dtype."""
+        if out.dtype == self.dtype and out.is_contiguous():
+            _read_bytes(self.file, self.offset, out)
+        else:
+            out.copy_(self.read_copy())
+
+    def read_copy(self) -> torch.Tensor:
+        """The tensor in its own memory, in its stored dtype."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        _read_bytes(self.file, self.offset, out)
+        return out
 
 
-def _shard_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+@dataclass(frozen=True)
+class _Loaded:
+    """A tensor already in memory, read as a :class:`_ShardRead` is."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+    def copy_into(self, out: torch.Tensor) -> None:
+        out.copy_(self.tensor)
+
+    def read_copy(self) -> torch.Tensor:
+        return self.tensor
+
+
+def _read_bytes(file: Any, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous ``out`` with the file's bytes from ``offset`` on (a ``ValueError`` when the file ends
+    first)."""
+    view = out.reshape(-1).view(torch.uint8).numpy()  # out's own memory (out is contiguous)
+    file.seek(offset)
+    done = 0
+    while done < len(view):
+        n = file.readinto(view[done:])
+        if not n:
+            raise ValueError(f"checkpoint: {file.name!r} ends inside a tensor (truncated file)")
+        done += n
+
+
+def _stored_tensors(file: Any) -> dict[str, tuple[int, torch.dtype, tuple[int, ...]]]:
+    """``{name: (offset in the file, dtype, shape)}`` of the safetensors file ``file`` (its header: an 8-byte
+    little-endian length, then that many bytes of JSON giving each tensor's ``dtype``, ``shape`` and
+    ``data_offsets`` from the end of the header), leaving out tensors of a dtype torch does not have."""
+    file.seek(0)
+    size = int.from_bytes(file.read(8), "little")
+    header = json.loads(file.read(size))
+    return {name: (8 + size + int(entry["data_offsets"][0]), _STORED_DTYPES[entry["dtype"]],
+                   tuple(int(n) for n in entry["shape"]))
+            for name, entry in header.items() if name != "__metadata__" and entry["dtype"] in _STORED_DTYPES}
+
+
+def _shard_tensors(files: list[Path], copied: frozenset[str] = frozenset()
+                   ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """``(name, read)`` for every tensor of the shards, each read only when asked for (one shard open at a time;
-    ``read`` a :class:`_ShardRead`)."""
+    ``read`` a :class:`_ShardRead`, or a plain read of the memory map for a dtype torch does not have). A shard
+    holding one of the ``copied`` tensors is not mapped: each of its tensors is read with file reads."""
     from safetensors import safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f, contextlib.ExitStack() as stack:
-            copy_map = _CopyMap(file, stack)
+        with safe_open(str(file), framework="pt") as f, open(file, "rb", buffering=0) as raw:
+            stored = _stored_tensors(raw)
+            mapped = stored.keys().isdisjoint(copied)
             for key in f.keys():
-                yield key, _ShardRead(functools.partial(f.get_tensor, key), functools.partial(copy_map.get, key))
-
-
-class _CopyMap:
-    """The second memory map of a shard, opened at its first read and closed with ``stack``."""
-
-    def __init__(self, file: Path, stack: contextlib.ExitStack) -> None:
-        self.file, self.stack = file, stack
-        self.handle: Any = None
-
-    def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if self.handle is None:
-            self.handle = self.stack.enter_context(safe_open(str(self.file), framework="pt"))
-        return self.handle.get_tensor(key)
+                kept = functools.partial(f.get_tensor, key)
+                yield key, _ShardRead(kept if mapped else None, raw, *stored[key]) if key in stored else kept
 
 
 def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[str, WeightTarget],
@@ -229,24 +289,20 @@ def build_backbone(backbone_class: type[nn.Module], config: Any, names: Mapping[
         name = _parameter_name(target)
         if name not in params:
             raise ValueError(f"checkpoint: {key!r} maps to {name!r}, which the backbone does not have")
-        tensor = read()  # lazy: a memory map's pages are read when the tensor is
-        if isinstance(read, _ShardRead) and (isinstance(target, ParameterPart) or
-                                              (want is not None and tensor.dtype != want)):
-            tensor = read.for_copy()  # copied or cast below: its pages go when the shard is done
+        source = read if isinstance(read, _ShardRead) else _Loaded(read())  # a shard's tensor: read below
         expected = params[name] if isinstance(target, str) else target.of(params[name])
-        if tuple(tensor.shape) != tuple(expected.shape):
-            raise ValueError(f"checkpoint: {key!r} has shape {tuple(tensor.shape)} in {where}, its config says "
+        if source.shape != tuple(expected.shape):
+            raise ValueError(f"checkpoint: {key!r} has shape {source.shape} in {where}, its config says "
                              f"{tuple(expected.shape)}")
         owner, _, leaf = name.rpartition(".")
         module = backbone.get_submodule(owner)
         if isinstance(target, ParameterPart):
             if module._parameters[leaf].is_meta:  # the fused parameter, allocated at its first part
-                module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, dtype=want or tensor.dtype))
-            target.of(module._parameters[leaf].data).copy_(tensor)
+                module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, dtype=want or source.dtype))
+            source.copy_into(target.of(module._parameters[leaf].data))
         else:
-            if want is not None and tensor.dtype != want:
-                tensor = tensor.to(want)
-            module._parameters[leaf] = nn.Parameter(tensor)
+            kept = want is None or source.dtype == want
+            module._parameters[leaf] = nn.Parameter(source() if kept else source.read_copy().to(want))
         seen.add(key)
     missing = sorted(set(names) - seen)
     if missing or unexpected:
@@ -269,7 +325,8 @@ def load_weights(backbone_class: type[nn.Module], config: Any, names: Mapping[st
         ValueError: no safetensors weights, or what :func:`build_backbone` raises.
     """
     files = _weight_files(path)
-    return build_backbone(backbone_class, config, names, _shard_tensors(files), dtype, repr(str(path)))
+    copied = frozenset(key for key, target in names.items() if isinstance(target, ParameterPart))
+    return build_backbone(backbone_class, config, names, _shard_tensors(files, copied), dtype, repr(str(path)))
 
 
 def save_weights(backbone: nn.Module, source: dict[str, Any], names: Mapping[str, WeightTarget], path: Path, *,

@@ -173,6 +173,34 @@ def test_saved_folder_is_their_layout_and_loads_back(tmp_path):
     checks.check_saved_folder_is_their_layout(LLaDAMoELM, FIXTURES, tmp_path)
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="the process's mappings are read from Linux's /proc")
+def test_every_weight_is_read_from_the_file_bit_for_bit_and_none_stays_mapped(tmp_path):
+    """The experts, read from the file into transformers' fused (E, 2I, d) / (E, d, I) parameters, and every other
+    weight equal safetensors' own reading of the file, in the saved float32 and cast to bf16 as they are read; a
+    shard holding expert parts is read with file reads, so the loaded models map none of it."""
+    folder = checks.copy_checkpoint(FIXTURES, tmp_path)
+    f32 = uf.load_diffusion_lm(folder)
+    bf16 = uf.load_diffusion_lm(folder, dtype=torch.bfloat16)
+    assert str(folder / "model.safetensors") not in Path("/proc/self/maps").read_text()
+    theirs = load_file(str(folder / "model.safetensors"))
+    names = LLaDAMoELM.weight_names(CONFIG)
+    I, E = CONFIG["expert_intermediate_size"], CONFIG["num_experts"]
+    for loaded, dtype in ((f32, torch.float32), (bf16, torch.bfloat16)):
+        params = dict(loaded.hf_model.named_parameters())
+        assert all(p.dtype == dtype for p in params.values())
+        experts = loaded.hf_model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape == (E, 2 * I, CONFIG["hidden_size"])
+        for e in range(E):
+            layer = f"model.layers.0.mlp.experts.{e}."
+            assert torch.equal(experts.gate_up_proj[e, :I], theirs[layer + "gate_proj.weight"].to(dtype))
+            assert torch.equal(experts.gate_up_proj[e, I:], theirs[layer + "up_proj.weight"].to(dtype))
+            assert torch.equal(experts.down_proj[e], theirs[layer + "down_proj.weight"].to(dtype))
+        whole = [key for key, target in names.items() if isinstance(target, str)]
+        assert len(whole) + 3 * E == len(theirs)
+        for key in whole:
+            assert torch.equal(params[names[key]], theirs[key].to(dtype)), key
+
+
 def test_sharded_checkpoint_loads_lazily_in_the_dtype_asked(tmp_path):
     checks.check_sharded_lazy_load_in_the_dtype_asked(LLaDAMoELM, FIXTURES, tmp_path)
 
