@@ -23,7 +23,12 @@ The pipeline (per seed):
    model): accuracy (exact reward), tokens per forward (generated tokens up to and including EOS / model calls; the
    prefill rides with the first step), wall time; and the original AR model's own ``generate`` with its KV cache
    (greedy) on the same prompts, made to emit as many tokens as the answers have (answer + EOS), in the same batches
-   and dtype: the wall-time reference.
+   and dtype: the wall-time reference. Wall time is measured at two batch sizes: ``--eval-batch`` (all problems: a
+   throughput figure, where a CPU is compute-bound and a block step of 9–17 positions a row costs several AR steps)
+   and **batch 1** on the first ``--wall-problems`` problems, one call each (the latency setting dParallel and
+   d3LLM report speed at), block and AR models alike. The block model's CPU linears are packed once per phase
+   (:func:`unifusion.cpu_linears.packed_linears` around the phase's decodes; the reorder is reported, not timed);
+   the AR reference runs as transformers ships it (its batch-1 time with packed linears is reported beside it).
 
 AUP (:func:`unifusion.eval.accuracy_under_parallelism`, d3LLM's definition, y_max the best accuracy of both curves)
 of the before and after curves (their points are the seeds' means), and the frontier plot

@@ -165,7 +165,7 @@ def packed_linears(module: nn.Module, *, enabled: bool | None = None, batch_hint
             for layer in module.modules():
                 if _eligible(layer):
                     assert isinstance(layer, nn.Linear)
-                    layer.forward = _PackedForward(  # type: ignore[method-assign]
+                    layer.forward = _PackedForward(  # type: ignore[method-assign,assignment]
                         layer, batch_hint, pack_after_rows)
                     routed.append(layer)
         yield len(routed)
