@@ -24,9 +24,10 @@ Two ways to use it:
   opens the block around each call (``packed_linears=False`` turns it off) with ``pack_after_rows =``
   :data:`GENERATE_PACK_AFTER_ROWS`: a layer runs its own forward until it has multiplied that many rows in the call
   and only then packs, so a short call (batch 1, a few forwards: a 10-token answer in 3 forwards multiplies ~60 rows)
-  pays no reorder, which at batch 1 cost more than the whole AR decode of the answer (0.3 s quiet, 1.5 s on the
-  loaded project machine, against ~0.02–0.05 s saved per forward), while a long or wide call packs after its first
-  forwards. Nothing stays on the model after the call, so weights changed in any way between calls need no care.
+  pays no reorder — 0.3 s quiet, 1.1–2.4 s on the loaded project machine, where the packed layout saved 0.01–0.13 s
+  a call and the AR model's whole batch-1 decode of the answer took 2.9 s (``benchmarks/latency.py``) — while a long
+  or wide call packs after its first forwards. Nothing stays on the model after the call, so weights changed in any
+  way between calls need no care.
 
 What stays the same: the result up to float32 rounding (oneDNN sums in another order; a test pins ~1e-5 relative
 and the same sampled tokens on a tiny model), autograd (a call that needs a gradient runs the layer's own forward),
