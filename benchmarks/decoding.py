@@ -8,8 +8,8 @@ For each number of new tokens N (after a P-token prompt, batch 1), in one run:
 * ``block K + cache, r/fwd``: a block model (``adapt_ar_model(..., block_size=K)``) decoded with ``LowConfidence`` at
   K/r steps per block (r tokens per forward) through the exact cache (``use_cache=True``): the prompt prefilled once,
   each step runs the block's K + 1 positions, one more forward appends each finished block. ``generate``'s default
-  path: on the CPU its linears run through oneDNN with weights packed at the start of each call
-  (:mod:`unifusion.cpu_linears`; the packing counted in each row); the row
+  path: on the CPU its linears run through oneDNN with weights packed within each call, once a layer has multiplied
+  ``GENERATE_PACK_AFTER_ROWS`` rows (:mod:`unifusion.cpu_linears`; the packing counted in each row); the row
   ``..., packed`` / ``..., unpacked`` is the same decoder with the other choice of ``packed_linears``;
 * ``block K + cache, thr τ``: the same with ``ConfidenceThreshold(τ)`` (adaptive: tokens per forward measured);
 * ``block K + cache, merged commits, 4/fwd``: ``BlockCacheDecoder(model, merge_commits=True)`` — each finished block

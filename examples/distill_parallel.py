@@ -23,7 +23,12 @@ The pipeline (per seed):
    model): accuracy (exact reward), tokens per forward (generated tokens up to and including EOS / model calls; the
    prefill rides with the first step), wall time; and the original AR model's own ``generate`` with its KV cache
    (greedy) on the same prompts, made to emit as many tokens as the answers have (answer + EOS), in the same batches
-   and dtype: the wall-time reference.
+   and dtype: the wall-time reference. Wall time is measured at two batch sizes: ``--eval-batch`` (all problems: a
+   throughput figure, where a CPU is compute-bound and a block step of 9–17 positions a row costs several AR steps)
+   and **batch 1** on the first ``--wall-problems`` problems, one call each (the latency setting dParallel and
+   d3LLM report speed at), block and AR models alike. The block model's CPU linears are packed once per phase
+   (:func:`unifusion.cpu_linears.packed_linears` around the phase's decodes; the reorder is reported, not timed);
+   the AR reference runs as transformers ships it (its batch-1 time with packed linears is reported beside it).
 
 AUP (:func:`unifusion.eval.accuracy_under_parallelism`, d3LLM's definition, y_max the best accuracy of both curves)
 of the before and after curves (their points are the seeds' means), and the frontier plot
@@ -67,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_torchrun import load_pretrained, stream_generator, tiny_with_smollm2_tokenizer  # noqa: E402
 
 import unifusion as uf  # noqa: E402
+from unifusion.cpu_linears import packed_linears  # noqa: E402
 from unifusion.data import sorting  # noqa: E402
 from unifusion.distill import (  # noqa: E402
     CommitHead,
@@ -275,30 +281,68 @@ def batches(tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.
             for chunk in (problems[s:s + args.eval_batch] for s in range(0, len(problems), args.eval_batch))]
 
 
+def decode(model: uf.DiffusionLM, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, setting: Setting,
+           args: argparse.Namespace) -> tuple[Any, float]:
+    """One timed ``generate`` call of the block model (greedy, exact KV cache with merged commits): ``(output,
+    seconds)``."""
+    ids, mask = ids.to(args.device), mask.to(args.device)
+    synchronize(args.device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=setting.policy,
+                         num_steps=setting.num_steps, use_cache=True, merge_commits=True, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                         return_dict=True)
+    synchronize(args.device)
+    return out, time.perf_counter() - t0
+
+
 @torch.no_grad()
 def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]], setting: Setting,
-             args: argparse.Namespace) -> dict[str, Any]:
-    """Greedy decoding of every batch at one setting: accuracy (%), generated tokens, model calls, wall time."""
+             args: argparse.Namespace, single: list[tuple[Any, ...]] | None = None) -> dict[str, Any]:
+    """Greedy decoding of every batch at one setting: accuracy (%), generated tokens, model calls, wall time; and,
+    given ``single`` (the ``--wall-problems`` prompts one row each), the same prompts' wall time at batch 1
+    (``seconds_batch1``) and its tokens per forward. The caller holds the packed linears open (the packing is not
+    in these times)."""
     model.eval()
     correct = tokens = forwards = 0
     seconds = 0.0
     for chunk, ids, mask in rows:
-        ids, mask = ids.to(args.device), mask.to(args.device)
-        synchronize(args.device)
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=setting.policy,
-                             num_steps=setting.num_steps, use_cache=True, merge_commits=True, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                             return_dict=True)
-        synchronize(args.device)
-        seconds += time.perf_counter() - t0
+        out, dt = decode(model, tokenizer, ids, mask, setting, args)
+        seconds += dt
         texts, lengths = texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])
         correct += int(sum(sorting.rewards(texts, chunk)))
         tokens += sum(lengths)
         forwards += int(out.num_forwards.sum())
     n = sum(len(c) for c, _, _ in rows)
-    return {"setting": setting.name, "steps_per_block": setting.num_steps, "accuracy": 100.0 * correct / n,
-            "tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards, "seconds": seconds}
+    result = {"setting": setting.name, "steps_per_block": setting.num_steps, "accuracy": 100.0 * correct / n,
+              "tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards, "seconds": seconds,
+              "batch": args.eval_batch}
+    if single:
+        seconds1, tokens1, forwards1 = 0.0, 0, 0
+        for _, ids, mask in single:
+            out, dt = decode(model, tokenizer, ids, mask, setting, args)
+            seconds1 += dt
+            tokens1 += sum(texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])[1])
+            forwards1 += int(out.num_forwards.sum())
+        result.update(seconds_batch1=seconds1, problems_batch1=len(single),
+                      tokens_per_forward_batch1=tokens1 / forwards1)
+    return result
+
+
+def evaluate_phase(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
+                   single: list[tuple[Any, ...]], grid: list[Setting], args: argparse.Namespace
+                   ) -> tuple[list[dict[str, Any]], float]:
+    """Every setting of ``grid`` (:func:`evaluate`), the model's CPU linears packed once for all of them
+    (:func:`unifusion.cpu_linears.packed_linears`, what ``generate`` does per call otherwise): ``(results, packing
+    seconds)``. A warm-up call at each batch size first (the merged cache's first call, allocations)."""
+    model.eval()
+    t0 = time.perf_counter()
+    with packed_linears(model):
+        packing = time.perf_counter() - t0
+        for warm in ([(c[:2], i[:2], m[:2]) for c, i, m in rows[:1]], single[:1]):
+            for _, ids, mask in warm:
+                decode(model, tokenizer, ids, mask, grid[-1], args)
+        return [evaluate(model, tokenizer, rows, s, args, single) for s in grid], packing
 
 
 @torch.no_grad()
@@ -319,7 +363,26 @@ def evaluate_ar(ar_model: Any, tokenizer: Any, rows: list[tuple[Any, ...]], answ
         correct += int(sum(sorting.rewards(texts, chunk)))
     n = sum(len(c) for c, _, _ in rows)
     return {"setting": "HF AR generate + KV cache (not fine-tuned)", "accuracy": 100.0 * correct / n,
-            "tokens": answer_tokens * n, "tokens_per_forward": 1.0, "seconds": seconds}
+            "tokens": answer_tokens * n, "tokens_per_forward": 1.0, "seconds": seconds, "batch": rows[0][1].shape[0]}
+
+
+def evaluate_ar_all(ar_model: Any, tokenizer: Any, rows: list[tuple[Any, ...]], single: list[tuple[Any, ...]],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """The AR reference at both batch sizes: ``--eval-batch`` (plain HF layers), and at batch 1 on the
+    ``--wall-problems`` prompts both plain (``seconds_batch1``, the issue's reference) and with its linears packed
+    as the block model's are (``seconds_batch1_packed``)."""
+    answer = sorting.answer_length(args.count, args.digits) + 1
+    warm = [(c[:2], i[:2], m[:2]) for c, i, m in rows[:1]]
+    evaluate_ar(ar_model, tokenizer, warm, 2, args.device)
+    ar = evaluate_ar(ar_model, tokenizer, rows, answer, args.device)
+    if single:
+        evaluate_ar(ar_model, tokenizer, single[:1], 2, args.device)
+        ar["seconds_batch1"] = evaluate_ar(ar_model, tokenizer, single, answer, args.device)["seconds"]
+        ar["problems_batch1"] = len(single)
+        with packed_linears(ar_model):
+            evaluate_ar(ar_model, tokenizer, single[:1], 2, args.device)
+            ar["seconds_batch1_packed"] = evaluate_ar(ar_model, tokenizer, single, answer, args.device)["seconds"]
+    return ar
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -336,40 +399,65 @@ def aup_or_none(points: list[tuple[float, float]], max_accuracy: float) -> float
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per phase and setting, the seeds' means (and spread of the accuracy); the AUP of each phase's mean points."""
+    """Per phase and setting, the seeds' means (and spread of the accuracy), the wall time relative to the AR model's
+    at the evaluation batch (``x_ar_wall_time``) and, with ``--wall-problems``, at batch 1 (``x_ar_wall_time_batch1``
+    against plain HF layers, ``x_ar_packed_batch1`` against the AR model with packed linears); the AUP of each
+    phase's mean points."""
     names = [r["setting"] for r in runs[0]["before"]]
     ar_seconds = statistics.mean(r["ar"]["seconds"] for r in runs)
+    batch1 = "seconds_batch1" in runs[0]["ar"]
+    ar = {"accuracy": statistics.mean(r["ar"]["accuracy"] for r in runs), "seconds": ar_seconds}
+    if batch1:
+        ar["seconds_batch1"] = statistics.mean(r["ar"]["seconds_batch1"] for r in runs)
+        ar["seconds_batch1_packed"] = statistics.mean(r["ar"]["seconds_batch1_packed"] for r in runs)
     rows = []
     for phase in ("before", "after"):
         for i, name in enumerate(names):
             results = [r[phase][i] for r in runs]
             acc = [x["accuracy"] for x in results]
-            rows.append({"phase": phase, "setting": name, "accuracy": statistics.mean(acc),
-                         "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-                         "tokens_per_forward": statistics.mean(x["tokens_per_forward"] for x in results),
-                         "seconds": statistics.mean(x["seconds"] for x in results),
-                         "x_ar_wall_time": statistics.mean(x["seconds"] for x in results) / ar_seconds})
+            row = {"phase": phase, "setting": name, "accuracy": statistics.mean(acc),
+                   "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                   "tokens_per_forward": statistics.mean(x["tokens_per_forward"] for x in results),
+                   "seconds": statistics.mean(x["seconds"] for x in results),
+                   "x_ar_wall_time": statistics.mean(x["seconds"] for x in results) / ar_seconds}
+            if batch1:
+                seconds1 = statistics.mean(x["seconds_batch1"] for x in results)
+                row.update(seconds_batch1=seconds1,
+                           tokens_per_forward_batch1=statistics.mean(x["tokens_per_forward_batch1"] for x in results),
+                           x_ar_wall_time_batch1=seconds1 / ar["seconds_batch1"],
+                           x_ar_packed_batch1=seconds1 / ar["seconds_batch1_packed"])
+            rows.append(row)
     curves = {phase: [(r["tokens_per_forward"], r["accuracy"]) for r in rows if r["phase"] == phase]
               for phase in ("before", "after")}
     y_max = max(y for curve in curves.values() for _, y in curve)
     aup = {phase: aup_or_none(curve, y_max) for phase, curve in curves.items()}
-    return {"rows": rows, "curves": curves, "aup": aup, "aup_max_accuracy": y_max,
-            "ar": {"accuracy": statistics.mean(r["ar"]["accuracy"] for r in runs), "seconds": ar_seconds}}
+    return {"rows": rows, "curves": curves, "aup": aup, "aup_max_accuracy": y_max, "ar": ar}
 
 
 def table(summary: dict[str, Any], args: argparse.Namespace, seeds: list[int]) -> str:
-    aup = summary["aup"]
+    aup, ar = summary["aup"], summary["ar"]
+    batch1 = "seconds_batch1" in ar
     lines = [f"sort ({args.count} numbers of {args.digits} digits), {args.eval_problems} held-out problems, greedy, "
-             f"K = {args.block_size}, seeds {seeds}; batches of {args.eval_batch}; wall time relative to the AR "
-             "model's generate + KV cache on the same prompts and answer length", "",
-             "| phase | decoding | accuracy % | tokens / forward | wall s | × AR wall time |",
-             "|---|---|---:|---:|---:|---:|"]
+             f"K = {args.block_size}, seeds {seeds}, {torch.get_num_threads()} thread(s); accuracy and tokens per "
+             f"forward at batch {args.eval_batch}; wall time relative to the AR model's generate + KV cache on the "
+             f"same prompts and answer length, at batch {args.eval_batch} (all {args.eval_problems} problems)"
+             + (f" and at batch 1 (the first {args.wall_problems} problems one at a time; the block model's linears "
+                "packed once per phase, not timed; AR plain, and AR packed in brackets)" if batch1 else ""), "",
+             "| phase | decoding | accuracy % | tokens / forward | wall s | × AR wall time |"
+             + (" tok/fwd, batch 1 | wall s, batch 1 | × AR, batch 1 |" if batch1 else ""),
+             "|---|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if batch1 else "")]
     for r in summary["rows"]:
         spread = f" ± {r['accuracy_std']:.1f}" if len(seeds) > 1 else ""
-        lines.append(f"| {r['phase']} | {r['setting']} | {r['accuracy']:.1f}{spread} | "
-                     f"{r['tokens_per_forward']:.2f} | {r['seconds']:.2f} | {r['x_ar_wall_time']:.2f} |")
-    ar = summary["ar"]
-    lines.append(f"| — | HF AR generate + KV cache | {ar['accuracy']:.1f} | 1.00 | {ar['seconds']:.2f} | 1.00 |")
+        line = (f"| {r['phase']} | {r['setting']} | {r['accuracy']:.1f}{spread} | "
+                f"{r['tokens_per_forward']:.2f} | {r['seconds']:.2f} | {r['x_ar_wall_time']:.2f} |")
+        if batch1:
+            line += (f" {r['tokens_per_forward_batch1']:.2f} | {r['seconds_batch1']:.2f} | "
+                     f"{r['x_ar_wall_time_batch1']:.2f} ({r['x_ar_packed_batch1']:.2f}) |")
+        lines.append(line)
+    line = f"| — | HF AR generate + KV cache | {ar['accuracy']:.1f} | 1.00 | {ar['seconds']:.2f} | 1.00 |"
+    if batch1:
+        line += f" 1.00 | {ar['seconds_batch1']:.2f} ({ar['seconds_batch1_packed']:.2f} packed) | 1.00 |"
+    lines.append(line)
     fmt = {k: ("n/a (drops > 5 points)" if v is None else f"{v:.1f}") for k, v in aup.items()}
     lines += ["", f"AUP (y_max = {summary['aup_max_accuracy']:.1f} %): before {fmt['before']}, after {fmt['after']}"]
     return "\n".join(lines)
@@ -415,7 +503,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train problems whose decodes fit the commit rule's head")
     p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
     p.add_argument("--eval-problems", type=int, default=64, help="held-out problems (the same for every seed)")
-    p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call")
+    p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call (accuracy, tokens per forward "
+                   "and the first wall-time column)")
+    p.add_argument("--wall-problems", type=int, default=16,
+                   help="held-out problems also decoded one at a time (batch 1, the anchors' latency setting) for "
+                        "the batch-1 wall-time columns, block and AR models alike (0: none)")
     p.add_argument("--backend", choices=("auto", "compiled", "eager"), default="auto",
                    help="unifusion's loss/sampler backend (uf.backend.set_backend)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
@@ -429,7 +521,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "distill_steps", "train_seconds", "lora", "entropy_weight"):
+    for name in ("sft_steps", "sft_seconds", "distill_steps", "train_seconds", "lora", "entropy_weight",
+                 "wall_problems"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
     if not args.entropy_temperature > 0:
@@ -453,6 +546,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def batch1_text(result: dict[str, Any]) -> str:
+    """The log's batch-1 part of a result (empty without ``--wall-problems``)."""
+    if "seconds_batch1" not in result:
+        return ""
+    return (f" | {result['seconds_batch1']:.2f} s (batch 1, {result['problems_batch1']} problems, "
+            f"{result['tokens_per_forward_batch1']:.2f} tok/fwd)")
+
+
 def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     torch.manual_seed(seed)
     model, tokenizer = build(args, seed)
@@ -465,27 +566,29 @@ def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) ->
     rule_problems = train[-args.record_problems:][:args.commit_rule_problems]
     learned, rule_before = commit_rule_settings(model, tokenizer, rule_problems, args, seed)
     grid = settings(args)
-    warm = [(c[:2], i[:2], m[:2]) for c, i, m in rows[:1]]  # first calls (allocations, kernels) are not timed
-    evaluate(model, tokenizer, warm, grid[-1], args)
-    before = [evaluate(model, tokenizer, rows, s, args) for s in grid + learned]
+    single = [([c[r]], *encode_prompts(tokenizer, [c[r].prompt], args.block_size))
+              for c, _, _ in rows for r in range(len(c))][:args.wall_problems]
+    before, packing_before = evaluate_phase(model, tokenizer, rows, single, grid + learned, args)
     for r in before:
         log(f"before | {r['setting']:<28} | acc {r['accuracy']:5.1f} % | {r['tokens_per_forward']:.2f} tok/fwd | "
-            f"{r['seconds']:.2f} s")
+            f"{r['seconds']:.2f} s (batch {args.eval_batch}){batch1_text(r)}")
     traj, record_info = record(model, tokenizer, train[-args.record_problems:], args)
     log(f"recorded {record_info['kept']} of {record_info['problems']} trajectories ({args.keep})")
     distill_info = distil(model, traj, args, seed, log)
     learned, rule_after = commit_rule_settings(model, tokenizer, rule_problems, args, seed)
-    after = [evaluate(model, tokenizer, rows, s, args) for s in grid + learned]
+    after, packing_after = evaluate_phase(model, tokenizer, rows, single, grid + learned, args)
     for r in after:
         log(f"after  | {r['setting']:<28} | acc {r['accuracy']:5.1f} % | {r['tokens_per_forward']:.2f} tok/fwd | "
-            f"{r['seconds']:.2f} s")
+            f"{r['seconds']:.2f} s (batch {args.eval_batch}){batch1_text(r)}")
     del model
     ar_model = load(args, seed)[0].to(args.device)
-    evaluate_ar(ar_model, tokenizer, warm, 2, args.device)
-    ar = evaluate_ar(ar_model, tokenizer, rows, sorting.answer_length(args.count, args.digits) + 1, args.device)
-    log(f"AR     | acc {ar['accuracy']:5.1f} % | {ar['seconds']:.2f} s")
+    ar = evaluate_ar_all(ar_model, tokenizer, rows, single, args)
+    log(f"AR     | acc {ar['accuracy']:5.1f} % | {ar['seconds']:.2f} s (batch {args.eval_batch})"
+        + (f" | {ar['seconds_batch1']:.2f} s (batch 1, {len(single)} problems; packed "
+           f"{ar['seconds_batch1_packed']:.2f} s)" if single else ""))
     return {"seed": seed, "sft": sft_info, "record": record_info, "distill": distill_info, "before": before,
-            "after": after, "ar": ar, "commit_rule": {"before": rule_before, "after": rule_after}}
+            "after": after, "ar": ar, "packing_seconds": {"before": packing_before, "after": packing_after},
+            "commit_rule": {"before": rule_before, "after": rule_after}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -119,6 +119,9 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="batch_hint: expected a positive int, got 0"):
         with packed_linears(_net(), batch_hint=0):
             pass
+    with pytest.raises(ValueError, match="pack_after_rows: expected a non-negative int, got -1"):
+        with packed_linears(_net(), pack_after_rows=-1):
+            pass
 
 
 def test_enabled_true_without_the_operators_raises(monkeypatch) -> None:
@@ -168,16 +171,8 @@ def _spy_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -> None:
-    """``generate`` of a block model on the CPU in eval mode runs the packed linears without being asked and decodes
-    the same tokens as ``packed_linears=False``; each call packs every layer once (tuned to the block size) and
-    leaves the layers plain. Training mode, a model without blocks and ``packed_linears=False`` run the layers' own
-    forward (``True`` packs in training mode too)."""
-    calls = _spy_calls(monkeypatch)
-    model = _block_model()
-    ref = _decode(model, packed_linears=False)
-    assert not calls
-    reorders = []
+def _count_reorders(monkeypatch) -> list[int]:
+    reorders: list[int] = []
     real_repack = cpu_linears._PackedForward.repack
 
     def count_repack(self):
@@ -185,10 +180,31 @@ def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -
         real_repack(self)
 
     monkeypatch.setattr(cpu_linears._PackedForward, "repack", count_repack)
+    return reorders
+
+
+def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -> None:
+    """``generate`` of a block model on the CPU in eval mode routes its linears without being asked and decodes the
+    same tokens as ``packed_linears=False``; a layer packs (once, tuned to the block size) only after it has
+    multiplied ``GENERATE_PACK_AFTER_ROWS`` rows in the call — this short call (~90 rows a layer) packs none, with
+    the threshold at 0 every layer packs at entry, at 20 every layer packs mid-call — and each call leaves the layers
+    plain. Training mode, a model without blocks and ``packed_linears=False`` run the layers' own forward (``True``
+    routes in training mode too)."""
+    calls = _spy_calls(monkeypatch)
+    model = _block_model()
+    ref = _decode(model, packed_linears=False)
+    assert not calls
+    reorders = _count_reorders(monkeypatch)
     assert torch.equal(_decode(model), ref) and calls
+    assert reorders == []  # a short call pays no reorder
+    monkeypatch.setattr(cpu_linears, "GENERATE_PACK_AFTER_ROWS", 0)
+    assert torch.equal(_decode(model), ref)
     assert reorders == [4] * LAYERS
     assert torch.equal(_decode(model), ref)
     assert reorders == [4] * (2 * LAYERS)  # packed again by the second call: nothing is kept between calls
+    monkeypatch.setattr(cpu_linears, "GENERATE_PACK_AFTER_ROWS", 20)
+    assert torch.equal(_decode(model), ref)
+    assert reorders == [4] * (3 * LAYERS)  # every layer crossed 20 rows within the call and packed once
     assert not any("forward" in m.__dict__ for m in model.modules())
     calls.clear()
     model.train()
@@ -201,6 +217,67 @@ def test_generate_packs_a_cpu_block_model_in_eval_mode_by_default(monkeypatch) -
     assert calls
     with pytest.raises(TypeError, match="packed_linears: expected None or a bool, got int"):
         _decode(model, packed_linears=1)
+
+
+def test_pack_after_rows_runs_the_layer_itself_until_then(monkeypatch) -> None:
+    """``pack_after_rows=10``: calls of 4 rows run ``nn.Linear`` (bit-equal) while fewer than 10 rows went through,
+    the next call packs the layer once and later calls reuse the packed copy (equal up to float32 rounding)."""
+    net = _net()
+    reorders = _count_reorders(monkeypatch)
+    xs = [torch.randn(4, 24, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    with torch.no_grad():
+        refs = [net(x) for x in xs]
+        with packed_linears(net, pack_after_rows=10) as n:
+            outs = [net(x) for x in xs[:3]]
+            assert reorders == []
+            outs += [net(x) for x in xs[3:]]
+    assert n == 2 and reorders == [16, 16]
+    for out, ref in zip(outs[:3], refs[:3]):
+        assert torch.equal(out, ref)
+    for out, ref in zip(outs[3:], refs[3:]):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_inside_an_open_block_packs_nothing_of_its_own(monkeypatch) -> None:
+    """Packed once around many calls: the block packs every layer at entry, ``generate`` (default arguments) inside
+    it reorders nothing more, decodes the tokens of the unpacked path, and the layers stay routed until the block
+    closes."""
+    model = _block_model()
+    ref = _decode(model, packed_linears=False)
+    reorders = _count_reorders(monkeypatch)
+    with packed_linears(model, batch_hint=4) as n:
+        assert n == LAYERS and reorders == [4] * LAYERS
+        for _ in range(3):
+            assert torch.equal(_decode(model), ref)
+        assert reorders == [4] * LAYERS
+        assert all(isinstance(m.__dict__.get("forward"), cpu_linears._PackedForward)
+                   for m in model.modules() if type(m) is nn.Linear)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_repack_linears_sees_weights_changed_through_data() -> None:
+    """Inside an open block a write through ``.data`` moves no version counter: the layer keeps its old packed copy
+    (the documented limit) until ``repack_linears``, after which it equals the layer's own forward again. Outside a
+    block, and for layers not yet packed, it packs nothing."""
+    net = _net()
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        with packed_linears(net) as n:
+            before = net(x)
+            for layer in (net[0], net[2]):
+                layer.weight.data.mul_(-1.0)  # the bias is read live at each call; the weight is packed
+            stale = net(x)
+            assert uf.cpu_linears.repack_linears(net) == n == 2
+            fresh = net(x)
+        ref = net(x)
+        with packed_linears(net, pack_after_rows=100):
+            assert uf.cpu_linears.repack_linears(net) == 0  # nothing packed yet
+    torch.testing.assert_close(stale, before, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fresh, before)
+    torch.testing.assert_close(fresh, ref, rtol=1e-5, atol=1e-5)
+    assert uf.cpu_linears.repack_linears(net) == 0
+    with pytest.raises(TypeError, match="module: expected a torch.nn.Module, got str"):
+        uf.cpu_linears.repack_linears("model")  # type: ignore[arg-type]
 
 
 def test_training_after_generate_is_unchanged_and_the_next_generate_sees_the_new_weights() -> None:

@@ -45,6 +45,8 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
             assert r["tokens_per_forward"] == pytest.approx(r["tokens"] / r["forwards"])
             assert n <= r["tokens"] <= n * 2 * width  # at least the EOS of each row, at most the whole completion
             assert r["seconds"] > 0 and 0 <= r["accuracy"] <= 100
+            # the batch-1 timing: every problem (3 < --wall-problems' 16) decoded alone
+            assert r["problems_batch1"] == n and r["seconds_batch1"] > 0 and r["tokens_per_forward_batch1"] > 0
         # at most k tokens committed per model call (the prefill rides with the first step)
         assert results["1 token/forward"]["tokens"] <= results["1 token/forward"]["forwards"]
         for k in (2, 4):
@@ -57,6 +59,9 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         rule = run["commit_rule"][phase]
         assert rule["examples"] >= 2 * width and 0 <= rule["positive_rate"] <= 1
     assert run["ar"]["tokens"] == n * answer and run["ar"]["tokens_per_forward"] == 1.0
+    assert run["ar"]["batch"] == 2 and run["ar"]["problems_batch1"] == n
+    assert run["ar"]["seconds_batch1"] > 0 and run["ar"]["seconds_batch1_packed"] > 0
+    assert set(run["packing_seconds"]) == {"before", "after"}
 
     summary = report["summary"]
     rows = {(r["phase"], r["setting"]): r for r in summary["rows"]}
@@ -65,6 +70,9 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         measured = next(x for x in run[phase] if x["setting"] == name)
         assert r["tokens_per_forward"] == measured["tokens_per_forward"]
         assert r["x_ar_wall_time"] == pytest.approx(measured["seconds"] / run["ar"]["seconds"])
+        assert r["x_ar_wall_time_batch1"] == pytest.approx(measured["seconds_batch1"] / run["ar"]["seconds_batch1"])
+        assert r["x_ar_packed_batch1"] == pytest.approx(
+            measured["seconds_batch1"] / run["ar"]["seconds_batch1_packed"])
         assert f"| {phase} | {name} | {measured['accuracy']:.1f} | {measured['tokens_per_forward']:.2f} |" in printed
     y_max = max(x["accuracy"] for phase in ("before", "after") for x in run[phase])
     assert summary["aup_max_accuracy"] == y_max
@@ -75,8 +83,24 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         assert summary["aup"][phase] == pytest.approx(expected)
 
 
+def test_without_batch1_timings_the_report_has_no_batch1_columns() -> None:
+    """``--wall-problems 0``: results without the batch-1 fields summarise and print without those columns, and the
+    header still names the batch size of the timing it has."""
+    example = _example()
+    args = example.parse_args(["--model", "tiny", "--eval-batch", "2", "--wall-problems", "0"])
+    result = {"setting": "1 token/forward", "accuracy": 50.0, "tokens_per_forward": 0.5, "seconds": 2.0}
+    run = {"before": [result], "after": [dict(result, accuracy=75.0, tokens_per_forward=2.0, seconds=1.0)],
+           "ar": {"accuracy": 0.0, "seconds": 4.0}}
+    summary = example.summarise([run])
+    assert [r["x_ar_wall_time"] for r in summary["rows"]] == [0.5, 0.25]
+    assert all("x_ar_wall_time_batch1" not in r for r in summary["rows"]) and "seconds_batch1" not in summary["ar"]
+    text = example.table(summary, args, [0])
+    assert "batch 1" not in text and "at batch 2" in text
+
+
 def test_bad_options_are_refused() -> None:
     example = _example()
-    for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--max-new-tokens", "4"], ["--entropy-temperature", "0"]):
+    for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--max-new-tokens", "4"], ["--entropy-temperature", "0"],
+                 ["--wall-problems", "-1"]):
         with pytest.raises(SystemExit):
             example.parse_args(["--model", "tiny", *argv])

@@ -329,8 +329,8 @@ def generate(model: DecodableModel, prompt_ids: torch.Tensor | None = None, *, m
                        eos_token_id=list(eos) if isinstance(eos, tuple) else eos, return_dict=return_dict,
                        return_trace=return_trace, kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k,
                        eps=eps, cfg_scale=cfg_scale, progress=progress, do_sample=hf.do_sample,
-                       stop_strings=hf.stop_strings or None, tokenizer=tokenizer, output_scores=hf.output_scores, output_logits=hf.output_logits,
-                       return_dict_in_generate=hf.return_dict_in_generate)
+                       stop_strings=hf.stop_strings or None, tokenizer=tokenizer, output_scores=hf.output_scores,
+                       output_logits=hf.output_logits, return_dict_in_generate=hf.return_dict_in_generate)
         return _as_given(by_block_lead(generate, model, prompt_ids, attention_mask, leads, generator, options),
                          given_prompt)
     lead = leads[0] if leads else 0

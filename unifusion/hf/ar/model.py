@@ -487,19 +487,24 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         ``2K + 1`` rows by each weight, and on the project's 2-core AVX2 CPU the packed layout is 1.2–1.5× faster than
         torch's default matmul at 9–17 rows; at blocks of 32 the whole decode took 4.57 s against 5.13 s with two
         threads, the packing counted (with one thread the two are even). The tokens are the same (the sums differ at
-        float32 rounding). Each call pays the packing (about 0.3 s for SmolLM2-135M; a second copy of the
-        linear weights while it runs) and leaves nothing on the model, so training after it, or weights changed in
-        any way between calls, need no care. ``packed_linears``: ``None`` (default) — so for a block model on the CPU in
-        eval mode (``not model.training``) where this torch build has the operators; ``False`` — never (e.g. many
-        short calls, where the packing costs more than it saves); ``True`` — also in training mode (a
-        ``RuntimeError`` where the operators are missing).
+        float32 rounding). A layer packs only once it has multiplied
+        :data:`~unifusion.cpu_linears.GENERATE_PACK_AFTER_ROWS` rows in the call, so a short call (batch 1, a
+        10-token answer in a few forwards) pays no reorder (about 0.3 s for SmolLM2-135M, more than such a call's
+        whole decode can save), and a long or wide one packs after its first forwards; nothing stays on the model
+        after the call, so training after it, or weights changed in any way between calls, need no care. For many
+        calls, pack once around them: ``with uf.cpu_linears.packed_linears(model): ...`` (inside it this method
+        packs nothing of its own; a weight changed through ``.data`` in the block needs
+        :func:`~unifusion.cpu_linears.repack_linears`). ``packed_linears``: ``None`` (default) — so for a block
+        model on the CPU in eval mode (``not model.training``) where this torch build has the operators; ``False``
+        — never; ``True`` — also in training mode (a ``RuntimeError`` where the operators are missing).
         """
         if packed_linears is not None and not isinstance(packed_linears, bool):
             raise TypeError(f"packed_linears: expected None or a bool, got {type(packed_linears).__name__}")
         if packed_linears is None:
             packed_linears = (self.block_size is not None and self.device.type == "cpu" and not self.training
                               and cpu_linears.packing_available())
-        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16):
+        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16,
+                                        pack_after_rows=cpu_linears.GENERATE_PACK_AFTER_ROWS):
             return generation.generate(
                 self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
                 block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
