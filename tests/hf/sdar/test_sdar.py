@@ -146,8 +146,8 @@ def test_sdar_order_equals_block_diffusion_generate_on_prompts_that_end_inside_a
     """Blocks from column 0 (``block_origin="sequence_start"``): the prompt's last ``length mod K`` tokens share a
     block with the first new ones, in both decoders. Greedy with every strategy, and sampled where the rows of a block
     finish together (static, sequential): the tokens of ``block_diffusion_generate`` (their decoder, proven above).
-    Sampled dynamic remasking is left out: there SDAR draws for every row at every step of a block, ``generate`` for
-    the rows still decoding, so one shared generator parts ways once a row finishes its block early."""
+    Sampled dynamic remasking is left out: there SDAR keeps stepping a row whose block is done while another's is
+    not, and its top-k then re-writes one of that row's committed tokens (``generate`` never does)."""
     prompt = torch.randint(0, 80, (2, length), generator=torch.Generator().manual_seed(length))
     runs = [(strategy, {"top_k": 1}, 4) for strategy in ("low_confidence_dynamic", "low_confidence_static",
                                                           "sequential")]

@@ -294,12 +294,12 @@ class SDAROrder(MaskPolicy):
       most confident.
 
     SDAR's blocks start at column multiples of K, and so do ``generate``'s on SDAR (``block_origin=
-    "sequence_start"``): its tokens are this policy's on any prompt length, greedy, and sampled while the rows of a
-    block finish together (SDAR draws for every row at every step of a block, ``generate`` for the rows still
-    decoding: with dynamic remasking one shared generator parts ways once a row finishes a block early). Not
-    reproduced: its ``stopping_criteria_idx`` (stop the whole batch after a block holding one of the ids; ``generate``
-    stops rows at EOS), and with more tokens per step than a prompt-holding block has masked, their top-k reaching
-    into the prompt columns (it overwrites prompt tokens; ``generate`` never does).
+    "sequence_start"``): its tokens are this policy's on any prompt length while SDAR's top-k stays inside the
+    masked positions. Not reproduced: where it does not — a step that transfers more tokens than a row's block still
+    has masked (a prompt-holding block, or a row whose block is done while another's is not, as happens with sampled
+    dynamic remasking) picks unmasked columns too and re-writes their tokens, prompt tokens included; ``generate``
+    never changes a committed token — and its ``stopping_criteria_idx`` (stop the whole batch after a block holding
+    one of the ids; ``generate`` stops rows at EOS).
 
     Args:
         strategy: one of :data:`SDAR_STRATEGIES` (default ``"low_confidence_dynamic"``).
