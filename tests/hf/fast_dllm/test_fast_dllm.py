@@ -167,6 +167,25 @@ def test_fast_dllm_v2_order_equals_their_generate_on_a_whole_block_prompt(model,
         assert torch.equal(out[0], theirs[:out.shape[1]]) and theirs.shape[0] == out.shape[1] + 1
 
 
+@pytest.mark.parametrize("length", [K + 1, K + 2, 2 * K - 1, 2 * K + 3])
+def test_fast_dllm_v2_order_equals_their_batch_decoder_on_prompts_that_end_inside_a_block(model, length):
+    """Blocks from column 0 (``block_origin="sequence_start"``): a prompt of more than K tokens that ends inside a
+    block is decoded with that block, then block by block with their AR step; thresholds 0.9 / 0.5 / 1, sub-blocks of
+    2, 4, 1, three rows: the tokens of ``generate_reference`` (their batch_sample, proven above) on the columns both
+    decode (theirs ends after its block count, ``generate`` after ``max_new_tokens``)."""
+    prompt = torch.randint(0, 80, (3, length), generator=torch.Generator().manual_seed(length))
+    new = 8 + (-(length + 8)) % K
+    for threshold, sub in ((0.9, 2), (0.5, 4), (1.0, 1)):
+        theirs = model.generate_reference(prompt, max_new_tokens=new, small_block_size=sub, threshold=threshold,
+                                          stop_token_id=None)
+        out = model.generate(prompt, max_new_tokens=new, policy=FastDLLMv2Order(threshold, sub), do_sample=False,
+                             eos_token_id=None)
+        both = min(out.shape[1], min(row.shape[0] for row in theirs))
+        assert both >= length + K
+        for i in range(3):
+            assert torch.equal(out[i, :both], theirs[i][:both]), (threshold, sub, i)
+
+
 def test_fast_dllm_v2_order_equals_their_batch_decoder_on_whole_block_prompts(model, ref):
     """Thresholds 0.9 / 0.5 / 1 (one per step), sub-blocks of 1, 2, 4, on a batch of three prompts of two and three
     blocks: the tokens of ``generate_reference`` (their batch_sample, proven above)."""

@@ -1,7 +1,7 @@
 """Fast-dLLM v2's own decoder (``batch_sample`` of their ``generation_functions.py``, what their evaluation runs;
 for one row, the ``generate`` of their model file up to its stopping rule), for :meth:`FastDLLMv2LM.generate_reference
 <unifusion.hf.fast_dllm.model.FastDLLMv2LM.generate_reference>`; :class:`~unifusion.samplers.policies.FastDLLMv2Order`
-reproduces it on prompts of at least two whole blocks.
+reproduces it on prompts of more than K tokens.
 
 Rows of lengths ``n_r`` (their prompts, right-filled with the mask token to the longest) are decoded over blocks of
 ``K`` columns at column multiples (the block of a prompt's end holds its last tokens and the first masks), through

@@ -14,7 +14,7 @@ policy                                 reproduces (``generate`` arguments)
 :class:`SDAROrder` ``(strategy, τ)``   SDAR's ``block_diffusion_generate`` on prompts of whole blocks:
                                        ``num_steps=denoising_steps``, ``temperature``/``top_k``/``top_p`` (greedy is
                                        ``top_k=1``); ``eos_token_id=None``
-:class:`FastDLLMv2Order` ``(τ, s)``    Fast-dLLM v2's threshold decoder in sub-blocks on prompts of whole blocks:
+:class:`FastDLLMv2Order` ``(τ, s)``    Fast-dLLM v2's threshold decoder in sub-blocks on prompts of > K tokens:
                                        ``do_sample=False``, ``eos_token_id=None``
 =====================================  ====================================================================
 
@@ -360,10 +360,10 @@ class FastDLLMv2Order(MaskPolicy):
     masked position whose argmax has probability p > ``threshold`` (softmax over the whole vocabulary, float32) and
     the most confident masked one.
 
-    Their blocks start at column multiples of K (a prompt's last block is decoded with the first new tokens), so
-    their tokens are this policy's where the prompt fills at least two whole blocks (at exactly K tokens their
-    prefill, which needs more than K, is skipped and their first block is decoded without the prompt in its cache:
-    not reproduced; this policy then leaves out the AR step of that block only); ``generate`` returns
+    Their blocks start at column multiples of K (a prompt's last block is decoded with the first new tokens), as
+    ``generate``'s do on Fast-dLLM v2 (``block_origin="sequence_start"``), so their tokens are this policy's on
+    prompts of more than K tokens, whole blocks or not (at K tokens or fewer their prefill, which needs more than K,
+    is skipped and their first block is decoded without the prompt in its cache: not reproduced); ``generate`` returns
     ``P + max_new_tokens`` columns, their decoder one more (the next block's AR token). Their rows wait for each
     other at sub-block boundaries, which changes no row's tokens (a row's logits depend on that row only), only the
     forwards counted.
