@@ -213,27 +213,37 @@ ROW = torch.tensor([[1, 17, 40, 9, 55, 23, 70, 12, 31]])  # prompt 3 tokens, com
 PROMPT = 3
 
 
+def _completion_of_rows(n: int) -> torch.Tensor:
+    """``(n, L)`` bool: ROW's completion (every column after its PROMPT prompt tokens) on ``n`` copies."""
+    completion = torch.zeros((n, ROW.shape[1]), dtype=torch.bool)
+    completion[:, PROMPT:] = True
+    return completion
+
+
+def _check_elbo_estimate_near(model, exact: float, *, estimator: str = "elbo", seed: int = 6,
+                              n: int = 400) -> torch.Tensor:
+    """``sequence_logprob``'s ``estimator`` estimates ``(n,)`` of ROW's completion, one row seed each (from
+    ``seed``), their mean within 4 standard errors of ``exact``."""
+    x0, completion = ROW.repeat(n, 1), _completion_of_rows(n)
+    with torch.no_grad():
+        est = uf.rl.sequence_logprob(model, x0, completion, estimator=estimator, generator=generators(n, seed=seed))
+    mean, se = mean_and_se(est.sequence)
+    assert abs(mean - exact) < 4 * se, (estimator, mean, se, exact)
+    return est.sequence
+
+
 @pytest.mark.parametrize("estimator", ["elbo", "elbo_discrete", "coupled"])
 def test_unbiased_estimators_of_the_kind_match_its_enumerated_elbo(registered, estimator) -> None:
     model = uf.wrap_diffusion_lm(toy_net(seed=2)).eval()
     positions = list(range(PROMPT, ROW.shape[1]))
     exact = exact_elbo(_subset_log_probs(model, ROW[0], positions), positions)
-    n = 400
-    x0 = ROW.repeat(n, 1)
-    completion = torch.zeros_like(x0, dtype=torch.bool)
-    completion[:, PROMPT:] = True
-    with torch.no_grad():
-        est = uf.rl.sequence_logprob(model, x0, completion, estimator=estimator, generator=generators(n, seed=5))
-    mean, se = mean_and_se(est.sequence)
-    assert abs(mean - exact) < 4 * se, (estimator, mean, se, exact)
-    assert est.sequence.std() > 0  # the draws differ: each row's own generator
+    estimates = _check_elbo_estimate_near(model, exact, estimator=estimator, seed=5)
+    assert estimates.std() > 0  # the draws differ: each row's own generator
 
 
 def test_every_estimator_of_the_kind_runs_and_carries_gradients(registered) -> None:
     model = uf.wrap_diffusion_lm(toy_net(seed=3))
-    x0 = ROW.repeat(2, 1)
-    completion = torch.zeros_like(x0, dtype=torch.bool)
-    completion[:, PROMPT:] = True
+    x0, completion = ROW.repeat(2, 1), _completion_of_rows(2)
     trace = torch.full_like(x0, -1)
     trace[:, PROMPT:] = torch.tensor([2, 0, 1, 1, 0, 2])
     options = {"trace": {"trace": trace}, "quadrature": {"draws": 2}, "eubo": {"eubo_beta": 2.0}}
@@ -282,16 +292,9 @@ def _block_elbo_under_decoder_blocks(model: ToyDenoiser, x0: torch.Tensor, start
 def test_block_kind_scores_under_the_decoders_blocks_through_its_declared_clean_stream(registered) -> None:
     model = uf.wrap_diffusion_lm(toy_net(seed=4), block_size=4).eval()
     exact = _block_elbo_under_decoder_blocks(model, ROW[0], PROMPT)  # blocks [3..6], [7, 8]
-    n = 400
-    x0 = ROW.repeat(n, 1)
-    completion = torch.zeros_like(x0, dtype=torch.bool)
-    completion[:, PROMPT:] = True
-    with torch.no_grad():
-        est = uf.rl.sequence_logprob(model, x0, completion, generator=generators(n, seed=6))
-    mean, se = mean_and_se(est.sequence)
-    assert abs(mean - exact) < 4 * se, (mean, se, exact)
+    _check_elbo_estimate_near(model, exact)
     with pytest.raises(ValueError, match="estimator"):  # a block model takes the block ELBO (and traces)
-        uf.rl.sequence_logprob(model, x0[:1], completion[:1], estimator="coupled")
+        uf.rl.sequence_logprob(model, ROW, _completion_of_rows(1), estimator="coupled")
 
 
 def test_a_kind_declaring_blocks_from_the_sequence_start_is_sampled_and_scored_under_them(registered) -> None:
@@ -305,20 +308,13 @@ def test_a_kind_declaring_blocks_from_the_sequence_start_is_sampled_and_scored_u
     model = FromSequenceStart(toy_net(seed=4), block_size=4).eval()
     exact = _block_elbo_under_decoder_blocks(model, ROW[0], PROMPT, origin=0)  # blocks [0..3], [4..7], [8]
     assert abs(exact - _block_elbo_under_decoder_blocks(model, ROW[0], PROMPT)) > 0.5  # another distribution
-    n = 400
-    x0 = ROW.repeat(n, 1)
-    completion = torch.zeros_like(x0, dtype=torch.bool)
-    completion[:, PROMPT:] = True
-    with torch.no_grad():
-        est = uf.rl.sequence_logprob(model, x0, completion, generator=generators(n, seed=6))
-    mean, se = mean_and_se(est.sequence)
-    assert abs(mean - exact) < 4 * se, (mean, se, exact)
+    _check_elbo_estimate_near(model, exact)
     prompt = ROW[:, :PROMPT].repeat(2, 1)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=6, policy=uf.samplers.policies.LowConfidence(), num_steps=2,
                              use_cache=False, return_dict=True, return_trace=True, eos_token_id=None,
                              generator=[torch.Generator().manual_seed(i) for i in range(2)])
-        replayed = uf.rl.sequence_logprob(model, out.sequences, completion[:2], estimator="trace",
+        replayed = uf.rl.sequence_logprob(model, out.sequences, _completion_of_rows(2), estimator="trace",
                                           trace=out.commit_step)
     assert bool((out.commit_step[:, 3] < out.commit_step[:, 4:].amin(-1)).all())  # column 3 decoded in block 0
     torch.testing.assert_close(replayed.sequence, out.commit_logprob.sum(-1).to(replayed.sequence.dtype), rtol=1e-5,
@@ -332,10 +328,9 @@ def test_block_kind_replays_its_rollout_to_the_rollouts_log_probs(registered) ->
         out = model.generate(prompt, max_new_tokens=6, policy=uf.samplers.policies.LowConfidence(), num_steps=2,
                              use_cache=False, return_dict=True, return_trace=True, eos_token_id=None,
                              generator=[torch.Generator().manual_seed(i) for i in range(2)])
-    completion = torch.zeros_like(out.sequences, dtype=torch.bool)
-    completion[:, PROMPT:] = True
     with torch.no_grad():
-        est = uf.rl.sequence_logprob(model, out.sequences, completion, estimator="trace", trace=out.commit_step)
+        est = uf.rl.sequence_logprob(model, out.sequences, _completion_of_rows(2), estimator="trace",
+                                     trace=out.commit_step)
     torch.testing.assert_close(est.sequence, out.commit_logprob.sum(-1).to(est.sequence.dtype), rtol=1e-5,
                                atol=1e-5)
 
@@ -346,10 +341,8 @@ def test_a_block_kind_that_declares_no_clean_stream_is_refused_by_name() -> None
 
     model = Undeclared(toy_net(), block_size=4)
     x0 = ROW.clone()
-    completion = torch.zeros_like(x0, dtype=torch.bool)
-    completion[:, PROMPT:] = True
     with pytest.raises(TypeError, match="block_conditioning"):
-        uf.rl.sequence_logprob(model, x0, completion)
+        uf.rl.sequence_logprob(model, x0, _completion_of_rows(1))
     with pytest.raises(TypeError, match="block_conditioning"):
         uf.diffusion_loss(model, x0, model.kernel)
 
