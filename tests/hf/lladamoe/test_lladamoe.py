@@ -67,11 +67,12 @@ def test_bf16_logits_equal_their_bf16_logits(ref):
     assert float((ref["logits_bf16"] - ref["logits"]).abs().max()) > 0.25
 
 
+@pytest.mark.parametrize("policy", [LowConfidence(), LLaDAOrder()], ids=repr)
 @pytest.mark.parametrize("run", ["semi_ar", "one_block"])
-def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, run):
+def test_greedy_generate_equals_their_generate_py_token_for_token(model, ref, run, policy):
     gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
     out = model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
-                         policy=LowConfidence(), block_size=block, num_steps=steps // (gen // block),
+                         policy=policy, block_size=block, num_steps=steps // (gen // block),
                          do_sample=False, eos_token_id=None)
     assert torch.equal(out, ref[f"generate_{run}"])
 
@@ -92,15 +93,6 @@ def test_greedy_generate_equals_dllms_mdlm_sampler_token_for_token(model, ref, r
         assert torch.equal(out.sequences[j, pad:], theirs[j, :n + gen])
         assert torch.equal(out.commit_step[j, pad:], their_steps[j, :n + gen])
         assert bool((theirs[j, n + gen:] == EOS).all())
-
-
-@pytest.mark.parametrize("run", ["semi_ar", "one_block"])
-def test_llada_order_equals_their_generate_py_token_for_token(model, ref, run):
-    gen, block, steps = RUNS[run]["gen_length"], RUNS[run]["block_length"], RUNS[run]["steps"]
-    out = model.generate(ref["prompt_ids"], attention_mask=ref["prompt_attention_mask"], max_new_tokens=gen,
-                         policy=LLaDAOrder(), block_size=block, num_steps=steps // (gen // block),
-                         do_sample=False, eos_token_id=None)
-    assert torch.equal(out, ref[f"generate_{run}"])
 
 
 def test_llada_order_sampled_guided_and_random_equal_their_sampler_on_lladamoe(model, ref):
