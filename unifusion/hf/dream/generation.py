@@ -27,34 +27,18 @@ import torch.nn.functional as F
 
 from ... import _validation as V
 from ...denoiser import Denoiser
+from ...samplers.policies.reference import DREAM_ALGORITHMS, dream_probs
 
 __all__ = ["ALGORITHMS", "diffusion_generate"]
 
-ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-"""Dream's ``alg`` values."""
-
-
-def _truncate(logits: torch.Tensor, top_p: float | None, top_k: int | None) -> torch.Tensor:
-    """Top-p then top-k truncation of logits ``(n, V)``: dropped entries set to the dtype's minimum (Dream's rule)."""
-    low = torch.finfo(logits.dtype).min
-    if top_p is not None and top_p < 1:
-        ordered, order = logits.sort(-1, descending=True)
-        drop = ordered.softmax(-1).cumsum(-1) > top_p
-        drop[..., 1:] = drop[..., :-1].clone()  # keep the first token past the threshold
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), low)
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, low)
-    return logits
+ALGORITHMS = DREAM_ALGORITHMS
+"""Dream's ``alg`` values (:data:`~unifusion.samplers.policies.reference.DREAM_ALGORITHMS`)."""
 
 
 def _candidates(logits: torch.Tensor, alg: str, temperature: float, top_p: float | None, top_k: int | None,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(confidence, token)`` ``(n,)`` of masked positions' logits ``(n, V)``."""
-    if temperature > 0:
-        logits = logits / temperature
-    probs = _truncate(logits, top_p, top_k).softmax(-1)
+    probs = dream_probs(logits, temperature if temperature > 0 else None, top_p, top_k)
     if temperature > 0:
         token = torch.multinomial(probs, 1, generator=generator)[:, 0]
         confidence = probs.gather(-1, token[:, None])[:, 0]

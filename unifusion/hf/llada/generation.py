@@ -28,11 +28,12 @@ import torch
 
 from ... import _validation as V
 from ...denoiser import Denoiser
+from ...samplers.policies.reference import LLADA_REMASKING
 
 __all__ = ["REMASKING", "llada_generate"]
 
-REMASKING = ("low_confidence", "random")
-"""LLaDA's ``remasking`` values."""
+REMASKING = LLADA_REMASKING
+"""LLaDA's ``remasking`` values (:data:`~unifusion.samplers.policies.reference.LLADA_REMASKING`)."""
 
 
 def _even_split(count: torch.Tensor, steps: int) -> torch.Tensor:

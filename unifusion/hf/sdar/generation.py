@@ -30,31 +30,14 @@ from typing import Literal
 import torch
 
 from ... import _validation as V
+from ...samplers.policies.reference import SDAR_STRATEGIES, sdar_probs
 from ..native_block import NativeBlockCache
 
-__all__ = ["REMASKING", "block_diffusion_generate", "filtered_probs"]
+__all__ = ["REMASKING", "block_diffusion_generate"]
 
-REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+REMASKING = SDAR_STRATEGIES
 """SDAR's ``remasking_strategy`` values reproduced here (its ``"entropy_bounded"`` branch reads an undefined
-``transfer_index`` and is left out)."""
-
-
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``softmax`` of ``logits`` ``(N, V)`` / T after top-k (logits below the k-th largest → −∞) and top-p (the
-    smallest prefix of the sorted distribution whose mass exceeds p, the first token always kept), float32."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    if top_k > 0:
-        kth = torch.topk(z, top_k).values[..., -1:]
-        z = z.masked_fill(z < kth, -torch.inf)
-    if top_p < 1.0:
-        ordered, order = torch.sort(z, descending=True)
-        beyond = torch.cumsum(torch.softmax(ordered, -1), -1) > top_p
-        beyond[..., 1:] = beyond[..., :-1].clone()
-        beyond[..., 0] = False
-        z = z.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), -torch.inf)
-    return torch.softmax(z, -1)
+``transfer_index`` and is left out): :data:`~unifusion.samplers.policies.reference.SDAR_STRATEGIES`."""
 
 
 def _transfer(strategy: str, masked: torch.Tensor, confidence: torch.Tensor, k: int,
@@ -125,7 +108,7 @@ def block_diffusion_generate(model: object, prompt_ids: torch.Tensor, *, gen_len
             if not bool(masked.any()):
                 break
             logits = decoder.denoise_block(state, block, t, rows, None)
-            p = filtered_probs(logits.reshape(B * K, -1), temperature, top_k, top_p)
+            p = sdar_probs(logits.reshape(B * K, -1), temperature, top_k, top_p)
             cand = torch.multinomial(p, 1, generator=generator)
             conf = p.gather(-1, cand).view(B, K)
             chosen = _transfer(remasking_strategy, masked, conf, int(split[min(s, steps - 1)]), confidence_threshold)

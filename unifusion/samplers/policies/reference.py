@@ -43,7 +43,7 @@ from .protocol import BlockStep, MaskPolicy, RowRandomness, select_top
 from .schedules import EvenSplit, TimeGrid, TransferSchedule
 
 __all__ = ["DREAM_ALGORITHMS", "LLADA_REMASKING", "SDAR_STRATEGIES", "DreamOrder", "FastDLLMv2Order", "LLaDAOrder",
-           "SDAROrder"]
+           "SDAROrder", "dream_probs", "sdar_probs"]
 
 LLADA_REMASKING = ("low_confidence", "random")
 """LLaDA's ``remasking`` values."""
@@ -174,7 +174,7 @@ class LLaDAOrder(MaskPolicy):
         return tokens, commit, x_theta.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
 
 
-def _dream_probs(logits: torch.Tensor, temperature: float | None, top_p: float | None,
+def dream_probs(logits: torch.Tensor, temperature: float | None, top_p: float | None,
                  top_k: int | None) -> torch.Tensor:
     """Dream's ``sample_tokens`` distribution ``(..., V)`` float32: logits / T, then top-p (the smallest prefix of
     the sorted distribution whose mass exceeds p, the first token kept), then top-k, dropped entries at the dtype's
@@ -235,7 +235,7 @@ class DreamOrder(MaskPolicy):
                randomness: RowRandomness, where: BlockStep, *, mask_id: int | None, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        probs = _dream_probs(logits, temperature if do_sample else None, top_p, top_k)  # (B, K, V)
+        probs = dream_probs(logits, temperature if do_sample else None, top_p, top_k)  # (B, K, V)
         dev = logits.device
         if self.alg == "origin":
             last = where.index >= where.num_steps - 1
@@ -280,6 +280,25 @@ class DreamOrder(MaskPolicy):
         return _top_columns(score, k, num_commit, cols) & undecided
 
 
+def sdar_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """SDAR's candidate distribution ``(..., V)`` float32: ``softmax`` of ``logits`` / T after top-k (logits below
+    the k-th largest → −∞; ``None`` or 0: off) and top-p (the smallest prefix of the sorted distribution whose mass
+    exceeds p, the first token always kept; ``None`` or ≥ 1: off)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    if top_k:
+        kth = torch.topk(z, top_k).values[..., -1:]
+        z = z.masked_fill(z < kth, -torch.inf)
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(z, descending=True)
+        beyond = torch.cumsum(torch.softmax(ordered, -1), -1) > top_p
+        beyond[..., 1:] = beyond[..., :-1].clone()
+        beyond[..., 0] = False
+        z = z.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), -torch.inf)
+    return torch.softmax(z, -1)
+
+
 class SDAROrder(MaskPolicy):
     """SDAR's ``block_diffusion_generate`` (``remasking_strategy``), its draws included.
 
@@ -322,16 +341,7 @@ class SDAROrder(MaskPolicy):
                top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, K, V = logits.shape
-        z = logits.float() / temperature
-        if top_k is not None:
-            z = z.masked_fill(z < torch.topk(z, top_k).values[..., -1:], -torch.inf)
-        if top_p is not None and top_p < 1.0:
-            ordered, order = torch.sort(z, descending=True)
-            beyond = torch.cumsum(torch.softmax(ordered, -1), -1) > top_p
-            beyond[..., 1:] = beyond[..., :-1].clone()
-            beyond[..., 0] = False
-            z = z.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), -torch.inf)
-        probs = torch.softmax(z, -1)
+        probs = sdar_probs(logits, temperature, top_k, top_p)
         q = randomness.exponential((K, V), logits.device)  # SDAR's multinomial over the whole (B·K, V) block
         tokens = _without_mask(probs / q if do_sample else probs, mask_id, -1.0).argmax(-1)
         confidence = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
