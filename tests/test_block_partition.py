@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unifusion.block_partition import aligning_shifts, block_origin_of, first_block_start, origin_columns
+from unifusion.block_partition import (
+    aligning_shifts,
+    block_origin_of,
+    first_block_start,
+    origin_columns,
+    shift_left,
+    shift_right,
+)
 
 
 def test_origins_and_first_blocks_of_left_padded_rows() -> None:
@@ -34,3 +41,14 @@ def test_the_declared_origin_is_read_and_checked() -> None:
     assert block_origin_of(Declares()) == "sequence_start" and block_origin_of(object()) == "prompt_end"
     with pytest.raises(ValueError, match="block_origin: Wrong declares 'middle'"):
         block_origin_of(Wrong())
+
+
+def test_shift_left_undoes_shift_right_on_tokens_and_hidden_states() -> None:
+    x = torch.arange(2 * 5).reshape(2, 5)
+    h = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0))
+    shifts = torch.tensor([0, 3])
+    moved = shift_right(x, shifts, 8, -1)
+    assert moved.tolist() == [[0, 1, 2, 3, 4, -1, -1, -1], [-1, -1, -1, 5, 6, 7, 8, 9]]
+    assert torch.equal(shift_left(moved, shifts, 5), x)
+    assert torch.equal(shift_left(shift_right(h, shifts, 8, 0.0), shifts, 5), h)
+    assert shift_left(x, torch.zeros(2, dtype=torch.long), 5) is x  # nothing moved: no copy

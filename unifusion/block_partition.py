@@ -29,7 +29,7 @@ from einops import repeat
 from .denoiser import BLOCK_ORIGINS, BlockOrigin
 
 __all__ = ["aligning_shifts", "block_origin_of", "expand_block_times", "first_block_start", "generated_start",
-           "num_blocks", "origin_columns", "shift_right"]
+           "num_blocks", "origin_columns", "shift_left", "shift_right"]
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -99,3 +99,16 @@ def shift_right(x: torch.Tensor, shifts: torch.Tensor, width: int, fill: float |
     moved = x.gather(1, index)
     value = fill.to(x.dtype) if isinstance(fill, torch.Tensor) else torch.full((), fill, dtype=x.dtype, device=x.device)
     return torch.where(inside, moved, value)
+
+
+def shift_left(x: torch.Tensor, shifts: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of :func:`shift_right`: columns ``shifts[b] .. shifts[b] + length`` of row b of ``x``
+    ``(B, width, ...)`` as ``(B, length, ...)`` (what a forward over the shifted rows computed for the original
+    columns); ``x`` itself when ``width == length`` (no row moved)."""
+    B, width = x.shape[:2]
+    if width == length:
+        return x
+    index = torch.arange(length, device=x.device)[None, :] + shifts[:, None]
+    if x.dim() > 2:
+        index = index.reshape(B, length, *([1] * (x.dim() - 2))).expand(B, length, *x.shape[2:])
+    return x.gather(1, index)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as V
-from ..block_partition import aligning_shifts, block_origin_of, origin_columns, shift_right
+from ..block_partition import aligning_shifts, block_origin_of, origin_columns, shift_left, shift_right
 from ..denoiser import DenoiserModule
 from ..rl.estimators import plan_trace
 from .masks import fill_steps, view_times
@@ -69,7 +69,6 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
             aligning_shifts(origin, K)
         width = L + int(shifts.max())  # one host read: the row behind (−o) mod K invisible pads
         x0_a, am_a = shift_right(x0, shifts, width, 0), shift_right(am, shifts, width, False)
-        index = torch.arange(L, device=device)[None, :] + shifts[:, None]
         pred = x0.clone()
         for k in range(plan.num_passes):
             noised = shift_right(plan.noised[k], shifts, width, False)
@@ -79,7 +78,7 @@ def replay(model: DenoiserModule, trajectories: Trajectories, *, batch_size: int
                 logits = model(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]), attention_mask=am_a)
             else:
                 logits = model(x_t, t, attention_mask=am_a, **model.block_conditioning(x0_a))
-            logits = logits.gather(1, index[..., None].expand(B, L, logits.shape[-1]))
+            logits = shift_left(logits, shifts, L)
             logits[..., mask_id] = -torch.inf
             pred = torch.where(plan.scored[k], logits.argmax(-1), pred)
         outputs.append(pred[:, P:].cpu())

@@ -39,7 +39,14 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-from ..block_partition import aligning_shifts, block_origin_of, generated_start, origin_columns, shift_right
+from ..block_partition import (
+    aligning_shifts,
+    block_origin_of,
+    generated_start,
+    origin_columns,
+    shift_left,
+    shift_right,
+)
 from ..denoiser import Denoiser, HiddenStateModel
 from .fused import fused_certainty_forcing_loss
 from .losses import certainty_forcing_loss
@@ -72,7 +79,7 @@ def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.
     so that its blocks are cut from its first real token as its decoder cut them (:mod:`unifusion.block_partition`)."""
     hidden_states: Callable[..., torch.Tensor] = cast(HiddenStateModel, model).hidden_states  # t may be None
     K = model.block_size
-    B, L = x0.shape
+    L = x0.shape[1]
     shifts = None
     if K is not None and attention_mask is not None and block_origin_of(model) == "sequence_start":
         valid = attention_mask.to(x0.device, torch.bool)
@@ -91,10 +98,7 @@ def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.
                           attention_mask=attention_mask)
     else:
         h = hidden_states(x_t, t, attention_mask=attention_mask, **model.block_conditioning(x0))
-    if shifts is None:
-        return h
-    index = (torch.arange(L, device=h.device)[None, :] + shifts[:, None])[..., None].expand(B, L, h.shape[-1])
-    return h.gather(1, index)
+    return h if shifts is None else shift_left(h, shifts, L)
 
 
 def _head_loss(model: Denoiser, h: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, mask_id: int,

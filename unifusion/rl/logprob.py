@@ -26,6 +26,7 @@ from ..block_partition import (
     generated_start,
     num_blocks,
     origin_columns,
+    shift_left,
     shift_right,
 )
 from ..denoiser import Denoiser, X0Model, denoiser_of, prompt_conditioning
@@ -401,15 +402,8 @@ def _score_plan(model: X0Model, inner: Denoiser, batch: _Batch, plan: MaskPlan, 
 
 def _aligned(x: torch.Tensor, shifts: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
     """``x`` ``(B, L)`` with row b behind ``shifts[b]`` columns (a block model's partition from each row's generated
-    start, :mod:`unifusion.block_partition`); ``x`` itself when nothing moves."""
+    start, :mod:`unifusion.block_partition`); ``x`` itself when nothing moves (:func:`shift_left` undoes it)."""
     return x if width == x.shape[1] else shift_right(x, shifts, width, fill)
-
-
-def _unaligned(x: torch.Tensor, shifts: torch.Tensor, length: int) -> torch.Tensor:
-    """The inverse of :func:`_aligned` for ``(B, width)`` → ``(B, L)``."""
-    if x.shape[1] == length:
-        return x
-    return x.gather(1, torch.arange(length, device=x.device)[None, :] + shifts[:, None])
 
 
 def _first_real(x0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -472,7 +466,7 @@ def _replay(model: X0Model, inner: Denoiser, batch: _Batch, trace: object, mask_
                 logits[..., mask_id] = -math.inf
                 lp = torch.log_softmax(logits, -1).gather(-1, x0[..., None])[..., 0]
         per_pass.append(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)))
-    per_token = _unaligned(torch.stack(per_pass).sum(0), shifts, L)
+    per_token = shift_left(torch.stack(per_pass).sum(0), shifts, L)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=plan.num_passes)
 
 
@@ -540,5 +534,5 @@ def _elbo(model: X0Model, inner: Denoiser, batch: _Batch, kernel: Kernel, K: int
         total = total - D
     with V.unchecked():
         c = prior_kl(kernel, x0)  # (B, L) float64, 0 for α_1 = 0
-    per_token = _unaligned(total, shifts, L) - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
+    per_token = shift_left(total, shifts, L) - torch.where(completion, c, torch.zeros_like(c)).to(total.dtype)
     return SequenceLogProb(sequence=per_token.sum(-1), per_token=per_token, num_forwards=K)
