@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -17,6 +17,7 @@ from .. import _validation as V
 from .._device import host_to_device
 from ..kernels import InterpolatingKernel, Kernel
 from ..schedules import LinearSchedule
+from .policies.protocol import RowRandomness
 
 TIME_EPS = 1e-3
 """The times passed to the model are clamped to [ε, 1 − ε] (the samplers' default ε: t_0 = 1 − ε)."""
@@ -116,6 +117,83 @@ def row_starts(generated: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
                                                                                     dtype=torch.long))
     starts = first.long()
     return starts, starts.tolist()
+
+
+def block_starts(block_start: object, block_size: int | None, starts_host: list[int], device: torch.device
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Every row's first block starting at ``block_start`` (``PolicySampler.sample``'s argument, checked against the
+    rows' generated starts ``starts_host`` and ``block_size``): ``(B,)`` on ``device`` and on the host."""
+    if block_size is None:
+        raise ValueError("block_start: places the first block of a block decoder; pass block_size too")
+    if isinstance(block_start, bool) or not isinstance(block_start, int):
+        raise TypeError(f"block_start: expected an int column or None, got {type(block_start).__name__}")
+    lead = [s - block_start for s in starts_host]
+    if min(lead) < 0 or max(lead) >= block_size:
+        raise ValueError(f"block_start: expected a column at most block_size - 1 = {block_size - 1} before "
+                         f"every row's generated start {sorted(set(starts_host))[:4]}, got {block_start}")
+    return torch.full((len(starts_host),), block_start, dtype=torch.long, device=device), [block_start] * len(lead)
+
+
+@dataclass
+class PolicyRun:
+    """The state of one :meth:`~unifusion.samplers.PolicySampler.sample` call; tensors over all B rows, tokens with
+    one scratch column (index L) where rows whose block ends early read and write."""
+
+    x: torch.Tensor  # (B, L + 1) int64
+    undecided: torch.Tensor  # (B, L + 1) bool: generated positions not final yet
+    generated: torch.Tensor  # (B, L) bool: positions the prompt does not keep
+    num_generated: torch.Tensor  # (B,) float
+    finished: torch.Tensor  # (B,) bool: stopped at EOS
+    eos_at: torch.Tensor  # (B,) int64: first EOS column of a finished row, else L
+    forwards: torch.Tensor  # (B,) int64
+    attention_mask: torch.Tensor | None
+    grid: BlockGrid
+    generator: Any  # None, one generator, or a tuple of B
+    block_state: Any = None  # the BlockDenoiser's state (None on the x0 path)
+    checked: bool = False  # the first model output has been checked
+    commit_step: torch.Tensor | None = None  # (B, L + 1) int64, -1 where nothing was committed (return_trace)
+    commit_logprob: torch.Tensor | None = None  # (B, L + 1) float32, 0 where nothing was committed (return_trace)
+    commit_logits: torch.Tensor | None = None  # (B, L + 1, S) float32, 0 where nothing was committed (return_logits)
+
+    def forget_commits(self, rows: torch.Tensor | None, after: torch.Tensor) -> None:
+        """Drop the trace at the positions ``after`` ``(B_a, L)`` of ``rows`` (all rows for ``None``): their tokens
+        became the fill."""
+        if self.commit_step is None or self.commit_logprob is None:
+            return
+        L = after.shape[1]
+        step = self.commit_step[:, :L] if rows is None else self.commit_step[rows, :L]
+        logp = self.commit_logprob[:, :L] if rows is None else self.commit_logprob[rows, :L]
+        step, logp = step.masked_fill(after, -1), logp.masked_fill(after, 0.0)
+        if rows is None:
+            self.commit_step[:, :L], self.commit_logprob[:, :L] = step, logp
+        else:
+            self.commit_step[rows, :L], self.commit_logprob[rows, :L] = step, logp
+        if self.commit_logits is not None:
+            full = torch.zeros_like(self.commit_step, dtype=torch.bool)
+            if rows is None:
+                full[:, :L] = after
+            else:
+                full[rows, :L] = after
+            self.commit_logits.masked_fill_(full.unsqueeze(-1), 0.0)
+
+    def randomness(self, rows: torch.Tensor, rows_host: list[int]) -> RowRandomness:
+        g = self.generator
+        if g is None or isinstance(g, torch.Generator):
+            return RowRandomness(g, rows, self.x.shape[0])
+        return RowRandomness(tuple(g[r] for r in rows_host), rows, self.x.shape[0])
+
+    def running(self, active: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The running rows (``active`` ``(B,)`` bool), on the device and the host (the step's one host sync)."""
+        rows, rows_host, _ = self.running_counts(active.long())
+        return rows, rows_host
+
+    def running_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+        """The rows with ``counts`` ``(B,)`` above 0, on the device and the host, and the largest count (the step's
+        one host sync)."""
+        host = counts.tolist()
+        rows_host = [i for i, c in enumerate(host) if c > 0]
+        most = max(host, default=0)
+        return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host, int(most)
 
 
 def noise_time(kernel: Kernel, fraction: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -53,73 +52,11 @@ from ._setup import (
     resolve_prompt,
 )
 from .policies.mask import mask_step_with_probs
-from .policies.protocol import BlockStep, DecodingPolicy, MaskPolicy, RowRandomness
+from .policies.protocol import BlockStep, DecodingPolicy, MaskPolicy
 from .policies.uniform import EntropyBound, entropy_bound_step
 from .policy_output import PolicyOutput
 
 __all__ = ["BlockDenoiser", "PolicyOutput", "PolicySampler"]
-
-
-@dataclass
-class _Run:
-    """The state of one :meth:`PolicySampler.sample` call; tensors over all B rows, tokens with one scratch column
-    (index L) where rows whose block ends early read and write."""
-
-    x: torch.Tensor  # (B, L + 1) int64
-    undecided: torch.Tensor  # (B, L + 1) bool: generated positions not final yet
-    generated: torch.Tensor  # (B, L) bool: positions the prompt does not keep
-    num_generated: torch.Tensor  # (B,) float
-    finished: torch.Tensor  # (B,) bool: stopped at EOS
-    eos_at: torch.Tensor  # (B,) int64: first EOS column of a finished row, else L
-    forwards: torch.Tensor  # (B,) int64
-    attention_mask: torch.Tensor | None
-    grid: R.BlockGrid
-    generator: Any  # None, one generator, or a tuple of B
-    block_state: Any = None  # the BlockDenoiser's state (None on the x0 path)
-    checked: bool = False  # the first model output has been checked
-    commit_step: torch.Tensor | None = None  # (B, L + 1) int64, -1 where nothing was committed (return_trace)
-    commit_logprob: torch.Tensor | None = None  # (B, L + 1) float32, 0 where nothing was committed (return_trace)
-    commit_logits: torch.Tensor | None = None  # (B, L + 1, S) float32, 0 where nothing was committed (return_logits)
-
-    def forget_commits(self, rows: torch.Tensor | None, after: torch.Tensor) -> None:
-        """Drop the trace at the positions ``after`` ``(B_a, L)`` of ``rows`` (all rows for ``None``): their tokens
-        became the fill."""
-        if self.commit_step is None or self.commit_logprob is None:
-            return
-        L = after.shape[1]
-        step = self.commit_step[:, :L] if rows is None else self.commit_step[rows, :L]
-        logp = self.commit_logprob[:, :L] if rows is None else self.commit_logprob[rows, :L]
-        step, logp = step.masked_fill(after, -1), logp.masked_fill(after, 0.0)
-        if rows is None:
-            self.commit_step[:, :L], self.commit_logprob[:, :L] = step, logp
-        else:
-            self.commit_step[rows, :L], self.commit_logprob[rows, :L] = step, logp
-        if self.commit_logits is not None:
-            full = torch.zeros_like(self.commit_step, dtype=torch.bool)
-            if rows is None:
-                full[:, :L] = after
-            else:
-                full[rows, :L] = after
-            self.commit_logits.masked_fill_(full.unsqueeze(-1), 0.0)
-
-    def randomness(self, rows: torch.Tensor, rows_host: list[int]) -> RowRandomness:
-        g = self.generator
-        if g is None or isinstance(g, torch.Generator):
-            return RowRandomness(g, rows, self.x.shape[0])
-        return RowRandomness(tuple(g[r] for r in rows_host), rows, self.x.shape[0])
-
-    def running(self, active: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The running rows (``active`` ``(B,)`` bool), on the device and the host (the step's one host sync)."""
-        rows, rows_host, _ = self.running_counts(active.long())
-        return rows, rows_host
-
-    def running_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
-        """The rows with ``counts`` ``(B,)`` above 0, on the device and the host, and the largest count (the step's
-        one host sync)."""
-        host = counts.tolist()
-        rows_host = [i for i, c in enumerate(host) if c > 0]
-        most = max(host, default=0)
-        return host_to_device(torch.tensor(rows_host, dtype=torch.long), self.x.device), rows_host, int(most)
 
 
 class PolicySampler:
@@ -312,7 +249,7 @@ class PolicySampler:
     # -- setup
 
     def _start(self, B: int, L: int, prompt: object, attention_mask: object, generators: Any,
-               dev: torch.device, block_start: int | None = None) -> _Run:
+               dev: torch.device, block_start: int | None = None) -> R.PolicyRun:
         kernel = self.kernel
         with V.batched_checks():  # the run's value checks, read back once
             kept = resolve_prompt(prompt, B, L, kernel, dev)
@@ -325,7 +262,7 @@ class PolicySampler:
         generated = ~keep
         starts, starts_host = R.row_starts(generated)  # the run's setup sync
         if block_start is not None:
-            starts, starts_host = self._block_starts(block_start, starts_host, dev)
+            starts, starts_host = R.block_starts(block_start, self.block_size, starts_host, dev)
         region = L - min(starts_host)
         width = self.block_size if self.block_size is not None else max(region, 1)
         bound = self.policy.max_steps(region) if self.block_size is None and region > 0 else None
@@ -338,7 +275,7 @@ class PolicySampler:
         noise = kernel.mask_id if kernel.mask_id is not None else 0
         x = torch.cat([torch.where(generated, noise, ids), ids.new_zeros((B, 1))], dim=1)
         undecided = torch.cat([generated, generated.new_zeros((B, 1))], dim=1)
-        run = _Run(x=x, undecided=undecided, generated=generated, num_generated=generated.sum(-1).float(),
+        run = R.PolicyRun(x=x, undecided=undecided, generated=generated, num_generated=generated.sum(-1).float(),
                    finished=torch.zeros(B, dtype=torch.bool, device=dev),
                    eos_at=torch.full((B,), L, dtype=torch.long, device=dev),
                    forwards=torch.zeros(B, dtype=torch.long, device=dev), attention_mask=mask, grid=grid,
@@ -356,20 +293,7 @@ class PolicySampler:
             self._fill_later_blocks(run)
         return run
 
-    def _block_starts(self, block_start: object, starts_host: list[int], dev: torch.device
-                      ) -> tuple[torch.Tensor, list[int]]:
-        """Every row's first block starting at ``block_start`` (checked against the rows' generated starts)."""
-        if self.block_size is None:
-            raise ValueError("block_start: places the first block of a block decoder; pass block_size too")
-        if isinstance(block_start, bool) or not isinstance(block_start, int):
-            raise TypeError(f"block_start: expected an int column or None, got {type(block_start).__name__}")
-        lead = [s - block_start for s in starts_host]
-        if min(lead) < 0 or max(lead) >= self.block_size:
-            raise ValueError(f"block_start: expected a column at most block_size - 1 = {self.block_size - 1} before "
-                             f"every row's generated start {sorted(set(starts_host))[:4]}, got {block_start}")
-        return torch.full((len(starts_host),), block_start, dtype=torch.long, device=dev), [block_start] * len(lead)
-
-    def _fill_later_blocks(self, run: _Run) -> None:
+    def _fill_later_blocks(self, run: R.PolicyRun) -> None:
         """Uniform noise at the generated positions after each row's first block, on the x0 path (the model sees the
         whole sequence; each block's own canvas is drawn when the block starts). The filler comes from a generator
         seeded by a hash of the run's generator state (per row with per-row generators), so it consumes none of the
@@ -392,7 +316,7 @@ class PolicySampler:
 
     # -- model calls
 
-    def _logits(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
+    def _logits(self, run: R.PolicyRun, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
                 self_condition: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x0 logits ``(B_a, K, S)`` at the block columns ``cols`` of ``rows`` (with ``positions``, a
         :class:`BlockDenoiser` may leave the others at any finite value)."""
@@ -417,7 +341,7 @@ class PolicySampler:
             head = head.gather(1, cols.clamp_max(L - 1).unsqueeze(-1).expand(-1, -1, S))
         return head
 
-    def _logits_and_hidden(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
+    def _logits_and_hidden(self, run: R.PolicyRun, rows: torch.Tensor, cols: torch.Tensor, t: torch.Tensor,
                            self_condition: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x0 logits ``(B_a, K, S)`` and the final hidden states ``(B_a, K, d)`` they come from, at the block columns
         ``cols`` of ``rows``, for a policy that reads hidden states (checked in ``__init__``: the model offers
@@ -441,7 +365,7 @@ class PolicySampler:
             run.checked = True
         return head, h
 
-    def _commit(self, run: _Run, b: int) -> None:
+    def _commit(self, run: R.PolicyRun, b: int) -> None:
         cols, _ = run.grid.columns(b)
         rows, rows_host = run.running(~run.finished)
         if rows_host and self.block_model is not None:
@@ -449,13 +373,13 @@ class PolicySampler:
                 run.block_state = self.block_model.commit_block(run.block_state, run.x[rows].gather(1, cols[rows]),
                                                                 rows)
 
-    def _times(self, run: _Run, rows: torch.Tensor, clean_in_block: torch.Tensor | None = None) -> torch.Tensor:
+    def _times(self, run: R.PolicyRun, rows: torch.Tensor, clean_in_block: torch.Tensor | None = None) -> torch.Tensor:
         noised = run.undecided[rows].sum(-1).float()
         if clean_in_block is not None:
             noised = noised - clean_in_block.sum(-1).float()
         return R.noise_time(self.kernel, noised / run.num_generated[rows].clamp_min(1.0))
 
-    def _stop_at(self, run: _Run, stop: torch.Tensor | None, fill: int) -> None:
+    def _stop_at(self, run: R.PolicyRun, stop: torch.Tensor | None, fill: int) -> None:
         """Rows with ``stop[b] ≥ 0`` end at that column: later generated positions become ``fill`` and are decided."""
         if stop is None:
             return
@@ -472,7 +396,8 @@ class PolicySampler:
         run.finished |= done
         run.eos_at = torch.where(done, stop, run.eos_at)
 
-    def _finish_eos(self, run: _Run, rows: torch.Tensor, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
+    def _finish_eos(self, run: R.PolicyRun, rows: torch.Tensor, eos: int | tuple[int, ...] | None,
+                    pad: int | None) -> None:
         if eos is None:
             return
         L = run.grid.seq_len
@@ -488,7 +413,7 @@ class PolicySampler:
 
     # -- the two families
 
-    def _mask_block(self, run: _Run, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
+    def _mask_block(self, run: R.PolicyRun, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         policy = cast(MaskPolicy, self.policy)
         cols, K_b = run.grid.columns(b)
         fixed = policy.fixed_count or self.num_steps is not None
@@ -531,7 +456,7 @@ class PolicySampler:
             if run.block_state is not None:
                 previous = (logits.float() / self.temperature, rows_host)
 
-    def _record(self, run: _Run, rows: torch.Tensor, cols: torch.Tensor, commit: torch.Tensor, p: torch.Tensor,
+    def _record(self, run: R.PolicyRun, rows: torch.Tensor, cols: torch.Tensor, commit: torch.Tensor, p: torch.Tensor,
                 logits: torch.Tensor) -> None:
         """The trace of one step: the committed positions ``commit`` ``(B_a, K)`` at ``cols`` of ``rows`` get the
         index of the model call just made (the row's calls so far, the denoiser's own ones included, minus one) and
@@ -552,7 +477,7 @@ class PolicySampler:
         logp_r.scatter_(1, cols, torch.where(commit, p.log(), logp_r.gather(1, cols)))
         run.commit_step[rows], run.commit_logprob[rows] = step_r, logp_r
 
-    def _uniform_block(self, run: _Run, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
+    def _uniform_block(self, run: R.PolicyRun, b: int, eos: int | tuple[int, ...] | None, pad: int | None) -> None:
         policy = cast(EntropyBound, self.policy)
         B = run.x.shape[0]
         cols, K_b = run.grid.columns(b)
