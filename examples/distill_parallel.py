@@ -44,9 +44,9 @@ CPU smoke run (tiny random model)::
 
 SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.md: the defaults (3 seeds, 5
 one-digit numbers, 60 SFT updates of 8 rows, 96 recorded problems, 80 distillation updates of 4 trajectories at
-lr 5·10⁻⁵, 64 held-out problems; ~25 minutes a seed on one core of the project's CPU)::
+lr 2·10⁻⁵, 64 held-out problems; ~12 minutes a seed on both cores of the project's CPU)::
 
-    OMP_NUM_THREADS=1 python examples/distill_parallel.py --report --out runs/distill-report
+    OMP_NUM_THREADS=2 python examples/distill_parallel.py --report --out runs/distill-report
 
 Steps, not seconds, bound the stages by default (``--sft-seconds`` / ``--train-seconds`` cap them by wall time), so
 the numbers do not depend on the machine's load. The two-digit task and longer budgets: docs/gpu.md.
@@ -464,11 +464,13 @@ def table(summary: dict[str, Any], args: argparse.Namespace, seeds: list[int]) -
 
 
 # ------------------------------------------------------------------------------------------------ arguments, main
-def _floats(text: str) -> list[float]:
+def comma_floats(text: str) -> list[float]:
+    """An argparse type: ``"0.9,0.7"`` → ``[0.9, 0.7]``."""
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _ints(text: str) -> list[int]:
+def comma_ints(text: str) -> list[int]:
+    """An argparse type: ``"0,1,2"`` → ``[0, 1, 2]``."""
     return [int(x) for x in text.split(",") if x.strip()]
 
 
@@ -490,13 +492,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-steps", type=int, default=80, help="distillation updates (at most; --train-seconds)")
     p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
     p.add_argument("--distill-batch", type=int, default=4, help="trajectories per update (each gives 2 views)")
-    p.add_argument("--distill-lr", type=float, default=5e-5)
+    p.add_argument("--distill-lr", type=float, default=2e-5,
+                   help="distillation learning rate (AdamW; why 2e-5: docs/guides/parallel-decoding.md)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
     p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
     p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
-    p.add_argument("--thresholds", type=_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
-    p.add_argument("--forced", type=_ints, default=[], help="tokens forced per forward (K/k steps per block)")
-    p.add_argument("--commit-rule", type=_floats, default=[0.9, 0.7],
+    p.add_argument("--thresholds", type=comma_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
+    p.add_argument("--forced", type=comma_ints, default=[], help="tokens forced per forward (K/k steps per block)")
+    p.add_argument("--commit-rule", type=comma_floats, default=[0.9, 0.7],
                    help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
                         "(empty: none)")
     p.add_argument("--commit-rule-problems", type=int, default=32,
@@ -512,7 +515,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unifusion's loss/sampler backend (uf.backend.set_backend)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="--report: the seeds")
+    p.add_argument("--seeds", type=comma_ints, default=[0, 1, 2], help="--report: the seeds")
     p.add_argument("--report", action="store_true", help="run every seed of --seeds")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="unifusion-distill", help="output folder (report.json, report.md, frontier.png)")

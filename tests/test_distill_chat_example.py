@@ -1,0 +1,89 @@
+"""``examples/distill_chat.py`` in-process on a tiny random model: chat SFT → record → distillation → GenPPL, entropy
+and tokens per forward on held-out chat prompts; the report's numbers checked against what they come from."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from _examples import load_example
+
+from unifusion.chat import load_python_docs_chats
+
+TINY = ["--model", "tiny", "--sft-steps", "1", "--sft-batch", "2", "--record-prompts", "3", "--distill-steps", "2",
+        "--distill-batch", "2", "--lora", "2", "--thresholds", "0.6", "--forced", "4", "--eval-prompts", "3",
+        "--eval-batch", "2", "--commit-rule", "0.5", "--commit-rule-prompts", "2", "--commit-rule-steps", "3",
+        "--max-new-tokens", "16", "--log-every", "1"]
+
+
+def _example():
+    return load_example("distill_chat")
+
+
+def test_chat_prompts_cut_before_the_last_answer_and_leave_out_long_ones() -> None:
+    example = _example()
+    from unifusion.hf import load_smollm2_tokenizer
+    tokenizer = load_smollm2_tokenizer()
+    width = 24
+    rows = example.chat_prompts(tokenizer, "test", width)
+    conversations = load_python_docs_chats("test")
+    fits = [c for c in conversations
+            if len(tokenizer(c[-1]["content"], add_special_tokens=False)["input_ids"]) + 1 <= width]
+    assert 0 < len(rows) == len(fits) < len(conversations)
+    for row, conversation in zip(rows, fits):
+        assert row.completion == conversation[-1]["content"]
+        assert row.prompt.endswith("<|im_start|>assistant\n")  # the generation prompt
+        assert conversation[-2]["content"] in row.prompt and row.completion not in row.prompt
+
+
+def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = _example()
+    report = example.main([*TINY, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["table"] == report["table"]
+    assert report["table"] in printed
+
+    (run,) = report["runs"]
+    n, width = 3, 16
+    assert run["eval_prompts"] == n
+    assert run["record"]["kept"] == run["record"]["problems"] == 3 and run["record"]["keep"] == "all"  # no verifier
+    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
+    names = ["1 token/forward", "threshold 0.6", "4 tokens/forward (forced)", "learned commit 0.5"]
+    reference = run["before"][0]
+    for phase in ("before", "after"):
+        assert [r["setting"] for r in run[phase]] == names
+        for r in run[phase]:
+            assert len(r["answers"]) == n
+            assert r["tokens_per_forward"] == pytest.approx(r["tokens"] / r["forwards"])
+            assert n <= r["tokens"] <= n * width
+            # ratios to the undistilled one-token-per-forward decode (NaN where that reference has no text)
+            for key, base in (("x_genppl", "genppl"), ("x_entropy", "entropy")):
+                if reference[base] > 0:
+                    assert r[key] == pytest.approx(r[base] / reference[base])
+                else:
+                    assert math.isnan(r[key])
+            assert r["goal_met"] == example.goal_met(r, example.parse_args(TINY))
+    assert reference["x_entropy"] == 1.0 or math.isnan(reference["x_entropy"])
+    assert len(run["ar"]["answers"]) == n and run["ar"]["tokens_per_forward"] == 1.0
+    for phase in ("before", "after"):
+        assert f"| {phase} | 1 token/forward | " in printed
+
+
+def test_goal_is_all_three_conditions() -> None:
+    example = _example()
+    args = example.parse_args(["--model", "tiny"])
+    good = {"tokens_per_forward": 2.5, "x_genppl": 1.2, "x_entropy": 0.96}
+    assert example.goal_met(good, args)
+    for key, value in (("tokens_per_forward", 2.4), ("x_genppl", 1.21), ("x_entropy", 0.94), ("x_entropy", 1.06),
+                       ("x_genppl", math.nan)):
+        assert not example.goal_met(dict(good, **{key: value}), args), key
+
+
+def test_bad_options_are_refused() -> None:
+    example = _example()
+    for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--commit-rule", "0"], ["--max-new-tokens", "0"],
+                 ["--entropy-temperature", "0"], ["--eval-prompts", "0"], ["--distill-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(["--model", "tiny", *argv])
