@@ -45,9 +45,7 @@ SmolLM2-135M-Instruct (K = 8), the measurement of docs/guides/parallel-decoding.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -61,8 +59,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_parallel import (  # noqa: E402
     Setting,
+    add_distillation_options,
     build,
-    comma_floats,
+    check_distillation_options,
     comma_ints,
     commit_rule_settings,
     decode,
@@ -73,6 +72,7 @@ from distill_parallel import (  # noqa: E402
     settings,
     sft,
     texts_and_lengths,
+    write_report,
 )
 
 import unifusion as uf  # noqa: E402
@@ -254,20 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-batch", type=int, default=4)
     p.add_argument("--sft-lr", type=float, default=1e-4)
     p.add_argument("--record-prompts", type=int, default=96, help="train prompts the teacher decodes")
-    p.add_argument("--distill-steps", type=int, default=60, help="distillation updates (at most; --train-seconds)")
-    p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
-    p.add_argument("--distill-batch", type=int, default=4, help="trajectories per update (each gives 2 views)")
-    p.add_argument("--distill-lr", type=float, default=2e-5, help="distillation learning rate (AdamW)")
-    p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
-    p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
-    p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
-    p.add_argument("--thresholds", type=comma_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
-    p.add_argument("--forced", type=comma_ints, default=[], help="tokens forced per forward (K/k steps per block)")
-    p.add_argument("--commit-rule", type=comma_floats, default=[0.9, 0.7],
-                   help="τ's of Learn2PD's learned commit rule, fitted on each phase's model (empty: none)")
+    add_distillation_options(p, distill_steps=60)
     p.add_argument("--commit-rule-prompts", type=int, default=32,
                    help="train prompts whose decodes fit the commit rule's head")
-    p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
     p.add_argument("--eval-prompts", type=int, default=17, help="held-out prompts (at most the 17 of the set)")
     p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call")
     p.add_argument("--goal-tokens-per-forward", type=float, default=2.5)
@@ -280,21 +269,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="unifusion-distill-chat", help="output folder (report.json, report.md)")
     args = p.parse_args(argv)
-    for name in ("block_size", "max_new_tokens", "sft_batch", "record_prompts", "distill_batch", "eval_prompts",
-                 "eval_batch", "log_every", "commit_rule_prompts", "commit_rule_steps"):
+    for name in ("block_size", "max_new_tokens", "sft_batch", "record_prompts", "eval_prompts", "eval_batch",
+                 "log_every", "commit_rule_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "distill_steps", "train_seconds", "lora", "entropy_weight"):
+    for name in ("sft_steps", "sft_seconds"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
-    if not args.entropy_temperature > 0:
-        p.error(f"--entropy-temperature: expected a positive float, got {args.entropy_temperature}")
-    for name in ("thresholds", "commit_rule"):
-        if any(not 0 < t < 1 for t in getattr(args, name)):
-            p.error(f"--{name.replace('_', '-')}: expected values in (0, 1), got {getattr(args, name)}")
-    bad = [k for k in args.forced if k < 2 or args.block_size % k]
-    if bad:
-        p.error(f"--forced: expected divisors of --block-size {args.block_size} above 1, got {bad}")
+    check_distillation_options(p, args)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.keep = "all"  # distill_parallel.record: text has no verifier, every decode is kept
     return args
@@ -317,11 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"args": vars(args), "seeds": seeds, "runs": runs, "table": text, "seconds": time.perf_counter() - t0,
-              "machine": {"device": str(args.device), "cpu": platform.processor() or platform.machine(),
-                          "threads": torch.get_num_threads(), "dtype": "float32", "torch": torch.__version__}}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(text + "\n")
+    report = {"args": vars(args), "seeds": seeds, "runs": runs, "table": text, "seconds": time.perf_counter() - t0}
+    write_report(out, report, text, args)
     log(f"wrote {out / 'report.json'}, {out / 'report.md'}")
     return report
 

@@ -474,6 +474,53 @@ def comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def add_distillation_options(p: argparse.ArgumentParser, *, distill_steps: int) -> None:
+    """The options of the stages ``examples/distill_chat.py`` shares with this example: :func:`distil`, the decoding
+    grid of :func:`settings` and the learned commit rule of :func:`commit_rule_settings`."""
+    p.add_argument("--distill-steps", type=int, default=distill_steps,
+                   help="distillation updates (at most; --train-seconds)")
+    p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
+    p.add_argument("--distill-batch", type=int, default=4, help="trajectories per update (each gives 2 views)")
+    p.add_argument("--distill-lr", type=float, default=2e-5,
+                   help="distillation learning rate (AdamW; why 2e-5: docs/guides/parallel-decoding.md)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
+    p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
+    p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
+    p.add_argument("--thresholds", type=comma_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
+    p.add_argument("--forced", type=comma_ints, default=[], help="tokens forced per forward (K/k steps per block)")
+    p.add_argument("--commit-rule", type=comma_floats, default=[0.9, 0.7],
+                   help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
+                        "(empty: none)")
+    p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
+
+
+def check_distillation_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of :func:`add_distillation_options`' values (``p.error`` on a bad one); ``--forced`` against
+    ``args.block_size``."""
+    for name in ("distill_batch", "commit_rule_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
+    for name in ("distill_steps", "train_seconds", "lora", "entropy_weight"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
+    if not args.entropy_temperature > 0:
+        p.error(f"--entropy-temperature: expected a positive float, got {args.entropy_temperature}")
+    bad = [k for k in args.forced if k < 2 or args.block_size % k]
+    if bad:
+        p.error(f"--forced: expected divisors of --block-size {args.block_size} above 1, got {bad}")
+    for name in ("thresholds", "commit_rule"):
+        if any(not 0 < t < 1 for t in getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')}: expected values in (0, 1), got {getattr(args, name)}")
+
+
+def write_report(out: Path, report: dict[str, Any], text: str, args: argparse.Namespace) -> None:
+    """``report`` (with the machine it ran on) as ``out/report.json`` and ``text`` as ``out/report.md``."""
+    report["machine"] = {"device": str(args.device), "cpu": platform.processor() or platform.machine(),
+                         "threads": torch.get_num_threads(), "dtype": "float32", "torch": torch.__version__}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(text + "\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' (random 2-layer Llama) or a HF folder")
@@ -489,22 +536,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--record-problems", type=int, default=96, help="train problems the teacher decodes")
     p.add_argument("--keep", choices=("correct", "all"), default="correct",
                    help="recorded answers kept: the verified-correct ones (d3LLM) or all")
-    p.add_argument("--distill-steps", type=int, default=80, help="distillation updates (at most; --train-seconds)")
-    p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
-    p.add_argument("--distill-batch", type=int, default=4, help="trajectories per update (each gives 2 views)")
-    p.add_argument("--distill-lr", type=float, default=2e-5,
-                   help="distillation learning rate (AdamW; why 2e-5: docs/guides/parallel-decoding.md)")
-    p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
-    p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
-    p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
-    p.add_argument("--thresholds", type=comma_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")
-    p.add_argument("--forced", type=comma_ints, default=[], help="tokens forced per forward (K/k steps per block)")
-    p.add_argument("--commit-rule", type=comma_floats, default=[0.9, 0.7],
-                   help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
-                        "(empty: none)")
+    add_distillation_options(p, distill_steps=80)
     p.add_argument("--commit-rule-problems", type=int, default=32,
                    help="train problems whose decodes fit the commit rule's head")
-    p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
     p.add_argument("--eval-problems", type=int, default=64, help="held-out problems (the same for every seed)")
     p.add_argument("--eval-batch", type=int, default=32, help="rows per decoding call (accuracy, tokens per forward "
                    "and the first wall-time column)")
@@ -520,26 +554,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="unifusion-distill", help="output folder (report.json, report.md, frontier.png)")
     args = p.parse_args(argv)
-    for name in ("block_size", "sft_batch", "record_problems", "distill_batch", "eval_problems", "eval_batch",
-                 "log_every"):
+    for name in ("block_size", "sft_batch", "record_problems", "eval_problems", "eval_batch", "log_every",
+                 "commit_rule_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "distill_steps", "train_seconds", "lora", "entropy_weight",
-                 "wall_problems"):
+    for name in ("sft_steps", "sft_seconds", "wall_problems"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
-    if not args.entropy_temperature > 0:
-        p.error(f"--entropy-temperature: expected a positive float, got {args.entropy_temperature}")
-    bad = [k for k in args.forced if k < 2 or args.block_size % k]
-    if bad:
-        p.error(f"--forced: expected divisors of --block-size {args.block_size} above 1, got {bad}")
-    if any(not 0 < t < 1 for t in args.commit_rule):
-        p.error(f"--commit-rule: expected values in (0, 1), got {args.commit_rule}")
-    for name in ("commit_rule_problems", "commit_rule_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    if any(not 0 < t < 1 for t in args.thresholds):
-        p.error(f"--thresholds: expected values in (0, 1), got {args.thresholds}")
+    check_distillation_options(p, args)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     answer = sorting.answer_length(args.count, args.digits) + 1  # characters = tokens (one per digit and comma)
     if args.max_new_tokens is None:
@@ -617,12 +639,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    out / "frontier.png", max_accuracy=max(summary["aup_max_accuracy"], 1e-9),
                                    title=f"sort, {args.model}, K = {args.block_size}")
     report = {"args": vars(args), "seeds": seeds, "runs": runs, "summary": summary, "table": text,
-              "frontier_png": str(png), "seconds": time.perf_counter() - t0,
-              "machine": {"device": str(args.device), "cpu": platform.processor() or platform.machine(),
-                          "threads": torch.get_num_threads(),
-                          "dtype": "float32", "torch": torch.__version__}}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(text + "\n")
+              "frontier_png": str(png), "seconds": time.perf_counter() - t0}
+    write_report(out, report, text, args)
     log(f"wrote {out / 'report.json'}, {out / 'report.md'}, {png}")
     return report
 
