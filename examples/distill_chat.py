@@ -12,7 +12,10 @@ Per seed:
    train split (``unifusion.chat.load_python_docs_chats("train")``: each conversation's last assistant answer + EOS,
    ``<|im_end|>``, is the completion; everything before it, rendered with the chat template and its generation
    prompt, is the prompt, left-padded to a multiple of K so that the completion starts a block exactly where the
-   decoder starts it). Conversations whose answer and EOS do not fit ``--max-new-tokens`` are left out.
+   decoder starts it). Conversations whose answer and EOS do not fit ``--max-new-tokens`` are left out. The EOS
+   fill after each answer's first EOS counts ``--sft-fill-weight`` times (0.1: the answers are short — about 22
+   tokens of 40 — and a fully scored fill teaches the model that EOS is likely everywhere, so the one-token
+   decode answers a word and stops).
 2. **record** (``--record-prompts`` train prompts): the SFT model's own greedy decodes, one token per forward
    (``LowConfidence``, K steps per block), with their commit steps (:func:`unifusion.distill.record_trajectories`);
    all are kept (text has no verifier).
@@ -253,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
     p.add_argument("--sft-batch", type=int, default=4)
     p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--sft-fill-weight", type=float, default=0.1,
+                   help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored; "
+                        "why 0.1: docs/guides/parallel-decoding.md)")
     p.add_argument("--record-prompts", type=int, default=96, help="train prompts the teacher decodes")
     add_distillation_options(p, distill_steps=60)
     p.add_argument("--commit-rule-prompts", type=int, default=32,
@@ -273,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "log_every", "commit_rule_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds"):
+    for name in ("sft_steps", "sft_seconds", "sft_fill_weight"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
     check_distillation_options(p, args)

@@ -131,6 +131,12 @@ def answer_ids(tokenizer: Any, problems: list[sorting.SortProblem], width: int) 
     return torch.tensor([r + [eos] * (width - len(r)) for r in rows])
 
 
+def eos_fill(completion: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """``(n, width)`` bool: True after each row's first EOS (the fill), False up to and including it."""
+    is_eos = (completion == eos_token_id).long()
+    return (is_eos.cumsum(1) - is_eos) > 0
+
+
 def texts_and_lengths(tokenizer: Any, completion: torch.Tensor) -> tuple[list[str], list[int]]:
     """Each row's text up to its first EOS and its generated length (tokens up to and including that EOS)."""
     eos = tokenizer.eos_token_id
@@ -146,7 +152,12 @@ def texts_and_lengths(tokenizer: Any, completion: torch.Tensor) -> tuple[list[st
 def sft(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.Namespace,
         seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     """``--sft-steps`` updates (at most ``--sft-seconds``) of the prompt-masked diffusion loss, ``--sft-batch`` rows
-    each, left-padded prompts (the block layout cuts at column multiples of K)."""
+    each, left-padded prompts (the block layout cuts at column multiples of K).
+
+    Each completion is its answer, one EOS and EOS fill up to ``--max-new-tokens``; the fill's per-position losses
+    count ``args.sft_fill_weight`` times (1: LLaDA's SFT, every EOS scored; 0: only the answer and its first EOS —
+    the fill stays in ``x_t``, masked like the rest, but teaches nothing). A heavily scored fill teaches a model with
+    short answers that EOS is likely anywhere, which confidence-ordered decoding then commits first (the EOS trap)."""
     kernel = uf.MaskKernel(model.num_states, model.mask_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     order = torch.randperm(len(problems), generator=stream_generator(seed, 0, 0)).tolist()
@@ -157,7 +168,10 @@ def sft(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProble
             break
         batch = [problems[order[(step * args.sft_batch + i) % len(problems)]] for i in range(args.sft_batch)]
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [p.prompt for p in batch], args.block_size)
-        ids = torch.cat([prompt_ids, answer_ids(tokenizer, batch, args.max_new_tokens)], 1)
+        answers = answer_ids(tokenizer, batch, args.max_new_tokens)
+        ids = torch.cat([prompt_ids, answers], 1)
+        weight = torch.ones(ids.shape, dtype=torch.float32)
+        weight[:, prompt_ids.shape[1]:][eos_fill(answers, tokenizer.eos_token_id)] = args.sft_fill_weight
         attention = torch.cat([prompt_mask, torch.ones(len(batch), args.max_new_tokens, dtype=torch.long)], 1)
         is_prompt = torch.zeros_like(ids, dtype=torch.bool)
         is_prompt[:, :prompt_ids.shape[1]] = True
@@ -165,7 +179,7 @@ def sft(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProble
             out = uf.diffusion_loss(model, ids.to(args.device), kernel, attention_mask=attention.to(args.device),
                                     prompt_mask=is_prompt.to(args.device), bidirectional_prob=1.0,
                                     generator=stream_generator(seed, step, 2, args.device))
-        scaled = out.loss.sum() / (len(batch) * args.max_new_tokens)
+        scaled = (out.loss * weight.to(out.loss.device)).sum() / (len(batch) * args.max_new_tokens)
         scaled.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -533,6 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--sft-fill-weight", type=float, default=1.0,
+                   help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored)")
     p.add_argument("--record-problems", type=int, default=96, help="train problems the teacher decodes")
     p.add_argument("--keep", choices=("correct", "all"), default="correct",
                    help="recorded answers kept: the verified-correct ones (d3LLM) or all")
@@ -558,7 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "commit_rule_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "wall_problems"):
+    for name in ("sft_steps", "sft_seconds", "wall_problems", "sft_fill_weight"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
     check_distillation_options(p, args)

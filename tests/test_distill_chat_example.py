@@ -84,6 +84,7 @@ def test_goal_is_all_three_conditions() -> None:
 def test_bad_options_are_refused() -> None:
     example = _example()
     for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--commit-rule", "0"], ["--max-new-tokens", "0"],
-                 ["--entropy-temperature", "0"], ["--eval-prompts", "0"], ["--distill-steps", "-1"]):
+                 ["--entropy-temperature", "0"], ["--eval-prompts", "0"], ["--distill-steps", "-1"],
+                 ["--sft-fill-weight", "-1"]):
         with pytest.raises(SystemExit):
             example.parse_args(["--model", "tiny", *argv])

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from _examples import load_example
 
 import unifusion as uf
@@ -101,6 +102,29 @@ def test_without_batch1_timings_the_report_has_no_batch1_columns() -> None:
 def test_bad_options_are_refused() -> None:
     example = _example()
     for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--max-new-tokens", "4"], ["--entropy-temperature", "0"],
-                 ["--wall-problems", "-1"]):
+                 ["--wall-problems", "-1"], ["--sft-fill-weight", "-0.5"]):
         with pytest.raises(SystemExit):
             example.parse_args(["--model", "tiny", *argv])
+
+
+def test_eos_fill_is_what_follows_each_rows_first_eos() -> None:
+    example = _example()
+    eos = 2
+    completion = torch.tensor([[5, 6, eos, eos, eos], [5, eos, 7, eos, eos], [5, 6, 7, 8, 9]])
+    assert example.eos_fill(completion, eos).tolist() == [[False, False, False, True, True],
+                                                         [False, False, True, True, True],
+                                                         [False] * 5]
+
+
+def test_sft_fill_weight_scales_only_the_fill() -> None:
+    """One SFT update from the same weights and draws at fill weights 0, 1/2 and 1: the first update's loss is affine
+    in the weight (same x_t, only the fill's terms scaled) and the fill, masked at some positions, adds to it."""
+    example = _example()
+    losses = []
+    for weight in ("0", "0.5", "1"):
+        args = example.parse_args([*TINY, "--sft-fill-weight", weight, "--max-new-tokens", "24"])
+        model, tokenizer = example.build(args, 0)
+        problems = sorting.make_problems(4, seed=0, count=3, digits=2)
+        losses.append(example.sft(model, tokenizer, problems, args, 0, lambda line: None)["final_loss"])
+    assert losses[0] < losses[2]
+    assert losses[1] == pytest.approx((losses[0] + losses[2]) / 2, rel=1e-5)
