@@ -18,7 +18,8 @@ Per seed:
    decode answers a word and stops).
 2. **record** (``--record-prompts`` train prompts): the SFT model's own greedy decodes, one token per forward
    (``LowConfidence``, K steps per block), with their commit steps (:func:`unifusion.distill.record_trajectories`);
-   all are kept (text has no verifier).
+   all are kept (text has no verifier), or with ``--keep-ppl X`` those whose answer has perplexity ≤ X under the
+   original AR model (the judge standing in for d3LLM's verifier).
 3. **distil** (``--distill-steps`` updates of ``--distill-batch`` trajectories): ``distil`` of
    ``examples/distill_parallel.py`` — :func:`unifusion.distill.distillation_loss`, d3LLM's pseudo-trajectory mask and
    its complement, dParallel's certainty forcing (``--entropy-weight``, ``--entropy-temperature``), the whole model
@@ -81,6 +82,7 @@ from distill_parallel import (  # noqa: E402
 import unifusion as uf  # noqa: E402
 from unifusion.chat import load_python_docs_chats  # noqa: E402
 from unifusion.cpu_linears import packed_linears  # noqa: E402
+from unifusion.distill import RewardFn  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,26 @@ class Judge:
                   if scored else math.nan)
         entropy = float(uf.eval.unigram_entropy(uf.eval.retokenize(texts, self.entropy_tokenizer)).mean())
         return {"genppl": genppl, "entropy": entropy, "empty_answers": len(texts) - len(scored)}
+
+    def perplexities(self, texts: list[str]) -> list[float]:
+        """Each text's own perplexity under the AR model (``inf`` for an empty text)."""
+        scored = [i for i, t in enumerate(texts) if t.strip()]
+        out = [math.inf] * len(texts)
+        if scored:
+            result = uf.eval.generative_perplexity([texts[i] for i in scored], self.model, self.tokenizer,
+                                                   progress=False)
+            for i, nll, n in zip(scored, result.per_sample_nll, result.per_sample_tokens):
+                out[i] = math.exp(nll / n) if n else math.inf
+        return out
+
+    def keeps_likely(self, limit: float) -> RewardFn:
+        """A recording filter (``record_trajectories``' ``reward_fn``): keep a decode whose answer has perplexity at
+        most ``limit`` under the AR model — the judge standing in for the verifier text does not have; an empty
+        answer is never kept."""
+        def keep(prompts: list[list[int]], completions: list[list[int]]) -> list[bool]:
+            texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+            return [math.isfinite(ppl) and ppl <= limit for ppl in self.perplexities(texts)]
+        return keep
 
 
 @torch.no_grad()
@@ -197,8 +219,10 @@ def run_seed(args: argparse.Namespace, seed: int, log: Callable[[str], None]) ->
     learned, rule_before = commit_rule_settings(model, tokenizer, rule_rows, args, seed)
     grid = settings(args)
     before = evaluate_phase(model, tokenizer, batches, grid + learned, judge, args)
-    traj, record_info = record(model, tokenizer, recorded_rows, args)
-    log(f"recorded {record_info['kept']} decodes ({record_info['seconds']:.0f} s)")
+    traj, record_info = record(model, tokenizer, recorded_rows, args,
+                               reward_fn=judge.keeps_likely(args.keep_ppl) if args.keep_ppl else None)
+    record_info["keep_ppl"] = args.keep_ppl or None
+    log(f"recorded {record_info['problems']} decodes, kept {record_info['kept']} ({record_info['seconds']:.0f} s)")
     distill_info = distil(model, traj, args, seed, log)
     learned, rule_after = commit_rule_settings(model, tokenizer, rule_rows, args, seed)
     after = evaluate_phase(model, tokenizer, batches, grid + learned, judge, args)
@@ -260,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored; "
                         "why 0.1: docs/guides/parallel-decoding.md)")
     p.add_argument("--record-prompts", type=int, default=96, help="train prompts the teacher decodes")
+    p.add_argument("--keep-ppl", type=float, default=0.0,
+                   help="keep a recorded decode only if its answer's perplexity under the original AR model is at "
+                        "most this (0: keep every decode)")
     add_distillation_options(p, distill_steps=60)
     p.add_argument("--commit-rule-prompts", type=int, default=32,
                    help="train prompts whose decodes fit the commit rule's head")
@@ -279,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "log_every", "commit_rule_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "sft_fill_weight"):
+    for name in ("sft_steps", "sft_seconds", "sft_fill_weight", "keep_ppl"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
     check_distillation_options(p, args)

@@ -77,6 +77,7 @@ from unifusion.data import sorting  # noqa: E402
 from unifusion.distill import (  # noqa: E402
     CommitHead,
     LearnedCommit,
+    RewardFn,
     Trajectories,
     add_lora,
     collect_commit_data,
@@ -198,9 +199,10 @@ def prompt_problem(prompt: list[int], tokenizer: Any) -> sorting.SortProblem:
     return sorting.SortProblem(tuple(int(x) for x in match.group(1).split(",")))
 
 
-def record(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProblem],
-           args: argparse.Namespace) -> tuple[Trajectories | None, dict[str, Any]]:
-    """The teacher's greedy one-token-per-forward decodes of ``problems``, filtered by ``--keep``."""
+def record(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.Namespace,
+           reward_fn: RewardFn | None = None) -> tuple[Trajectories | None, dict[str, Any]]:
+    """The teacher's greedy one-token-per-forward decodes of ``problems``, filtered by ``reward_fn`` if given, else
+    by ``--keep`` (``"correct"``: the sort verifier)."""
     def correct(prompts: list[list[int]], completions: list[list[int]]) -> list[bool]:
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         return [sorting.reward(t, prompt_problem(p, tokenizer)) == 1.0 for t, p in zip(texts, prompts)]
@@ -210,7 +212,7 @@ def record(model: uf.DiffusionLM, tokenizer: Any, problems: list[sorting.SortPro
     t0 = time.perf_counter()
     traj = record_trajectories(model, ids, prompt_mask=mask.bool(), max_new_tokens=args.max_new_tokens,
                                policy=LowConfidence(), num_steps=args.block_size, batch_size=args.eval_batch,
-                               reward_fn=correct if args.keep == "correct" else None, progress=False,
+                               reward_fn=reward_fn or (correct if args.keep == "correct" else None), progress=False,
                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                                use_cache=True, merge_commits=True)
     info = {"problems": len(problems), "kept": len(traj), "seconds": time.perf_counter() - t0, "keep": args.keep}

@@ -71,6 +71,25 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         assert f"| {phase} | 1 token/forward | " in printed
 
 
+def test_judge_keeps_the_answers_the_ar_model_finds_likely() -> None:
+    """--keep-ppl's filter: each answer's perplexity is GenPPL of that answer alone; a limit between two answers'
+    keeps the likelier one; an empty answer is never kept."""
+    example = _example()
+    import unifusion as uf
+    model, tokenizer = example.load(example.parse_args(["--model", "tiny"]), 0)
+    judge = example.Judge(model.eval(), tokenizer, uf.eval.gpt2_tokenizer())
+    texts = ["The method is called when the object is created.", "width width the the the", ""]
+    ppl = judge.perplexities(texts)
+    for text, value in zip(texts[:2], ppl):
+        assert value == pytest.approx(float(uf.eval.generative_perplexity([text], model, tokenizer, progress=False)),
+                                      rel=1e-5)  # batched with other texts: float32 sums in another order
+    assert ppl[2] == math.inf and ppl[0] != ppl[1]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    limit = (ppl[0] + ppl[1]) / 2
+    assert judge.keeps_likely(limit)([[1]] * 3, ids) == [ppl[0] <= limit, ppl[1] <= limit, False]
+    assert judge.keeps_likely(math.inf)([[1]] * 3, ids) == [True, True, False]
+
+
 def test_goal_is_all_three_conditions() -> None:
     example = _example()
     args = example.parse_args(["--model", "tiny"])
@@ -85,6 +104,6 @@ def test_bad_options_are_refused() -> None:
     example = _example()
     for argv in (["--forced", "3"], ["--thresholds", "1.5"], ["--commit-rule", "0"], ["--max-new-tokens", "0"],
                  ["--entropy-temperature", "0"], ["--eval-prompts", "0"], ["--distill-steps", "-1"],
-                 ["--sft-fill-weight", "-1"]):
+                 ["--sft-fill-weight", "-1"], ["--keep-ppl", "-1"]):
         with pytest.raises(SystemExit):
             example.parse_args(["--model", "tiny", *argv])
