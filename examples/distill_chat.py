@@ -63,9 +63,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_parallel import (  # noqa: E402
     Setting,
-    add_distillation_options,
+    add_stage_options,
     build,
-    check_distillation_options,
+    check_stage_options,
     comma_ints,
     commit_rule_settings,
     decode,
@@ -276,18 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=8, help="K, the block model's block size")
     p.add_argument("--max-new-tokens", type=int, default=40,
                    help="completion length: answers with their EOS longer than this are left out of training")
-    p.add_argument("--sft-steps", type=int, default=50, help="SFT updates")
-    p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
-    p.add_argument("--sft-batch", type=int, default=4)
-    p.add_argument("--sft-lr", type=float, default=1e-4)
-    p.add_argument("--sft-fill-weight", type=float, default=0.1,
-                   help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored; "
-                        "why 0.1: docs/guides/parallel-decoding.md)")
+    add_stage_options(p, sft_steps=50, sft_batch=4, sft_fill_weight=0.1, distill_steps=60)
     p.add_argument("--record-prompts", type=int, default=96, help="train prompts the teacher decodes")
     p.add_argument("--keep-ppl", type=float, default=0.0,
                    help="keep a recorded decode only if its answer's perplexity under the original AR model is at "
                         "most this (0: keep every decode)")
-    add_distillation_options(p, distill_steps=60)
     p.add_argument("--commit-rule-prompts", type=int, default=32,
                    help="train prompts whose decodes fit the commit rule's head")
     p.add_argument("--eval-prompts", type=int, default=17, help="held-out prompts (at most the 17 of the set)")
@@ -302,14 +295,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="unifusion-distill-chat", help="output folder (report.json, report.md)")
     args = p.parse_args(argv)
-    for name in ("block_size", "max_new_tokens", "sft_batch", "record_prompts", "eval_prompts", "eval_batch",
+    for name in ("block_size", "max_new_tokens", "record_prompts", "eval_prompts", "eval_batch",
                  "log_every", "commit_rule_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "sft_fill_weight", "keep_ppl"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
-    check_distillation_options(p, args)
+    if args.keep_ppl < 0:
+        p.error(f"--keep-ppl: expected a non-negative number, got {args.keep_ppl}")
+    check_stage_options(p, args)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.keep = "all"  # distill_parallel.record: text has no verifier, every decode is kept
     return args

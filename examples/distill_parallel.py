@@ -490,9 +490,18 @@ def comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def add_distillation_options(p: argparse.ArgumentParser, *, distill_steps: int) -> None:
-    """The options of the stages ``examples/distill_chat.py`` shares with this example: :func:`distil`, the decoding
-    grid of :func:`settings` and the learned commit rule of :func:`commit_rule_settings`."""
+def add_stage_options(p: argparse.ArgumentParser, *, sft_steps: int, sft_batch: int, sft_fill_weight: float,
+                      distill_steps: int) -> None:
+    """The options of the stages ``examples/distill_chat.py`` shares with this example (each script its defaults):
+    :func:`sft`, :func:`distil`, the decoding grid of :func:`settings` and the learned commit rule of
+    :func:`commit_rule_settings`."""
+    p.add_argument("--sft-steps", type=int, default=sft_steps, help="SFT updates (at most; see --sft-seconds)")
+    p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
+    p.add_argument("--sft-batch", type=int, default=sft_batch)
+    p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--sft-fill-weight", type=float, default=sft_fill_weight,
+                   help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored, "
+                        "LLaDA's SFT; docs/guides/parallel-decoding.md)")
     p.add_argument("--distill-steps", type=int, default=distill_steps,
                    help="distillation updates (at most; --train-seconds)")
     p.add_argument("--train-seconds", type=float, default=0.0, help="stop distillation after this wall time")
@@ -510,13 +519,14 @@ def add_distillation_options(p: argparse.ArgumentParser, *, distill_steps: int) 
     p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
 
 
-def check_distillation_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The checks of :func:`add_distillation_options`' values (``p.error`` on a bad one); ``--forced`` against
+def check_stage_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of :func:`add_stage_options`' values (``p.error`` on a bad one); ``--forced`` against
     ``args.block_size``."""
-    for name in ("distill_batch", "commit_rule_steps"):
+    for name in ("sft_batch", "distill_batch", "commit_rule_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("distill_steps", "train_seconds", "lora", "entropy_weight"):
+    for name in ("sft_steps", "sft_seconds", "sft_fill_weight", "distill_steps", "train_seconds", "lora",
+                 "entropy_weight"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
     if not args.entropy_temperature > 0:
@@ -545,16 +555,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--digits", type=int, default=1, help="digits per number")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion length (default: the answer and EOS rounded up to whole blocks)")
-    p.add_argument("--sft-steps", type=int, default=60, help="SFT updates (at most; see --sft-seconds)")
-    p.add_argument("--sft-seconds", type=float, default=0.0, help="stop SFT after this wall time (0: no limit)")
-    p.add_argument("--sft-batch", type=int, default=8)
-    p.add_argument("--sft-lr", type=float, default=1e-4)
-    p.add_argument("--sft-fill-weight", type=float, default=1.0,
-                   help="weight of the EOS fill after each answer's first EOS in the SFT loss (1: all scored)")
+    add_stage_options(p, sft_steps=60, sft_batch=8, sft_fill_weight=1.0, distill_steps=80)
     p.add_argument("--record-problems", type=int, default=96, help="train problems the teacher decodes")
     p.add_argument("--keep", choices=("correct", "all"), default="correct",
                    help="recorded answers kept: the verified-correct ones (d3LLM) or all")
-    add_distillation_options(p, distill_steps=80)
     p.add_argument("--commit-rule-problems", type=int, default=32,
                    help="train problems whose decodes fit the commit rule's head")
     p.add_argument("--eval-problems", type=int, default=64, help="held-out problems (the same for every seed)")
@@ -572,14 +576,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="unifusion-distill", help="output folder (report.json, report.md, frontier.png)")
     args = p.parse_args(argv)
-    for name in ("block_size", "sft_batch", "record_problems", "eval_problems", "eval_batch", "log_every",
+    for name in ("block_size", "record_problems", "eval_problems", "eval_batch", "log_every",
                  "commit_rule_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    for name in ("sft_steps", "sft_seconds", "wall_problems", "sft_fill_weight"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')}: expected a non-negative number, got {getattr(args, name)}")
-    check_distillation_options(p, args)
+    if args.wall_problems < 0:
+        p.error(f"--wall-problems: expected a non-negative number, got {args.wall_problems}")
+    check_stage_options(p, args)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     answer = sorting.answer_length(args.count, args.digits) + 1  # characters = tokens (one per digit and comma)
     if args.max_new_tokens is None:
