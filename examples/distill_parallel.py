@@ -19,16 +19,17 @@ The pipeline (per seed):
    ``--eval-batch``, the exact KV cache with merged commits) at each decoding setting: one token per forward
    (``LowConfidence``, K steps per block), ``ConfidenceThreshold(τ)`` for each ``--thresholds`` τ (Fast-dLLM) and k
    tokens forced per forward for each ``--forced`` k (``LowConfidence``, K/k steps per block), and Learn2PD's learned
-   commit rule (``LearnedCommit(head, τ)`` for each ``--commit-rule`` τ, its head fitted on the phase's frozen
-   model): accuracy (exact reward), tokens per forward (generated tokens up to and including EOS / model calls; the
-   prefill rides with the first step), wall time; and the original AR model's own ``generate`` with its KV cache
-   (greedy) on the same prompts, made to emit as many tokens as the answers have (answer + EOS), in the same batches
-   and dtype: the wall-time reference. Wall time is measured at two batch sizes: ``--eval-batch`` (all problems: a
-   throughput figure, where a CPU is compute-bound and a block step of 9–17 positions a row costs several AR steps)
-   and **batch 1** on the first ``--wall-problems`` problems, one call each (the latency setting dParallel and
-   d3LLM report speed at), block and AR models alike. The block model's CPU linears are packed once per phase
-   (:func:`unifusion.cpu_linears.packed_linears` around the phase's decodes; the reorder is reported, not timed);
-   the AR reference runs as transformers ships it (its batch-1 time with packed linears is reported beside it).
+   commit rule (``LearnedCommit(head, τ)`` for each ``--commit-rule`` τ, its head fitted on the phase's frozen model;
+   with ``--oracle``, :class:`~unifusion.distill.OracleCommit` on each batch's own one-token-per-forward decode: the
+   ceiling of a perfect learned rule, left out of AUP): accuracy (exact reward), tokens per forward (generated tokens up
+   to and including EOS / model calls; the prefill rides with the first step), wall time; and the original AR model's
+   own ``generate`` with its KV cache (greedy) on the same prompts, made to emit as many tokens as the answers have
+   (answer + EOS), in the same batches and dtype: the wall-time reference. Wall time is measured at two batch sizes:
+   ``--eval-batch`` (all problems: a throughput figure, where a CPU is compute-bound and a block step of 9–17 positions
+   a row costs several AR steps) and **batch 1** on the first ``--wall-problems`` problems, one call each (the latency
+   setting dParallel and d3LLM report speed at), block and AR models alike. The block model's CPU linears are packed
+   once per phase (:func:`unifusion.cpu_linears.packed_linears` around the phase's decodes; the reorder is reported, not
+   timed); the AR reference runs as transformers ships it (its batch-1 time with packed linears is reported beside it).
 
 AUP (:func:`unifusion.eval.accuracy_under_parallelism`, d3LLM's definition, y_max the best accuracy of both curves)
 of the before and after curves (their points are the seeds' means), and the frontier plot
@@ -77,6 +78,7 @@ from unifusion.data import sorting  # noqa: E402
 from unifusion.distill import (  # noqa: E402
     CommitHead,
     LearnedCommit,
+    OracleCommit,
     RewardFn,
     Trajectories,
     add_lora,
@@ -253,11 +255,13 @@ def distil(model: uf.DiffusionLM, traj: Trajectories | None, args: argparse.Name
 # ------------------------------------------------------------------------------------------------ evaluation
 @dataclass(frozen=True)
 class Setting:
-    """One decoding setting: a policy and its steps per block."""
+    """One decoding setting: a policy and its steps per block; ``oracle``: the policy is
+    :class:`~unifusion.distill.OracleCommit` on each batch's one-token-per-forward decode (``policy`` unused)."""
 
     name: str
     policy: Any
     num_steps: int
+    oracle: bool = False
 
 
 def settings(args: argparse.Namespace) -> list[Setting]:
@@ -265,6 +269,8 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     out = [Setting("1 token/forward", LowConfidence(), K)]
     out += [Setting(f"threshold {tau:g}", ConfidenceThreshold(tau), K) for tau in args.thresholds]
     out += [Setting(f"{k} tokens/forward (forced)", LowConfidence(), K // k) for k in args.forced]
+    if args.oracle:
+        out.append(Setting("oracle commit (ceiling)", None, K, oracle=True))
     return out
 
 
@@ -300,11 +306,16 @@ def batches(tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.
 def decode(model: uf.DiffusionLM, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, setting: Setting,
            args: argparse.Namespace) -> tuple[Any, float]:
     """One timed ``generate`` call of the block model (greedy, exact KV cache with merged commits): ``(output,
-    seconds)``."""
+    seconds)``. An oracle setting first decodes one token per forward (untimed) for its reference."""
     ids, mask = ids.to(args.device), mask.to(args.device)
+    policy = setting.policy
+    if setting.oracle:
+        reference, _ = decode(model, tokenizer, ids, mask, Setting("reference", LowConfidence(), args.block_size),
+                              args)
+        policy = OracleCommit(reference.sequences)
     synchronize(args.device)
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=setting.policy,
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=policy,
                          num_steps=setting.num_steps, use_cache=True, merge_commits=True, do_sample=False,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                          return_dict=True)
@@ -330,7 +341,8 @@ def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
         tokens += sum(lengths)
         forwards += int(out.num_forwards.sum())
     n = sum(len(c) for c, _, _ in rows)
-    result = {"setting": setting.name, "steps_per_block": setting.num_steps, "accuracy": 100.0 * correct / n,
+    result = {"setting": setting.name, "oracle": setting.oracle, "steps_per_block": setting.num_steps,
+              "accuracy": 100.0 * correct / n,
               "tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards, "seconds": seconds,
               "batch": args.eval_batch}
     if single:
@@ -431,7 +443,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for i, name in enumerate(names):
             results = [r[phase][i] for r in runs]
             acc = [x["accuracy"] for x in results]
-            row = {"phase": phase, "setting": name, "accuracy": statistics.mean(acc),
+            row = {"phase": phase, "setting": name, "oracle": results[0].get("oracle", False),
+                   "accuracy": statistics.mean(acc),
                    "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
                    "tokens_per_forward": statistics.mean(x["tokens_per_forward"] for x in results),
                    "seconds": statistics.mean(x["seconds"] for x in results),
@@ -443,7 +456,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            x_ar_wall_time_batch1=seconds1 / ar["seconds_batch1"],
                            x_ar_packed_batch1=seconds1 / ar["seconds_batch1_packed"])
             rows.append(row)
-    curves = {phase: [(r["tokens_per_forward"], r["accuracy"]) for r in rows if r["phase"] == phase]
+    curves = {phase: [(r["tokens_per_forward"], r["accuracy"]) for r in rows if r["phase"] == phase and not r["oracle"]]
               for phase in ("before", "after")}
     y_max = max(y for curve in curves.values() for _, y in curve)
     aup = {phase: aup_or_none(curve, y_max) for phase, curve in curves.items()}
@@ -517,6 +530,9 @@ def add_stage_options(p: argparse.ArgumentParser, *, sft_steps: int, sft_batch: 
                    help="τ's of Learn2PD's learned commit rule (LearnedCommit), fitted on the model of each phase "
                         "(empty: none)")
     p.add_argument("--commit-rule-steps", type=int, default=300, help="training steps of the commit rule's head")
+    p.add_argument("--oracle", action="store_true",
+                   help="also decode with OracleCommit on each phase's own one-token-per-forward decode: the tokens "
+                        "per forward of a perfect learned commit rule (a ceiling, not a decoder; left out of AUP)")
 
 
 def check_stage_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

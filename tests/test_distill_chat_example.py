@@ -15,7 +15,7 @@ from unifusion.chat import load_python_docs_chats
 TINY = ["--model", "tiny", "--sft-steps", "1", "--sft-batch", "2", "--record-prompts", "3", "--distill-steps", "2",
         "--distill-batch", "2", "--lora", "2", "--thresholds", "0.6", "--forced", "4", "--eval-prompts", "3",
         "--eval-batch", "2", "--commit-rule", "0.5", "--commit-rule-prompts", "2", "--commit-rule-steps", "3",
-        "--max-new-tokens", "16", "--log-every", "1"]
+        "--max-new-tokens", "16", "--oracle", "--log-every", "1"]
 
 
 def _example():
@@ -50,7 +50,8 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
     assert run["eval_prompts"] == n
     assert run["record"]["kept"] == run["record"]["problems"] == 3 and run["record"]["keep"] == "all"  # no verifier
     assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
-    names = ["1 token/forward", "threshold 0.6", "4 tokens/forward (forced)", "learned commit 0.5"]
+    names = ["1 token/forward", "threshold 0.6", "4 tokens/forward (forced)", "oracle commit (ceiling)",
+             "learned commit 0.5"]
     reference = run["before"][0]
     for phase in ("before", "after"):
         assert [r["setting"] for r in run[phase]] == names
@@ -65,6 +66,10 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
                 else:
                     assert math.isnan(r[key])
             assert r["goal_met"] == example.goal_met(r, example.parse_args(TINY))
+        # the oracle ceiling: never more forwards than one token per forward, never "the goal" (it reads the answer)
+        oracle = run[phase][names.index("oracle commit (ceiling)")]
+        assert oracle["oracle"] and not oracle["goal_met"]
+        assert oracle["forwards"] <= run[phase][0]["forwards"]
     assert reference["x_entropy"] == 1.0 or math.isnan(reference["x_entropy"])
     assert len(run["ar"]["answers"]) == n and run["ar"]["tokens_per_forward"] == 1.0
     for phase in ("before", "after"):
@@ -98,6 +103,7 @@ def test_goal_is_all_three_conditions() -> None:
     for key, value in (("tokens_per_forward", 2.4), ("x_genppl", 1.21), ("x_entropy", 0.94), ("x_entropy", 1.06),
                        ("x_genppl", math.nan)):
         assert not example.goal_met(dict(good, **{key: value}), args), key
+    assert not example.goal_met(dict(good, oracle=True), args)
 
 
 def test_bad_options_are_refused() -> None:

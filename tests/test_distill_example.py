@@ -16,7 +16,8 @@ from unifusion.data import sorting
 TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2", "--sft-steps", "1",
         "--sft-batch", "2", "--record-problems", "3", "--keep", "all", "--distill-steps", "2", "--distill-batch",
         "2", "--lora", "2", "--thresholds", "0.6", "--forced", "2,4", "--eval-problems", "3", "--eval-batch", "2",
-        "--commit-rule", "0.5", "--commit-rule-problems", "2", "--commit-rule-steps", "3", "--log-every", "1"]
+        "--commit-rule", "0.5", "--commit-rule-problems", "2", "--commit-rule-steps", "3", "--oracle",
+        "--log-every", "1"]
 
 
 def _example():
@@ -38,7 +39,7 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
     assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
     assert 0 < run["distill"]["trainable_parameters"] < 1_000_000  # the adapters only, not the 3M-parameter model
     names = ["1 token/forward", "threshold 0.6", "2 tokens/forward (forced)", "4 tokens/forward (forced)",
-             "learned commit 0.5"]
+             "oracle commit (ceiling)", "learned commit 0.5"]
     for phase in ("before", "after"):
         results = {r["setting"]: r for r in run[phase]}
         assert list(results) == names
@@ -54,7 +55,7 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
             forced = results[f"{k} tokens/forward (forced)"]
             assert forced["tokens"] <= k * forced["forwards"]
         # a threshold and the learned rule commit at least one token per step: no more calls than one per forward
-        for name in ("threshold 0.6", "learned commit 0.5"):
+        for name in ("threshold 0.6", "learned commit 0.5", "oracle commit (ceiling)"):
             assert results[name]["forwards"] <= results["1 token/forward"]["forwards"]
         # the rule's head was fitted on that phase's model: examples from every step of 2 problems' decodes
         rule = run["commit_rule"][phase]
@@ -75,10 +76,12 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         assert r["x_ar_packed_batch1"] == pytest.approx(
             measured["seconds_batch1"] / run["ar"]["seconds_batch1_packed"])
         assert f"| {phase} | {name} | {measured['accuracy']:.1f} | {measured['tokens_per_forward']:.2f} |" in printed
-    y_max = max(x["accuracy"] for phase in ("before", "after") for x in run[phase])
+    # the oracle reads the answer: it is a ceiling in the table, not a point of the frontier or of AUP
+    assert [x["oracle"] for x in run["before"]] == [name == "oracle commit (ceiling)" for name in names]
+    y_max = max(x["accuracy"] for phase in ("before", "after") for x in run[phase] if not x["oracle"])
     assert summary["aup_max_accuracy"] == y_max
     for phase in ("before", "after"):
-        points = [(x["tokens_per_forward"], x["accuracy"]) for x in run[phase]]
+        points = [(x["tokens_per_forward"], x["accuracy"]) for x in run[phase] if not x["oracle"]]
         expected = uf.eval.accuracy_under_parallelism([p[0] for p in points], [p[1] for p in points],
                                                       max_accuracy=max(y_max, 1e-9))
         assert summary["aup"][phase] == pytest.approx(expected)

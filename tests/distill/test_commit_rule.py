@@ -15,11 +15,19 @@ from unifusion.distill import (
     CommitHead,
     CommitRuleData,
     LearnedCommit,
+    OracleCommit,
     collect_commit_data,
     train_commit_head,
 )
 from unifusion.samplers import PolicySampler
-from unifusion.samplers.policies import ConfidenceThreshold, EntropyBound, LowConfidence, PolicyStep, RowRandomness
+from unifusion.samplers.policies import (
+    BlockStep,
+    ConfidenceThreshold,
+    EntropyBound,
+    LowConfidence,
+    PolicyStep,
+    RowRandomness,
+)
 
 MASK_ID, K = 3, 4
 
@@ -229,3 +237,58 @@ def test_bad_input_names_the_argument(model):
     with pytest.raises(ValueError, match="policy.*hidden_states"):
         PolicySampler(x0, kernel, LearnedCommit(head), block_size=K)
     PolicySampler(x0, kernel, ConfidenceThreshold(0.9), block_size=K)  # the others need none
+
+
+def test_oracle_commit_is_low_confidence_plus_every_candidate_equal_to_the_reference():
+    """One step on rows 2 and 0 of a batch of 3: the most confident undecided position, and every undecided one
+    whose argmax equals the reference at its column; a column past the sequence (a finished row's block) never."""
+    g = torch.Generator().manual_seed(0)
+    B, L, V = 3, 12, 7
+    logits = torch.randn(2, K, V, generator=g)
+    undecided = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    columns = torch.tensor([[4, 5, 6, 7], [8, 9, 10, L]])
+    reference = torch.randint(0, V, (B, L), generator=g)
+    argmax = logits.softmax(-1).argmax(-1)
+    reference[2, 4], reference[2, 7] = argmax[0, 0], argmax[0, 3]  # rows[0] = 2: columns 4 and 7 match
+    reference[0, 9] = argmax[1, 1]  # rows[1] = 0: column 9 matches
+    randomness = RowRandomness(torch.Generator().manual_seed(0), torch.tensor([2, 0]), B)
+    where = BlockStep(0, K, columns, L)
+    tokens, commit, _ = OracleCommit(reference).decide(logits, undecided, torch.ones(2, dtype=torch.long),
+                                                      randomness, where, mask_id=None, do_sample=False)
+    assert torch.equal(tokens, argmax)
+    top = torch.zeros_like(undecided)
+    for r in range(2):
+        top[r, logits[r].softmax(-1).max(-1).values.masked_fill(~undecided[r], -1).argmax()] = True
+    match = torch.zeros_like(undecided)
+    match[0, 0] = match[0, 3] = match[1, 1] = True
+    assert torch.equal(commit, top | match)
+    with pytest.raises(ValueError, match="reference"):
+        OracleCommit(reference[:, :-1]).decide(logits, undecided, torch.ones(2, dtype=torch.long), randomness,
+                                               where, mask_id=None, do_sample=False)
+    with pytest.raises(ValueError, match="where"):
+        OracleCommit(reference).decide(logits, undecided, torch.ones(2, dtype=torch.long), randomness, BlockStep(),
+                                       mask_id=None, do_sample=False)
+
+
+def test_oracle_commit_decodes(model):
+    """A reference the model never predicts (the mask id) leaves LowConfidence's decode exactly; the model's own
+    one-token-per-forward decode as the reference takes at most its forwards, cached as uncached; bad references
+    are refused."""
+    B, P, new = 3, 4, 12
+    prompt = _prompts(B, P, seed=3)
+    kw = dict(max_new_tokens=new, num_steps=K, do_sample=False, eos_token_id=None, return_dict=True)
+    plain = model.generate(prompt, policy=LowConfidence(), **kw)
+    never = model.generate(prompt, policy=OracleCommit(torch.full_like(plain.sequences, MASK_ID)), **kw)
+    assert torch.equal(never.sequences, plain.sequences) and torch.equal(never.num_forwards, plain.num_forwards)
+    oracle = model.generate(prompt, policy=OracleCommit(plain.sequences), **kw)
+    uncached = model.generate(prompt, policy=OracleCommit(plain.sequences), use_cache=False, **kw)
+    assert torch.equal(oracle.sequences, uncached.sequences)
+    assert bool((oracle.num_forwards <= plain.num_forwards).all())
+    assert int(oracle.num_forwards.sum()) < int(plain.num_forwards.sum())  # this model has tokens decoded early
+    assert torch.equal(oracle.sequences[:, :P], prompt)
+    with pytest.raises(TypeError, match="reference"):
+        OracleCommit(plain.sequences.tolist())
+    with pytest.raises(ValueError, match="reference"):
+        OracleCommit(plain.sequences.float())
+    with pytest.raises(ValueError, match="reference"):
+        model.generate(prompt[:2], policy=OracleCommit(plain.sequences), **kw)

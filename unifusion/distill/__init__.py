@@ -9,10 +9,18 @@
 * :mod:`unifusion.distill.fused` — certainty forcing through the output head without ``(N, V)`` logits.
 * :mod:`unifusion.distill.step` — the loss of a view and of a complementary pair on a model, and LoRA students.
 * :mod:`unifusion.distill.commit_rule` — a learned commit rule (Learn2PD): a small head on the frozen model's hidden
-  states and the decoding policy that commits what it accepts.
+  states and the decoding policy that commits what it accepts; :class:`OracleCommit`, the rule it learns, read
+  from a reference decode (the ceiling of any such rule).
 """
 
-from .commit_rule import CommitHead, CommitRuleData, LearnedCommit, collect_commit_data, train_commit_head
+from .commit_rule import (
+    CommitHead,
+    CommitRuleData,
+    LearnedCommit,
+    OracleCommit,
+    collect_commit_data,
+    train_commit_head,
+)
 from .fused import default_rows_per_block, fused_certainty_forcing_loss
 from .losses import (
     CertaintyForcingTerms,
@@ -39,6 +47,7 @@ __all__ = [
     "CommitHead",
     "CommitRuleData",
     "LearnedCommit",
+    "OracleCommit",
     "collect_commit_data",
     "train_commit_head",
     "CertaintyForcingTerms",

@@ -52,9 +52,18 @@ from torch import nn
 
 from ..denoiser import DecodableModel
 from ..samplers import generate
-from ..samplers.policies import DecodingPolicy, LowConfidence, MaskPolicy, PolicyStep, select_top
+from ..samplers.policies import (
+    BlockStep,
+    DecodingPolicy,
+    LowConfidence,
+    MaskPolicy,
+    PolicyStep,
+    RowRandomness,
+    select_top,
+)
 
-__all__ = ["CommitHead", "CommitRuleData", "LearnedCommit", "collect_commit_data", "train_commit_head"]
+__all__ = ["CommitHead", "CommitRuleData", "LearnedCommit", "OracleCommit", "collect_commit_data",
+           "train_commit_head"]
 
 _FORMAT = "unifusion.distill.CommitHead"
 
@@ -169,6 +178,61 @@ class LearnedCommit(MaskPolicy):
     def select(self, step: PolicyStep) -> torch.Tensor:
         score = self.confidence(step)
         return select_top(score, step.undecided, step.num_commit) | (step.undecided & (score >= self.threshold))
+
+
+class OracleCommit(LowConfidence):
+    """The commit rule a learned one is trained to be: commit every masked position whose candidate already equals
+    the token a reference decode put there — the labels of :func:`collect_commit_data` read as a policy — and always
+    the ``num_commit`` most confident (:class:`~unifusion.samplers.policies.LowConfidence`).
+
+    With ``reference`` the model's own one-token-per-forward greedy decode of the same prompts (the teacher
+    :class:`CommitHead` learns from), its tokens per forward are what a perfect Learn2PD filter reaches on that
+    model: the parallelism already in the frozen model, before any distillation (Learn2PD's motivating count of
+    tokens "decoded early"). It is a diagnostic, not a decoder: it reads the answer. The text it gives need not
+    equal the reference (committing early changes the context of later positions).
+
+    Args:
+        reference: ``(B, L)`` int64 full sequences of the reference decode (prompt and generation, ``generate``'s
+            ``sequences`` for the same prompts, ``max_new_tokens`` and layout), indexed by the sampler's columns.
+    """
+
+    fixed_count = False
+
+    def __init__(self, reference: torch.Tensor) -> None:
+        super().__init__()
+        if not isinstance(reference, torch.Tensor):
+            raise TypeError(f"reference: expected a (B, L) tensor of token ids, got {type(reference).__name__}")
+        if reference.dim() != 2 or reference.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"reference: expected a (B, L) integer tensor of token ids (generate's sequences), got "
+                             f"shape {tuple(reference.shape)} and dtype {reference.dtype}")
+        self.reference = reference
+
+    def __repr__(self) -> str:
+        return f"OracleCommit(reference of shape {tuple(self.reference.shape)})"
+
+    def decide(self, logits: torch.Tensor, undecided: torch.Tensor, num_commit: torch.Tensor,
+               randomness: RowRandomness, where: BlockStep, *, mask_id: int | None, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, do_sample: bool = True,
+               hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:class:`~unifusion.samplers.policies.LowConfidence`'s step, then also every undecided position whose
+        candidate equals ``reference`` at its column (``where.columns``, ``randomness.rows``)."""
+        columns, seq_len = where.columns, where.seq_len
+        if columns is None or seq_len is None:
+            raise ValueError("where: OracleCommit reads each position's column and the sequence length "
+                             "(BlockStep(columns=..., seq_len=...)), as generate passes them")
+        batch = randomness.batch_size
+        if tuple(self.reference.shape) != (batch, seq_len):
+            raise ValueError(f"reference: expected the reference decode's sequences of shape ({batch}, {seq_len}) "
+                             f"(this decode's rows and length), got {tuple(self.reference.shape)}")
+        tokens, commit, p = super().decide(logits, undecided, num_commit, randomness, where, mask_id=mask_id,
+                                           temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+                                           hidden=hidden)
+        reference = self.reference.to(tokens.device)
+        if randomness.rows is not None:
+            reference = reference[randomness.rows.to(tokens.device)]
+        inside = columns < seq_len  # a row whose block ends early repeats seq_len
+        expected = reference.gather(1, columns.clamp_max(seq_len - 1))
+        return tokens, commit | (undecided & inside & (tokens == expected)), p
 
 
 @dataclass
