@@ -304,21 +304,24 @@ def batches(tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.
 
 
 def decode(model: uf.DiffusionLM, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, setting: Setting,
-           args: argparse.Namespace) -> tuple[Any, float]:
+           args: argparse.Namespace, generator: torch.Generator | None = None) -> tuple[Any, float]:
     """One timed ``generate`` call of the block model (greedy, exact KV cache with merged commits): ``(output,
-    seconds)``. An oracle setting first decodes one token per forward (untimed) for its reference."""
+    seconds)``. An oracle setting first decodes one token per forward (untimed) for its reference; both its calls
+    draw (greedy decoding draws all the same) from a generator of their own, so that adding the oracle leaves the
+    global stream — and what is initialised from it later, such as the next phase's commit head — as it was."""
     ids, mask = ids.to(args.device), mask.to(args.device)
     policy = setting.policy
     if setting.oracle:
+        generator = torch.Generator(device=args.device).manual_seed(0)
         reference, _ = decode(model, tokenizer, ids, mask, Setting("reference", LowConfidence(), args.block_size),
-                              args)
+                              args, generator)
         policy = OracleCommit(reference.sequences)
     synchronize(args.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=policy,
                          num_steps=setting.num_steps, use_cache=True, merge_commits=True, do_sample=False,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                         return_dict=True)
+                         generator=generator, return_dict=True)
     synchronize(args.device)
     return out, time.perf_counter() - t0
 

@@ -76,6 +76,21 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
         assert f"| {phase} | 1 token/forward | " in printed
 
 
+def test_the_oracle_leaves_every_other_row_as_it_was(tmp_path: Path) -> None:
+    """--oracle adds its row and changes nothing else: its decodes draw from a generator of their own, so the after
+    phase's commit head (initialised from the global stream) and every other number are those of a run without it."""
+    example = _example()
+    without = [a for a in TINY if a != "--oracle"]
+    (plain,) = example.main([*without, "--out", str(tmp_path / "plain")])["runs"]
+    (oracle,) = example.main([*TINY, "--out", str(tmp_path / "oracle")])["runs"]
+    for phase in ("before", "after"):
+        rows = [r for r in oracle[phase] if not r["oracle"]]
+        assert [r["setting"] for r in rows] == [r["setting"] for r in plain[phase]]
+        for r, p in zip(rows, plain[phase]):
+            assert (r["answers"], r["tokens"], r["forwards"]) == (p["answers"], p["tokens"], p["forwards"]), \
+                r["setting"]
+
+
 def test_judge_keeps_the_answers_the_ar_model_finds_likely() -> None:
     """--keep-ppl's filter: each answer's perplexity is GenPPL of that answer alone; a limit between two answers'
     keeps the likelier one; an empty answer is never kept."""
