@@ -18,7 +18,7 @@ import pytest
 import torch
 from _hf_tiny import tiny_model
 
-ROW_FIELDS = {"name", "policy", "steps_per_block", "forwards", "tokens_per_forward", "wall_seconds", "genppl",
+ROW_FIELDS = {"name", "policy", "oracle", "steps_per_block", "forwards", "tokens_per_forward", "wall_seconds", "genppl",
               "entropy", "wall_ratio_vs_ar", "genppl_ratio_vs_ar", "packed_linears"}
 
 
@@ -187,7 +187,72 @@ def test_distillation_stage_records_the_models_decodes_and_trains_on_them(tmp_pa
     assert metrics["decoding"][1]["tokens_per_forward"] == 8 / 4
 
 
+def test_the_oracle_row_is_a_ceiling_beside_the_other_decoders_and_leaves_them_as_they_were(tmp_path, monkeypatch):
+    """--oracle: one more row, OracleCommit on each prompt's own one-token-per-forward decode at the demo's
+    temperature and seed — at most the K steps per block that decode took (1 to 4 tokens per forward here), marked
+    as the oracle and never a goal decoder; every other row decodes exactly what it decodes without the flag."""
+    runs = {}
+    for name, extra in (("plain", ()), ("oracle", ("--oracle",))):
+        metrics, out = _run_tiny_demo(tmp_path / name, monkeypatch, _Clock(), budget="2",
+                                      extra=("--train-steps", "2", *extra))
+        runs[name] = (metrics["decoding"], [json.loads(line) for line in open(out / "samples.jsonl")], metrics)
+    plain, with_oracle = runs["plain"], runs["oracle"]
+    oracle = with_oracle[0][-1]
+    assert oracle["name"] == "oracle commit (ceiling)" and oracle["oracle"] is True
+    assert not any(r["oracle"] for r in with_oracle[0][:-1]) and "oracle commit (ceiling)" not in (
+        with_oracle[2]["goal_reached_by"])
+    assert 2 * 2 <= oracle["forwards"] <= 2 * 2 * 4  # 2 prompts × 2 blocks × (1 to K = 4 steps)
+    keys = ("name", "forwards", "tokens_per_forward", "genppl", "entropy")
+    assert [[r[k] for k in keys] for r in with_oracle[0][:-1]] == [[r[k] for k in keys] for r in plain[0]]
+    assert with_oracle[1][:len(plain[1])] == plain[1]
+    assert [s["decoder"] for s in with_oracle[1][len(plain[1]):]] == ["oracle commit (ceiling)"] * 2
+
+
+def test_the_learned_commit_rule_is_fitted_to_the_models_decodes_and_decodes_beside_the_threshold(tmp_path,
+                                                                                                  monkeypatch):
+    """--commit-rule 0.9 0.5: a CommitHead fitted (the model frozen) to the model's own one-token-per-forward decodes
+    of --commit-rule-prompts training prompts — every (step, masked position) of 2 prompts × 2 blocks of 4 an
+    example — then one LearnedCommit decoder per τ after the threshold's, each at 1 to K steps per block; the
+    model's weights are those the run without the rule decodes with (every other row as it was)."""
+    runs = {}
+    for name, extra in (("plain", ()), ("rule", ("--commit-rule", "0.9", "0.5", "--commit-rule-prompts", "2",
+                                                 "--commit-rule-steps", "3"))):
+        metrics, _ = _run_tiny_demo(tmp_path / name, monkeypatch, _Clock(), budget="2",
+                                    extra=("--train-steps", "2", *extra))
+        runs[name] = metrics
+    rule = runs["rule"]["commit_rule"]
+    # per block of 4, one token per forward: 4 + 3 + 2 + 1 masked positions seen, over 2 prompts × 2 blocks
+    assert rule["prompts"] == 2 and rule["examples"] == 2 * 2 * (4 + 3 + 2 + 1)
+    assert 0.0 < rule["positive_rate"] <= 1.0 and math.isfinite(rule["final_loss"]) and rule["seconds"] > 0
+    assert runs["plain"]["commit_rule"] is None
+    rows = runs["rule"]["decoding"]
+    assert [r["name"] for r in rows][-2:] == ["learned commit 0.9", "learned commit 0.5"]
+    assert all(2 * 2 <= r["forwards"] <= 2 * 2 * 4 and not r["oracle"] for r in rows[-2:])
+    assert rows[-2]["policy"] == "LearnedCommit(threshold=0.9)"
+    keys = ("name", "forwards", "genppl", "entropy")
+    assert [[r[k] for k in keys] for r in rows[:-2]] == [[r[k] for k in keys] for r in runs["plain"]["decoding"]]
+
+
+def test_temperature_zero_decodes_greedily_with_every_decoder(tmp_path, monkeypatch):
+    """--temperature 0: the AR model's continuations are its argmax ones, whatever the seed (at temperature 1 two
+    seeds draw differently); the block decoders run do_sample=False (a sampler's draws would need temperature > 0)."""
+    ar = {}
+    for temperature in ("0", "1"):
+        for seed in ("0", "1"):
+            _, out = _run_tiny_demo(tmp_path / f"{temperature}-{seed}", monkeypatch, _Clock(), budget="2",
+                                    extra=("--train-steps", "1", "--temperature", temperature, "--seed", seed))
+            samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+            ar[temperature, seed] = [s["continuation"] for s in samples if s["decoder"] == "AR"]
+    assert ar["0", "0"] == ar["0", "1"] and ar["1", "0"] != ar["1", "1"]
+
+
 @pytest.mark.parametrize("extra, message", [
+    (("--temperature", "-1"), "--temperature: expected a finite number >= 0"),
+    (("--temperature", "0", "--kernel", "uniform"), "--temperature: greedy decoding \\(0\\) is defined for the mask"),
+    (("--commit-rule", "0.9", "--kernel", "uniform"), "--commit-rule: the learned commit rule is a mask policy"),
+    (("--commit-rule", "1.0"), "--commit-rule: expected thresholds in \\(0, 1\\)"),
+    (("--commit-rule", "0.9", "--commit-rule-steps", "0"), "--commit-rule-prompts / --commit-rule-steps"),
+    (("--oracle", "--kernel", "uniform"), "--oracle: the oracle commit rule is a mask policy"),
     (("--anneal-fraction", "1.5"), "--anneal-fraction: expected a number in \\[0, 1\\], got 1.5"),
     (("--complementary", "--kernel", "uniform"), "--complementary: complementary masks need --kernel mask"),
     (("--distill-seconds", "1", "--kernel", "uniform"), "--distill-seconds: distillation masks tokens"),

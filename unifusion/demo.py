@@ -46,7 +46,9 @@ Block diffusion from a real pretrained model, on a laptop-class CPU:
      the cache within the next block's first step) at --steps denoising steps per block (a fixed count per step,
      --policy) and with Fast-dLLM's confidence threshold (--threshold), and the AR model's own cached `generate` at
      the same temperature, both in --dtype (with --distill-seconds N, first N seconds of distillation on the
-     model's own decodes: dParallel's certainty forcing on d3LLM's pseudo-trajectory masks). For each: samples,
+     model's own decodes: dParallel's certainty forcing on d3LLM's pseudo-trajectory masks; with --commit-rule τ,
+     Learn2PD's learned commit rule fitted to the model's own decodes; with --oracle, a ceiling row: the tokens per
+     forward of a perfect learned commit rule on the model). For each: samples,
      tokens per forward, wall time, GenPPL of the continuations (judge: the original AR model) and unigram
      entropy (GPT-2 tokens), and the ratios to the AR model's; samples.jsonl, metrics.json and a plot go to --out.
 
@@ -77,7 +79,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--prompt-len", type=int, default=16, help="held-out prompt length in tokens")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated after each prompt")
     parser.add_argument("--num-samples", type=int, default=8, help="held-out prompts continued by each decoder")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (AR and diffusion)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature (AR and diffusion); 0: greedy, the argmax everywhere (mask kernel)")
     parser.add_argument("--seq-len", type=int, default=64, help="training length in tokens")
     parser.add_argument("--train-seconds", type=float, default=300.0,
                         help="training budget in seconds (compiling not counted)")
@@ -100,6 +103,22 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--distill-prompts", type=int, default=16,
                         help="training prompts the model decodes for distillation (--distill-seconds)")
     parser.add_argument("--distill-lr", type=float, default=2e-5, help="distillation learning rate (AdamW)")
+    parser.add_argument("--commit-rule", type=float, nargs="*", default=[],
+                        help="mask kernel: thresholds τ of Learn2PD's learned commit rule (unifusion.distill): a "
+                             "CommitHead fitted on the model as it decodes (after --distill-seconds, if any; the "
+                             "model frozen) to its own greedy one-token-per-forward decodes of --commit-rule-prompts "
+                             "training prompts, then a LearnedCommit(head, τ) decoder per τ (none: no rule)")
+    parser.add_argument("--commit-rule-prompts", type=int, default=32,
+                        help="training prompts whose decodes the commit rule's head is fitted to (--commit-rule)")
+    parser.add_argument("--commit-rule-steps", type=int, default=300,
+                        help="training steps of the commit rule's head (--commit-rule)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="mask kernel: also decode with unifusion.distill.OracleCommit on the block model's own "
+                             "one-token-per-forward decode of each prompt (same temperature and seed, decoded "
+                             "untimed first): with --temperature 0 the tokens per forward of a perfect learned commit "
+                             "rule on this model, a ceiling for the threshold decoder (at a temperature > 0 it must "
+                             "reproduce one draw: far stricter); a diagnostic that reads the answer, never counted "
+                             "toward the goal")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -278,15 +297,46 @@ def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace
             "final_loss": loss, "seconds": time.perf_counter() - start, "lr": args.distill_lr}
 
 
+def _fit_commit_rule(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
+                     dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+    """Learn2PD's learned commit rule on the model as it is (frozen): every (step, masked position) of its greedy
+    one-token-per-forward decodes of ``prompts`` ``(n, P)`` (``--new-tokens`` each, no EOS stop), labelled whether
+    the step's argmax is the token the decode ends with (:func:`unifusion.distill.collect_commit_data`), fit a
+    :class:`~unifusion.distill.CommitHead` by binary cross-entropy for ``--commit-rule-steps`` steps: (the head,
+    what the stage did)."""
+    from .distill import CommitHead, collect_commit_data, train_commit_head
+
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with torch.no_grad(), autocast:
+        data = collect_commit_data(model, prompts.to(device), max_new_tokens=args.new_tokens,
+                                   num_steps=model.block_size, batch_size=args.batch_size, use_cache=True,
+                                   merge_commits=True, eos_token_id=None)
+    model.train(was_training)
+    head = CommitHead(data.hidden.shape[-1]).to(device)
+    losses = train_commit_head(head, data, steps=args.commit_rule_steps,
+                               generator=torch.Generator().manual_seed(args.seed))
+    head.eval()
+    return head, {"prompts": len(prompts), "examples": len(data), "positive_rate": data.positive_rate,
+                  "final_loss": losses[-1], "train_accuracy": head.accuracy(data),
+                  "seconds": time.perf_counter() - start}
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 @dataclass
 class _Variant:
     name: str
-    policy: Any  # a DecodingPolicy; None for the AR model
+    policy: Any  # a DecodingPolicy; None for the AR model and the oracle (its policy is made per prompt)
     num_steps: int | None = None
+    oracle: bool = False
 
 
-def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
+def _variants(args: argparse.Namespace, block_size: int, head: Any = None) -> list[_Variant]:
+    """The block decoders of the grid: ``--steps`` of ``--policy``, then the ``--threshold`` ones, the learned
+    commit rule's (``head``, one per ``--commit-rule`` τ) and the oracle's (``--oracle``)."""
+    from .distill import LearnedCommit
     from .samplers import policies as P
 
     steps = args.steps or [max(1, block_size // 2)]
@@ -296,7 +346,10 @@ def _variants(args: argparse.Namespace, block_size: int) -> list[_Variant]:
     fixed = {"low-confidence": P.LowConfidence, "margin": P.TopKMargin, "entropy": P.TopKEntropy,
              "random": P.RandomOrder}[args.policy]
     return ([_Variant(f"{args.policy}, {n} steps/block", fixed(), n) for n in steps]
-            + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold])
+            + [_Variant(f"threshold {tau}", P.ConfidenceThreshold(tau), block_size) for tau in args.threshold]
+            + ([_Variant(f"learned commit {tau}", LearnedCommit(head, tau), block_size) for tau in args.commit_rule]
+               if head is not None else [])
+            + ([_Variant("oracle commit (ceiling)", None, block_size, oracle=True)] if args.oracle else []))
 
 
 def _block_decode(model: DiffusionLM, kernel: Any, variant: _Variant, prompt: torch.Tensor, new_tokens: int,
@@ -308,7 +361,8 @@ def _block_decode(model: DiffusionLM, kernel: Any, variant: _Variant, prompt: to
     from .samplers import PolicyOutput, PolicySampler
 
     sampler = PolicySampler(BlockCacheDecoder(model, merge_commits=True), kernel, variant.policy,
-                            num_steps=variant.num_steps, block_size=model.block_size, temperature=temperature)
+                            num_steps=variant.num_steps, block_size=model.block_size,
+                            temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0)
     canvas = torch.cat([prompt, torch.full((1, new_tokens), -1, dtype=prompt.dtype, device=prompt.device)], 1)
     out = sampler.sample(1, canvas.shape[1], prompt=canvas, generator=generator, return_dict=True)
     assert isinstance(out, PolicyOutput)
@@ -316,10 +370,12 @@ def _block_decode(model: DiffusionLM, kernel: Any, variant: _Variant, prompt: to
 
 
 def _ar_decode(judge: Any, prompt: torch.Tensor, new_tokens: int, temperature: float, pad_id: int) -> torch.Tensor:
-    """One prompt ``(1, P)`` continued by the AR model's own cached ``generate`` (exactly ``new_tokens`` tokens)."""
-    out = judge.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=temperature,
-                         top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         pad_token_id=pad_id, use_cache=True)
+    """One prompt ``(1, P)`` continued by the AR model's own cached ``generate`` (exactly ``new_tokens`` tokens;
+    ``temperature`` 0: greedy)."""
+    sampling: dict[str, Any] = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                                if temperature > 0 else {"do_sample": False})  # 0: greedy
+    out = judge.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, pad_token_id=pad_id, use_cache=True, **sampling)
     return out[0, prompt.shape[1]:]
 
 
@@ -363,6 +419,38 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ the demo
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse options out of range, and those that only the mask kernel has a meaning for under --kernel uniform."""
+    for name, value in (("--block-size", args.block_size), ("--prompt-len", args.prompt_len),
+                        ("--new-tokens", args.new_tokens), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value}")
+    if not 0.0 <= args.anneal_fraction <= 1.0:
+        raise ValueError(f"--anneal-fraction: expected a number in [0, 1], got {args.anneal_fraction}")
+    if args.distill_seconds < 0 or args.distill_prompts < 1:
+        raise ValueError(f"--distill-seconds / --distill-prompts: expected a non-negative budget and a positive "
+                         f"count, got {args.distill_seconds} and {args.distill_prompts}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}")
+    if any(not 0.0 < tau < 1.0 for tau in args.commit_rule):
+        raise ValueError(f"--commit-rule: expected thresholds in (0, 1), got {args.commit_rule}")
+    if args.commit_rule_prompts < 1 or args.commit_rule_steps < 1:
+        raise ValueError(f"--commit-rule-prompts / --commit-rule-steps: expected positive counts, got "
+                         f"{args.commit_rule_prompts} and {args.commit_rule_steps}")
+    if args.train_steps is not None and args.train_steps < 1:
+        raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
+    mask_only = {"--complementary": (args.complementary, "complementary masks need --kernel mask"),
+                 "--distill-seconds": (args.distill_seconds, "distillation masks tokens and needs --kernel mask"),
+                 "--temperature": (args.temperature == 0, "greedy decoding (0) is defined for the mask kernel's "
+                                                          "policies: it needs --kernel mask"),
+                 "--commit-rule": (args.commit_rule, "the learned commit rule is a mask policy and needs "
+                                                     "--kernel mask"),
+                 "--oracle": (args.oracle, "the oracle commit rule is a mask policy and needs --kernel mask")}
+    for option, (used, why) in mask_only.items():
+        if used and args.kernel != "mask":
+            raise ValueError(f"{option}: {why}, got --kernel {args.kernel}")
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     import unifusion as uf
 
@@ -377,21 +465,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     t0 = time.time()
     K, P, N = args.block_size, args.prompt_len, args.new_tokens
-    for name, value in (("--block-size", K), ("--prompt-len", P), ("--new-tokens", N), ("--seq-len", args.seq_len)):
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value}")
-    if not 0.0 <= args.anneal_fraction <= 1.0:
-        raise ValueError(f"--anneal-fraction: expected a number in [0, 1], got {args.anneal_fraction}")
-    if args.complementary and args.kernel != "mask":
-        raise ValueError(f"--complementary: complementary masks need --kernel mask, got --kernel {args.kernel}")
-    if args.distill_seconds < 0 or args.distill_prompts < 1:
-        raise ValueError(f"--distill-seconds / --distill-prompts: expected a non-negative budget and a positive "
-                         f"count, got {args.distill_seconds} and {args.distill_prompts}")
-    if args.distill_seconds and args.kernel != "mask":
-        raise ValueError(f"--distill-seconds: distillation masks tokens and needs --kernel mask, got --kernel "
-                         f"{args.kernel}")
-    if args.train_steps is not None and args.train_steps < 1:
-        raise ValueError(f"--train-steps: expected a positive int, got {args.train_steps}")
+    _check_options(args)
 
     # 1. load + AR perplexity -----------------------------------------------------------------------------
     print(f"      {describe_dtype_choice(args.dtype, device)}", flush=True)
@@ -432,6 +506,14 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
               f"{distilled['steps']} updates, final loss {distilled['final_loss']:.3f}; "
               f"{distilled['seconds']:.0f} s in all", flush=True)
 
+    head, commit_rule = None, None
+    if args.commit_rule:
+        head, commit_rule = _fit_commit_rule(model, _chunk(train_ids, P)[-args.commit_rule_prompts:], args, device,
+                                             dtype)
+        print(f"      commit rule: {commit_rule['examples']} examples from {commit_rule['prompts']} decodes "
+              f"({commit_rule['positive_rate']:.0%} already final), head accuracy {commit_rule['train_accuracy']:.1%}"
+              f"; {commit_rule['seconds']:.0f} s", flush=True)
+
     # 3. decode + evaluate --------------------------------------------------------------------------------
     print(f"[3/3] continuing {len(prompts_and_refs)} held-out prompts of {P} tokens by {N} tokens, one at a time, "
           f"temperature {args.temperature} ...", flush=True)
@@ -443,16 +525,23 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     prompts = prompts_and_refs[:, :P].to(device)
     pad_id = judge.config.eos_token_id if judge.config.eos_token_id is not None else 0
 
+    references: dict[int, torch.Tensor] = {}  # seed → (1, P + N): the oracle's reference decode of that prompt
+
     def block_run(variant: _Variant) -> Any:
         def one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
             g = torch.Generator(device=device).manual_seed(seed)
+            if variant.oracle:
+                from .distill import OracleCommit
+
+                oracle = _Variant(variant.name, OracleCommit(references[seed]), K)
+                return _block_decode(model, kernel, oracle, prompt, N, args.temperature, g)
             return _block_decode(model, kernel, variant, prompt, N, args.temperature, g)
         return one
 
     def ar_one(prompt: torch.Tensor, seed: int) -> tuple[torch.Tensor, int]:
         return _ar_decode(ar_model, prompt, N, args.temperature, pad_id), N
 
-    variants = _variants(args, K)
+    variants = _variants(args, K, head)
     runs: list[tuple[str, Any, Any]] = [("AR", None, ar_one)] + [(v.name, v, block_run(v)) for v in variants]
     # the block model's CPU linears through oneDNN with packed weights (unifusion.cpu_linears): a block step's 9-17
     # rows run ~2.5x faster per layer; the packing time counts in every block decoder's time below
@@ -466,6 +555,18 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         for _, _variant, one in runs[:2]:
             with torch.no_grad():
                 one(prompts[:1], args.seed)
+        if any(v.oracle for v in variants):
+            # the oracle's references, untimed: each prompt's one-token-per-forward decode (LowConfidence, K steps
+            # per block) with the seed and temperature the oracle row then decodes it with
+            from .samplers.policies import LowConfidence
+
+            for i in range(len(prompts)):
+                torch.manual_seed(args.seed + i)
+                g = torch.Generator(device=device).manual_seed(args.seed + i)
+                with torch.no_grad():
+                    tokens, _ = _block_decode(model, kernel, _Variant("reference", LowConfidence(), K),
+                                              prompts[i:i + 1], N, args.temperature, g)
+                references[args.seed + i] = torch.cat([prompts[i], tokens])[None]
         ent_tok = uf.eval.gpt2_tokenizer()
         texts_ref = tokenizer.batch_decode(prompts_and_refs[:, P:])
         ref_ppl = float(uf.eval.generative_perplexity(texts_ref, judge, judge_tok, progress=False))
@@ -478,7 +579,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             texts = tokenizer.batch_decode(torch.stack(outs))
             genppl = float(uf.eval.generative_perplexity(texts, judge, judge_tok, progress=False))
             entropy = float(uf.eval.unigram_entropy(uf.eval.retokenize(texts, ent_tok)).mean())
-            rows.append({"name": name, "policy": repr(variant.policy) if variant else "HF generate (KV cache)",
+            policy = ("OracleCommit(the one-token-per-forward decode)" if variant and variant.oracle
+                      else repr(variant.policy) if variant else "HF generate (KV cache)")
+            rows.append({"name": name, "policy": policy, "oracle": bool(variant and variant.oracle),
                          "steps_per_block": variant.num_steps if variant else None, "forwards": forwards,
                          "tokens_per_forward": len(outs) * N / max(forwards, 1), "wall_seconds": round(seconds, 2),
                          "genppl": genppl, "entropy": entropy, "packed_linears": bool(variant and n_packed)})
@@ -501,6 +604,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr, "anneal_fraction": args.anneal_fraction, "complementary": args.complementary,
         **{k: v for k, v in trained.items() if k != "loss_history"},
         "ar_perplexity_heldout": ar_ppl, "reference_genppl": ref_ppl, "decoding": rows, "distillation": distilled,
+        "commit_rule": commit_rule,
         "loss_history": trained["loss_history"], "device": str(device), "torch_threads": torch.get_num_threads(),
         "dtype": dtype_name, "dtype_option": args.dtype, "cpu_capability": cpu_capability(),
         "device_description": describe_device(device), "undertrained": undertrained,
@@ -514,7 +618,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
               f"{row['wall_ratio_vs_ar']:>5.2f} {row['genppl']:>7.1f} {row['genppl_ratio_vs_ar']:>5.2f} "
               f"{row['entropy']:>7.2f}")
     # the goal this demo is built for: parallel decoding that is faster than AR and still reads like it
-    reached = [row["name"] for row in rows[1:] if row["tokens_per_forward"] >= 2.0
+    reached = [row["name"] for row in rows[1:] if not row["oracle"] and row["tokens_per_forward"] >= 2.0
                and row["genppl_ratio_vs_ar"] <= 2.0 and row["wall_ratio_vs_ar"] <= 0.6]
     metrics["goal_reached_by"] = [] if undertrained else reached
     goal = "\n  goal (≥ 2 tokens/forward, GenPPL ≤ 2× AR's, wall time ≤ 0.6× AR's): "
