@@ -23,6 +23,7 @@ from .cpu_linears import packed_linears
 from .precision import DTYPE_CHOICES
 
 if TYPE_CHECKING:  # the demo imports the model layer when it runs (the command line starts fast)
+    from .distill import CommitHead
     from .hf.ar.model import DiffusionLM
 
 __all__ = ["DEMO_DESCRIPTION", "add_demo_arguments", "run_demo"]
@@ -298,7 +299,7 @@ def _distill(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace
 
 
 def _fit_commit_rule(model: DiffusionLM, prompts: torch.Tensor, args: argparse.Namespace, device: torch.device,
-                     dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+                     dtype: torch.dtype) -> tuple[CommitHead, dict[str, Any]]:
     """Learn2PD's learned commit rule on the model as it is (frozen): every (step, masked position) of its greedy
     one-token-per-forward decodes of ``prompts`` ``(n, P)`` (``--new-tokens`` each, no EOS stop), labelled whether
     the step's argmax is the token the decode ends with (:func:`unifusion.distill.collect_commit_data`), fit a
@@ -333,7 +334,7 @@ class _Variant:
     oracle: bool = False
 
 
-def _variants(args: argparse.Namespace, block_size: int, head: Any = None) -> list[_Variant]:
+def _variants(args: argparse.Namespace, block_size: int, head: CommitHead | None = None) -> list[_Variant]:
     """The block decoders of the grid: ``--steps`` of ``--policy``, then the ``--threshold`` ones, the learned
     commit rule's (``head``, one per ``--commit-rule`` τ) and the oracle's (``--oracle``)."""
     from .distill import LearnedCommit
