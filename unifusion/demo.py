@@ -492,13 +492,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             # per block) with the seed and temperature the oracle row then decodes it with
             from .samplers.policies import LowConfidence
 
-            for i in range(len(prompts)):
-                torch.manual_seed(args.seed + i)
-                g = torch.Generator(device=device).manual_seed(args.seed + i)
-                with torch.no_grad():
-                    tokens, _ = _block_decode(model, kernel, _Variant("reference", LowConfidence(), K),
-                                              prompts[i:i + 1], N, args.temperature, g)
-                references[args.seed + i] = torch.cat([prompts[i], tokens])[None]
+            tokens, _, _ = _run_variant(block_run(_Variant("reference", LowConfidence(), K)), prompts, args.seed,
+                                        "reference")
+            for i, new in enumerate(tokens):
+                references[args.seed + i] = torch.cat([prompts[i], new.to(device)])[None]
         ent_tok = uf.eval.gpt2_tokenizer()
         texts_ref = tokenizer.batch_decode(prompts_and_refs[:, P:])
         ref_ppl = float(uf.eval.generative_perplexity(texts_ref, judge, judge_tok, progress=False))
