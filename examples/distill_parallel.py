@@ -239,8 +239,9 @@ def distil(model: uf.DiffusionLM, traj: Trajectories | None, args: argparse.Name
         if args.train_seconds and time.perf_counter() - t0 > args.train_seconds:
             break
         rows = torch.randint(len(traj), (min(args.distill_batch, len(traj)),), generator=g, device=args.device).cpu()
-        value = distillation_loss(model, traj.select(rows), masks="trajectory", temperature=args.entropy_temperature,
-                                  entropy_weight=args.entropy_weight, generator=g)
+        value = distillation_loss(model, traj.select(rows), masks="trajectory", per_block=args.per_block,
+                                  temperature=args.entropy_temperature, entropy_weight=args.entropy_weight,
+                                  generator=g)
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -249,7 +250,8 @@ def distil(model: uf.DiffusionLM, traj: Trajectories | None, args: argparse.Name
         if steps % args.log_every == 0:
             log(f"distil {steps:>5d} | loss {loss:.4f} | {time.perf_counter() - t0:.1f} s")
     return {"steps": steps, "seconds": time.perf_counter() - t0, "final_loss": loss,
-            "trainable_parameters": sum(p.numel() for p in params), "lora_rank": args.lora or None}
+            "trainable_parameters": sum(p.numel() for p in params), "lora_rank": args.lora or None,
+            "per_block": args.per_block}
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -525,6 +527,9 @@ def add_stage_options(p: argparse.ArgumentParser, *, sft_steps: int, sft_batch: 
     p.add_argument("--distill-lr", type=float, default=2e-5,
                    help="distillation learning rate (AdamW; why 2e-5: docs/guides/parallel-decoding.md)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank R (0: distil the whole model)")
+    p.add_argument("--per-block", action="store_true",
+                   help="one pseudo-trajectory state per block, every block of a trajectory scored in one forward "
+                        "(default: one per trajectory, d3LLM's view: one block scored)")
     p.add_argument("--entropy-weight", type=float, default=2.0, help="certainty forcing's λ (dParallel: 2)")
     p.add_argument("--entropy-temperature", type=float, default=0.5, help="certainty forcing's T (dParallel: 0.5)")
     p.add_argument("--thresholds", type=comma_floats, default=[0.9, 0.7, 0.5], help="ConfidenceThreshold τ's")

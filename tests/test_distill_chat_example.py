@@ -15,7 +15,7 @@ from unifusion.chat import load_python_docs_chats
 TINY = ["--model", "tiny", "--sft-steps", "1", "--sft-batch", "2", "--record-prompts", "3", "--distill-steps", "2",
         "--distill-batch", "2", "--lora", "2", "--thresholds", "0.6", "--forced", "4", "--eval-prompts", "3",
         "--eval-batch", "2", "--commit-rule", "0.5", "--commit-rule-prompts", "2", "--commit-rule-steps", "3",
-        "--max-new-tokens", "16", "--oracle", "--log-every", "1"]
+        "--max-new-tokens", "16", "--oracle", "--per-block", "--log-every", "1"]
 
 
 def _example():
@@ -49,7 +49,7 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
     n, width = 3, 16
     assert run["eval_prompts"] == n
     assert run["record"]["kept"] == run["record"]["problems"] == 3 and run["record"]["keep"] == "all"  # no verifier
-    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
+    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2 and run["distill"]["per_block"]
     names = ["1 token/forward", "threshold 0.6", "4 tokens/forward (forced)", "oracle commit (ceiling)",
              "learned commit 0.5"]
     reference = run["before"][0]

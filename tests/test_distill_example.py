@@ -36,7 +36,7 @@ def test_tiny_run_report_is_consistent(tmp_path: Path, capsys: pytest.CaptureFix
     n, width = 3, 8  # 3 problems; answer 8 tokens + EOS → two blocks of K = 8
     answer = sorting.answer_length(3, 2) + 1
     assert run["record"]["kept"] == run["record"]["problems"] == 3
-    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2
+    assert run["distill"]["steps"] == 2 and run["distill"]["lora_rank"] == 2 and not run["distill"]["per_block"]
     assert 0 < run["distill"]["trainable_parameters"] < 1_000_000  # the adapters only, not the 3M-parameter model
     names = ["1 token/forward", "threshold 0.6", "2 tokens/forward (forced)", "4 tokens/forward (forced)",
              "oracle commit (ceiling)", "learned commit 0.5"]

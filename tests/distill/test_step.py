@@ -46,6 +46,29 @@ def test_a_views_loss_is_certainty_forcing_of_the_models_block_logits(traj):
         torch.testing.assert_close(view_loss(model, x0, masked, attention_mask=am, fused=fused), want)
 
 
+def test_a_state_per_block_gives_each_block_the_logits_of_its_view_alone(traj):
+    """``per_block``: every block at its own state in one forward scores each block exactly as the view with that
+    block alone at its state (the others clean) — the block model's blocks never see a later or a masked earlier
+    block."""
+    model = _model()
+    x0, am = traj.sequences, traj.attention_mask
+    states = torch.tensor([[0, 4], [1, 5], [-1, 6]])  # (B, 2 blocks of K): states inside each block's steps
+    view = pseudo_trajectory_mask(traj.commit_step, states, block_size=K)
+    pad = torch.zeros_like(traj.prompt_mask)
+    masked = torch.cat([pad, view.masked], 1)
+    assert view.masked[:, :K].any() and view.masked[:, K:].any()
+    with torch.no_grad():
+        logits = model(torch.where(masked, MASK, x0), clean=x0, attention_mask=am)
+        P = pad.shape[1]
+        for b in range(2):
+            cols = torch.zeros_like(view.masked)
+            cols[:, b * K:(b + 1) * K] = True
+            alone = torch.cat([pad, view.masked & cols], 1)
+            want = model(torch.where(alone, MASK, x0), clean=x0, attention_mask=am)
+            block = slice(P + b * K, P + (b + 1) * K)
+            torch.testing.assert_close(logits[:, block], want[:, block], rtol=1e-12, atol=1e-12)
+
+
 def test_pair_is_two_views_and_fused_equals_logits_in_float64(traj):
     model = _model()
     x0, am = traj.sequences, traj.attention_mask
@@ -90,5 +113,10 @@ def test_distillation_loss_mask_kinds_and_errors(traj):
         assert loss.dim() == 0 and torch.isfinite(loss) and loss > 0
     with pytest.raises(ValueError, match="masks"):
         distillation_loss(model, traj, masks="other")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="per_block"):
+        distillation_loss(model, traj, masks="random", per_block=True)
+    plain = uf.adapt_ar_model(tiny_model("llama", seed=0), mask_token_id=MASK)  # no blocks
+    with pytest.raises(ValueError, match="per_block.*block model"):
+        distillation_loss(plain, traj, per_block=True)
     with pytest.raises(TypeError, match="model"):
         view_loss(torch.nn.Linear(2, 2), traj.sequences, traj.sequences > 0)  # type: ignore[arg-type]

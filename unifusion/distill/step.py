@@ -182,11 +182,23 @@ def distillation_loss(model: Denoiser, batch: Trajectories, *,
                       temperature: float = 0.5, entropy_weight: float = 2.0, fused: bool = True,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """One distillation step's loss on a batch of trajectories (0-d): draw a view — d3LLM's pseudo-trajectory
-    mask at a uniformly drawn state (``masks="trajectory"``; ``per_block``: one state per block) or dParallel's
-    random block mask at ``ratio`` (``"random"``) — and return :func:`complementary_pair_loss` of it."""
+    mask at a uniformly drawn state (``masks="trajectory"``) or dParallel's random block mask at ``ratio``
+    (``"random"``) — and return :func:`complementary_pair_loss` of it.
+
+    ``per_block`` (trajectory masks, a block model only): one state per block, so that every block of a trajectory
+    is scored in the forward instead of one. A block model predicts each block from the clean blocks before it
+    (``block_conditioning``) and never from a later one, so each block's view is the decoder's state exactly as
+    with one state per row; a model without blocks would see the earlier blocks masked, which the decoder never
+    showed it (``ValueError``)."""
     model = _check_model(model)
     if not isinstance(batch, Trajectories):
         raise TypeError(f"batch: expected Trajectories, got {type(batch).__name__}")
+    if per_block and masks != "trajectory":
+        raise ValueError(f"per_block: one state per block is an option of the trajectory masks "
+                         f"(masks='trajectory'), got masks={masks!r}")
+    if per_block and model.block_size is None:
+        raise ValueError(f"per_block: one state per block needs a block model (its blocks predicted from the clean "
+                         f"blocks before them); {type(model).__name__} has none (block_size None)")
     device = model.device
     steps = batch.commit_step.to(device)
     K = batch.block_size
