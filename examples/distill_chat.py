@@ -73,6 +73,7 @@ from distill_parallel import (  # noqa: E402
     decode,
     distil,
     encode_prompts,
+    evaluate_grid,
     load,
     record,
     settings,
@@ -147,28 +148,39 @@ class Judge:
 
 @torch.no_grad()
 def evaluate(model: uf.DiffusionLM, tokenizer: Any, batches: list[tuple[Any, ...]], setting: Setting,
-             judge: Judge, args: argparse.Namespace) -> dict[str, Any]:
-    """Greedy decoding of the held-out prompts at one setting: tokens per forward, GenPPL, entropy, answers."""
+             judge: Judge, args: argparse.Namespace, references: list[torch.Tensor] | None = None
+             ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Greedy decoding of the held-out prompts at one setting: ``(result, sequences)``; ``result``: tokens per
+    forward, GenPPL, entropy, answers; ``sequences``: each batch's ``(B, P + N)`` output, what an oracle setting
+    takes as ``references`` from the one-token-per-forward setting."""
     model.eval()
+    if references is not None and len(references) != len(batches):
+        raise ValueError(f"references: one decode per batch ({len(batches)}), got {len(references)}")
     texts: list[str] = []
+    sequences: list[torch.Tensor] = []
     tokens = forwards = 0
     seconds = 0.0
-    for _, ids, mask in batches:
-        out, dt = decode(model, tokenizer, ids, mask, setting, args)
+    for i, (_, ids, mask) in enumerate(batches):
+        out, dt = decode(model, tokenizer, ids, mask, setting, args,
+                         reference=None if references is None else references[i])
+        sequences.append(out.sequences)
         seconds += dt
         batch_texts, lengths = texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])
         texts += batch_texts
         tokens += sum(lengths)
         forwards += int(out.num_forwards.sum())
-    return {"setting": setting.name, "oracle": setting.oracle, "steps_per_block": setting.num_steps,
-            "tokens": tokens, "forwards": forwards,
-            "tokens_per_forward": tokens / forwards, "seconds": seconds, **judge.score(texts), "answers": texts}
+    result = {"setting": setting.name, "oracle": setting.oracle, "steps_per_block": setting.num_steps,
+              "tokens": tokens, "forwards": forwards,
+              "tokens_per_forward": tokens / forwards, "seconds": seconds, **judge.score(texts), "answers": texts}
+    return result, sequences
 
 
 def evaluate_phase(model: uf.DiffusionLM, tokenizer: Any, batches: list[tuple[Any, ...]], grid: list[Setting],
                    judge: Judge, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every setting of ``grid`` (:func:`evaluate_grid`: the oracle reuses the one-token decode), linears packed."""
     with packed_linears(model):
-        return [evaluate(model, tokenizer, batches, s, judge, args) for s in grid]
+        return evaluate_grid(grid, args.block_size,
+                             lambda s, refs: evaluate(model, tokenizer, batches, s, judge, args, refs))
 
 
 @torch.no_grad()

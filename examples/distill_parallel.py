@@ -306,18 +306,20 @@ def batches(tokenizer: Any, problems: list[sorting.SortProblem], args: argparse.
 
 
 def decode(model: uf.DiffusionLM, tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, setting: Setting,
-           args: argparse.Namespace, generator: torch.Generator | None = None) -> tuple[Any, float]:
+           args: argparse.Namespace, reference: torch.Tensor | None = None) -> tuple[Any, float]:
     """One timed ``generate`` call of the block model (greedy, exact KV cache with merged commits): ``(output,
-    seconds)``. An oracle setting first decodes one token per forward (untimed) for its reference; both its calls
-    draw (greedy decoding draws all the same) from a generator of their own, so that adding the oracle leaves the
-    global stream — and what is initialised from it later, such as the next phase's commit head — as it was."""
+    seconds)``. An oracle setting commits against ``reference``, ``(B, P + N)``: these rows' one-token-per-forward
+    decode; it draws (greedy decoding draws all the same) from a generator of its own, so that adding the oracle
+    leaves the global stream — and what is initialised from it later, such as the next phase's commit head — as it
+    was."""
     ids, mask = ids.to(args.device), mask.to(args.device)
-    policy = setting.policy
+    policy, generator = setting.policy, None
     if setting.oracle:
+        if reference is None:
+            raise ValueError(f"reference: the setting {setting.name!r} is an oracle and needs the rows' "
+                             "one-token-per-forward decode, got None")
+        policy = OracleCommit(reference.to(args.device))
         generator = torch.Generator(device=args.device).manual_seed(0)
-        reference, _ = decode(model, tokenizer, ids, mask, Setting("reference", LowConfidence(), args.block_size),
-                              args, generator)
-        policy = OracleCommit(reference.sequences)
     synchronize(args.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, policy=policy,
@@ -330,16 +332,30 @@ def decode(model: uf.DiffusionLM, tokenizer: Any, ids: torch.Tensor, mask: torch
 
 @torch.no_grad()
 def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]], setting: Setting,
-             args: argparse.Namespace, single: list[tuple[Any, ...]] | None = None) -> dict[str, Any]:
-    """Greedy decoding of every batch at one setting: accuracy (%), generated tokens, model calls, wall time; and,
-    given ``single`` (the ``--wall-problems`` prompts one row each), the same prompts' wall time at batch 1
-    (``seconds_batch1``) and its tokens per forward. The caller holds the packed linears open (the packing is not
-    in these times)."""
+             args: argparse.Namespace, single: list[tuple[Any, ...]] | None = None,
+             references: list[torch.Tensor] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Greedy decoding of every batch at one setting: ``(result, sequences)``. ``result``: accuracy (%), generated
+    tokens, model calls, wall time; and, given ``single`` (the ``--wall-problems`` prompts one row each), the same
+    prompts' wall time at batch 1 (``seconds_batch1``) and its tokens per forward. ``sequences``: each call's
+    ``(B, P + N)`` output, the batches of ``rows`` then those of ``single`` — what an oracle setting takes as
+    ``references`` (in the same order) from the one-token-per-forward setting. The caller holds the packed linears
+    open (the packing is not in these times)."""
     model.eval()
+    calls = [*rows, *(single or [])]
+    if references is not None and len(references) != len(calls):
+        raise ValueError(f"references: one decode per batch ({len(calls)}), got {len(references)}")
+    sequences: list[torch.Tensor] = []
+
+    def run(i: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, float]:
+        out, dt = decode(model, tokenizer, ids, mask, setting, args,
+                         reference=None if references is None else references[i])
+        sequences.append(out.sequences)
+        return out, dt
+
     correct = tokens = forwards = 0
     seconds = 0.0
-    for chunk, ids, mask in rows:
-        out, dt = decode(model, tokenizer, ids, mask, setting, args)
+    for i, (chunk, ids, mask) in enumerate(rows):
+        out, dt = run(i, ids, mask)
         seconds += dt
         texts, lengths = texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])
         correct += int(sum(sorting.rewards(texts, chunk)))
@@ -352,20 +368,35 @@ def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
               "batch": args.eval_batch}
     if single:
         seconds1, tokens1, forwards1 = 0.0, 0, 0
-        for _, ids, mask in single:
-            out, dt = decode(model, tokenizer, ids, mask, setting, args)
+        for i, (_, ids, mask) in enumerate(single, start=len(rows)):
+            out, dt = run(i, ids, mask)
             seconds1 += dt
             tokens1 += sum(texts_and_lengths(tokenizer, out.sequences[:, ids.shape[1]:])[1])
             forwards1 += int(out.num_forwards.sum())
         result.update(seconds_batch1=seconds1, problems_batch1=len(single),
                       tokens_per_forward_batch1=tokens1 / forwards1)
-    return result
+    return result, sequences
+
+
+def evaluate_grid(grid: list[Setting], block_size: int,
+                  evaluate_one: Callable[[Setting, list[torch.Tensor] | None],
+                                         tuple[dict[str, Any], list[torch.Tensor]]]) -> list[dict[str, Any]]:
+    """Every setting of ``grid`` through ``evaluate_one(setting, references)``; ``grid[0]`` decodes one token per
+    forward (``LowConfidence``, ``block_size`` steps per block), and its sequences are the references of every oracle
+    setting after it (no second decode of them)."""
+    first_setting = grid[0]
+    if (first_setting.oracle or not isinstance(first_setting.policy, LowConfidence)
+            or first_setting.num_steps != block_size):
+        raise ValueError(f"grid: the first setting must decode one token per forward (LowConfidence, {block_size} "
+                         f"steps per block), got {first_setting.name!r}")
+    first, references = evaluate_one(grid[0], None)
+    return [first] + [evaluate_one(s, references if s.oracle else None)[0] for s in grid[1:]]
 
 
 def evaluate_phase(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
                    single: list[tuple[Any, ...]], grid: list[Setting], args: argparse.Namespace
                    ) -> tuple[list[dict[str, Any]], float]:
-    """Every setting of ``grid`` (:func:`evaluate`), the model's CPU linears packed once for all of them
+    """Every setting of ``grid`` (:func:`evaluate_grid`), the model's CPU linears packed once for all of them
     (:func:`unifusion.cpu_linears.packed_linears`, what ``generate`` does per call otherwise): ``(results, packing
     seconds)``. A warm-up call at each batch size first (the merged cache's first call, allocations)."""
     model.eval()
@@ -374,8 +405,10 @@ def evaluate_phase(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, 
         packing = time.perf_counter() - t0
         for warm in ([(c[:2], i[:2], m[:2]) for c, i, m in rows[:1]], single[:1]):
             for _, ids, mask in warm:
-                decode(model, tokenizer, ids, mask, grid[-1], args)
-        return [evaluate(model, tokenizer, rows, s, args, single) for s in grid], packing
+                decode(model, tokenizer, ids, mask, grid[0], args)
+        results = evaluate_grid(grid, args.block_size,
+                                lambda s, refs: evaluate(model, tokenizer, rows, s, args, single, refs))
+    return results, packing
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from _examples import load_example
 
 import unifusion as uf
 from unifusion.data import sorting
+from unifusion.samplers.policies import ConfidenceThreshold, LowConfidence
 
 TINY = ["--model", "tiny", "--backend", "eager", "--count", "3", "--digits", "2", "--sft-steps", "1",
         "--sft-batch", "2", "--record-problems", "3", "--keep", "all", "--distill-steps", "2", "--distill-batch",
@@ -131,3 +132,30 @@ def test_sft_fill_weight_scales_only_the_fill() -> None:
         losses.append(example.sft(model, tokenizer, problems, args, 0, lambda line: None)["final_loss"])
     assert losses[0] < losses[2]
     assert losses[1] == pytest.approx((losses[0] + losses[2]) / 2, rel=1e-5)
+
+
+def test_the_oracle_commits_against_the_one_token_decode_without_decoding_it_again() -> None:
+    """``evaluate_grid``: the first setting (one token per forward) is decoded once and its sequences are every oracle
+    setting's references; the other settings get none; a grid that does not start with it is refused, and so is an
+    oracle decode without its reference."""
+    example = _example()
+    one = example.Setting("1 token/forward", LowConfidence(), 8)
+    threshold = example.Setting("threshold 0.9", ConfidenceThreshold(0.9), 8)
+    oracle = example.Setting("oracle commit (ceiling)", None, 8, oracle=True)
+    sequences = [torch.arange(6).view(2, 3), torch.arange(3).view(1, 3)]
+    calls: list[tuple[str, object]] = []
+
+    def evaluate_one(setting, references):
+        calls.append((setting.name, references))
+        return {"setting": setting.name}, sequences if setting is one else [torch.zeros(1)]
+
+    results = example.evaluate_grid([one, threshold, oracle], 8, evaluate_one)
+    assert [r["setting"] for r in results] == ["1 token/forward", "threshold 0.9", "oracle commit (ceiling)"]
+    assert [name for name, _ in calls] == [r["setting"] for r in results]  # one decode per setting, none twice
+    assert calls[0][1] is None and calls[1][1] is None and calls[2][1] is sequences
+    for grid, size in (([oracle, one], 8), ([threshold, one], 8), ([one], 4)):
+        with pytest.raises(ValueError, match="grid: the first setting"):
+            example.evaluate_grid(grid, size, evaluate_one)
+    args = example.parse_args(["--model", "tiny"])
+    with pytest.raises(ValueError, match="reference: the setting 'oracle commit"):
+        example.decode(None, None, torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8), oracle, args)
