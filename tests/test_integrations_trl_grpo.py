@@ -152,10 +152,27 @@ def test_the_docs_recipe_trains_two_steps_at_trl_defaults(tmp_path, tokenizer) -
     default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
     assert default is True and args.gradient_checkpointing is True
     assert args.bf16 == (uf.precision.auto_dtype("cpu") == torch.bfloat16)  # no GPU here: the CPU's choice
+    assert args.use_cpu == args.bf16  # bf16 on a GPU-less machine: transformers needs use_cpu said
     trainer = DiffusionGRPOTrainer(model, reward_funcs=[mean_id], args=args,
                                    train_dataset=Dataset.from_list(PROMPTS * 2), processing_class=tokenizer)
     assert trainer.train().global_step == 2
     assert model.is_gradient_checkpointing  # the trainer turned it on; TRL off for the rollouts and on again
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu_only", "other_accelerator"])
+def test_bf16_left_unset_follows_a_cpu_with_native_bf16(monkeypatch, tmp_path, accelerator) -> None:
+    """No CUDA and a CPU that computes bf16 natively (AVX512-BF16, AMX): ``bf16=None`` picks bf16 and sets ``use_cpu``
+    (transformers refuses bf16 without a GPU otherwise: TRL's defaults crashed there); with another accelerator
+    present (MPS, XPU) it picks float32 and leaves ``use_cpu`` alone, so the run stays on that device. Explicit
+    choices are kept."""
+    monkeypatch.setattr(uf.precision, "native_bf16", lambda device="cpu": True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
+    common = dict(num_generations=2, max_completion_length=8, per_device_train_batch_size=2, report_to=[])
+    args = DiffusionGRPOConfig(str(tmp_path), **common)
+    assert (args.bf16, args.use_cpu) == ((False, False) if accelerator else (True, True))
+    explicit = DiffusionGRPOConfig(str(tmp_path), bf16=False, **common)
+    assert (explicit.bf16, explicit.use_cpu) == (False, False)
 
 
 def test_bf16_is_the_precision_of_the_likelihood_passes_only(tmp_path, tokenizer) -> None:

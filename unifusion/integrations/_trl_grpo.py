@@ -104,13 +104,24 @@ check that the pinned TRL still has and calls each of them)."""
 _TOKEN_LOGPS = ("per_token", "spread")
 
 
+def _has_accelerator() -> bool:
+    """Whether torch sees a device other than the CPU (CUDA, MPS, XPU, ...) to train on."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    mps = getattr(torch.backends, "mps", None)
+    return torch.cuda.is_available() or bool(mps is not None and mps.is_available())
+
+
 @dataclass
 class DiffusionGRPOConfig(GRPOConfig):
     """TRL's ``GRPOConfig`` plus the diffusion likelihood and decoding options (module docstring).
 
     ``bf16`` left unset (``None``) follows :func:`unifusion.precision.auto_dtype` of the training device: bf16 mixed
     precision where the device computes bf16 natively, float32 elsewhere (TRL's default, ``True`` unless ``fp16``,
-    makes a step several times slower on a CPU without native bf16, and on a GPU-less machine needs ``use_cpu``).
+    makes a step several times slower on a CPU without native bf16, and on a GPU-less machine needs ``use_cpu``); on
+    a machine without an accelerator whose CPU computes bf16 natively it is bf16 with ``use_cpu=True`` set for
+    transformers, which refuses bf16 without a GPU otherwise.
     In this trainer bf16 is the precision of the likelihood passes only (accelerate's autocast wraps the policy's
     forward; the rollouts compute in the weights' dtype), and it moves a token's log-prob by a few hundredths of a
     nat (docs/guides/rl.md, "bf16"): ``bf16=False`` gives float32 log-probs and float32-stable ratios.
@@ -153,10 +164,24 @@ class DiffusionGRPOConfig(GRPOConfig):
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["estimator_options"]
 
+    def _resolve_bf16(self) -> None:
+        """``bf16=None``: :func:`~unifusion.precision.auto_dtype` of the device the trainer trains on. On a machine
+        with no accelerator whose CPU computes bf16 natively (AVX512-BF16, AMX) that is bf16 on the CPU, which
+        transformers' ``TrainingArguments`` refuses unless ``use_cpu`` is set — so it is set (the run is on the CPU
+        either way). On an accelerator other than CUDA the choice is float32: ``use_cpu`` would move the run off it."""
+        if torch.cuda.is_available() and not self.use_cpu:
+            self.bf16 = not self.fp16 and auto_dtype("cuda") == torch.bfloat16
+            return
+        self.bf16 = not self.fp16 and auto_dtype("cpu") == torch.bfloat16
+        if self.bf16 and not self.use_cpu:
+            if _has_accelerator():
+                self.bf16 = False
+            else:
+                self.use_cpu = True
+
     def __post_init__(self) -> None:
         if self.bf16 is None:  # TRL's default is True; bf16 only where the device computes it natively
-            cuda = torch.cuda.is_available() and not self.use_cpu
-            self.bf16 = not self.fp16 and auto_dtype("cuda" if cuda else "cpu") == torch.bfloat16
+            self._resolve_bf16()
         super().__post_init__()
         if self.estimator not in ESTIMATORS or self.estimator == "trace":
             raise ValueError(f"estimator: expected one of {tuple(e for e in ESTIMATORS if e != 'trace')} ('trace' "

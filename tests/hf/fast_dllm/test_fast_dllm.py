@@ -49,12 +49,13 @@ def test_loads_with_the_configs_block_size_and_mask_token(model):
 
 def test_logits_equal_their_modeling_code_on_padded_batches(model, ref):
     with torch.no_grad():
-        torch.testing.assert_close(model(ref["input_ids"]), shifted(ref["logits"]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(ref["input_ids"]), shifted(ref["logits"]), rtol=0, atol=checks.RECORDED_ATOL)
         ids = ref["input_ids_block_padded"]
         attn = torch.ones_like(ids)
         attn[1, 8:] = 0  # row 1 right-padded from a block boundary: their batch computes its real columns alike
         ours = model(ids, attention_mask=attn)
-    torch.testing.assert_close(ours[attn.bool()], shifted(ref["logits_block_padded"])[attn.bool()], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[attn.bool()], shifted(ref["logits_block_padded"])[attn.bool()], rtol=0,
+                               atol=checks.RECORDED_ATOL)
     # padding inside a block (right) and by a whole block (left): padded keys blocked, positions counting the real
     # tokens, so each row equals theirs run alone at its real length (another batch shape: float32 noise ~2e-5)
     lengths = ref["lengths"].tolist()
@@ -65,8 +66,10 @@ def test_logits_equal_their_modeling_code_on_padded_batches(model, ref):
         right = model(ref["input_ids"], attention_mask=attn)
         left_out = model(left, attention_mask=left_attn)[0, K:]
     for i, n in enumerate(lengths):
-        torch.testing.assert_close(right[i, :n], shifted(ref[f"logits_row{i}_alone"]), rtol=0, atol=5e-5)
-    torch.testing.assert_close(left_out, shifted(ref["logits_row0_alone"][:8]), rtol=0, atol=5e-5)
+        torch.testing.assert_close(right[i, :n], shifted(ref[f"logits_row{i}_alone"]), rtol=0,
+                                   atol=checks.RECORDED_ATOL)
+    torch.testing.assert_close(left_out, shifted(ref["logits_row0_alone"][:8]), rtol=0,
+                               atol=checks.RECORDED_ATOL)
 
 
 @pytest.mark.parametrize("run", sorted(RUNS["batch_sample"]))
@@ -340,4 +343,4 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_qwen2(ref):
     embed = theirs.weights["model.embed_tokens.weight"]
     assert wrapped.hf_model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
     with torch.no_grad():
-        torch.testing.assert_close(wrapped(ref["input_ids"]), shifted(ref["logits"]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(wrapped(ref["input_ids"]), shifted(ref["logits"]), rtol=0, atol=checks.RECORDED_ATOL)

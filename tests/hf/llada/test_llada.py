@@ -44,8 +44,8 @@ def test_logits_equal_their_modeling_code_on_a_padded_batch(model, ref):
         logits = model(ref["input_ids"], attention_mask=ref["attention_mask"])
         plain = model(ref["input_ids"][:1])
     # every position, padded ones included (LLaDA masks padded keys only, as this kind does)
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=checks.RECORDED_ATOL)
+    torch.testing.assert_close(plain, ref["logits_unpadded_row0"], rtol=0, atol=checks.RECORDED_ATOL)
 
 
 RUNS = json.loads((FIXTURES / "generate_runs.json").read_text())
@@ -195,7 +195,7 @@ def test_wrap_diffusion_lm_moves_their_models_tensors_onto_llama(ref):
     assert wrapped.hf_model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # moved, not copied
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ref["input_ids"], attention_mask=ref["attention_mask"]), ref["logits"],
-                                   rtol=0, atol=1e-5)
+                                   rtol=0, atol=checks.RECORDED_ATOL)
     tied = wrap_diffusion_lm(Theirs(tied=True))
     assert tied.hf_model.lm_head.weight is tied.hf_model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="unexpected weights \\['extra'\\]"):
