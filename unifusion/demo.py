@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the demo imports the model layer when it runs (the command 
     from .distill import CommitHead
     from .hf.ar.model import DiffusionLM
 
-__all__ = ["DEMO_DESCRIPTION", "add_demo_arguments", "run_demo"]
+__all__ = ["CORPUS", "DEMO_DESCRIPTION", "add_demo_arguments", "chunk_tokens", "corpus_token_streams", "run_demo"]
 
 CORPUS = Path(__file__).parent / "data" / "python_docs_prose.txt"
 
@@ -136,8 +136,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 # ------------------------------------------------------------------------------------------------ data
-def _token_streams(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The bundled corpus as (train, held-out) token streams (the last 5% of paragraphs held out)."""
+def corpus_token_streams(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The bundled corpus (:data:`CORPUS`) as ``(train, held-out)`` token streams: each paragraph with its newline,
+    tokenized without special tokens; the last 5 % of paragraphs held out. The demo's held-out prompts are
+    ``chunk_tokens(held_out, P + N)[:num_samples, :P]``."""
     paragraphs = CORPUS.read_text(encoding="utf-8").splitlines()
     split = int(len(paragraphs) * 0.95)
     streams = []
@@ -149,7 +151,8 @@ def _token_streams(tokenizer: Any) -> tuple[list[int], list[int]]:
     return streams[0], streams[1]
 
 
-def _chunk(ids: list[int], length: int) -> torch.Tensor:
+def chunk_tokens(ids: list[int], length: int) -> torch.Tensor:
+    """``(len(ids) // length, length)`` int64: the stream ``ids`` cut into consecutive chunks (the tail dropped)."""
     n = len(ids) // length
     return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
 
@@ -403,9 +406,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     print(f"      {describe_dtype_choice(args.dtype, device)}", flush=True)
     print(f"[1/3] loading {args.model} ...", flush=True)
     hf_model, tokenizer = loading.load_causal_lm(args.model, device=str(device))
-    train_ids, held_ids = _token_streams(tokenizer)
-    train, held_out = _chunk(train_ids, args.seq_len), _chunk(held_ids, args.seq_len)[:32]
-    prompts_and_refs = _chunk(held_ids, P + N)[: args.num_samples]
+    train_ids, held_ids = corpus_token_streams(tokenizer)
+    train, held_out = chunk_tokens(train_ids, args.seq_len), chunk_tokens(held_ids, args.seq_len)[:32]
+    prompts_and_refs = chunk_tokens(held_ids, P + N)[: args.num_samples]
     bos = hf_model.config.bos_token_id if hf_model.config.bos_token_id is not None else hf_model.config.eos_token_id
     ar_ppl = _ar_perplexity(hf_model, held_out, bos)
     print(f"      {sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f}M parameters; corpus: {len(train)} train / "
@@ -433,15 +436,15 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     distilled = None
     if args.distill_seconds:
-        distilled = distillation_stage(model, _chunk(train_ids, P)[:args.distill_prompts], args, device, dtype)
+        distilled = distillation_stage(model, chunk_tokens(train_ids, P)[:args.distill_prompts], args, device, dtype)
         print(f"      distillation: {distilled['recorded']} recorded decodes ({distilled['record_seconds']:.0f} s), "
               f"{distilled['steps']} updates, final loss {distilled['final_loss']:.3f}; "
               f"{distilled['seconds']:.0f} s in all", flush=True)
 
     head, commit_rule = None, None
     if args.commit_rule:
-        head, commit_rule = commit_rule_stage(model, _chunk(train_ids, P)[-args.commit_rule_prompts:], args, device,
-                                              dtype)
+        rule_prompts = chunk_tokens(train_ids, P)[-args.commit_rule_prompts:]
+        head, commit_rule = commit_rule_stage(model, rule_prompts, args, device, dtype)
         print(f"      commit rule: {commit_rule['examples']} examples from {commit_rule['prompts']} decodes "
               f"({commit_rule['positive_rate']:.0%} already final), head accuracy {commit_rule['train_accuracy']:.1%}"
               f"; {commit_rule['seconds']:.0f} s", flush=True)
