@@ -81,10 +81,11 @@ def sample_continuations(model: Any, prefix: torch.Tensor, length: int, num_samp
                          generator: torch.Generator) -> torch.Tensor:
     """``(num_samples, length)`` continuations of ``prefix`` ``(1, L)`` drawn from the AR model at ``temperature``
     (the prefix is run once; its KV cache is repeated for the samples)."""
-    # the KV cache's keyword: ``cache`` from transformers 5.24 on (``past_key_values`` deprecated), before it the latter
+    # the KV cache's name, in the call and in its output: ``cache`` from transformers 5.24 on (``past_key_values``
+    # deprecated), ``past_key_values`` before
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(prefix, use_cache=True)
-    cache = out.past_key_values
+    cache = getattr(out, cache_kwarg)
     cache.batch_repeat_interleave(num_samples)
     logits = out.logits[:, -1].float().expand(num_samples, -1)
     tokens = []
@@ -93,7 +94,7 @@ def sample_continuations(model: Any, prefix: torch.Tensor, length: int, num_samp
         tokens.append(x)
         if i + 1 < length:
             out = model(x, use_cache=True, **{cache_kwarg: cache})
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            cache, logits = getattr(out, cache_kwarg), out.logits[:, -1].float()
     return torch.cat(tokens, 1)
 
 
