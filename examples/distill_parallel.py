@@ -341,9 +341,9 @@ def evaluate(model: uf.DiffusionLM, tokenizer: Any, rows: list[tuple[Any, ...]],
     ``references`` (in the same order) from the one-token-per-forward setting. The caller holds the packed linears
     open (the packing is not in these times)."""
     model.eval()
-    calls = [*rows, *(single or [])]
-    if references is not None and len(references) != len(calls):
-        raise ValueError(f"references: one decode per batch ({len(calls)}), got {len(references)}")
+    num_calls = len(rows) + len(single or [])
+    if references is not None and len(references) != num_calls:
+        raise ValueError(f"references: one decode per batch ({num_calls}), got {len(references)}")
     sequences: list[torch.Tensor] = []
 
     def run(i: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, float]:

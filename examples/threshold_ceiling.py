@@ -143,11 +143,12 @@ def threshold_decode(model: Any, prompt: torch.Tensor, *, block_size: int, new_t
             if survivors is None or len(survivors) < num_samples // 4:
                 prefix = torch.cat([sequence, block[:start].view(1, -1)], 1)
                 draws: list[torch.Tensor] = []
-                while sum(len(agreeing(d, start, block, committed)) for d in draws) < num_samples // 2 \
-                        and len(draws) < MAX_DRAWS:
+                kept: list[torch.Tensor] = []  # each draw's rows that agree with the committed positions
+                while sum(len(k) for k in kept) < num_samples // 2 and len(draws) < MAX_DRAWS:
                     draws.append(sample_continuations(model, prefix, K - start, num_samples, temperature, generator))
+                    kept.append(agreeing(draws[-1], start, block, committed))
                 pool, pool_start = torch.cat(draws), start
-                survivors = agreeing(pool, start, block, committed)
+                survivors = torch.cat(kept)
                 if len(survivors) == 0:  # the committed positions are this unlikely together: drop the condition
                     survivors = pool
                     result.unconditioned += 1
