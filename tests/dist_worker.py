@@ -4,6 +4,8 @@ Computes the gradient of one global batch's token-mean diffusion loss (a) on one
 (b) split across ranks under DDP or FSDP2, normalising by the all-reduced global token count exactly as the docs
 show, and prints the largest gradient difference on rank 0 — for each case named on the command line (``ddp``,
 ``fsdp2``; ``ddp:4`` for a block-diffusion model with blocks of 4), all in one launch: ``MAXDIFF <case> <value>``.
+``distill-ddp:4`` / ``distill-fsdp2:4``: the same for a distillation step (:func:`unifusion.distill.distillation_loss`
+on the wrapped model, each rank its own trajectories and draws) against the mean of the ranks' losses on one process.
 """
 
 from __future__ import annotations
@@ -78,11 +80,49 @@ def max_gradient_difference(mode: str, block_size: int | None) -> float:
     return worst
 
 
+def distillation_gradient_difference(mode: str, block_size: int) -> float:
+    from unifusion.distill import distillation_loss, record_trajectories
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=block_size).eval()
+    prompts = torch.randint(4, model.num_states, (2 * world, 3), generator=torch.Generator().manual_seed(0))
+    traj = record_trajectories(model, prompts, max_new_tokens=8, progress=False, eos_token_id=None)
+    model.train()
+
+    def loss_of(m, r):  # rank r's step: its two trajectories, its own draws
+        return distillation_loss(m, traj.select([2 * r, 2 * r + 1]), per_block=True,
+                                 generator=torch.Generator().manual_seed(100 + r))
+
+    reference = copy.deepcopy(model)
+    (sum(loss_of(reference, r) for r in range(world)) / world).backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
+    if mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.base_model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    loss_of(wrapped, rank).backward()  # the wrappers average the ranks' gradients
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        key = n.replace("module.", "").replace("_fsdp_wrapped_module.", "")
+        worst = max(worst, float((grad - ref_grads[key]).abs().max()))
+    return worst
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     for case in sys.argv[1:]:
         mode, _, block = case.partition(":")  # ":4": a block-diffusion model (unifusion.hf.ar.blocks)
-        worst = max_gradient_difference(mode, int(block) if block else None)
+        if mode.startswith("distill-"):
+            worst = distillation_gradient_difference(mode.removeprefix("distill-"), int(block))
+        else:
+            worst = max_gradient_difference(mode, int(block) if block else None)
         if dist.get_rank() == 0:
             print(f"MAXDIFF {case} {worst:.3e}", flush=True)
     dist.barrier()

@@ -24,7 +24,7 @@ def _has_fsdp2() -> bool:
 def max_differences() -> dict[str, float]:
     """One ``torchrun`` launch computes every case (DDP and FSDP2, plain and blocks of 4): ``{case: max |Δ grad|}``
     (a launch costs two interpreters importing torch and the process group; the cases share them)."""
-    cases = ["ddp", "ddp:4"] + (["fsdp2", "fsdp2:4"] if _has_fsdp2() else [])
+    cases = ["ddp", "ddp:4", "distill-ddp:4"] + (["fsdp2", "fsdp2:4", "distill-fsdp2:4"] if _has_fsdp2() else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, *cases]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -50,3 +50,13 @@ def test_block_diffusion_gradients_equal_single_process(max_differences, mode: s
     if mode == "fsdp2" and not _has_fsdp2():
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
     assert max_differences[f"{mode}:4"] <= tol
+
+
+@pytest.mark.parametrize("mode, tol", [("ddp", 1e-6), ("fsdp2", 1e-5)])
+def test_distillation_gradients_under_ddp_and_fsdp2_equal_the_ranks_mean(max_differences, mode: str, tol: float):
+    """``distillation_loss`` on the wrapped model (blocks of 4, a state per block): the loss runs inside the
+    wrapper's call (``forward(..., head_fn=)``), so DDP all-reduces and FSDP2 gathers the weights; the gradients
+    equal those of the mean of the ranks' losses on one process."""
+    if mode == "fsdp2" and not _has_fsdp2():
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
+    assert max_differences[f"distill-{mode}:4"] <= tol

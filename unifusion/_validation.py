@@ -265,6 +265,18 @@ def check_generator(value: object, name: str = "generator") -> torch.Generator |
     raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}{_seed_hint(value)}")
 
 
+def check_head_fn(head_fn: object, x0: object, kernel: object) -> None:
+    """A model forward's ``head_fn``: ``None`` or a callable of the hidden states, and never beside the fused loss's
+    ``x0`` / ``kernel`` (each replaces the output head)."""
+    if head_fn is None:
+        return
+    if not callable(head_fn):
+        raise TypeError(f"head_fn: expected a callable of the final hidden states (B, L, d), got "
+                        f"{type(head_fn).__name__}")
+    if x0 is not None or kernel is not None:
+        raise ValueError("head_fn: replaces the output head, as the fused loss (x0, kernel) does; pass one of them")
+
+
 def check_generators(value: object, batch_size: int,
                      name: str = "generator") -> torch.Generator | tuple[torch.Generator, ...] | None:
     """``None``, one ``torch.Generator``, or one generator per row: a list or tuple of ``batch_size`` of them

@@ -152,15 +152,20 @@ def test_the_learned_commit_rule_on_a_shifted_kind(kind, tokenizer):
         assert torch.equal(model.generate(prompts, use_cache=True, **kw), uncached)
 
 
-def test_a_model_without_a_mask_token_or_hidden_states_is_refused(tokenizer):
+def test_a_model_without_a_mask_token_or_a_head_fn_is_refused(tokenizer):
     model = tiny_native("sdar", tokenizer).eval()
     traj = _record(model)
     model.mask_token_id = None
     with pytest.raises(ValueError, match="model: .*no mask token"):
         distillation_loss(model, traj)
     model = tiny_native("llada", tokenizer).eval()
-    model.hidden_states = None  # an instance attribute in front of the method: a kind without hidden states
-    with pytest.raises(TypeError, match="model: .*hidden_states"):
+
+    class NoHeadFn(type(model)):  # a kind whose forward gives logits only: the loss cannot run inside its call
+        def forward(self, x_t, t=None, *, attention_mask=None):
+            return super().forward(x_t, t, attention_mask=attention_mask)
+
+    model.__class__ = NoHeadFn
+    with pytest.raises(TypeError, match="model: .*head_fn"):
         view_loss(model, traj.sequences, traj.sequences > 100)
     with pytest.raises(TypeError, match="model"):
         distillation_loss(model.hf_model, traj)

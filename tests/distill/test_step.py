@@ -120,3 +120,26 @@ def test_distillation_loss_mask_kinds_and_errors(traj):
         distillation_loss(plain, traj, per_block=True)
     with pytest.raises(TypeError, match="model"):
         view_loss(torch.nn.Linear(2, 2), traj.sequences, traj.sequences > 0)  # type: ignore[arg-type]
+
+
+def test_a_wrapped_model_is_called_so_its_hooks_fire(traj):
+    """The loss runs inside the module's call (``forward(..., head_fn=)``): a forward hook of the module sees the one
+    call of a step, and a ``torch.compile`` wrapper gives the same loss and gradients as the module (DDP and FSDP2:
+    tests/test_distributed.py)."""
+    model = _model(torch.float32).train()
+    calls = []
+    handle = model.register_forward_hook(lambda module, args, out: calls.append(out))
+    want = distillation_loss(model, traj, per_block=True, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    assert len(calls) == 1 and calls[0] is want  # head_fn's value is what the call returns
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="eager")  # dynamo's tracing, no code generation
+    got = distillation_loss(compiled, traj, per_block=True, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got, want.detach())
+    got.backward()
+    for a, b in zip(want_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(b, a)
+    with pytest.raises(TypeError, match="model: add LoRA to the student before wrapping it"):
+        add_lora(compiled)

@@ -19,9 +19,14 @@ with the model's ``logits_from_hidden``). The fused head reads ``lm_head_weight`
 them, ``lm_head_bias``, ``logit_scale`` and ``final_logit_softcap`` (absent: no bias, 1, no cap).
 
 :func:`complementary_pair_loss` is dParallel's training step: a view and its complement in one forward over
-``2B`` rows, their two losses summed. The hidden states come from the model's ``hidden_states``, not from a call of
-the module: under DDP / FSDP wrap-time hooks do not fire, so call this on the unwrapped model (or synchronise
-gradients by hand).
+``2B`` rows, their two losses summed.
+
+**Wrapped models.** The loss runs inside the module's call: ``model(x_t, t, attention_mask=..., head_fn=loss_of,
+**block_conditioning)``, the forward's ``head_fn`` taking the output head's place (``head_fn(h)``, ``h`` what
+``hidden_states`` gives). So ``model`` may be the DDP / FSDP2 / DeepSpeed / ``torch.compile`` wrapper a training
+loop holds: its hooks fire (DDP's gradient all-reduce, FSDP2's gathering of the weights the fused head reads) as
+they do for :func:`~unifusion.diffusion_loss`. The loss is a mean over the masked positions of the rows given, so
+under data parallelism each rank's loss is its own rows' mean and the wrappers average the gradients over ranks.
 
 Example (LoRA, a user's loop)::
 
@@ -34,8 +39,9 @@ Example (LoRA, a user's loop)::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -47,7 +53,7 @@ from ..block_partition import (
     shift_left,
     shift_right,
 )
-from ..denoiser import Denoiser, HiddenStateModel
+from ..denoiser import Denoiser, unwrap_model
 from .fused import fused_certainty_forcing_loss
 from .losses import certainty_forcing_loss
 from .masks import DistillMask, draw_trajectory_steps, pseudo_trajectory_mask, random_block_mask, view_times
@@ -58,26 +64,31 @@ __all__ = ["view_loss", "complementary_pair_loss", "distillation_loss", "add_lor
 StudentT = TypeVar("StudentT", bound=Denoiser)
 
 
-def _check_model(model: object) -> Denoiser:
-    """``model`` if it is a :class:`~unifusion.denoiser.Denoiser` with a mask token and final hidden states."""
-    if not isinstance(model, Denoiser):
+def _check_model(model: object) -> tuple[Callable[..., torch.Tensor], Denoiser]:
+    """``(call, denoiser)``: ``model`` as the loss calls it (any DDP / FSDP / DeepSpeed / compile wrapper kept, so
+    that its hooks fire) and the :class:`~unifusion.denoiser.Denoiser` inside it, which must have a mask token and a
+    forward that takes ``head_fn``."""
+    inner = unwrap_model(model)
+    if not isinstance(inner, Denoiser) or not callable(model):
         raise TypeError(f"model: expected a unifusion Denoiser (an adapted DiffusionLM, a released kind such as "
-                        f"LLaDALM; unwrap DDP/FSDP first), got {type(model).__name__}")
-    if model.mask_token_id is None:
+                        f"LLaDALM), or a DDP / FSDP / DeepSpeed / compile wrapper around one, got "
+                        f"{type(inner).__name__}")
+    if inner.mask_token_id is None:
         raise ValueError("model: distillation masks tokens; this model has no mask token (uniform noise only)")
-    if not callable(getattr(model, "hidden_states", None)):
-        raise TypeError(f"model: distillation reads the final hidden states; {type(model).__name__} has no "
-                        "hidden_states(x_t, t, attention_mask=...) method")
-    return model
+    if "head_fn" not in inspect.signature(type(inner).forward).parameters:
+        raise TypeError(f"model: distillation runs its loss on the final hidden states inside the model's call "
+                        f"(forward(..., head_fn=)); {type(inner).__name__}.forward takes no head_fn")
+    return model, inner
 
 
-def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
-            attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Final hidden states ``(B, L, d)`` of the views ``x_t``, row i read by the head for token i (the block layout
-    of :meth:`~unifusion.denoiser.Denoiser.block_conditioning` with ``x0`` on a block model over several blocks). A
-    ``"sequence_start"`` kind's rows run behind ``(−o) mod K`` invisible left pads (o: the row's first real column),
-    so that its blocks are cut from its first real token as its decoder cut them (:mod:`unifusion.block_partition`)."""
-    hidden_states: Callable[..., torch.Tensor] = cast(HiddenStateModel, model).hidden_states  # t may be None
+def _run_head(call: Callable[..., torch.Tensor], model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor,
+              masked: torch.Tensor, attention_mask: torch.Tensor | None,
+              loss_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``loss_of(h)`` of the views ``x_t``'s final hidden states ``h`` ``(B, L, d)``, row i read by the head for
+    token i (the block layout of :meth:`~unifusion.denoiser.Denoiser.block_conditioning` with ``x0`` on a block
+    model over several blocks), computed inside ``call`` (the forward's ``head_fn``). A ``"sequence_start"`` kind's
+    rows run behind ``(−o) mod K`` invisible left pads (o: the row's first real column), so that its blocks are cut
+    from its first real token as its decoder cut them (:mod:`unifusion.block_partition`)."""
     K = model.block_size
     L = x0.shape[1]
     shifts = None
@@ -92,13 +103,18 @@ def _hidden(model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor, masked: torch.
             x_t, x0 = shift_right(x_t, shifts, width, fill), shift_right(x0, shifts, width, fill)
             masked, attention_mask = shift_right(masked, shifts, width, False), shift_right(valid, shifts, width,
                                                                                             False)
+    head_fn = loss_of
+    if shifts is not None:
+        aligned = shifts
+
+        def head_fn(h: torch.Tensor) -> torch.Tensor:
+            return loss_of(shift_left(h, aligned, L))
+
     t = view_times(masked, block_size=K) if getattr(model, "time_conditioning", False) else None
     if K is None or K >= x0.shape[1]:
-        h = hidden_states(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]),
-                          attention_mask=attention_mask)
-    else:
-        h = hidden_states(x_t, t, attention_mask=attention_mask, **model.block_conditioning(x0))
-    return h if shifts is None else shift_left(h, shifts, L)
+        return call(x_t, None if t is None else (t if t.dim() == 1 else t[:, 0]), attention_mask=attention_mask,
+                    head_fn=head_fn)
+    return call(x_t, t, attention_mask=attention_mask, head_fn=head_fn, **model.block_conditioning(x0))
 
 
 def _head_loss(model: Denoiser, h: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, mask_id: int,
@@ -117,43 +133,46 @@ def _head_loss(model: Denoiser, h: torch.Tensor, x0: torch.Tensor, masked: torch
         final_logit_softcap=getattr(model, "final_logit_softcap", None), mask_id=mask_id)
 
 
-def view_loss(model: Denoiser, x0: torch.Tensor, masked: torch.Tensor, *,
+def view_loss(model: Denoiser | torch.nn.Module, x0: torch.Tensor, masked: torch.Tensor, *,
               attention_mask: torch.Tensor | None = None, temperature: float = 0.5, entropy_weight: float = 2.0,
               fused: bool = True) -> torch.Tensor:
     """Certainty forcing of one view (0-d; module docstring).
 
     Args:
-        model: the student, a :class:`~unifusion.denoiser.Denoiser` with a mask token and ``hidden_states``
-            (module docstring).
+        model: the student, a :class:`~unifusion.denoiser.Denoiser` with a mask token whose forward takes
+            ``head_fn``, or the DDP / FSDP / DeepSpeed / compile wrapper around it (module docstring).
         x0: ``(B, L)`` clean sequences (the teacher's tokens are the targets).
         masked: ``(B, L)`` bool, the view's masked positions.
         attention_mask: ``(B, L)``, 1 at real tokens (left padding of the prompts).
         temperature: T > 0 of the entropy.  entropy_weight: λ >= 0 (:func:`~unifusion.distill.certainty_forcing_loss`).
         fused: through the output head in blocks (default) or on materialised logits.
     """
-    model = _check_model(model)
+    call, inner = _check_model(model)
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
         raise ValueError("x0: expected a (B, L) tensor of token ids")
     if not isinstance(masked, torch.Tensor) or tuple(masked.shape) != tuple(x0.shape) or masked.dtype != torch.bool:
         raise ValueError(f"masked: expected a {tuple(x0.shape)} bool tensor like x0")
-    mask_id = int(model.mask_token_id)  # type: ignore[arg-type]
-    x_t = torch.where(masked, mask_id, x0)
-    h = _hidden(model, x_t, x0, masked, attention_mask)
-    return _head_loss(model, h, x0, masked, mask_id, temperature, entropy_weight, fused)
+    mask_id = int(inner.mask_token_id)  # type: ignore[arg-type]
+
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        return _head_loss(inner, h, x0, masked, mask_id, temperature, entropy_weight, fused)
+
+    return _run_head(call, inner, torch.where(masked, mask_id, x0), x0, masked, attention_mask, loss_of)
 
 
-def complementary_pair_loss(model: Denoiser, x0: torch.Tensor, view: DistillMask, *,
+def complementary_pair_loss(model: Denoiser | torch.nn.Module, x0: torch.Tensor, view: DistillMask, *,
                             attention_mask: torch.Tensor | None = None, temperature: float = 0.5,
                             entropy_weight: float = 2.0, fused: bool = True) -> torch.Tensor:
     """dParallel's step: the certainty forcing of ``view`` plus that of its complement (0-d), both views in one
     forward of ``2B`` rows.
 
     Args:
+        model: the student or its wrapper, as in :func:`view_loss`.
         x0: ``(B, L)`` clean sequences; ``view``'s masks cover their last ``C`` columns (the completion).
         view: a :class:`~unifusion.distill.DistillMask` ``(B, C)``.
         attention_mask: as in :func:`view_loss`.  temperature: T.  entropy_weight: λ.  fused: as in :func:`view_loss`.
     """
-    model = _check_model(model)
+    call, inner = _check_model(model)
     if not isinstance(view, DistillMask):
         raise TypeError(f"view: expected a DistillMask, got {type(view).__name__}")
     B, L = x0.shape
@@ -166,17 +185,20 @@ def complementary_pair_loss(model: Denoiser, x0: torch.Tensor, view: DistillMask
     second = torch.cat([pad, view.complement().masked.to(x0.device)], 1)
     both_x0 = torch.cat([x0, x0])
     both_masked = torch.cat([first, second])
-    mask_id = int(model.mask_token_id)  # type: ignore[arg-type]
+    mask_id = int(inner.mask_token_id)  # type: ignore[arg-type]
     am = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-    h = _hidden(model, torch.where(both_masked, mask_id, both_x0), both_x0, both_masked, am)
-    total = torch.zeros((), device=h.device)
-    for part in (slice(0, B), slice(B, 2 * B)):
-        total = total + _head_loss(model, h[part], x0, both_masked[part], mask_id, temperature, entropy_weight,
-                                   fused)
-    return total
+
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=h.device)
+        for part in (slice(0, B), slice(B, 2 * B)):
+            total = total + _head_loss(inner, h[part], x0, both_masked[part], mask_id, temperature, entropy_weight,
+                                       fused)
+        return total
+
+    return _run_head(call, inner, torch.where(both_masked, mask_id, both_x0), both_x0, both_masked, am, loss_of)
 
 
-def distillation_loss(model: Denoiser, batch: Trajectories, *,
+def distillation_loss(model: Denoiser | torch.nn.Module, batch: Trajectories, *,
                       masks: Literal["trajectory", "random"] = "trajectory", ratio: float = 0.5,
                       per_block: bool = False, later_blocks: Literal["clean", "masked"] = "clean",
                       temperature: float = 0.5, entropy_weight: float = 2.0, fused: bool = True,
@@ -189,22 +211,24 @@ def distillation_loss(model: Denoiser, batch: Trajectories, *,
     is scored in the forward instead of one. A block model predicts each block from the clean blocks before it
     (``block_conditioning``) and never from a later one, so each block's view is the decoder's state exactly as
     with one state per row; a model without blocks would see the earlier blocks masked, which the decoder never
-    showed it (``ValueError``)."""
-    model = _check_model(model)
+    showed it (``ValueError``).
+
+    ``model`` is the student or the wrapper a training loop holds (:func:`view_loss`)."""
+    _, inner = _check_model(model)
     if not isinstance(batch, Trajectories):
         raise TypeError(f"batch: expected Trajectories, got {type(batch).__name__}")
     if per_block and masks != "trajectory":
         raise ValueError(f"per_block: one state per block is an option of the trajectory masks "
                          f"(masks='trajectory'), got masks={masks!r}")
-    if per_block and model.block_size is None:
+    if per_block and inner.block_size is None:
         raise ValueError(f"per_block: one state per block needs a block model (its blocks predicted from the clean "
-                         f"blocks before them); {type(model).__name__} has none (block_size None)")
-    device = model.device
+                         f"blocks before them); {type(inner).__name__} has none (block_size None)")
+    device = inner.device
     steps = batch.commit_step.to(device)
     K = batch.block_size
-    if model.block_size is not None and batch.block_origin != block_origin_of(model):
+    if inner.block_size is not None and batch.block_origin != block_origin_of(inner):
         raise ValueError(f"batch: recorded with blocks from the {batch.block_origin}, the model's start at the "
-                         f"{block_origin_of(model)} (Denoiser.block_origin)")
+                         f"{block_origin_of(inner)} (Denoiser.block_origin)")
     lead = batch.block_leads.to(device)
     if masks == "trajectory":
         s = draw_trajectory_steps(steps, block_size=K, per_block=per_block, generator=generator, lead=lead)
@@ -224,9 +248,12 @@ def add_lora(model: StudentT, *, r: int = 8, lora_alpha: int = 16, lora_dropout:
     """LoRA adapters (peft) in the student's backbone, in place, and every other parameter frozen: distillation
     then trains (and changes) only the adapters. Returns ``model``. The backbone is the model's ``hf_model`` (the
     transformers module of an adapted or released kind), else the model itself; ``model`` must be a
-    ``torch.nn.Module``. Merge before ``save_pretrained`` (``model.hf_model.merge_and_unload()`` through peft) or
-    save the adapters with peft."""
-    _check_model(model)
+    ``torch.nn.Module``, not yet wrapped (DDP / FSDP2 wrap the student with its adapters). Merge before
+    ``save_pretrained`` (``model.hf_model.merge_and_unload()`` through peft) or save the adapters with peft."""
+    _, inner = _check_model(model)
+    if inner is not model:
+        raise TypeError(f"model: add LoRA to the student before wrapping it, got a {type(model).__name__} around "
+                        f"{type(inner).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: LoRA needs a torch.nn.Module student, got {type(model).__name__}")
     try:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -327,8 +327,10 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
                 position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x0 logits ``(B, L, V)`` of ``x_t``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
+                document_ids: torch.Tensor | None = None,
+                head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """x0 logits ``(B, L, V)`` of ``x_t``, or — given ``x0`` and ``kernel`` — the fused per-position loss, or —
+        given ``head_fn`` — ``head_fn(h)`` of the final hidden states.
 
         Args:
             x_t: ``(B, L)`` int64 tokens, masked positions holding :attr:`mask_token_id`.
@@ -348,11 +350,17 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                 prediction sees the clean blocks before it), what ``diffusion_loss`` and ``sequence_logprob`` pass.
             document_ids: refused (``ValueError``): packed documents are not supported by the released kinds yet
                 (train one document per row, right-padded).
+            head_fn: in place of the output head: the call returns ``head_fn(h)``, ``h`` the ``(B, L, d)`` final
+                hidden states :meth:`hidden_states` gives for the same arguments. A loss that reads hidden states and
+                the head's weights (the fused certainty forcing of :mod:`unifusion.distill`) runs this way inside the
+                module's call, so that DDP / FSDP2 / DeepSpeed hooks fire. Not with ``x0`` / ``kernel``.
 
         Returns:
-            ``(B, L, V)`` logits in the weights' dtype, or the ``(B, L)`` float32 loss (0 at padding).
+            ``(B, L, V)`` logits in the weights' dtype, the ``(B, L)`` float32 loss (0 at padding), or what
+            ``head_fn`` returns.
         """
         V.check_generator(generator)
+        V.check_head_fn(head_fn, x0, kernel)
         if document_ids is not None:
             raise ValueError(f"document_ids: {type(self).__name__} does not take packed documents (its attention "
                              "would have to be cut per document); train one document per row, right-padded")
@@ -389,6 +397,8 @@ class NativeDiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule, abstra
                 t_pos = expand_block_times(block_times(t, B, num_blocks(L, self.block_size), x_t.device), L,
                                            self.block_size)
         h = self.hidden_states(x_t, attention_mask=attention_mask, clean=clean)
+        if head_fn is not None:
+            return head_fn(h)
         if kernel is None:
             return self.logits_from_hidden(h)
         V.check_model_kernel(self, check_kernel(kernel))

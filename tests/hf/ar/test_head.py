@@ -11,6 +11,7 @@ from _hf_tiny import FAMILIES, random_ids, tiny_model
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import unifusion as uf
 from unifusion.hf import adapt_ar_model
 from unifusion.hf.ar import head
 
@@ -57,6 +58,24 @@ class TestHead:
             assert model.lm_head_weight.shape[0] == model.vocab_size
             torch.testing.assert_close(model.logits_from_hidden(h), model(x, bidirectional_prob=gamma),
                                        rtol=1e-5, atol=1e-5)
+
+    def test_head_fn_takes_the_heads_place_on_the_forwards_hidden_states(self, model_type: str) -> None:
+        """``forward(..., head_fn=f)`` returns ``f(h)`` of the hidden states ``hidden_states`` gives for the same
+        arguments: the plain forward (time-conditioned, padded) and a block model's block-causal one (``clean``)."""
+        model = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID, time_conditioning=True)
+        x, t = random_ids(), torch.tensor([0.3, 0.8])
+        pad = torch.ones(2, L, dtype=torch.long)
+        pad[1, :3] = 0
+        got = model(x, t, attention_mask=pad, head_fn=lambda h: h.sum(-1))
+        torch.testing.assert_close(got, model.hidden_states(x, t, attention_mask=pad).sum(-1), rtol=0, atol=0)
+        block = adapt_ar_model(tiny_model(model_type), mask_token_id=MASK_ID, block_size=4)
+        x0 = random_ids(seed=1)
+        got = block(x, attention_mask=pad, clean=x0, head_fn=lambda h: h)
+        torch.testing.assert_close(got, block.hidden_states(x, attention_mask=pad, clean=x0), rtol=0, atol=0)
+        with pytest.raises(TypeError, match="head_fn: expected a callable"):
+            model(x, t, head_fn=1)
+        with pytest.raises(ValueError, match="head_fn: replaces the output head"):
+            model(x, t, x0=x, kernel=uf.MaskKernel(model.num_states, MASK_ID), head_fn=lambda h: h)
 
     def test_head_runs_on_the_kept_positions_only(self, model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
         """The logits are the network's (B, L + 1, V) logits without the last position, bit for bit, but computed

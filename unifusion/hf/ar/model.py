@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -280,8 +280,10 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
                 weighting: Literal["elbo", "clip", "dynamic"] = "elbo", max_weight: float = 2.0,
                 reduction: Literal["none", "sum", "mean"] = "none",
                 position_weight: torch.Tensor | None = None, clean: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss.
+                document_ids: torch.Tensor | None = None,
+                head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """x0 logits ``x_θ(· | x_t, t)``, or — given ``x0`` and ``kernel`` — the fused per-position loss, or —
+        given ``head_fn`` — ``head_fn(h)`` of the final hidden states.
 
         Args:
             x_t: ``(B, L)`` int64 noisy token ids.
@@ -313,15 +315,22 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
                 so a document that starts at a block boundary is computed exactly as it would be alone; one that
                 starts inside a block has its first token predicted at the previous document's last position (that
                 token should be unscored). Anything else (a plain model, one block) is a ``ValueError``.
+            head_fn: in place of the output head: the call returns ``head_fn(h)``, ``h`` the ``(B, L, d)`` final
+                hidden states :meth:`hidden_states` gives for the same arguments (row ``i`` what the head reads for
+                token ``i``). A loss that reads hidden states and the head's weights (the fused certainty forcing of
+                :mod:`unifusion.distill`) runs this way inside the module's call, so that DDP / FSDP2 / DeepSpeed
+                hooks fire and FSDP2's gathered weights are what it reads. Not with ``x0`` / ``kernel``.
 
         Returns:
             contiguous ``(B, L, V)`` logits (row ``i`` is the network output at position ``i − 1`` of
             ``[BOS, x_t]``; the output head runs on those ``L`` positions only), or with
             ``x0``/``kernel`` the ``(B, L)`` float32 loss of
             :func:`unifusion.losses.fused_linear_diffusion_loss`, computed from the hidden states without ever
-            holding the ``(B, L, V)`` logits. Going through ``forward`` keeps DDP/FSDP/DeepSpeed hooks working.
+            holding the ``(B, L, V)`` logits; with ``head_fn`` what it returns. Going through ``forward`` keeps
+            DDP/FSDP/DeepSpeed hooks working.
         """
         generator = V.check_generator(generator)
+        V.check_head_fn(head_fn, x0, kernel)
         if clean is None and self.block_size is not None and isinstance(x_t, torch.Tensor) and x_t.dim() == 2 \
                 and x_t.shape[1] > self.block_size and not (isinstance(bidirectional_prob, float | int)
                                                             and bidirectional_prob == 0):  # causal: the AR model
@@ -332,7 +341,8 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
             document_ids = self._check_documents(document_ids, x_t)
         if clean is not None:  # block diffusion: the [clean | noisy] forward of unifusion.hf.ar.blocks
             routed = self._block_forward(x_t, t, bidirectional_prob, attention_mask, generator, clean, x0, kernel,
-                                         objective, weighting, max_weight, reduction, position_weight, document_ids)
+                                         objective, weighting, max_weight, reduction, position_weight, document_ids,
+                                         head_fn)
             if routed is not None:
                 return routed
         if x0 is not None or kernel is not None:
@@ -348,6 +358,8 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
                 logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap, reduction=reduction,
                 position_weight=position_weight)
         x_t, t, gamma, attention_mask = self._check(x_t, t, bidirectional_prob, attention_mask)
+        if head_fn is not None:
+            return head_fn(self._hidden(x_t, t, gamma, attention_mask, generator, document_ids))
         return head.kept_logits(self, self._network_inputs(x_t, t, gamma, attention_mask, generator, document_ids),
                                 x_t.shape[1])
 
@@ -366,9 +378,10 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
     def _block_forward(self, x_t: Any, t: Any, bidirectional_prob: Any, attention_mask: Any,
                        generator: torch.Generator | None, clean: Any, x0: Any, kernel: Any, objective: Any,
                        weighting: Any, max_weight: float, reduction: Any, position_weight: Any,
-                       document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The block-causal forward (logits, or the fused loss on the noisy stream's predictions); ``None`` when the
-        call is the plain one (one block)."""
+                       document_ids: torch.Tensor | None = None,
+                       head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The block-causal forward (logits, the fused loss on the noisy stream's predictions, or ``head_fn`` of its
+        hidden states); ``None`` when the call is the plain one (one block)."""
         inputs = self._block_inputs(x_t, t, bidirectional_prob, attention_mask, clean)
         if inputs is None:
             return None
@@ -377,6 +390,9 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         assert self.block_size is not None  # _block_inputs checked it
         if t_blocks is None and (x0 is not None or kernel is not None):
             raise ValueError("t: needed with time conditioning and for the fused loss, got None")
+        if head_fn is not None:
+            return head_fn(blocks.block_hidden_states(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask,
+                                                      generator, document_ids))
         if x0 is None and kernel is None:
             return blocks.block_logits(self, self.hf_model, x_t, t_blocks, clean, gamma, attention_mask, generator,
                                        document_ids)
