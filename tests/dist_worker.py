@@ -36,6 +36,30 @@ def local_loss(model, x0, mask, times, kernel, indices):
     return total, count
 
 
+def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``model`` under DDP, or under FSDP2 (each decoder layer and the root sharded)."""
+    if mode == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.base_model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def worst_difference(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor]) -> float:
+    """The largest |Δ| between ``model``'s gradients (FSDP2's gathered) and the single-process ``ref_grads``."""
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        key = n.replace("module.", "").replace("_fsdp_wrapped_module.", "")
+        worst = max(worst, float((grad - ref_grads[key]).abs().max()))
+    return worst
+
+
 def max_gradient_difference(mode: str, block_size: int | None) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -55,25 +79,11 @@ def max_gradient_difference(mode: str, block_size: int | None) -> float:
 
     per_rank = GLOBAL_BATCH // world
     mine = range(rank * per_rank, (rank + 1) * per_rank)
-    if mode == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    elif mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.base_model.model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    wrapped = wrap(model, mode)  # held until backward: DDP's reducer lives with it
     total, count = local_loss(wrapped, x0, mask, times, kernel, mine)
     dist.all_reduce(count)                      # global token count
     (total * world / count).backward()          # DDP / FSDP average gradients over ranks
-    worst = 0.0
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        key = n.replace("module.", "").replace("_fsdp_wrapped_module.", "")
-        worst = max(worst, float((grad - ref_grads[key]).abs().max()))
+    worst = worst_difference(model, ref_grads)
     if mode == "fsdp2":  # and one optimizer step trains
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt.step()
@@ -97,22 +107,9 @@ def distillation_gradient_difference(mode: str, block_size: int) -> float:
     reference = copy.deepcopy(model)
     (sum(loss_of(reference, r) for r in range(world)) / world).backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
-    if mode == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.base_model.model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+    wrapped = wrap(model, mode)  # held until backward: DDP's reducer lives with it
     loss_of(wrapped, rank).backward()  # the wrappers average the ranks' gradients
-    worst = 0.0
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        key = n.replace("module.", "").replace("_fsdp_wrapped_module.", "")
-        worst = max(worst, float((grad - ref_grads[key]).abs().max()))
-    return worst
+    return worst_difference(model, ref_grads)
 
 
 def main() -> None:
