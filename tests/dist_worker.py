@@ -5,7 +5,8 @@ Computes the gradient of one global batch's token-mean diffusion loss (a) on one
 show, and prints the largest gradient difference on rank 0 — for each case named on the command line (``ddp``,
 ``fsdp2``; ``ddp:4`` for a block-diffusion model with blocks of 4), all in one launch: ``MAXDIFF <case> <value>``.
 ``distill-ddp:4`` / ``distill-fsdp2:4``: the same for a distillation step (:func:`unifusion.distill.distillation_loss`
-on the wrapped model, each rank its own trajectories and draws) against the mean of the ranks' losses on one process.
+on the wrapped model, each rank its own trajectories and draws) against the mean of the ranks' losses on one process;
+``distill-zero2:4`` / ``distill-zero3:4``: the weights after one SGD step through a DeepSpeed ZeRO engine.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -90,33 +92,73 @@ def max_gradient_difference(mode: str, block_size: int | None) -> float:
     return worst
 
 
-def distillation_gradient_difference(mode: str, block_size: int) -> float:
+def distillation_step(block_size: int) -> tuple[torch.nn.Module, Callable[[torch.nn.Module, int], torch.Tensor]]:
+    """A tiny block model in training mode and ``loss_of(model, r)``: rank r's distillation loss, on its two of the
+    model's own recorded trajectories, with its own draws (a state per block)."""
     from unifusion.distill import distillation_loss, record_trajectories
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = uf.adapt_ar_model(tiny_model("llama"), mask_token_id=3, block_size=block_size).eval()
-    prompts = torch.randint(4, model.num_states, (2 * world, 3), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(4, model.num_states, (2 * dist.get_world_size(), 3),
+                            generator=torch.Generator().manual_seed(0))
     traj = record_trajectories(model, prompts, max_new_tokens=8, progress=False, eos_token_id=None)
-    model.train()
 
-    def loss_of(m, r):  # rank r's step: its two trajectories, its own draws
+    def loss_of(m: torch.nn.Module, r: int) -> torch.Tensor:
         return distillation_loss(m, traj.select([2 * r, 2 * r + 1]), per_block=True,
                                  generator=torch.Generator().manual_seed(100 + r))
 
+    return model.train(), loss_of
+
+
+def distillation_gradient_difference(mode: str, block_size: int) -> float:
+    model, loss_of = distillation_step(block_size)
+    world = dist.get_world_size()
     reference = copy.deepcopy(model)
     (sum(loss_of(reference, r) for r in range(world)) / world).backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
     wrapped = wrap(model, mode)  # held until backward: DDP's reducer lives with it
-    loss_of(wrapped, rank).backward()  # the wrappers average the ranks' gradients
+    loss_of(wrapped, dist.get_rank()).backward()  # the wrappers average the ranks' gradients
     return worst_difference(model, ref_grads)
+
+
+def deepspeed_distillation_difference(stage: int, block_size: int) -> float:
+    """One SGD step (lr 0.1, no clipping) of the distillation loss through a DeepSpeed ZeRO-``stage`` engine, every
+    parameter partitioned at stage 3, against the same step on the mean of the ranks' losses on one process: the
+    largest weight difference after it."""
+    import deepspeed
+
+    model, loss_of = distillation_step(block_size)
+    world, lr = dist.get_world_size(), 0.1
+    reference = copy.deepcopy(model)
+    (sum(loss_of(reference, r) for r in range(world)) / world).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= lr * p.grad
+    want = dict(reference.named_parameters())
+    if stage == 3:  # ZeRO-3's 0-row placeholders would fail the token-id range checks outside a forward
+        uf.validation.set_validation(False)
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                                           config=config)
+    engine.backward(loss_of(engine, dist.get_rank()))
+    engine.step()
+    uf.validation.set_validation(True)
+    worst = 0.0
+    for n, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+            worst = max(worst, float((p.detach() - want[n].detach()).abs().max()))
+    return worst
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     for case in sys.argv[1:]:
         mode, _, block = case.partition(":")  # ":4": a block-diffusion model (unifusion.hf.ar.blocks)
-        if mode.startswith("distill-"):
+        if mode.startswith("distill-zero"):
+            worst = deepspeed_distillation_difference(int(mode.removeprefix("distill-zero")), int(block))
+        elif mode.startswith("distill-"):
             worst = distillation_gradient_difference(mode.removeprefix("distill-"), int(block))
         else:
             worst = max_gradient_difference(mode, int(block) if block else None)

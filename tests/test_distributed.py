@@ -60,3 +60,19 @@ def test_distillation_gradients_under_ddp_and_fsdp2_equal_the_ranks_mean(max_dif
     if mode == "fsdp2" and not _has_fsdp2():
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
     assert max_differences[f"distill-{mode}:4"] <= tol
+
+
+@pytest.mark.ci_only  # DeepSpeed's import and engine set-up: the costliest launch of this file
+def test_distillation_through_a_deepspeed_zero_engine_equals_the_ranks_mean():
+    """``distillation_loss`` on a DeepSpeed engine, ZeRO-2 and ZeRO-3 with every parameter partitioned: one SGD step
+    gives the weights of the same step on the mean of the ranks' losses on one process (the loss runs inside the
+    engine's call, where ZeRO-3 gathers what the fused head reads)."""
+    pytest.importorskip("deepspeed")
+    cases = ["distill-zero2:4", "distill-zero3:4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, *cases]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = {case: float(value) for case, value in re.findall(r"^MAXDIFF (\S+) (\S+)$", proc.stdout, re.M)}
+    assert sorted(found) == sorted(cases), proc.stdout[-2000:]
+    assert max(found.values()) <= 1e-6, found
