@@ -92,9 +92,11 @@ def max_gradient_difference(mode: str, block_size: int | None) -> float:
     return worst
 
 
-def distillation_step(block_size: int) -> tuple[torch.nn.Module, Callable[[torch.nn.Module, int], torch.Tensor]]:
-    """A tiny block model in training mode and ``loss_of(model, r)``: rank r's distillation loss, on its two of the
-    model's own recorded trajectories, with its own draws (a state per block)."""
+def distillation_step(block_size: int) -> tuple[torch.nn.Module, Callable[[torch.nn.Module, int], torch.Tensor],
+                                                torch.nn.Module]:
+    """A tiny block model in training mode, ``loss_of(model, r)`` — rank r's distillation loss, on its two of the
+    model's own recorded trajectories, with its own draws (a state per block) — and the reference: a copy of the
+    model holding the gradients of the mean of the ranks' losses, computed on this one process."""
     from unifusion.distill import distillation_loss, record_trajectories
 
     torch.manual_seed(0)
@@ -107,14 +109,15 @@ def distillation_step(block_size: int) -> tuple[torch.nn.Module, Callable[[torch
         return distillation_loss(m, traj.select([2 * r, 2 * r + 1]), per_block=True,
                                  generator=torch.Generator().manual_seed(100 + r))
 
-    return model.train(), loss_of
+    model.train()
+    reference = copy.deepcopy(model)
+    world = dist.get_world_size()
+    (sum(loss_of(reference, r) for r in range(world)) / world).backward()
+    return model, loss_of, reference
 
 
 def distillation_gradient_difference(mode: str, block_size: int) -> float:
-    model, loss_of = distillation_step(block_size)
-    world = dist.get_world_size()
-    reference = copy.deepcopy(model)
-    (sum(loss_of(reference, r) for r in range(world)) / world).backward()
+    model, loss_of, reference = distillation_step(block_size)
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
     wrapped = wrap(model, mode)  # held until backward: DDP's reducer lives with it
     loss_of(wrapped, dist.get_rank()).backward()  # the wrappers average the ranks' gradients
@@ -127,10 +130,8 @@ def deepspeed_distillation_difference(stage: int, block_size: int) -> float:
     largest weight difference after it."""
     import deepspeed
 
-    model, loss_of = distillation_step(block_size)
+    model, loss_of, reference = distillation_step(block_size)
     world, lr = dist.get_world_size(), 0.1
-    reference = copy.deepcopy(model)
-    (sum(loss_of(reference, r) for r in range(world)) / world).backward()
     with torch.no_grad():
         for p in reference.parameters():
             p -= lr * p.grad

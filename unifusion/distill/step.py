@@ -39,6 +39,7 @@ Example (LoRA, a user's loop)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
@@ -75,10 +76,16 @@ def _check_model(model: object) -> tuple[Callable[..., torch.Tensor], Denoiser]:
                         f"{type(inner).__name__}")
     if inner.mask_token_id is None:
         raise ValueError("model: distillation masks tokens; this model has no mask token (uniform noise only)")
-    if "head_fn" not in inspect.signature(type(inner).forward).parameters:
+    if not _forward_takes_head_fn(type(inner)):
         raise TypeError(f"model: distillation runs its loss on the final hidden states inside the model's call "
                         f"(forward(..., head_fn=)); {type(inner).__name__}.forward takes no head_fn")
     return model, inner
+
+
+@functools.cache
+def _forward_takes_head_fn(model_cls: type[Denoiser]) -> bool:
+    """Whether ``model_cls.forward`` names a ``head_fn`` parameter (read once per class)."""
+    return "head_fn" in inspect.signature(model_cls.forward).parameters
 
 
 def _run_head(call: Callable[..., torch.Tensor], model: Denoiser, x_t: torch.Tensor, x0: torch.Tensor,
@@ -173,6 +180,13 @@ def complementary_pair_loss(model: Denoiser | torch.nn.Module, x0: torch.Tensor,
         attention_mask: as in :func:`view_loss`.  temperature: T.  entropy_weight: λ.  fused: as in :func:`view_loss`.
     """
     call, inner = _check_model(model)
+    return _pair_loss(call, inner, x0, view, attention_mask, temperature, entropy_weight, fused)
+
+
+def _pair_loss(call: Callable[..., torch.Tensor], inner: Denoiser, x0: torch.Tensor, view: DistillMask,
+               attention_mask: torch.Tensor | None, temperature: float, entropy_weight: float,
+               fused: bool) -> torch.Tensor:
+    """:func:`complementary_pair_loss` of a checked model (:func:`_check_model`)."""
     if not isinstance(view, DistillMask):
         raise TypeError(f"view: expected a DistillMask, got {type(view).__name__}")
     B, L = x0.shape
@@ -214,7 +228,7 @@ def distillation_loss(model: Denoiser | torch.nn.Module, batch: Trajectories, *,
     showed it (``ValueError``).
 
     ``model`` is the student or the wrapper a training loop holds (:func:`view_loss`)."""
-    _, inner = _check_model(model)
+    call, inner = _check_model(model)
     if not isinstance(batch, Trajectories):
         raise TypeError(f"batch: expected Trajectories, got {type(batch).__name__}")
     if per_block and masks != "trajectory":
@@ -238,9 +252,8 @@ def distillation_loss(model: Denoiser | torch.nn.Module, batch: Trajectories, *,
                                  generator=generator, later_blocks=later_blocks, lead=lead)
     else:
         raise ValueError(f"masks: expected 'trajectory' or 'random', got {masks!r}")
-    return complementary_pair_loss(model, batch.sequences.to(device), view,
-                                   attention_mask=batch.attention_mask.to(device), temperature=temperature,
-                                   entropy_weight=entropy_weight, fused=fused)
+    return _pair_loss(call, inner, batch.sequences.to(device), view, batch.attention_mask.to(device), temperature,
+                      entropy_weight, fused)
 
 
 def add_lora(model: StudentT, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
