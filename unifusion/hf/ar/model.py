@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,16 +36,14 @@ import torch
 from torch import nn
 
 from ... import _validation as V
-from ... import cpu_linears
 from ...denoiser import DenoiserModule
 from ...kernels import check_kernel
 from ...losses.fused_linear import fused_linear_diffusion_loss
-from ...samplers import generation
 from ..backbone import BackboneMethods
 from ..checkpoint import CheckpointMixin
 from . import attention, blocks, head, io
 from .attention import AnnealedPattern, AttentionPath, AttentionPattern, AttentionStrategy, select_strategy
-from .decoding import BlockCacheDecoder, BlockForward, PrefixCacheDecoder
+from .decoding import DecodingMethods
 from .families import Family, family_for, unwrap_peft
 from .layout import shifted_layout
 from .time_embedding import TimeEmbedding
@@ -53,7 +51,7 @@ from .time_embedding import TimeEmbedding
 __all__ = ["DiffusionLM", "unwrap_peft"]
 
 
-class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
+class DiffusionLM(CheckpointMixin, BackboneMethods, DecodingMethods, DenoiserModule):
     """An AR causal LM used as a shifted x0 predictor ``x_θ(· | x_t, t)`` with annealable bidirectional attention.
 
     Build it with :func:`~unifusion.hf.adapt_ar_model`. The wrapped model is held, not copied: ``model.base_model`` is
@@ -464,105 +462,6 @@ class DiffusionLM(CheckpointMixin, BackboneMethods, DenoiserModule):
         ``z = (h W^T + b) · logit_scale``, then ``c · tanh(z / c)`` when the family soft-caps (gemma2/3).
         """
         return head.logits_from_hidden(self, h)
-
-    # -- generation ---------------------------------------------------------------------------------------------
-
-    def generate(self, prompt_ids: torch.Tensor | None = None, *, max_new_tokens: int | None = None,
-                 seq_len: int | None = None, policy: Any = None, num_steps: int | None = None,
-                 block_size: int | None = None,
-                 use_cache: bool = True, cache_refresh: int | None = None, merge_commits: bool = False,
-                 attention_mask: torch.Tensor | None = None, eos_token_id: int | str | None = "auto",
-                 pad_token_id: int | None = None, return_dict: bool = False, return_trace: bool = False,
-                 num_return_sequences: int | None = None, kernel: Any = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
-                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 progress: bool = False, generation_config: Any = None, max_length: int | None = None,
-                 do_sample: bool | None = None, stop_strings: str | Sequence[str] | None = None,
-                 tokenizer: Any = None, streamer: Any = None, packed_linears: bool | None = None,
-                 **kwargs: Any) -> Any:
-        """Continue ``prompt_ids``: ancestral sampling (:class:`~unifusion.BayesianSampler`, Algorithm 2) by default,
-        block decoding with a decoding policy (:class:`~unifusion.samplers.PolicySampler`) when ``policy`` is given
-        or the model is a block model (default :func:`~unifusion.samplers.policies.default_policy`).
-
-        The prompt is a fixed prefix that never changes. With ``policy=None`` the ``N = num_steps`` posterior steps
-        generate the positions after it, each a full-sequence call; with a policy it is decoded block by block
-        through the decoders this model offers (:meth:`block_decoder`, :meth:`prefix_decoder`,
-        :meth:`block_forward`).
-
-        The arguments, the result and the rules for padding, EOS and the caches are those of
-        :func:`unifusion.samplers.generate`, the one generate path, which this method calls with the model (and which
-        lists them): ``(B, P)`` prompt ids in — also as transformers passes them, ``model.generate(**tokenizer(texts,
-        return_tensors="pt", padding=True), max_new_tokens=...)`` (``input_ids``, ``attention_mask``; left or right
-        padding) —, ``(B, P + max_new_tokens)`` ids out, or a :class:`~unifusion.samplers.PolicyOutput`
-        (``return_dict_in_generate=True``, with ``scores`` / ``logits`` when ``output_scores`` / ``output_logits``
-        ask). Defaults come from the model: :attr:`kernel` (else
-        :func:`unifusion.hf.default_kernel`), :attr:`tokenizer` (EOS and pad ids, stop strings), :attr:`block_size`.
-
-        **On the CPU** a block model decodes with its linear layers through oneDNN with prepacked weights
-        (:func:`unifusion.cpu_linears.packed_linears` around the call): a cached block step multiplies ``K + 1`` to
-        ``2K + 1`` rows by each weight, and on the project's 2-core AVX2 CPU the packed layout is 1.2–1.5× faster than
-        torch's default matmul at 9–17 rows; at blocks of 32 the whole decode took 4.57 s against 5.13 s with two
-        threads, the packing counted (with one thread the two are even). The tokens are the same (the sums differ at
-        float32 rounding). A layer packs only once it has multiplied
-        :data:`~unifusion.cpu_linears.GENERATE_PACK_AFTER_ROWS` rows in the call, so a short call (batch 1, a
-        10-token answer in a few forwards) pays no reorder (about 0.3 s for SmolLM2-135M, more than such a call's
-        whole decode can save), and a long or wide one packs after its first forwards; nothing stays on the model
-        after the call, so training after it, or weights changed in any way between calls, need no care. For many
-        calls, pack once around them: ``with uf.cpu_linears.packed_linears(model): ...`` (inside it this method
-        packs nothing of its own; a weight changed through ``.data`` in the block needs
-        :func:`~unifusion.cpu_linears.repack_linears`). ``packed_linears``: ``None`` (default) — so for a block
-        model on the CPU in eval mode (``not model.training``) where this torch build has the operators; ``False``
-        — never; ``True`` — also in training mode (a ``RuntimeError`` where the operators are missing).
-        """
-        if packed_linears is not None and not isinstance(packed_linears, bool):
-            raise TypeError(f"packed_linears: expected None or a bool, got {type(packed_linears).__name__}")
-        if packed_linears is None:
-            packed_linears = (self.block_size is not None and self.device.type == "cpu" and not self.training
-                              and cpu_linears.packing_available())
-        with cpu_linears.packed_linears(self, enabled=packed_linears, batch_hint=self.block_size or 16,
-                                        pack_after_rows=cpu_linears.GENERATE_PACK_AFTER_ROWS):
-            return generation.generate(
-                self, prompt_ids, max_new_tokens=max_new_tokens, seq_len=seq_len, policy=policy, num_steps=num_steps,
-                block_size=block_size, use_cache=use_cache, cache_refresh=cache_refresh, merge_commits=merge_commits,
-                attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                return_dict=return_dict, return_trace=return_trace, num_return_sequences=num_return_sequences,
-                kernel=kernel, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
-                generator=generator, progress=progress, generation_config=generation_config, max_length=max_length,
-                do_sample=do_sample, stop_strings=stop_strings, tokenizer=tokenizer, streamer=streamer, **kwargs)
-
-    input_modalities = ("text",)
-    output_modalities = ("text",)
-    """What transformers' pipelines read of a generating model (text in, text out)."""
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        """``True``: :meth:`generate` takes transformers' call, so ``transformers.pipeline("text-generation",
-        model=model, tokenizer=tok)`` runs it (transformers logs that the class is not in its list of causal LMs;
-        the pipeline works all the same)."""
-        return True
-
-    def block_decoder(self, *, merge_commits: bool = False) -> BlockCacheDecoder:
-        """The exact cached decoder of a block model (:class:`~unifusion.hf.ar.decoding.BlockCacheDecoder`, a
-        :class:`~unifusion.samplers.BlockDenoiser`): what :meth:`generate` decodes through with ``use_cache=True``.
-        ``merge_commits``: append each committed block within the next block's first step and prefill the prompt
-        within the first one (one call fewer per block, the same tokens)."""
-        if self.block_size is None:
-            raise ValueError("block_decoder: needs a block model (adapt_ar_model(..., block_size=K)); a fully "
-                             "bidirectional model offers prefix_decoder (approximate) instead")
-        return BlockCacheDecoder(self, merge_commits=merge_commits)
-
-    def prefix_decoder(self, seq_len: int, refresh: int) -> PrefixCacheDecoder:
-        """Fast-dLLM's **approximate** dual cache for a fully bidirectional model
-        (:class:`~unifusion.hf.ar.decoding.PrefixCacheDecoder`, a :class:`~unifusion.samplers.BlockDenoiser`) over
-        sequences of ``seq_len`` tokens, recomputed every ``refresh`` steps of a block (``generate(...,
-        cache_refresh=refresh)``)."""
-        return PrefixCacheDecoder(self, seq_len, refresh)
-
-    def block_forward(self) -> BlockForward:
-        """A block model as an x0 callable ``(x_t, t, attention_mask=None) → logits``: the training forward with the
-        current tokens as the clean stream (:class:`~unifusion.hf.ar.decoding.BlockForward`), what :meth:`generate`
-        calls with ``use_cache=False``."""
-        return BlockForward(self)
 
     def block_conditioning(self, x0: torch.Tensor) -> dict[str, Any]:
         """``{"clean": x0}`` for a block model (:meth:`forward`'s ``clean``: the ``[clean | noisy]`` block-causal
